@@ -1,0 +1,381 @@
+"""The IR: instructions, programs and schedules, with their JSON and text forms.
+
+A schedule has `pp` ranks, `virtual` chunks per rank, `S = pp * virtual` stages and `m`
+microbatches. `placement[s]` is the rank that runs stage s. Each rank has a program: a
+tuple of `Instr`. Stages are numbered globally (0 .. S-1); an instruction on rank r
+always names a stage that rank r runs ("local" stage). Communication instructions also
+name the peer rank.
+
+Text form of one instruction (PyTorch style, extended so that it round-trips):
+
+    1F3            forward of stage 1, microbatch 3
+    1SEND_F3@2     send the output of (1, 3) to rank 2
+    1FREE3:stash   release the stash of (1, 3)
+
+[Note: buffers] Each (stage, mb) owns up to five buffers:
+
+    act_in    input activation     produced by RECV_F, by F(s-1) when s-1 runs on the
+                                   same rank (local hand-off), or by the data loader at F
+                                   on stage 0; used by F and B
+    act_out   output activation    produced by F; used by SEND_F. Exists only where the
+                                   next stage runs on another rank.
+    stash     saved for backward   produced by F; used by B (and W when split)
+    grad_out  gradient of output   produced by RECV_B, or by B(s+1) on the same rank;
+                                   used by B. Not on the last stage (the loss is there).
+    grad_in   gradient of input    produced by B; used by SEND_B. Exists only where the
+                                   previous stage runs on another rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from pipeschedule.errors import FormatError
+
+FORMAT = "pipeschedule/1"
+
+
+class Op(str, enum.Enum):
+    """Instruction kinds; the value is the short code used in the text form."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    FREE = "FREE"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W})
+SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
+RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
+COMM_OPS = SEND_OPS | RECV_OPS
+BUFFERS = ("act_in", "act_out", "stash", "grad_out", "grad_in")
+
+
+@dataclass(frozen=True, slots=True)
+class Instr:
+    """One instruction of a rank's program.
+
+    `peer` is set exactly for communication ops, `buf` exactly for FREE.
+    """
+
+    op: Op
+    stage: int
+    mb: int
+    peer: int | None = None
+    buf: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):
+            try:
+                object.__setattr__(self, "op", Op(self.op))
+            except ValueError:
+                raise FormatError(
+                    f"unknown op {self.op!r}; accepted: {', '.join(o.value for o in Op)}"
+                ) from None
+        for name in ("stage", "mb"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise FormatError(f"instruction {name} must be an integer >= 0, got {value!r}")
+        if self.op in COMM_OPS:
+            if not _is_int(self.peer) or self.peer < 0:
+                raise FormatError(f"{self.op.value} needs a peer rank (integer >= 0), got {self.peer!r}")
+        elif self.peer is not None:
+            raise FormatError(f"{self.op.value} takes no peer, got peer={self.peer!r}")
+        if self.op is Op.FREE:
+            if self.buf not in BUFFERS:
+                raise FormatError(f"FREE needs buf in {', '.join(BUFFERS)}, got {self.buf!r}")
+        elif self.buf is not None:
+            raise FormatError(f"{self.op.value} takes no buf, got buf={self.buf!r}")
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.op.value}{self.mb}"
+        if self.peer is not None:
+            text += f"@{self.peer}"
+        if self.buf is not None:
+            text += f":{self.buf}"
+        return text
+
+    @staticmethod
+    def parse(token: str) -> Instr:
+        """Inverse of `str()`: `Instr.parse(str(i)) == i`."""
+        if not isinstance(token, str):
+            raise FormatError(f"instruction token must be a string, got {token!r}")
+        match = _TOKEN.match(token.strip())
+        if match is None:
+            raise FormatError(
+                f"cannot parse instruction {token!r}; expected forms like 1F3, 1SEND_F3@2, 1FREE3:stash"
+            )
+        stage, op, mb, peer, buf = match.groups()
+        return Instr(Op(op), int(stage), int(mb), int(peer) if peer is not None else None, buf)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.op.value, "stage": self.stage, "mb": self.mb}
+        if self.peer is not None:
+            out["peer"] = self.peer
+        if self.buf is not None:
+            out["buf"] = self.buf
+        return out
+
+    @staticmethod
+    def from_dict(obj: Any) -> Instr:
+        if not isinstance(obj, dict):
+            raise FormatError(f"instruction must be an object, got {obj!r}")
+        unknown = set(obj) - {"op", "stage", "mb", "peer", "buf"}
+        if unknown:
+            raise FormatError(f"instruction {obj!r} has unknown fields {sorted(unknown)}")
+        for key in ("op", "stage", "mb"):
+            if key not in obj:
+                raise FormatError(f"instruction {obj!r} lacks field {key!r}")
+        if not isinstance(obj["op"], str):
+            raise FormatError(f"instruction op must be a string, got {obj['op']!r}")
+        return Instr(obj["op"], obj["stage"], obj["mb"], obj.get("peer"), obj.get("buf"))
+
+
+_TOKEN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|FREE|F|B|W)(\d+)(?:@(\d+))?(?::([a-z_]+))?$")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+Program = tuple  # tuple[Instr, ...]: one rank's instructions in order
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A whole pipeline schedule: one program per rank plus the facts they share.
+
+    `params` holds the generator's parameters (for example `{"cap": [2, 2, 2, 1]}`);
+    it is informational except `cap`, which the verifier enforces (rule 6).
+    """
+
+    name: str
+    pp: int
+    virtual: int
+    microbatches: int
+    placement: tuple[int, ...]
+    programs: tuple[tuple[Instr, ...], ...]
+    params: Mapping[str, Any] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise FormatError(f"name must be a string, got {self.name!r}")
+        for key in ("pp", "virtual", "microbatches"):
+            value = getattr(self, key)
+            if not _is_int(value) or value < 1:
+                raise FormatError(f"{key} must be an integer >= 1, got {value!r}")
+        placement = tuple(self.placement)
+        if len(placement) != self.pp * self.virtual:
+            raise FormatError(
+                f"placement has {len(placement)} entries; pp*virtual = {self.pp}*{self.virtual} = "
+                f"{self.pp * self.virtual} are needed"
+            )
+        for s, rank in enumerate(placement):
+            if not _is_int(rank) or not 0 <= rank < self.pp:
+                raise FormatError(f"placement[{s}] = {rank!r} is not a rank in 0..{self.pp - 1}")
+        programs = tuple(tuple(p) for p in self.programs)
+        if len(programs) != self.pp:
+            raise FormatError(f"schedule has {len(programs)} programs; pp = {self.pp} are needed")
+        for rank, program in enumerate(programs):
+            for instr in program:
+                if not isinstance(instr, Instr):
+                    raise FormatError(f"rank {rank}: {instr!r} is not an instruction")
+        if not isinstance(self.params, Mapping):
+            raise FormatError(f"params must be an object, got {self.params!r}")
+        object.__setattr__(self, "placement", placement)
+        object.__setattr__(self, "programs", programs)
+        object.__setattr__(self, "params", dict(self.params))
+
+    # -- structure ---------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages rank `rank` runs, in increasing order."""
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def sends_forward(self, stage: int) -> bool:
+        """Whether stage's output travels to another rank (so it has `act_out`)."""
+        return stage + 1 < self.num_stages and self.placement[stage + 1] != self.placement[stage]
+
+    def recvs_forward(self, stage: int) -> bool:
+        return stage > 0 and self.placement[stage - 1] != self.placement[stage]
+
+    def sends_backward(self, stage: int) -> bool:
+        """Whether stage's input gradient travels to another rank (so it has `grad_in`)."""
+        return self.recvs_forward(stage)
+
+    def recvs_backward(self, stage: int) -> bool:
+        return self.sends_forward(stage)
+
+    def buffers(self, stage: int) -> tuple[str, ...]:
+        """The buffers a (stage, mb) owns; see [Note: buffers]."""
+        out = ["act_in"]
+        if self.sends_forward(stage):
+            out.append("act_out")
+        out.append("stash")
+        if stage + 1 < self.num_stages:
+            out.append("grad_out")
+        if self.sends_backward(stage):
+            out.append("grad_in")
+        return tuple(out)
+
+    @property
+    def split_backward(self) -> bool:
+        """True when the schedule has W instructions (backward split in B and W)."""
+        return any(i.op is Op.W for program in self.programs for i in program)
+
+    def caps(self) -> list[int] | None:
+        """Per-rank in-flight caps from params, or None when uncapped."""
+        cap = self.params.get("cap")
+        if cap is None:
+            return None
+        if _is_int(cap):
+            return [cap] * self.pp
+        if isinstance(cap, (list, tuple)) and len(cap) == self.pp and all(_is_int(c) for c in cap):
+            return list(cap)
+        raise FormatError(f"params.cap must be an integer or a list of {self.pp} integers, got {cap!r}")
+
+    def replace_programs(self, programs: Iterable[Sequence[Instr]]) -> Schedule:
+        return Schedule(
+            self.name, self.pp, self.virtual, self.microbatches, self.placement,
+            tuple(tuple(p) for p in programs), dict(self.params),
+        )
+
+    # -- JSON form ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "name": self.name,
+            "pp": self.pp,
+            "virtual": self.virtual,
+            "microbatches": self.microbatches,
+            "params": dict(self.params),
+            "placement": list(self.placement),
+            "programs": [[i.to_dict() for i in program] for program in self.programs],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        if indent is None:
+            # One instruction per line keeps files diffable without being huge.
+            head = {k: v for k, v in self.to_dict().items() if k != "programs"}
+            lines = [json.dumps(head)[:-1] + ', "programs": [']
+            for r, program in enumerate(self.programs):
+                body = ",\n    ".join(json.dumps(i.to_dict()) for i in program)
+                lines.append("  [\n    " + body + "\n  ]" + ("," if r + 1 < self.pp else ""))
+            lines.append("]}")
+            return "\n".join(lines) + "\n"
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(obj: Any) -> Schedule:
+        if not isinstance(obj, dict):
+            raise FormatError(f"a schedule must be a JSON object, got {type(obj).__name__}")
+        if obj.get("format") != FORMAT:
+            raise FormatError(f"format must be {FORMAT!r}, got {obj.get('format')!r}")
+        required = ("name", "pp", "virtual", "microbatches", "placement", "programs")
+        missing = [k for k in required if k not in obj]
+        if missing:
+            raise FormatError(f"schedule lacks fields {missing}")
+        unknown = set(obj) - set(required) - {"format", "params"}
+        if unknown:
+            raise FormatError(f"schedule has unknown fields {sorted(unknown)}")
+        if not isinstance(obj["placement"], list):
+            raise FormatError(f"placement must be a list, got {obj['placement']!r}")
+        if not isinstance(obj["programs"], list) or not all(isinstance(p, list) for p in obj["programs"]):
+            raise FormatError("programs must be a list (one per rank) of lists of instructions")
+        params = obj.get("params", {})
+        if not isinstance(params, dict):
+            raise FormatError(f"params must be an object, got {params!r}")
+        schedule = Schedule(
+            obj["name"], obj["pp"], obj["virtual"], obj["microbatches"], tuple(obj["placement"]),
+            tuple(tuple(Instr.from_dict(i) for i in p) for p in obj["programs"]), params,
+        )
+        schedule.caps()  # validates the cap's shape early
+        return schedule
+
+    @staticmethod
+    def from_json(text: str) -> Schedule:
+        try:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as err:
+            raise FormatError(f"not valid JSON: {err}") from None
+        return Schedule.from_dict(obj)
+
+    # -- text form ---------------------------------------------------------------------
+
+    def to_text(self) -> str:
+        lines = [
+            FORMAT,
+            f"name: {json.dumps(self.name)}",
+            f"pp: {self.pp}",
+            f"virtual: {self.virtual}",
+            f"microbatches: {self.microbatches}",
+            f"placement: {json.dumps(list(self.placement))}",
+            f"params: {json.dumps(dict(self.params), sort_keys=True)}",
+        ]
+        for r, program in enumerate(self.programs):
+            lines.append(f"rank {r}: " + " ".join(str(i) for i in program))
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def from_text(text: str) -> Schedule:
+        if not isinstance(text, str):
+            raise FormatError("schedule text must be a string")
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines or lines[0].strip() != FORMAT:
+            raise FormatError(f"schedule text must start with the line {FORMAT!r}")
+        head: dict[str, Any] = {"format": FORMAT}
+        programs: dict[int, list[dict]] = {}
+        for line in lines[1:]:
+            key, sep, value = line.partition(":")
+            if not sep:
+                raise FormatError(f"cannot read line {line!r}; expected 'key: value' or 'rank N: ...'")
+            key = key.strip()
+            if key.startswith("rank "):
+                index = key[5:].strip()
+                if not index.isdigit():
+                    raise FormatError(f"bad rank number in {line!r}")
+                programs[int(index)] = [Instr.parse(t).to_dict() for t in value.split()]
+            elif key in ("name", "pp", "virtual", "microbatches", "placement", "params"):
+                try:
+                    head[key] = json.loads(value)
+                except (json.JSONDecodeError, RecursionError) as err:
+                    raise FormatError(f"bad value for {key!r}: {err}") from None
+            else:
+                raise FormatError(f"unknown key {key!r} in schedule text")
+        head["programs"] = [programs.get(r, []) for r in range(max(programs, default=-1) + 1)]
+        return Schedule.from_dict(head)
+
+
+def load(path: str) -> Schedule:
+    """Read a schedule from a JSON (`.json`) or text file; raises FormatError."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise FormatError(f"cannot read {path}: {err}") from None
+    if text.lstrip().startswith("{"):
+        return Schedule.from_json(text)
+    return Schedule.from_text(text)
+
+
+def dump(schedule: Schedule, path: str) -> None:
+    """Write a schedule as JSON (or the text form when the path ends in `.txt`)."""
+    text = schedule.to_text() if str(path).endswith(".txt") else schedule.to_json()
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
