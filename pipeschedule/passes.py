@@ -7,81 +7,94 @@ given and only inserts new ones.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from bisect import bisect_left
+from collections import defaultdict
 
-from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.errors import ScheduleError
+from pipeschedule.generators.common import asap
+from pipeschedule.ir import Instr, Op, Schedule, make_instr
 
-
-def _channel_sends(schedule: Schedule):
-    """For each (src, dst) rank pair, the tensors src sends in the order it sends them.
-
-    A tensor is named by the instruction that receives it: (RECV_F, stage, mb) or
-    (RECV_B, stage, mb).
-    """
-    channels: dict[tuple[int, int], deque] = defaultdict(deque)
-    for rank, program in enumerate(schedule.programs):
-        for i in program:
-            if i.op is Op.F and schedule.sends_forward(i.stage):
-                channels[rank, schedule.placement[i.stage + 1]].append((Op.RECV_F, i.stage + 1, i.mb))
-            elif i.op is Op.B and schedule.sends_backward(i.stage):
-                channels[rank, schedule.placement[i.stage - 1]].append((Op.RECV_B, i.stage - 1, i.mb))
-    return channels
+F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
+SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 
 
 def add_communication(schedule: Schedule) -> Schedule:
-    """Adds SEND_F after each F whose output leaves the rank, SEND_B after each B whose
-    input gradient leaves it, and the matching receives before the compute that needs
-    them. Input: compute only. Output: compute + communication.
+    """Adds SEND_F for each F whose output leaves the rank, SEND_B for each B whose input
+    gradient leaves it, and the matching RECV_F / RECV_B right before the compute that
+    needs them. Input: compute only. Output: compute + communication, deadlock-free
+    under rule 4 whenever the compute order itself is free of cycles.
 
-    [Note: receive order] NCCL matches messages between two ranks by order alone, so a
-    rank receives from a peer in exactly the order the peer sends. When a compute needs
-    a tensor that the peer sends after others not yet received, those others are
-    received first, in the same batch (early, never late). The sends after one compute
-    and the receives before the next form one batch (as Megatron's
-    send_forward_recv_backward does), which is what keeps 1F1B free of deadlock under
-    rule 4.
+    [Note: send placement] Under rule 4 a batch blocks its rank until every partner batch
+    is posted, so a send placed right after its producer can block the sender for as long
+    as the receiver is busy elsewhere, and two such sends can wait on each other. So the
+    compute order is first timed as soon as possible (`asap`, unit costs), and each
+    message is placed at the moment its consumer starts: the receive right before the
+    consumer; the send right before the sender's first compute that starts no earlier
+    than the consumer (after its producer, which started earlier). By induction on those
+    start times, every batch's partners are posted once the ranks have run everything
+    that starts earlier, so nothing waits forever. Within one gap the messages go in the
+    order of their consumers' start times, which is also the order in which the receiver
+    takes them, so the k-th send and the k-th receive between two ranks always carry the
+    same tensor (rule 3). In 1F1B this yields Megatron's pairing: the forward send and the
+    backward receive travel together, and so do the backward send and the forward receive.
     """
-    channels = _channel_sends(schedule)
-    programs = []
+    starts, stuck = asap(schedule.num_stages, schedule.programs)
+    if stuck:
+        rank = stuck[0]
+        pc = starts[rank].index(None)
+        raise ScheduleError(
+            f"rule deadlock: the compute order cannot finish: ranks {stuck} wait on each other "
+            f"(rank {rank} is blocked at step {pc}, {schedule.programs[rank][pc]})",
+            rule="deadlock", rank=rank, index=pc, instr=schedule.programs[rank][pc],
+            mb=schedule.programs[rank][pc].mb,
+        )
+    placement = schedule.placement
+    # gaps[r][pc]: the messages that go right before rank r's pc-th compute (pc == len:
+    # after the last one), each as (consumer start, consumer rank, consumer pc, instr).
+    gaps = [[None] * (len(program) + 1) for program in schedule.programs]
+    position = {}  # (op, stage, mb) -> (rank, pc) of every compute
     for rank, program in enumerate(schedule.programs):
-        received: set[tuple[Op, int, int]] = set()
+        for pc, i in enumerate(program):
+            position[i.op, i.stage, i.mb] = (rank, pc)
+    sends_forward = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
+    sends_backward = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
+    for rank, program in enumerate(schedule.programs):
+        rank_starts, rank_gaps = starts[rank], gaps[rank]
+        for pc, i in enumerate(program):
+            op, stage, mb = i.op, i.stage, i.mb
+            if op is F and sends_forward[stage]:
+                recv = make_instr(RECV_F, stage + 1, mb, rank)
+                send = make_instr(SEND_F, stage, mb, placement[stage + 1])
+                c_rank, c_pc = position[F, stage + 1, mb]
+            elif op is B and sends_backward[stage]:
+                recv = make_instr(RECV_B, stage - 1, mb, rank)
+                send = make_instr(SEND_B, stage, mb, placement[stage - 1])
+                c_rank, c_pc = position[B, stage - 1, mb]
+            else:
+                continue
+            t = starts[c_rank][c_pc]
+            for where, at, instr in ((gaps[c_rank], c_pc, recv), (rank_gaps, bisect_left(rank_starts, t, pc + 1), send)):
+                entry = (t, c_rank, c_pc, instr)
+                if where[at] is None:
+                    where[at] = [entry]
+                else:
+                    where[at].append(entry)
+    programs = []
+    for program, rank_gaps in zip(schedule.programs, gaps):
         out: list[Instr] = []
-        for i in program:
-            need = None
-            if i.op is Op.F and schedule.recvs_forward(i.stage):
-                need = (Op.RECV_F, i.stage, i.mb), schedule.placement[i.stage - 1]
-            elif i.op is Op.B and schedule.recvs_backward(i.stage):
-                need = (Op.RECV_B, i.stage, i.mb), schedule.placement[i.stage + 1]
-            if need is not None and need[0] not in received:
-                tensor, src = need
-                queue = channels[src, rank]
-                while queue:
-                    head = queue.popleft()
-                    received.add(head)
-                    out.append(Instr(head[0], head[1], head[2], peer=src))
-                    if head == tensor:
-                        break
-                # If the peer never sends it, nothing is emitted: the verifier reports
-                # the missing receive (rule 2) instead of this pass guessing.
-            out.append(i)
-            if i.op is Op.F and schedule.sends_forward(i.stage):
-                out.append(Instr(Op.SEND_F, i.stage, i.mb, peer=schedule.placement[i.stage + 1]))
-            elif i.op is Op.B and schedule.sends_backward(i.stage):
-                out.append(Instr(Op.SEND_B, i.stage, i.mb, peer=schedule.placement[i.stage - 1]))
+        for pc, gap in enumerate(rank_gaps):
+            if gap is not None:
+                if len(gap) > 1:
+                    gap.sort(key=_gap_order)
+                out.extend(entry[3] for entry in gap)
+            if pc < len(program):
+                out.append(program[pc])
         programs.append(out)
     return schedule.replace_programs(programs)
 
 
-def last_uses(schedule: Schedule, stage: int) -> dict[str, Op]:
-    """For each buffer of a (stage, mb), the op of its last use ([Note: buffers])."""
-    uses = {"act_in": Op.B, "stash": Op.W if schedule.split_backward else Op.B}
-    if schedule.sends_forward(stage):
-        uses["act_out"] = Op.SEND_F
-    if stage + 1 < schedule.num_stages:
-        uses["grad_out"] = Op.B
-    if schedule.sends_backward(stage):
-        uses["grad_in"] = Op.SEND_B
-    return uses
+def _gap_order(entry):
+    return entry[:3]
 
 
 def add_frees(schedule: Schedule) -> Schedule:
@@ -91,26 +104,30 @@ def add_frees(schedule: Schedule) -> Schedule:
     it would split it. Input: compute + communication. Output: the full program.
     """
     split = schedule.split_backward
+    last = schedule.num_stages - 1
+    after_b = ("act_in",) if split else ("act_in", "stash")
     programs = []
     for program in schedule.programs:
         out: list[Instr] = []
+        append = out.append
         pending: list[Instr] = []  # frees waiting for the current comm run to end
         for i in program:
-            if i.op not in COMM_OPS and pending:
+            op = i.op
+            if pending and op is not SEND_F and op is not SEND_B and op is not RECV_F and op is not RECV_B:
                 out.extend(pending)
                 pending = []
-            out.append(i)
-            if i.op is Op.B:
-                frees = ["act_in"] + ([] if split else ["stash"])
-                if i.stage + 1 < schedule.num_stages:
-                    frees.append("grad_out")
-                out.extend(Instr(Op.FREE, i.stage, i.mb, buf=b) for b in frees)
-            elif i.op is Op.W:
-                out.append(Instr(Op.FREE, i.stage, i.mb, buf="stash"))
-            elif i.op is Op.SEND_F:
-                pending.append(Instr(Op.FREE, i.stage, i.mb, buf="act_out"))
-            elif i.op is Op.SEND_B:
-                pending.append(Instr(Op.FREE, i.stage, i.mb, buf="grad_in"))
+            append(i)
+            if op is B:
+                for buf in after_b:
+                    append(make_instr(FREE, i.stage, i.mb, None, buf))
+                if i.stage < last:
+                    append(make_instr(FREE, i.stage, i.mb, None, "grad_out"))
+            elif op is W:
+                append(make_instr(FREE, i.stage, i.mb, None, "stash"))
+            elif op is SEND_F:
+                pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out"))
+            elif op is SEND_B:
+                pending.append(make_instr(FREE, i.stage, i.mb, None, "grad_in"))
         out.extend(pending)
         programs.append(out)
     return schedule.replace_programs(programs)

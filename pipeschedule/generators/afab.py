@@ -7,14 +7,14 @@ Every rank holds all m microbatches in flight at its peak.
 """
 
 from pipeschedule.generators.common import check_common, make
-from pipeschedule.ir import Instr, Op
+from pipeschedule.ir import Op, make_instr
 
 
 def afab(pp: int, microbatches: int) -> "Schedule":
     check_common(pp, microbatches)
     programs = []
     for r in range(pp):
-        order = [Instr(Op.F, r, mb) for mb in range(microbatches)]  # warmup: every forward
-        order += [Instr(Op.B, r, mb) for mb in range(microbatches)]  # cooldown: every backward
+        order = [make_instr(Op.F, r, mb) for mb in range(microbatches)]  # warmup: every forward
+        order += [make_instr(Op.B, r, mb) for mb in range(microbatches)]  # cooldown: every backward
         programs.append(order)
     return make("afab", pp, 1, microbatches, range(pp), programs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.ir import Instr, Op, Schedule
+from pipeschedule.ir import Instr, Op, Schedule, make_instr
 
 Slot = tuple[int, int]  # (stage, mb)
 
@@ -46,46 +46,72 @@ def interleave_1f1b(forwards: Sequence[Slot], backwards: Sequence[Slot], warmup:
     warmup >= len(forwards)), and that is the rank's peak in-flight count.
     """
     warmup = min(warmup, len(forwards))
-    order = [Instr(Op.F, s, mb) for s, mb in forwards[:warmup]]  # warmup
+    order = [make_instr(Op.F, s, mb) for s, mb in forwards[:warmup]]  # warmup
     b = 0
     for s, mb in forwards[warmup:]:  # steady
-        order.append(Instr(Op.F, s, mb))
-        order.append(Instr(Op.B, *backwards[b]))
+        order.append(make_instr(Op.F, s, mb))
+        order.append(make_instr(Op.B, *backwards[b]))
         b += 1
-    order.extend(Instr(Op.B, s, mb) for s, mb in backwards[b:])  # cooldown
+    order.extend(make_instr(Op.B, s, mb) for s, mb in backwards[b:])  # cooldown
     return order
 
 
-def stuck_ranks(num_stages: int, programs: Sequence[Sequence[Instr]]) -> list[int]:
-    """Ranks that cannot finish when compute order alone is followed.
+UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}
+
+
+def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=UNIT_COST):
+    """Start time of every compute instruction when each runs as soon as its rank is
+    free and its inputs exist, under integer unit costs; communication takes no time.
 
     F(s, mb) waits for F(s-1, mb); B(s, mb) for F(s, mb) and B(s+1, mb); W(s, mb) for
-    B(s, mb). Communication is ignored (the verifier checks it after lowering); an empty
-    list means the compute order is free of dependency cycles.
+    B(s, mb). Returns (starts, stuck): starts[r][k] is the start of rank r's k-th
+    instruction (None where it never runs); stuck lists the ranks that cannot finish
+    (empty when the compute order is free of dependency cycles).
     """
-    done: set[tuple[Op, int, int]] = set()
+    end: dict[tuple[Op, int, int], int] = {}
     pcs = [0] * len(programs)
+    free_at = [0] * len(programs)
+    starts = [[None] * len(p) for p in programs]
     last = num_stages - 1
 
-    def ready(i: Instr) -> bool:
+    def ready_time(i: Instr):
         if i.op is Op.F:
-            return i.stage == 0 or (Op.F, i.stage - 1, i.mb) in done
-        if i.op is Op.B:
-            return (Op.F, i.stage, i.mb) in done and (i.stage == last or (Op.B, i.stage + 1, i.mb) in done)
-        return (Op.B, i.stage, i.mb) in done
+            deps = () if i.stage == 0 else ((Op.F, i.stage - 1, i.mb),)
+        elif i.op is Op.B:
+            deps = ((Op.F, i.stage, i.mb),) if i.stage == last else ((Op.F, i.stage, i.mb), (Op.B, i.stage + 1, i.mb))
+        else:
+            deps = ((Op.B, i.stage, i.mb),)
+        t = 0
+        for d in deps:
+            if d not in end:
+                return None
+            t = max(t, end[d])
+        return t
 
     progress = True
     while progress:
         progress = False
         for r, program in enumerate(programs):
             pc = pcs[r]
-            while pc < len(program) and ready(program[pc]):
-                done.add((program[pc].op, program[pc].stage, program[pc].mb))
+            while pc < len(program):
+                i = program[pc]
+                t = ready_time(i)
+                if t is None:
+                    break
+                start = max(t, free_at[r])
+                starts[r][pc] = start
+                free_at[r] = end[i.op, i.stage, i.mb] = start + cost[i.op]
                 pc += 1
             if pc != pcs[r]:
                 pcs[r] = pc
                 progress = True
-    return [r for r, program in enumerate(programs) if pcs[r] < len(program)]
+    stuck = [r for r, program in enumerate(programs) if pcs[r] < len(program)]
+    return starts, stuck
+
+
+def stuck_ranks(num_stages: int, programs: Sequence[Sequence[Instr]]) -> list[int]:
+    """Ranks that cannot finish when compute order alone is followed (see `asap`)."""
+    return asap(num_stages, programs)[1]
 
 
 def make(name: str, pp: int, virtual: int, microbatches: int, placement, programs, params=None) -> Schedule:

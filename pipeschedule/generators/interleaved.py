@@ -38,15 +38,21 @@ def _orders(pp: int, virtual: int, microbatches: int, rank: int, group: int):
     return forwards, backwards
 
 
-def _warmups(pp: int, virtual: int, microbatches: int, group: int, limits):
-    """Megatron's warmup counts, raised where the order would block; None if a raise
-    would pass `limits[r]` (the most forwards of warmup rank r may run)."""
-    total = virtual * microbatches
+def _megatron_warmups(pp: int, virtual: int, group: int) -> list[int]:
     if virtual == 1:
-        warm = [pp - r - 1 for r in range(pp)]
-    else:
-        warm = [2 * (pp - r - 1) + (virtual - 1) * group for r in range(pp)]
-    warm = [min(w, total, limit) for w, limit in zip(warm, limits)]
+        return [pp - r - 1 for r in range(pp)]
+    return [2 * (pp - r - 1) + (virtual - 1) * group for r in range(pp)]
+
+
+def _warmups(pp: int, virtual: int, microbatches: int, group: int, limits, start):
+    """Warmup counts from `start`, clipped to `limits` (the most forwards of warmup
+    rank r may run) and to the running minimum along the pipeline, then raised where
+    the order would block. Returns (warmups, programs), or None when a raise would pass
+    a limit."""
+    total = virtual * microbatches
+    warm = [min(w, total, limit) for w, limit in zip(start, limits)]
+    for r in range(1, pp):  # a cap on rank r-1 also bounds rank r ([Note: cap monotonicity])
+        warm[r] = min(warm[r], warm[r - 1])
     orders = [_orders(pp, virtual, microbatches, r, group) for r in range(pp)]
     while True:
         programs = [interleave_1f1b(f, b, w) for (f, b), w in zip(orders, warm)]
@@ -68,7 +74,7 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual: int = 2, cap=None):
     total = virtual * microbatches
     group = min(pp, microbatches)
     if cap is None:
-        warm, programs = _warmups(pp, virtual, microbatches, group, [total] * pp)
+        warm, programs = _warmups(pp, virtual, microbatches, group, [total] * pp, _megatron_warmups(pp, virtual, group))
         return make("interleaved_1f1b", pp, virtual, microbatches, placement, programs, {})
 
     caps = per_rank_caps(cap, pp)
@@ -80,12 +86,17 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual: int = 2, cap=None):
             f"stage-microbatches"
         )
     # The uncapped schedule's peak is the most a cap can mean; clip to it per rank.
-    uncapped, _ = _warmups(pp, virtual, microbatches, group, [total] * pp)
+    uncapped, _ = _warmups(pp, virtual, microbatches, group, [total] * pp, _megatron_warmups(pp, virtual, group))
     caps = [min(c, w + 1, total) for c, w in zip(caps, uncapped)]
     if virtual > 1:
         group = max(1, min(group, (min(caps) - 1) // (virtual - 1)))
+    # Megatron's warmup where the caps allow it, else the least warmup that lets the
+    # first backward run ((v-1)g forwards), raised only where the order would block.
     for g in range(group, 0, -1):
-        found = _warmups(pp, virtual, microbatches, g, [c - 1 for c in caps])
+        limits = [c - 1 for c in caps]
+        found = _warmups(pp, virtual, microbatches, g, limits, _megatron_warmups(pp, virtual, g))
+        if found is None:
+            found = _warmups(pp, virtual, microbatches, g, limits, [(virtual - 1) * g] * pp)
         if found is not None:
             warm, programs = found
             params = {"cap": caps, "group": g}

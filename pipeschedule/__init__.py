@@ -1,0 +1,31 @@
+"""pipeschedule: pipeline-parallel schedules compiled to per-rank instruction lists,
+verified, simulated and executed.
+
+The compiler (everything here outside `runtime/`) is pure Python and imports no torch:
+
+    >>> from pipeschedule import compile_schedule
+    >>> schedule = compile_schedule("capped_1f1b", pp=4, microbatches=8, cap=2)
+    >>> print(schedule.programs[0][:3])
+"""
+
+from pipeschedule.errors import FormatError, ParameterError, PipescheduleError, ScheduleError
+from pipeschedule.generators import FAMILIES, generate
+from pipeschedule.ir import BUFFERS, Instr, Op, Schedule, dump, load
+from pipeschedule.passes import lower
+from pipeschedule.verify import verify
+
+
+def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int = 1, cap=None, check: bool = True) -> Schedule:
+    """Generates the compute order of family `name`, lowers it (communication, FREE) and,
+    unless `check` is False, verifies every rule. Raises ParameterError on bad
+    parameters and ScheduleError if the result breaks a rule."""
+    schedule = lower(generate(name, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap))
+    if check:
+        verify(schedule)
+    return schedule
+
+
+__all__ = [
+    "BUFFERS", "FAMILIES", "FormatError", "Instr", "Op", "ParameterError", "PipescheduleError",
+    "Schedule", "ScheduleError", "compile_schedule", "dump", "generate", "load", "lower", "verify",
+]
