@@ -15,6 +15,10 @@ from collections import defaultdict
 from pipeschedule.errors import ScheduleError
 from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
 
+# Plain names for the ops: enum attribute lookups dominate loops over a million steps.
+F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
+SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+
 def grid(schedule: Schedule, rank: int, index: int, window: int = 4) -> str:
     """The steps around `index` of every rank, one column per rank, the bad cell marked."""
     lo, hi = max(0, index - window), index + window + 1
@@ -54,28 +58,30 @@ def check_coverage(schedule: Schedule) -> None:
     """Every instruction names a stage of its own rank and a microbatch in range; each
     (stage, mb) has exactly one F and one B (and one W if the schedule splits the
     backward), in the order F, B, W; communication names a peer in range, not itself."""
-    S, m, split = schedule.num_stages, schedule.microbatches, schedule.split_backward
+    S, m, pp, split = schedule.num_stages, schedule.microbatches, schedule.pp, schedule.split_backward
     placement = schedule.placement
     for rank, program in enumerate(schedule.programs):
         seen: dict[tuple[Op, int, int], int] = {}
         for index, i in enumerate(program):
-            if i.stage >= S or placement[i.stage] != rank:
-                owner = f"rank {placement[i.stage]}" if i.stage < S else f"no rank (there are {S} stages)"
-                raise _fail(schedule, "coverage", rank, index, f"stage {i.stage} belongs to {owner}")
-            if i.mb >= m:
-                raise _fail(schedule, "coverage", rank, index, f"microbatch {i.mb} is out of range 0..{m - 1}")
-            if i.peer is not None and (i.peer >= schedule.pp or i.peer == rank):
-                raise _fail(schedule, "coverage", rank, index, f"peer {i.peer} is not another rank in 0..{schedule.pp - 1}")
-            if i.op is Op.F or i.op is Op.B or i.op is Op.W:
-                key = (i.op, i.stage, i.mb)
+            op, stage, mb = i.op, i.stage, i.mb
+            if stage >= S or placement[stage] != rank:
+                owner = f"rank {placement[stage]}" if stage < S else f"no rank (there are {S} stages)"
+                raise _fail(schedule, "coverage", rank, index, f"stage {stage} belongs to {owner}")
+            if mb >= m:
+                raise _fail(schedule, "coverage", rank, index, f"microbatch {mb} is out of range 0..{m - 1}")
+            peer = i.peer
+            if peer is not None and (peer >= pp or peer == rank):
+                raise _fail(schedule, "coverage", rank, index, f"peer {peer} is not another rank in 0..{pp - 1}")
+            if op is F or op is B or op is W:
+                key = (op, stage, mb)
                 if key in seen:
-                    raise _fail(schedule, "coverage", rank, index, f"second {i.op.value} of (stage {i.stage}, mb {i.mb}); the first is at step {seen[key]}")
+                    raise _fail(schedule, "coverage", rank, index, f"second {op.value} of (stage {stage}, mb {mb}); the first is at step {seen[key]}")
                 seen[key] = index
-                if i.op is Op.B and (Op.F, i.stage, i.mb) not in seen:
-                    raise _fail(schedule, "coverage", rank, index, f"B of (stage {i.stage}, mb {i.mb}) before its F")
-                if i.op is Op.W and (Op.B, i.stage, i.mb) not in seen:
-                    raise _fail(schedule, "coverage", rank, index, f"W of (stage {i.stage}, mb {i.mb}) before its B")
-        ops = (Op.F, Op.B, Op.W) if split else (Op.F, Op.B)
+                if op is B and (F, stage, mb) not in seen:
+                    raise _fail(schedule, "coverage", rank, index, f"B of (stage {stage}, mb {mb}) before its F")
+                if op is W and (B, stage, mb) not in seen:
+                    raise _fail(schedule, "coverage", rank, index, f"W of (stage {stage}, mb {mb}) before its B")
+        ops = (F, B, W) if split else (F, B)
         for stage in schedule.stages_of(rank):
             for mb in range(m):
                 for op in ops:
@@ -93,22 +99,27 @@ def check_dependencies(schedule: Schedule) -> None:
     is the liveness of act_out and grad_in, checked by check_liveness.)"""
     S, placement = schedule.num_stages, schedule.placement
     last = S - 1
+    # For each stage: what its F and its B wait for, and the peer of each transfer.
+    f_needs = [None] + [RECV_F if placement[s - 1] != placement[s] else F for s in range(1, S)]
+    b_needs = [RECV_B if placement[s + 1] != placement[s] else B for s in range(last)] + [None]
     for rank, program in enumerate(schedule.programs):
         done: set[tuple[Op, int, int]] = set()
         for index, i in enumerate(program):
             op, s, mb = i.op, i.stage, i.mb
-            if op is Op.F:
-                if s > 0:
-                    need = (Op.RECV_F, s, mb) if placement[s - 1] != rank else (Op.F, s - 1, mb)
-                    if need not in done:
-                        raise _fail(schedule, "dependency", rank, index, f"F(stage {s}, mb {mb}) runs before its input arrives: no {need[0].value} of (stage {need[1]}, mb {mb}) earlier on rank {rank}")
-            elif op is Op.B:
-                if s < last:
-                    need = (Op.RECV_B, s, mb) if placement[s + 1] != rank else (Op.B, s + 1, mb)
-                    if need not in done:
-                        raise _fail(schedule, "dependency", rank, index, f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need[0].value} of (stage {need[1]}, mb {mb}) earlier on rank {rank}")
-            elif op in COMM_OPS:
-                other = s + 1 if (op is Op.SEND_F or op is Op.RECV_B) else s - 1
+            if op is F:
+                need = f_needs[s]
+                if need is not None:
+                    key = (need, s, mb) if need is RECV_F else (F, s - 1, mb)
+                    if key not in done:
+                        raise _fail(schedule, "dependency", rank, index, f"F(stage {s}, mb {mb}) runs before its input arrives: no {need.value} of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
+            elif op is B:
+                need = b_needs[s]
+                if need is not None:
+                    key = (need, s, mb) if need is RECV_B else (B, s + 1, mb)
+                    if key not in done:
+                        raise _fail(schedule, "dependency", rank, index, f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
+            elif op is not FREE and op is not W:
+                other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
                 if not 0 <= other < S or placement[other] == rank:
                     raise _fail(schedule, "dependency", rank, index, f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
                 if i.peer != placement[other]:
@@ -120,7 +131,7 @@ def check_dependencies(schedule: Schedule) -> None:
                 # had its say on the order of messages.
             done.add((op, s, mb))
         for s in schedule.stages_of(rank):
-            for op, needed in ((Op.SEND_F, schedule.sends_forward(s)), (Op.SEND_B, schedule.sends_backward(s))):
+            for op, needed in ((SEND_F, schedule.sends_forward(s)), (SEND_B, schedule.sends_backward(s))):
                 if needed:
                     for mb in range(schedule.microbatches):
                         if (op, s, mb) not in done:
@@ -130,18 +141,25 @@ def check_dependencies(schedule: Schedule) -> None:
 # -- rule 3: matching ------------------------------------------------------------------
 
 
+_last_channels: list = [None, None]  # [schedule, result]: matching and deadlock share it
+
+
 def _channels(schedule: Schedule):
     """Per (src, dst): the sends in src's order and the receives in dst's order, each as
     (tensor, step), a tensor named by its receiving instruction (RECV_x, stage, mb)."""
+    if _last_channels[0] is schedule:
+        return _last_channels[1]
     sends, recvs = defaultdict(list), defaultdict(list)
     for rank, program in enumerate(schedule.programs):
         for index, i in enumerate(program):
-            if i.op is Op.SEND_F:
-                sends[rank, i.peer].append(((Op.RECV_F, i.stage + 1, i.mb), index))
-            elif i.op is Op.SEND_B:
-                sends[rank, i.peer].append(((Op.RECV_B, i.stage - 1, i.mb), index))
-            elif i.op is Op.RECV_F or i.op is Op.RECV_B:
-                recvs[i.peer, rank].append(((i.op, i.stage, i.mb), index))
+            op = i.op
+            if op is SEND_F:
+                sends[rank, i.peer].append(((RECV_F, i.stage + 1, i.mb), index))
+            elif op is SEND_B:
+                sends[rank, i.peer].append(((RECV_B, i.stage - 1, i.mb), index))
+            elif op is RECV_F or op is RECV_B:
+                recvs[i.peer, rank].append(((op, i.stage, i.mb), index))
+    _last_channels[:] = [schedule, (sends, recvs)]
     return sends, recvs
 
 
@@ -164,26 +182,29 @@ def check_matching(schedule: Schedule) -> None:
 
 
 def comm_batches(schedule: Schedule):
-    """Every maximal run of communication instructions as (rank, start, end), and for
-    each batch the set of partner batches its operations are matched with."""
+    """Every maximal run of communication instructions as (rank, start, end), the batch
+    of each communication step as {(rank, step): batch}, and for each batch the set of
+    partner batches its operations are matched with (rule 3's order)."""
     batches: list[tuple[int, int, int]] = []
-    batch_of: dict[tuple[int, int], int] = {}  # (rank, step) -> batch
+    batch_of: dict[tuple[int, int], int] = {}
     for rank, program in enumerate(schedule.programs):
         start = None
-        for index in range(len(program) + 1):
-            comm = index < len(program) and program[index].op in COMM_OPS
-            if comm and start is None:
-                start = index
-            elif not comm and start is not None:
-                for j in range(start, index):
-                    batch_of[rank, j] = len(batches)
+        for index, i in enumerate(program):
+            op = i.op
+            if op is SEND_F or op is RECV_F or op is SEND_B or op is RECV_B:
+                if start is None:
+                    start = index
+                batch_of[rank, index] = len(batches)
+            elif start is not None:
                 batches.append((rank, start, index))
                 start = None
+        if start is not None:
+            batches.append((rank, start, len(program)))
     partners: list[set[int]] = [set() for _ in batches]
     sends, recvs = _channels(schedule)
     for key, out in sends.items():
         src, dst = key
-        for (_, s_index), (_, r_index) in zip(out, recvs.get(key, [])):
+        for (_, s_index), (_, r_index) in zip(out, recvs.get(key, ())):
             a, b = batch_of[src, s_index], batch_of[dst, r_index]
             partners[a].add(b)
             partners[b].add(a)
@@ -194,24 +215,27 @@ def check_deadlock(schedule: Schedule) -> None:
     """Runs every program under rule 4's semantics: a batch is posted when its rank
     reaches it, and the rank moves past it once every partner batch is posted."""
     batches, batch_of, partners = comm_batches(schedule)
+    unposted = [len(p) for p in partners]  # partner batches not yet posted
     posted = [False] * len(batches)
     pcs = [0] * schedule.pp
-    waiting: dict[int, int] = {}  # batch -> rank blocked on it
+    waiting: dict[int, int] = {}  # batch -> the rank blocked on it
     runnable = list(range(schedule.pp))
     while runnable:
         rank = runnable.pop()
         program, pc = schedule.programs[rank], pcs[rank]
-        while pc < len(program):
-            if program[pc].op not in COMM_OPS:
+        n = len(program)
+        while pc < n:
+            batch = batch_of.get((rank, pc))
+            if batch is None:
                 pc += 1
                 continue
-            batch = batch_of[rank, pc]
             if not posted[batch]:
                 posted[batch] = True
-                for other in partners[batch]:  # wake ranks whose batch may now be complete
-                    if other in waiting and all(posted[p] for p in partners[other]):
+                for other in partners[batch]:  # posting it may complete a partner's batch
+                    unposted[other] -= 1
+                    if unposted[other] == 0 and other in waiting:
                         runnable.append(waiting.pop(other))
-            if all(posted[p] for p in partners[batch]):
+            if unposted[batch] == 0:
                 pc = batches[batch][2]
             else:
                 waiting[batch] = rank
@@ -220,8 +244,9 @@ def check_deadlock(schedule: Schedule) -> None:
     blocked = [r for r in range(schedule.pp) if pcs[r] < len(schedule.programs[r])]
     if blocked:
         rank = blocked[0]
-        states = ", ".join(f"rank {r} at step {pcs[r]} ({schedule.programs[r][pcs[r]]})" for r in blocked)
-        raise _fail(schedule, "deadlock", rank, pcs[rank], f"the programs cannot finish: {states} wait for partners that never post")
+        states = ", ".join(f"rank {r} at step {pcs[r]} ({schedule.programs[r][pcs[r]]})" for r in blocked[:8])
+        more = f" and {len(blocked) - 8} more ranks" if len(blocked) > 8 else ""
+        raise _fail(schedule, "deadlock", rank, pcs[rank], f"the programs cannot finish: {states}{more} wait for partners that never post")
 
 
 # -- rule 5: liveness ------------------------------------------------------------------
@@ -230,61 +255,71 @@ def check_deadlock(schedule: Schedule) -> None:
 def check_liveness(schedule: Schedule) -> None:
     """Every buffer is produced once, used only while live, and freed exactly once after
     its last use; nothing is live when the program ends ([Note: buffers] in ir.py)."""
-    S, placement = schedule.num_stages, schedule.placement
+    S = schedule.num_stages
+    last = S - 1
+    sends_fwd = [schedule.sends_forward(s) for s in range(S)]
+    sends_bwd = [schedule.sends_backward(s) for s in range(S)]
     for rank, program in enumerate(schedule.programs):
         live: dict[tuple[str, int, int], int] = {}
         freed: dict[tuple[str, int, int], int] = {}
 
-        def produce(buf, s, mb, index):
-            key = (buf, s, mb)
-            if key in live or key in freed:
-                raise _fail(schedule, "liveness", rank, index, f"{buf} of (stage {s}, mb {mb}) produced a second time")
-            live[key] = index
-
-        def use(buf, s, mb, index):
-            key = (buf, s, mb)
-            if key not in live:
+        def fail(index, key, what):
+            buf, s, mb = key
+            if what == "use":
                 state = f"freed at step {freed[key]}" if key in freed else "never produced"
-                raise _fail(schedule, "liveness", rank, index, f"uses {buf} of (stage {s}, mb {mb}), which is {state}")
+                message = f"uses {buf} of (stage {s}, mb {mb}), which is {state}"
+            elif what == "free":
+                state = f"already freed at step {freed[key]}" if key in freed else "never produced"
+                message = f"frees {buf} of (stage {s}, mb {mb}), which is {state}"
+            elif what == "early":
+                op, producer = ("SEND_F", "F") if buf == "act_out" else ("SEND_B", "B")
+                message = f"{op} of (stage {s}, mb {mb}) runs before the {producer} that produces its {buf}"
+            else:
+                message = f"{buf} of (stage {s}, mb {mb}) produced a second time"
+            return _fail(schedule, "liveness", rank, index, message)
 
         for index, i in enumerate(program):
             op, s, mb = i.op, i.stage, i.mb
-            if op is Op.F:
+            if op is F:
+                produced = [("stash", s, mb)]
                 if s == 0:
-                    produce("act_in", s, mb, index)  # the data loader's input
-                use("act_in", s, mb, index)
-                produce("stash", s, mb, index)
-                if schedule.sends_forward(s):
-                    produce("act_out", s, mb, index)
-                elif s + 1 < S:
-                    produce("act_in", s + 1, mb, index)  # local hand-off
-            elif op is Op.B:
-                use("act_in", s, mb, index)
-                use("stash", s, mb, index)
-                if s + 1 < S:
-                    use("grad_out", s, mb, index)
-                if schedule.sends_backward(s):
-                    produce("grad_in", s, mb, index)
+                    produced.append(("act_in", 0, mb))  # the data loader's input, at F
+                if sends_fwd[s]:
+                    produced.append(("act_out", s, mb))
+                elif s < last:
+                    produced.append(("act_in", s + 1, mb))  # local hand-off
+                used = [("act_in", s, mb)]
+            elif op is B:
+                produced = []
+                if sends_bwd[s]:
+                    produced.append(("grad_in", s, mb))
                 elif s > 0:
-                    produce("grad_out", s - 1, mb, index)  # local hand-off
-            elif op is Op.W:
-                use("stash", s, mb, index)
-            elif op is Op.RECV_F:
-                produce("act_in", s, mb, index)
-            elif op is Op.RECV_B:
-                produce("grad_out", s, mb, index)
-            elif op is Op.SEND_F or op is Op.SEND_B:
-                buf, producer = ("act_out", "F") if op is Op.SEND_F else ("grad_in", "B")
-                if (buf, s, mb) not in live and (buf, s, mb) not in freed:
-                    raise _fail(schedule, "liveness", rank, index, f"{op.value} of (stage {s}, mb {mb}) runs before the {producer} that produces its {buf}")
-                use(buf, s, mb, index)
-            elif op is Op.FREE:
+                    produced.append(("grad_out", s - 1, mb))  # local hand-off
+                used = [("act_in", s, mb), ("stash", s, mb)]
+                if s < last:
+                    used.append(("grad_out", s, mb))
+            elif op is FREE:
                 key = (i.buf, s, mb)
-                if key not in live:
-                    state = f"already freed at step {freed[key]}" if key in freed else "never produced"
-                    raise _fail(schedule, "liveness", rank, index, f"frees {i.buf} of (stage {s}, mb {mb}), which is {state}")
-                del live[key]
+                if live.pop(key, None) is None:
+                    raise fail(index, key, "free")
                 freed[key] = index
+                continue
+            elif op is RECV_F or op is RECV_B:
+                produced, used = [("act_in" if op is RECV_F else "grad_out", s, mb)], ()
+            elif op is SEND_F or op is SEND_B:
+                key = ("act_out" if op is SEND_F else "grad_in", s, mb)
+                if key not in live and key not in freed:
+                    raise fail(index, key, "early")
+                produced, used = (), (key,)
+            else:  # W
+                produced, used = (), (("stash", s, mb),)
+            for key in produced:
+                if key in live or key in freed:
+                    raise fail(index, key, "twice")
+                live[key] = index
+            for key in used:
+                if key not in live:
+                    raise fail(index, key, "use")
         if live:
             (buf, s, mb), index = min(live.items(), key=lambda kv: kv[1])
             raise _fail(schedule, "liveness", rank, index, f"{buf} of (stage {s}, mb {mb}) is never freed (a leak)")

@@ -68,42 +68,50 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=UNIT_COST):
     instruction (None where it never runs); stuck lists the ranks that cannot finish
     (empty when the compute order is free of dependency cycles).
     """
+    F, B = Op.F, Op.B
     end: dict[tuple[Op, int, int], int] = {}
     pcs = [0] * len(programs)
     free_at = [0] * len(programs)
     starts = [[None] * len(p) for p in programs]
     last = num_stages - 1
-
-    def ready_time(i: Instr):
-        if i.op is Op.F:
-            deps = () if i.stage == 0 else ((Op.F, i.stage - 1, i.mb),)
-        elif i.op is Op.B:
-            deps = ((Op.F, i.stage, i.mb),) if i.stage == last else ((Op.F, i.stage, i.mb), (Op.B, i.stage + 1, i.mb))
-        else:
-            deps = ((Op.B, i.stage, i.mb),)
-        t = 0
-        for d in deps:
-            if d not in end:
-                return None
-            t = max(t, end[d])
-        return t
-
+    cost_f, cost_b, cost_w = cost[Op.F], cost[Op.B], cost[Op.W]
     progress = True
     while progress:
         progress = False
         for r, program in enumerate(programs):
-            pc = pcs[r]
-            while pc < len(program):
+            pc, n, t_free, rank_starts = pcs[r], len(program), free_at[r], starts[r]
+            while pc < n:
                 i = program[pc]
-                t = ready_time(i)
-                if t is None:
-                    break
-                start = max(t, free_at[r])
-                starts[r][pc] = start
-                free_at[r] = end[i.op, i.stage, i.mb] = start + cost[i.op]
+                op, s, mb = i.op, i.stage, i.mb
+                if op is F:
+                    if s == 0:
+                        ready = 0
+                    else:
+                        ready = end.get((F, s - 1, mb))
+                        if ready is None:
+                            break
+                    duration = cost_f
+                elif op is B:
+                    ready = end.get((F, s, mb))
+                    if ready is None:
+                        break
+                    if s != last:
+                        after = end.get((B, s + 1, mb))
+                        if after is None:
+                            break
+                        ready = max(ready, after)
+                    duration = cost_b
+                else:
+                    ready = end.get((B, s, mb))
+                    if ready is None:
+                        break
+                    duration = cost_w
+                start = ready if ready > t_free else t_free
+                rank_starts[pc] = start
+                t_free = end[op, s, mb] = start + duration
                 pc += 1
             if pc != pcs[r]:
-                pcs[r] = pc
+                pcs[r], free_at[r] = pc, t_free
                 progress = True
     stuck = [r for r, program in enumerate(programs) if pcs[r] < len(program)]
     return starts, stuck
