@@ -11,7 +11,7 @@ from bisect import bisect_left
 from collections import defaultdict
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.generators.common import asap
+from pipeschedule.generators.common import UNIT_COST, asap
 from pipeschedule.ir import Instr, Op, Schedule, make_instr
 
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -19,24 +19,27 @@ SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 
 
 def add_communication(schedule: Schedule) -> Schedule:
-    """Adds SEND_F for each F whose output leaves the rank, SEND_B for each B whose input
-    gradient leaves it, and the matching RECV_F / RECV_B right before the compute that
-    needs them. Input: compute only. Output: compute + communication, deadlock-free
-    under rule 4 whenever the compute order itself is free of cycles.
+    """Adds SEND_F right after each F whose output leaves the rank, SEND_B right after
+    each B whose input gradient leaves it, and the matching RECV_F / RECV_B early enough.
+    Input: compute only. Output: compute + communication, deadlock-free under rule 4
+    whenever the compute order itself is free of cycles.
 
-    [Note: send placement] Under rule 4 a batch blocks its rank until every partner batch
-    is posted, so a send placed right after its producer can block the sender for as long
-    as the receiver is busy elsewhere, and two such sends can wait on each other. So the
-    compute order is first timed as soon as possible (`asap`, unit costs), and each
-    message is placed at the moment its consumer starts: the receive right before the
-    consumer; the send right before the sender's first compute that starts no earlier
-    than the consumer (after its producer, which started earlier). By induction on those
-    start times, every batch's partners are posted once the ranks have run everything
-    that starts earlier, so nothing waits forever. Within one gap the messages go in the
-    order of their consumers' start times, which is also the order in which the receiver
-    takes them, so the k-th send and the k-th receive between two ranks always carry the
-    same tensor (rule 3). In 1F1B this yields Megatron's pairing: the forward send and the
-    backward receive travel together, and so do the backward send and the forward receive.
+    [Note: message placement] The compute order is first timed as soon as possible
+    (`asap`, unit costs). A message is sent right after its producer, so the sender never
+    waits to send. It is received right before the receiver's first compute that starts
+    no earlier than min(the sender's next compute, the consumer): as late as possible
+    (so its buffer lives no longer than needed; in 1F1B this is Megatron's pairing, a
+    forward send travelling with the next backward receive and a backward send with the
+    next forward receive), yet early enough for rule 4. By induction on start times:
+    when a rank reaches the batch before a compute starting at t, each partner of the
+    batch is either a send right after a compute that started before t, or a receive
+    before a compute whose predecessor started before the sender's next compute, and so
+    before t; its rank has run that far and posted it, so no batch waits forever.
+    (Receiving right before the consumer alone can deadlock interleaved schedules: the
+    sender's batch then waits for a consumer that waits for the sender.) Between two
+    ranks, receives keep the order of the sends (rule 3): a receive that would come after
+    a later message's receive is moved up to it, and within one gap messages go in the
+    order they were produced.
     """
     starts, stuck = asap(schedule.num_stages, schedule.programs)
     if stuck:
@@ -50,7 +53,7 @@ def add_communication(schedule: Schedule) -> Schedule:
         )
     placement = schedule.placement
     # gaps[r][pc]: the messages that go right before rank r's pc-th compute (pc == len:
-    # after the last one), each as (consumer start, consumer rank, consumer pc, instr).
+    # after the last one), each as (production time, sender rank, sender pc, instr).
     gaps = [[None] * (len(program) + 1) for program in schedule.programs]
     position = {}  # (op, stage, mb) -> (rank, pc) of every compute
     for rank, program in enumerate(schedule.programs):
@@ -58,6 +61,8 @@ def add_communication(schedule: Schedule) -> Schedule:
             position[i.op, i.stage, i.mb] = (rank, pc)
     sends_forward = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
     sends_backward = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
+    channels: dict[tuple[int, int], list] = defaultdict(list)  # (src, dst) -> receives, in send order
+    inf = float("inf")
     for rank, program in enumerate(schedule.programs):
         rank_starts, rank_gaps = starts[rank], gaps[rank]
         for pc, i in enumerate(program):
@@ -72,13 +77,17 @@ def add_communication(schedule: Schedule) -> Schedule:
                 c_rank, c_pc = position[B, stage - 1, mb]
             else:
                 continue
-            t = starts[c_rank][c_pc]
-            for where, at, instr in ((gaps[c_rank], c_pc, recv), (rank_gaps, bisect_left(rank_starts, t, pc + 1), send)):
-                entry = (t, c_rank, c_pc, instr)
-                if where[at] is None:
-                    where[at] = [entry]
-                else:
-                    where[at].append(entry)
+            entry = (rank_starts[pc] + UNIT_COST[op], rank, pc, send)  # exists from its producer's end
+            _put(rank_gaps, pc + 1, entry)
+            sender_next = rank_starts[pc + 1] if pc + 1 < len(program) else inf
+            due = min(sender_next, starts[c_rank][c_pc])
+            channels[rank, c_rank].append([bisect_left(starts[c_rank], due), entry[:3] + (recv,)])
+    for (_, dst), recvs in channels.items():
+        # NCCL matches by order: a receive never goes after a later message's receive.
+        for k in range(len(recvs) - 2, -1, -1):
+            recvs[k][0] = min(recvs[k][0], recvs[k + 1][0])
+        for at, entry in recvs:
+            _put(gaps[dst], at, entry)
     programs = []
     for program, rank_gaps in zip(schedule.programs, gaps):
         out: list[Instr] = []
@@ -91,6 +100,13 @@ def add_communication(schedule: Schedule) -> Schedule:
                 out.append(program[pc])
         programs.append(out)
     return schedule.replace_programs(programs)
+
+
+def _put(gaps: list, at: int, entry) -> None:
+    if gaps[at] is None:
+        gaps[at] = [entry]
+    else:
+        gaps[at].append(entry)
 
 
 def _gap_order(entry):

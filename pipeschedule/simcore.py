@@ -1,0 +1,332 @@
+"""The simulator's engine: runs the programs of a lowered schedule event by event.
+
+`simulate.py` holds the public API (cost model, result) and the semantics notes this
+module implements ([Note: simulated semantics], [Note: when bytes count]).
+
+[Note: event-driven run] Ranks wait on each other only at communication batches, so a
+rank runs straight through its program until it posts a batch some of whose partners
+are not yet posted. It then parks, holding a count of missing partners. Posting an op
+whose partner was posted earlier decrements the partner rank's count; at zero that rank
+goes back on the work stack. Every instruction is visited once and every message
+touched twice, so a run is O(instructions). A message's times depend only on the post
+times of its two batches, so the order in which parked ranks resume does not change
+any result. When the stack empties with a rank still parked, the schedule deadlocks.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Iterator, NamedTuple, Sequence
+
+from pipeschedule.errors import ScheduleError
+from pipeschedule.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule
+
+
+class Event(NamedTuple):
+    """One executed instruction: `program[rank][index]` ran from `start` to `end`."""
+
+    rank: int
+    index: int
+    instr: Instr
+    start: float
+    end: float
+
+
+class EventLog(Sequence[Event]):
+    """Every executed instruction as an `Event`, rank by rank in program order.
+
+    Only the end of each instruction is stored (None for FREE, which takes no time);
+    start times are derived per rank on first use, and `Event` objects are made only
+    when read, because a large schedule has about a million of them.
+    """
+
+    def __init__(self, programs, ends) -> None:
+        self._programs, self._ends = programs, ends
+        self._times: dict[int, tuple[list, list]] = {}  # rank -> (starts, ends), on demand
+        self._offsets = [0, *accumulate(len(p) for p in programs)]
+
+    def times(self, rank: int) -> tuple[list, list]:
+        """(starts, ends) of every instruction of `rank`. A rank's clock moves with each
+        compute; a communication op starts when its batch is posted and the clock moves
+        to its batch's end; a FREE starts and ends at the clock."""
+        if rank not in self._times:
+            starts, ends, clock, post = [], [], 0, None
+            for instr, end in zip(self._programs[rank], self._ends[rank]):
+                if instr.op in COMM_OPS:
+                    if post is None:
+                        post = batch_end = clock
+                    starts.append(post)
+                    batch_end = max(batch_end, end)
+                else:
+                    if post is not None:
+                        clock, post = batch_end, None
+                    starts.append(clock)
+                    if end is None:
+                        end = clock
+                    clock = end
+                ends.append(end)
+            self._times[rank] = starts, ends
+        return self._times[rank]
+
+    def __len__(self) -> int:
+        return self._offsets[-1]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"event {index} out of range 0..{len(self) - 1}")
+        rank = bisect_right(self._offsets, index) - 1
+        pc = index - self._offsets[rank]
+        starts, ends = self.times(rank)
+        return Event(rank, pc, self._programs[rank][pc], starts[pc], ends[pc])
+
+    def __iter__(self) -> Iterator[Event]:
+        for rank in range(len(self._programs)):
+            yield from self.of_rank(rank)
+
+    def of_rank(self, rank: int) -> Iterator[Event]:
+        """The events of one rank, in program order."""
+        starts, ends = self.times(rank)
+        for pc, instr in enumerate(self._programs[rank]):
+            yield Event(rank, pc, instr, starts[pc], ends[pc])
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, EventLog):
+            return (self._programs, self._ends) == (other._programs, other._ends)
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"EventLog({len(self)} events)"
+
+
+@dataclass
+class Trace:
+    """Raw per-rank results of `run`."""
+
+    finish: list
+    busy: list
+    peak_inflight: list
+    peak_bytes: list
+    memory: list  # per rank: (times, live bytes) lists of equal length
+    ends: list  # per rank: end of each instruction, None for FREE
+
+
+def _point(times: list, values: list, t, live) -> None:
+    """Adds (t, live) to a memory curve. Changes at one instant are folded into at most
+    two points, the highest value reached at t and the value after, so the curve's
+    maximum is always the peak even when a buffer lives for no time at all."""
+    if times[-1] != t:
+        times.append(t)
+        values.append(live)
+    elif len(times) >= 2 and times[-2] == t:
+        if live > values[-2]:
+            values[-2] = live
+        values[-1] = live
+    elif live >= values[-1]:
+        values[-1] = live
+    else:
+        times.append(t)
+        values.append(live)
+
+
+def _complete(ops, end, channels, ends):
+    """Completes the ops of a batch that were waiting for their partners (all posted by
+    now): writes each op's message completion into `ends` and returns the batch's end,
+    at least `end` ([Note: simulated semantics])."""
+    for channel, k, pc in ops:
+        send_posts, send_msgs, recv_posts = channels[channel]
+        done = max(send_posts[k], recv_posts[k])
+        if send_msgs[k]:
+            done += send_msgs[k]
+        ends[pc] = done
+        if done > end:
+            end = done
+    return end
+
+
+def run(schedule: Schedule, cost) -> Trace:
+    """Simulate `schedule` (lowered) under `cost`; see [Note: event-driven run].
+
+    Per rank, `ends[pc]` is the end of instruction pc (None for FREE, which takes no
+    time); `EventLog` derives the start times from them. The loop over instructions is
+    kept in one piece, with local variables only, because it runs a million times for
+    pp=64, m=512: a call or an object per instruction would double its time.
+    """
+    pp, stages, placement = schedule.pp, schedule.num_stages, schedule.placement
+    act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
+    local = [s + 1 < stages and placement[s + 1] == placement[s] for s in range(stages)]  # s -> s+1 on one rank
+    # Bytes that appear at the start of F(s) and B(s): [Note: when bytes count].
+    f_alloc = [
+        (act_in[s] if s == 0 else 0) + stash[s] + (act_out[s] if schedule.sends_forward(s) else 0)
+        + (act_in[s + 1] if local[s] else 0)
+        for s in range(stages)
+    ]
+    b_alloc = [
+        (grad_in[s] if schedule.sends_backward(s) else 0) + (grad_out[s - 1] if s > 0 and local[s - 1] else 0)
+        for s in range(stages)
+    ]
+    free_bytes = dict(cost.buffer_bytes)
+    latency, bandwidth = cost.latency, cost.bandwidth
+    # Message time of SEND_F / SEND_B by stage. Infinite bandwidth adds exactly
+    # `latency`, so exact (e.g. Fraction) costs stay exact.
+    msg_f = [latency + b / bandwidth if bandwidth != math.inf else latency for b in act_out]
+    msg_b = [latency + b / bandwidth if bandwidth != math.inf else latency for b in grad_in]
+    fcost, bcost, wcost = cost.forward, cost.backward, cost.weight
+
+    # channel (src << 32 | dst) -> (post times of its sends, their message times, post
+    # times of its receives); entry k of each belongs to the channel's k-th message.
+    # A peer that is not a rank gets a channel nobody posts to, so it deadlocks.
+    channels: dict[int, tuple] = defaultdict(lambda: ([], [], []))
+    programs = schedule.programs
+    ends = [[None] * len(p) for p in programs]
+    memory = [([0], [0]) for _ in range(pp)]
+    fixed = [(programs[r], len(programs[r]), ends[r], *memory[r]) for r in range(pp)]
+    # per rank: pc, clock, live bytes, peak bytes, in flight, peak in flight, busy time
+    state = [(0, 0, 0, 0, 0, 0, 0)] * pp
+    parked = [None] * pp  # per rank: (waiting ops, end so far, first pc) of its parked batch
+    waiting = [0] * pp  # per rank: partners its parked batch still misses
+    F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
+    SEND_F, SEND_B, RECV_F, RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
+
+    stack = list(range(pp - 1, -1, -1))
+    while stack:
+        r = stack.pop()
+        program, n, rank_ends, mem_t, mem_v = fixed[r]
+        pc, t, live, peak, inflight, peak_inflight, busy = state[r]
+        if parked[r] is not None:  # resumed: every partner of the parked batch has posted
+            ops, batch_end, _ = parked[r]
+            parked[r] = None
+            t = _complete(ops, batch_end, channels, rank_ends)
+        while pc < n:
+            instr = program[pc]
+            op = instr.op
+            if op is FREE:
+                live -= free_bytes[instr.buf][instr.stage]
+                _point(mem_t, mem_v, t, live)
+                pc += 1
+                continue
+            if op is F or op is B or op is W:
+                s = instr.stage
+                if op is F:
+                    grow, spend = f_alloc[s], fcost[s]
+                    inflight += 1
+                    if inflight > peak_inflight:
+                        peak_inflight = inflight
+                elif op is B:
+                    grow, spend = b_alloc[s], bcost[s]
+                    inflight -= 1
+                else:
+                    grow, spend = 0, wcost[s]
+                if grow:
+                    live += grow
+                    if live > peak:
+                        peak = live
+                    _point(mem_t, mem_v, t, live)
+                t += spend
+                busy += spend
+                rank_ends[pc] = t
+                pc += 1
+                continue
+            # Communication: post the maximal run of comm ops as one batch. An op whose
+            # partner has posted completes now; the others wait in `ops`.
+            post = batch_end = t
+            first, ops, missing = pc, None, 0
+            while pc < n:
+                instr = program[pc]
+                op = instr.op
+                peer = instr.peer
+                if op is SEND_F or op is SEND_B:
+                    channel = r << 32 | peer
+                    mine, msgs, theirs = channels[channel]
+                    msgs.append(msg_f[instr.stage] if op is SEND_F else msg_b[instr.stage])
+                elif op is RECV_F or op is RECV_B:
+                    channel = peer << 32 | r
+                    theirs, msgs, mine = channels[channel]
+                    live += act_in[instr.stage] if op is RECV_F else grad_out[instr.stage]
+                    if live > peak:
+                        peak = live
+                    _point(mem_t, mem_v, t, live)
+                else:
+                    break
+                k = len(mine)
+                mine.append(post)
+                if op is SEND_F or op is SEND_B:
+                    # Sends do not hold the sender up ([Note: simulated semantics]).
+                    rank_ends[pc] = post
+                    if len(theirs) > k:  # the receiver posted first and is parked on this
+                        if peer == r:  # ... earlier in this very batch
+                            missing -= 1
+                        else:
+                            waiting[peer] -= 1
+                            if waiting[peer] == 0:
+                                stack.append(peer)
+                elif len(theirs) <= k:  # a receive whose send is not posted yet
+                    missing += 1
+                    if ops is None:
+                        ops = []
+                    ops.append((channel, k, pc))
+                else:
+                    done = theirs[k]
+                    if post > done:
+                        done = post
+                    if msgs[k]:
+                        done += msgs[k]
+                    rank_ends[pc] = done
+                    if done > batch_end:
+                        batch_end = done
+                pc += 1
+            if missing:
+                parked[r], waiting[r] = (ops, batch_end, first), missing
+                break
+            t = batch_end if ops is None else _complete(ops, batch_end, channels, rank_ends)  # ops: messages to self
+        state[r] = pc, t, live, peak, inflight, peak_inflight, busy
+
+    stuck = [r for r in range(pp) if parked[r] is not None]
+    if stuck:
+        raise _deadlock(schedule, stuck, [st[0] for st in state], parked)
+    for channel, (sends, _, recvs) in channels.items():
+        if len(sends) > len(recvs):  # an asynchronous send nobody receives: an error, not a hang
+            src, dst = channel >> 32, channel & 0xFFFFFFFF
+            k = len(recvs)
+            pc = [i for i, instr in enumerate(programs[src]) if instr.op in SEND_OPS and instr.peer == dst][k]
+            instr = programs[src][pc]
+            raise ScheduleError(
+                f"rule matching: rank {src}'s send #{k} to rank {dst} ({instr}, step {pc}) is never received",
+                rule="matching", rank=src, index=pc, instr=instr, mb=instr.mb)
+    _, finish, _, peaks, _, peak_inflights, busy = zip(*state)
+    return Trace(list(finish), list(busy), list(peak_inflights), list(peaks), memory, ends)
+
+
+def _deadlock(schedule: Schedule, stuck, pcs, parked) -> ScheduleError:
+    """The error for parked ranks: each one's batch and the partners it waits for."""
+    programs = schedule.programs
+    where = {r: parked[r][2] for r in stuck}  # rank -> first step of its parked batch
+    lines = [f"deadlock (rule 4): {len(stuck)} rank(s) cannot finish: "
+             + ", ".join(f"rank {r} at step {where[r]}" for r in stuck)]
+    for r in stuck:
+        program, first = programs[r], where[r]
+        lo, hi = max(0, first - 3), min(len(program), pcs[r] + 2)
+        cells = [f">>{program[i]}<<" if first <= i < pcs[r] else str(program[i]) for i in range(lo, hi)]
+        lines.append(f"  rank {r}, steps {lo}..{hi - 1}: " + " ".join(cells))
+        for _, k, pc in parked[r][0]:
+            instr, peer = program[pc], program[pc].peer
+            partner = f"receive #{k} from rank {r}" if instr.op in SEND_OPS else f"send #{k} to rank {r}"
+            if peer >= schedule.pp:
+                state = f"there is no rank {peer} (pp = {schedule.pp})"
+            elif peer in where:
+                state = f"rank {peer} is parked at step {where[peer]}"
+            else:
+                state = f"rank {peer} finished without posting it"
+            lines.append(f"    {instr} waits for rank {peer}'s {partner}: {state}")
+    r = stuck[0]
+    instr = programs[r][where[r]]
+    return ScheduleError("\n".join(lines), rule="deadlock", rank=r, index=where[r], instr=instr, mb=instr.mb)

@@ -1,0 +1,255 @@
+"""Discrete-event simulation of a lowered schedule under a cost model.
+
+`simulate(schedule, cost)` runs every rank's program with the semantics of rule 4
+(DESIGN.md) and returns a `SimResult`: step time, bubble, per-rank busy time, peak
+in-flight microbatches, and the live-buffer memory curve of every rank.
+
+[Note: simulated semantics]
+- A rank runs its program in order. F, B and W take their stage's cost; FREE takes no
+  time.
+- A maximal run of consecutive communication instructions is one batch, posted when the
+  rank reaches it. For each ordered rank pair (a, b), the k-th send a->b matches the
+  k-th receive on b from a. Sends are asynchronous: posting one costs the sender no time
+  and never holds it up (the runtime posts them with `batch_isend_irecv` and only waits
+  for them before their buffer is reused). A message completes at
+  max(post time of the send, post time of the receive) + latency + bytes / bandwidth
+  (bytes: act_out of the sending stage for SEND_F, grad_in for SEND_B): the transfer
+  starts once both sides are posted, as NCCL's does. The rank resumes when the last
+  receive of its batch completes. A receive whose send is never posted deadlocks the
+  schedule: `ScheduleError(rule="deadlock")` names the stuck ranks. (The verifier's
+  rule 4 is stricter, treating every send as blocking until its receive is posted, so a
+  verified schedule is deadlock-free whether or not the transport buffers sends.)
+
+[Note: when bytes count] A buffer's bytes count from the *start* of the instruction that
+produces it (memory is allocated before it is written) until its FREE:
+- F(s) produces act_out (when the output leaves the rank), stash, act_in on stage 0
+  (the data loader's input) and act_in of s+1 when s+1 runs on the same rank;
+- B(s) produces grad_in (when the gradient leaves the rank) and grad_out of s-1 when
+  s-1 runs on the same rank;
+- RECV_F / RECV_B produce act_in / grad_out when their batch is posted (a receive
+  buffer exists before the message lands).
+Live bytes, and so the peak, therefore depend on program order only; time only places
+the points of the curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any, Mapping, Sequence
+
+from pipeschedule.errors import FormatError, ParameterError
+from pipeschedule.ir import BUFFERS, COMPUTE_OPS, Schedule
+from pipeschedule.passes import lower
+from pipeschedule.simcore import Event, EventLog, run
+
+COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwidth")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _per_stage(key: str, value: Any, stages: int | None, error=ParameterError, source="the schedule") -> tuple:
+    """`value` as a tuple of per-stage finite numbers >= 0; a scalar is broadcast to
+    `stages` entries when that is known (None: only a list is accepted)."""
+    if _number(value) and stages is not None:
+        value = [value] * stages
+    if not isinstance(value, (list, tuple)) or not all(_number(x) and 0 <= x < math.inf for x in value):
+        want = "a number >= 0 or a list" if stages is not None else "a list"
+        raise error(f"cost {key!r} must be {want} of finite numbers >= 0, one per stage; got {value!r}")
+    if stages is not None and len(value) != stages:
+        raise error(f"cost {key!r} has {len(value)} entries, but {source} has {stages} stages: {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Time and memory costs, indexed by global stage (see [Note: simulated semantics]).
+
+    forward / backward / weight: per-stage time of F, B (input and weight gradients, or
+    input gradients only when the schedule has W) and W. buffer_bytes: bytes of one
+    microbatch's buffer of each kind ("act_in", "act_out", "stash", "grad_out",
+    "grad_in"), per stage; a kind left out holds no bytes. latency: fixed time per
+    message; bandwidth: bytes per time unit (math.inf: transfers are free).
+    `forward` fixes the number of stages; any other per-stage field may be given as one
+    number meaning "the same on every stage". Exact numbers (Fraction) stay exact.
+    """
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+    buffer_bytes: Mapping[str, tuple[float, ...]] = field(hash=False)
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    def __post_init__(self) -> None:
+        stages = len(self.forward) if isinstance(self.forward, (list, tuple)) else None
+        for key in ("forward", "backward", "weight"):
+            object.__setattr__(self, key, _per_stage(key, getattr(self, key), stages, source="'forward'"))
+        if not isinstance(self.buffer_bytes, Mapping):
+            raise ParameterError(f"cost 'buffer_bytes' must map buffer kinds to lists, got {self.buffer_bytes!r}")
+        unknown = sorted(set(self.buffer_bytes) - set(BUFFERS))
+        if unknown:
+            raise ParameterError(f"cost 'buffer_bytes' has unknown kinds {unknown}; accepted: {', '.join(BUFFERS)}")
+        buffers = {
+            k: _per_stage(f"buffer_bytes.{k}", self.buffer_bytes.get(k, 0), stages, source="'forward'")
+            for k in BUFFERS
+        }
+        object.__setattr__(self, "buffer_bytes", buffers)
+        if not _number(self.latency) or not 0 <= self.latency < math.inf:
+            raise ParameterError(f"cost 'latency' must be a finite number >= 0, got {self.latency!r}")
+        if not _number(self.bandwidth) or not self.bandwidth > 0:
+            raise ParameterError(f"cost 'bandwidth' must be a number > 0 (math.inf for free transfers), got {self.bandwidth!r}")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward)
+
+    @staticmethod
+    def default(schedule: Schedule) -> CostModel:
+        """Unit costs: a rank's whole share of the model costs F=1, B=2, so each of its
+        `virtual` stages costs F=1/v, B=2/v; W=0; free messages; 1 byte per buffer."""
+        stages, v = schedule.num_stages, schedule.virtual
+        forward = 1.0 if v == 1 else 1 / v
+        return CostModel(
+            (forward,) * stages, (2 * forward,) * stages, (0.0,) * stages,
+            {k: (1,) * stages for k in BUFFERS},
+        )
+
+    @staticmethod
+    def from_dict(obj: Any, schedule: Schedule) -> CostModel:
+        """The cost-file form: an object with any of the keys of `COST_KEYS`. A number
+        stands for the same value on every stage; `"bandwidth": null` means infinite.
+        A key (or buffer kind) left out takes its value from `CostModel.default`."""
+        if not isinstance(obj, dict):
+            raise FormatError(f"a cost model must be a JSON object, got {obj!r}")
+        unknown = sorted(set(obj) - set(COST_KEYS))
+        if unknown:
+            raise FormatError(f"cost model has unknown keys {unknown} (values {[obj[k] for k in unknown]!r}); accepted: {', '.join(COST_KEYS)}")
+        stages = schedule.num_stages
+        base = CostModel.default(schedule)
+        values = {k: _per_stage(k, obj[k], stages, FormatError) if k in obj else getattr(base, k)
+                  for k in ("forward", "backward", "weight")}
+        buffers = obj.get("buffer_bytes", {})
+        if not isinstance(buffers, dict):
+            raise FormatError(f"cost 'buffer_bytes' must be an object of buffer kind -> bytes, got {buffers!r}")
+        bad = sorted(set(buffers) - set(BUFFERS))
+        if bad:
+            raise FormatError(f"cost 'buffer_bytes' has unknown kinds {bad} (values {[buffers[k] for k in bad]!r}); accepted: {', '.join(BUFFERS)}")
+        values["buffer_bytes"] = {
+            k: _per_stage(f"buffer_bytes.{k}", buffers[k], stages, FormatError) if k in buffers else base.buffer_bytes[k]
+            for k in BUFFERS
+        }
+        latency = obj.get("latency", 0.0)
+        if not _number(latency) or not 0 <= latency < math.inf:
+            raise FormatError(f"cost 'latency' must be a finite number >= 0, got {latency!r}")
+        bandwidth = obj.get("bandwidth")
+        bandwidth = math.inf if bandwidth is None else bandwidth
+        if not _number(bandwidth) or not bandwidth > 0:
+            raise FormatError(f"cost 'bandwidth' must be a number > 0 or null (infinite), got {bandwidth!r}")
+        return CostModel(latency=latency, bandwidth=bandwidth, **values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The inverse of `from_dict` (infinite bandwidth is written as null)."""
+        return {
+            "forward": list(self.forward),
+            "backward": list(self.backward),
+            "weight": list(self.weight),
+            "buffer_bytes": {k: list(v) for k, v in self.buffer_bytes.items()},
+            "latency": self.latency,
+            "bandwidth": None if self.bandwidth == math.inf else self.bandwidth,
+        }
+
+
+def load_cost(path: str, schedule: Schedule) -> CostModel:
+    """Read a cost model from a JSON file; raises FormatError on unreadable or bad input."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            obj = json.load(handle)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise FormatError(f"cannot read cost model {path}: {err}") from None
+    return CostModel.from_dict(obj, schedule)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What one simulated step looks like.
+
+    step_time: when the last rank finishes. bubble_fraction: 1 - sum(busy) /
+    (pp * step_time). busy: per-rank compute time. peak_inflight: per rank, the most
+    (stage, mb) whose F has run and whose B has not. peak_bytes / memory: per rank, the
+    most live buffer bytes and the (time, live bytes) step curve, one point per time at
+    which the bytes change ([Note: when bytes count]); it starts at (0, ...) and ends at
+    0 when every buffer is freed. events: one `Event(rank, index, instr, start, end)`
+    per executed instruction, rank by rank in program order (a lazy sequence; for a
+    communication op, start is its batch's post time and end its message's completion).
+    """
+
+    step_time: float
+    bubble_fraction: float
+    busy: tuple[float, ...]
+    peak_inflight: tuple[int, ...]
+    peak_bytes: tuple[float, ...]
+    memory: tuple[tuple[tuple[float, float], ...], ...]
+    events: Sequence[Event] = field(repr=False, hash=False)
+
+    def to_dict(self, *, memory: bool = False, events: bool = False) -> dict[str, Any]:
+        """JSON-able summary; `memory` / `events` add the (large) curves and events."""
+        out: dict[str, Any] = {
+            "step_time": float(self.step_time),
+            "bubble_fraction": float(self.bubble_fraction),
+            "busy": [float(b) for b in self.busy],
+            "peak_inflight": list(self.peak_inflight),
+            "peak_bytes": [float(b) for b in self.peak_bytes],
+        }
+        if memory:
+            out["memory"] = [[[float(t), float(b)] for t, b in curve] for curve in self.memory]
+        if events:
+            out["events"] = [
+                {"rank": e.rank, "index": e.index, "instr": str(e.instr), "start": float(e.start), "end": float(e.end)}
+                for e in self.events
+            ]
+        return out
+
+
+def _is_lowered(schedule: Schedule) -> bool:
+    """False for compute order only: no communication and no FREE anywhere."""
+    return any(i.op not in COMPUTE_OPS for program in schedule.programs for i in program)
+
+
+def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
+    """Simulate one step of a lowered schedule ([Note: simulated semantics]).
+
+    A compute-only schedule (no communication and no FREE) is lowered first with
+    `passes.lower`. `cost` defaults to `CostModel.default(schedule)`. Raises ScheduleError(rule=
+    "deadlock") when the programs cannot finish, ParameterError when the cost model
+    does not have one entry per stage.
+    """
+    if not _is_lowered(schedule):
+        schedule = lower(schedule)
+    if cost is None:
+        cost = CostModel.default(schedule)
+    if cost.num_stages != schedule.num_stages:
+        raise ParameterError(
+            f"the cost model has {cost.num_stages} stages but the schedule has "
+            f"pp*virtual = {schedule.pp}*{schedule.virtual} = {schedule.num_stages}"
+        )
+    trace = run(schedule, cost)
+    step_time = max(trace.finish, default=0)
+    total = sum(trace.busy)
+    bubble = 1 - total / (schedule.pp * step_time) if step_time > 0 else 0.0
+    return SimResult(
+        step_time=step_time,
+        bubble_fraction=bubble,
+        busy=tuple(trace.busy),
+        peak_inflight=tuple(trace.peak_inflight),
+        peak_bytes=tuple(trace.peak_bytes),
+        memory=tuple(tuple(zip(times, values)) for times, values in trace.memory),
+        events=EventLog(schedule.programs, trace.ends),
+    )
+
+
+__all__ = ["CostModel", "Event", "EventLog", "SimResult", "load_cost", "simulate"]
