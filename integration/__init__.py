@@ -1,0 +1,1 @@
+"""Adapters that plug pipeschedule into training frameworks (today: nanotron)."""

@@ -1,0 +1,226 @@
+"""`parallelism.pp_engine` values: what a user may write, parsed into an `EngineSpec`.
+
+[Note: pp_engine syntax] nanotron parses its config with dacite `strict=True`, so an
+extra key next to `pp_engine` fails; an engine's parameters travel inside the value.
+Two forms are accepted, and both load to the same `EngineSpec`:
+
+    pp_engine: capped_1f1b:cap=2,split=19/21/21/19          # string form
+    pp_engine: {name: capped_1f1b, cap: 2, split: [19, 21, 21, 19]}   # mapping form
+
+Grammar of the string form: `NAME[:KEY=VALUE[,KEY=VALUE]...]`; a VALUE is an integer or
+a list of integers joined by `/` (`cap=4/3/2/1`). No spaces or quotes are needed, so the
+value survives YAML unquoted (a `:` not followed by a space does not start a mapping)
+and `yaml.dump` writes it back as a plain string. In the mapping form a list may also be
+a YAML list.
+
+Which engine runs:
+
+    afab, 1f1b            nanotron's own engines, unchanged; they take no parameters
+    ps_afab, ps_1f1b      pipeschedule's engine running the same schedules
+    capped_1f1b           pipeschedule; cap (default ceil(pp/2)), split
+    interleaved_1f1b      pipeschedule; virtual (required), cap, split
+
+`1f1b` and `afab` keep meaning nanotron's engines so that every existing config keeps
+its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
+
+    cap      in-flight microbatches per rank: one integer >= 1 for every rank, or one
+             per rank (`4/3/2/1`); clipped as the generator documents
+    virtual  model chunks per rank (interleaved only), integer >= 1
+    split    decoder layers per stage, pp * virtual integers >= 0 in stage order; the
+             embedding sits on stage 0, the final norm, LM head and loss on the last
+
+Saving writes the canonical string form (`EngineSpec.to_string()`): keys in the order
+virtual, cap, split, defaults left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from pipeschedule.errors import ParameterError
+
+from integration.nanotron.registry import ENGINES, NANOTRON_ENGINES, accepted_summary
+
+PARAM_ORDER = ("virtual", "cap", "split")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A parsed `pp_engine` value. `name` is the config name (`capped_1f1b`, `1f1b`, ...).
+
+    `cap` is None (the engine's default), an int, or a tuple with one int per rank;
+    `virtual` is None except for interleaved engines; `split` is None (nanotron's
+    cost-balanced split) or decoder layers per stage.
+    """
+
+    name: str
+    cap: int | tuple[int, ...] | None = None
+    virtual: int | None = None
+    split: tuple[int, ...] | None = None
+
+    @property
+    def is_nanotron_builtin(self) -> bool:
+        return self.name in NANOTRON_ENGINES
+
+    @property
+    def family(self) -> str:
+        """The pipeschedule generator family (`pipeschedule.generators.FAMILIES`)."""
+        if self.is_nanotron_builtin:
+            return self.name
+        return ENGINES[self.name].family
+
+    def params(self) -> dict[str, Any]:
+        """The parameters that are set, in canonical order."""
+        return {key: getattr(self, key) for key in PARAM_ORDER if getattr(self, key) is not None}
+
+    def to_string(self) -> str:
+        """The canonical string form; `parse_engine(spec.to_string()) == spec`."""
+        parts = [f"{key}={_format_value(value)}" for key, value in self.params().items()]
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    def check_against(self, *, pp: int, num_layers: int | None = None) -> None:
+        """Check the parameters that depend on the run: cap list and split lengths, split sum.
+
+        Engines call this once they know pp (config load does not: dacite builds
+        `pp_engine` before the rest of `parallelism`).
+        """
+        virtual = self.virtual or 1
+        if isinstance(self.cap, tuple) and len(self.cap) != pp:
+            raise ParameterError(
+                f"pp_engine {self.to_string()!r}: cap lists {len(self.cap)} ranks but pp = {pp}; "
+                "give one cap per rank or a single integer"
+            )
+        if self.split is not None:
+            stages = pp * virtual
+            if len(self.split) != stages:
+                raise ParameterError(
+                    f"pp_engine {self.to_string()!r}: split lists {len(self.split)} stages but "
+                    f"pp * virtual = {pp} * {virtual} = {stages}"
+                )
+            if num_layers is not None and sum(self.split) != num_layers:
+                raise ParameterError(
+                    f"pp_engine {self.to_string()!r}: split places {'+'.join(map(str, self.split))} = "
+                    f"{sum(self.split)} decoder layers but the model has {num_layers}"
+                )
+
+
+def parse_engine(value: Any) -> EngineSpec:
+    """Parse a `pp_engine` value (string or mapping form); raises ParameterError (a ValueError).
+
+    Every message names the offending value and lists what is accepted.
+    """
+    if isinstance(value, str):
+        name, raw = _split_string(value)
+    elif isinstance(value, Mapping):
+        name, raw = _split_mapping(value)
+    else:
+        raise _error(value, f"expected a string or a mapping, got {type(value).__name__}")
+    if name in NANOTRON_ENGINES:
+        if raw:
+            raise _error(
+                value,
+                f"nanotron's own {name!r} takes no parameters (got {', '.join(raw)}); "
+                f"for pipeschedule's engine write ps_{name}",
+            )
+        return EngineSpec(name)
+    entry = ENGINES.get(name)
+    if entry is None:
+        raise _error(value, f"unknown engine {name!r}")
+    unknown = [key for key in raw if key not in entry.params]
+    if unknown:
+        raise _error(
+            value,
+            f"unknown parameter {unknown[0]!r} for {name}; {name} accepts: "
+            + (", ".join(entry.params) if entry.params else "no parameters"),
+        )
+    missing = [key for key in entry.required if key not in raw]
+    if missing:
+        raise _error(value, f"{name} needs {missing[0]}=N")
+    values = {key: _convert(value, key, raw[key]) for key in raw}
+    return EngineSpec(name, **values)
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _error(value: Any, reason: str) -> ParameterError:
+    return ParameterError(f"pp_engine {value!r}: {reason}. Accepted: {accepted_summary()}")
+
+
+def _split_string(value: str) -> tuple[str, dict[str, Any]]:
+    name, sep, rest = value.strip().partition(":")
+    name = name.strip()
+    raw: dict[str, Any] = {}
+    if sep:
+        if not rest.strip():
+            raise _error(value, "nothing after ':'; write NAME or NAME:KEY=VALUE[,KEY=VALUE]")
+        for item in rest.split(","):
+            key, eq, text = item.partition("=")
+            key = key.strip()
+            if not eq or not key:
+                raise _error(value, f"cannot read parameter {item.strip()!r}; expected KEY=VALUE")
+            if key in raw:
+                raise _error(value, f"parameter {key!r} given twice")
+            raw[key] = text.strip()
+    return name, raw
+
+
+def _split_mapping(value: Mapping) -> tuple[str, dict[str, Any]]:
+    if "name" not in value:
+        raise _error(dict(value), "the mapping form needs a 'name' key")
+    name = value["name"]
+    if not isinstance(name, str):
+        raise _error(dict(value), f"name must be a string, got {name!r}")
+    raw = {key: item for key, item in value.items() if key != "name"}
+    for key in raw:
+        if not isinstance(key, str):
+            raise _error(dict(value), f"parameter names must be strings, got {key!r}")
+    return name.strip(), raw
+
+
+def _convert(value: Any, key: str, raw: Any) -> Any:
+    """One parameter's value, checked; `value` is the whole pp_engine value for messages."""
+    if key == "virtual":
+        number = _integer(value, key, raw)
+        if number < 1:
+            raise _error(value, f"virtual must be an integer >= 1, got {raw!r}")
+        return number
+    items = _integers(value, key, raw)
+    if key == "cap":
+        if any(c < 1 for c in items):
+            raise _error(value, f"cap must be an integer >= 1 (or one per rank, as 4/3/2/1), got {raw!r}")
+        return items[0] if len(items) == 1 else tuple(items)  # one entry means every rank
+    if key == "split":
+        if any(n < 0 for n in items) or sum(items) < 1:
+            raise _error(
+                value, f"split must list decoder layers per stage (integers >= 0, at least one layer), got {raw!r}"
+            )
+        return tuple(items)
+    raise AssertionError(f"no converter for parameter {key!r}")  # registry and PARAM_ORDER disagree
+
+
+def _integer(value: Any, key: str, raw: Any) -> int:
+    if isinstance(raw, bool):
+        raise _error(value, f"{key} must be an integer, got {raw!r}")
+    if isinstance(raw, int):
+        return raw
+    if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+        return int(raw.strip())
+    raise _error(value, f"{key} must be an integer, got {raw!r}")
+
+
+def _integers(value: Any, key: str, raw: Any) -> list[int]:
+    if isinstance(raw, (list, tuple)):
+        if not raw:
+            raise _error(value, f"{key} is an empty list")
+        return [_integer(value, key, item) for item in raw]
+    if isinstance(raw, str) and "/" in raw:
+        return [_integer(value, key, item) for item in raw.split("/")]
+    return [_integer(value, key, raw)]
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, tuple):
+        return "/".join(str(v) for v in value)
+    return str(value)

@@ -1,0 +1,425 @@
+"""Run nanotron's own pipeline engines for real, on CPU with gloo, and collect results.
+
+Two layers:
+
+- `spawn(fn, world_size, args)`: starts `world_size` processes (spawn start method),
+  initialises gloo in each through a `FileStore` in a temporary directory, runs
+  `fn(rank, world_size, *args)` and returns the ranks' results in rank order. A child's
+  exception is re-raised in the parent as `ChildFailed` with the child's traceback; the
+  other children are terminated; past `timeout` every child is killed and `TimeoutError`
+  names the ranks that had not finished, with each hung rank's Python stacks (written
+  by faulthandler on SIGUSR1). It never waits without a deadline. A script calling it
+  needs the usual `if __name__ == "__main__":` guard (spawn re-imports `__main__`).
+- `run_nanotron(job)`: one process group of pp * dp ranks that performs every `Run` of the
+  job in turn (one spawn per group keeps the tests fast), each on a freshly built model
+  ([Note: deterministic init] makes all of them start from the same weights), and
+  returns per run the losses nanotron reports, the gradients by parameter name (merged
+  across pp ranks, so runs with different splits compare by name), the stash
+  measurements and the error if the engine refused.
+
+Usage:
+
+    from integration.nanotron.harness import Job, Run, run_nanotron
+    from integration.nanotron.llama import ModelConfig
+
+    cfg = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
+    runs = (Run("1f1b", microbatches=4), Run("afab", microbatches=4, split=(1, 3)))
+    pipelined = run_nanotron(Job(cfg, pp=2, runs=runs)).runs
+    reference = run_nanotron(Job(cfg, pp=1, runs=(Run("loop", microbatches=4),))).runs[0]
+    assert pipelined[0].losses.equal(reference.losses)
+    assert all(pipelined[1].grads[name].equal(g) for name, g in reference.grads.items())
+
+Engines: "1f1b" and "afab" are nanotron's `OneForwardOneBackwardPipelineEngine` and
+`AllForwardAllBackwardPipelineEngine`; "loop" (pp=1 only) is the plain reference: for
+each microbatch, `(model(**mb)["loss"] / m).backward()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.multiprocessing as torch_mp
+
+from integration.nanotron._compat import import_nanotron
+
+import_nanotron()
+
+from nanotron.parallel.pipeline_parallel.state import PipelineBatchState, PipelineTrainBatchState  # noqa: E402
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
+
+from integration.nanotron.llama import ModelConfig, block_seed  # noqa: E402
+
+# -- spawning --------------------------------------------------------------------------
+
+
+class ChildFailed(RuntimeError):
+    """A spawned rank raised; the message holds its traceback."""
+
+
+def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 120.0, threads: int = 1) -> list:
+    """Run `fn(rank, world_size, *args)` in `world_size` gloo processes; results by rank.
+
+    `fn` must be importable by name (a module-level function) and its result picklable
+    by `torch.save`. Each child uses `threads` intra-op threads (1 keeps CPU kernels
+    deterministic and avoids oversubscribing small machines).
+    """
+    context = torch_mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="pipeschedule-gloo-") as tmp:
+        processes = [
+            context.Process(target=_child, args=(rank, world_size, tmp, fn, tuple(args), threads, timeout), daemon=True)
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                codes = [p.exitcode for p in processes]
+                if any(code not in (None, 0) for code in codes):
+                    time.sleep(0.5)  # let other failing ranks write their errors
+                    raise ChildFailed(_failure_message(tmp, processes))
+                if all(code == 0 for code in codes):
+                    break
+                if time.monotonic() > deadline:
+                    waiting = [r for r, code in enumerate(codes) if code is None]
+                    raise TimeoutError(
+                        f"ranks {waiting} of {world_size} still running after {timeout:.0f} s; killed. "
+                        + _errors_so_far(tmp, world_size) + _stacks(tmp, processes, waiting)
+                    )
+                time.sleep(0.02)
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+            for process in processes:
+                process.join(timeout=10)
+        return [torch.load(os.path.join(tmp, f"result-{rank}.pt"), weights_only=False) for rank in range(world_size)]
+
+
+def _child(rank, world_size, tmp, fn, args, threads, timeout) -> None:
+    # On SIGUSR1 (sent by the parent at its deadline) write every thread's stack.
+    stack_file = open(os.path.join(tmp, f"stack-{rank}.txt"), "w", encoding="utf-8")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+    )
+    torch.set_num_threads(threads)
+    import torch.distributed as dist
+
+    try:
+        store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
+        result = fn(rank, world_size, *args)
+        path = os.path.join(tmp, f"result-{rank}.pt")
+        torch.save(result, path + ".partial")
+        os.replace(path + ".partial", path)
+    except BaseException:  # noqa: BLE001  (everything is reported to the parent)
+        with open(os.path.join(tmp, f"error-{rank}.txt"), "w", encoding="utf-8") as handle:
+            handle.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)  # skip atexit and gloo teardown, which can block on dead peers
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001  (teardown only)
+        pass
+
+
+def _failure_message(tmp: str, processes) -> str:
+    lines = []
+    for rank, process in enumerate(processes):
+        path = os.path.join(tmp, f"error-{rank}.txt")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                lines.append(f"--- rank {rank} raised:\n{handle.read()}")
+        elif process.exitcode not in (None, 0):
+            lines.append(f"--- rank {rank} exited with code {process.exitcode} without a traceback")
+    return "a spawned rank failed\n" + "\n".join(lines)
+
+
+def _stacks(tmp: str, processes, ranks: list[int]) -> str:
+    """Ask the hung ranks for their Python stacks (faulthandler) and return them."""
+    for rank in ranks:
+        if processes[rank].is_alive():
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    out = []
+    for rank in ranks:
+        path = os.path.join(tmp, f"stack-{rank}.txt")
+        text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        keep = ("File", "Thread", "Current thread")
+        frames = [line for line in text.splitlines() if line.strip().startswith(keep)]
+        out.append(f"\n--- rank {rank} stacks, per thread, innermost first:\n" + "\n".join(frames[:40]))
+    return "".join(out)
+
+
+def _errors_so_far(tmp: str, world_size: int) -> str:
+    found = [r for r in range(world_size) if os.path.exists(os.path.join(tmp, f"error-{r}.txt"))]
+    if not found:
+        return "No rank reported an error (a hang: look for a send without its receive)."
+    with open(os.path.join(tmp, f"error-{found[0]}.txt"), encoding="utf-8") as handle:
+        return f"Rank {found[0]} raised first:\n{handle.read()}"
+
+
+# -- data ------------------------------------------------------------------------------
+
+
+def microbatch(cfg: ModelConfig, batch_size: int, index: int, seed: int) -> dict[str, torch.Tensor]:
+    """Microbatch number `index` of the data stream `seed`: the same tensors whatever pp, dp or m.
+
+    input_ids / label_ids are a random token sequence and the same shifted by one;
+    input_mask is all True; label_mask drops about one token in ten (never a whole
+    microbatch), so the masked mean is exercised.
+    """
+    generator = torch.Generator().manual_seed(block_seed(seed, index))
+    tokens = torch.randint(0, cfg.vocab, (batch_size, cfg.seq + 1), generator=generator)
+    label_mask = torch.rand(batch_size, cfg.seq, generator=generator) > 0.1
+    label_mask[0, 0] = True
+    return {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "input_mask": torch.ones(batch_size, cfg.seq, dtype=torch.bool),
+        "label_ids": tokens[:, 1:].contiguous(),
+        "label_mask": label_mask,
+    }
+
+
+def for_rank(batch: dict, pp_rank: int, input_pp_rank: int, output_pp_rank: int) -> dict:
+    """nanotron's data-loader convention: inputs on the input rank, labels on the output
+    rank, `TensorPointer`s to them everywhere else."""
+    out = {}
+    for key, value in batch.items():
+        owner = input_pp_rank if key.startswith("input") else output_pp_rank
+        out[key] = value if pp_rank == owner else TensorPointer(group_rank=owner)
+    return out
+
+
+# -- jobs ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training step.
+
+    engine        "1f1b" | "afab" (nanotron's engines) | "loop" (pp=1 reference)
+    microbatches  m per data-parallel replica (replica d takes stream items d*m .. d*m+m-1)
+    split         decoder layers per stage; None = nanotron's cost-balanced split
+    placement     rank of each stage; None = 0..pp-1, or round-robin when split lists
+                  a multiple of pp stages (interleaving: nanotron's AFAB runs it, its
+                  1F1B deadlocks, see DESIGN.md)
+    measure_stash attach a StashMeter (integration.nanotron.stash) to the model
+    """
+
+    engine: str
+    microbatches: int
+    split: tuple[int, ...] | None = None
+    measure_stash: bool = False
+    placement: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """A process group (pp * dp ranks, tp = 1) and the runs it performs in order.
+
+    split_checks: entries (ModelConfig, target_pp_ranks or None); for each, build that
+    model with nanotron's own `build_model` and report its block ranks next to ours
+    (`llama_block_ranks` with nanotron's split). No training.
+    """
+
+    model: ModelConfig
+    pp: int
+    runs: tuple[Run, ...]
+    dp: int = 1
+    batch_size: int = 2
+    data_seed: int = 1234
+    split_checks: tuple = ()
+    timeout: float = 120.0
+
+
+@dataclass
+class RunResult:
+    """What one run produced, merged over the ranks.
+
+    losses       the per-microbatch losses as nanotron returns them (loss / m), replicas
+                 concatenated in dp order; None if the engine raised
+    scale        m, so that losses * scale are the raw microbatch losses
+    grads        parameter name -> gradient, from dp replica 0, all pp ranks merged
+    dp_grad_gap  largest |difference| between any replica's gradient and replica 0's
+    stash        per pp rank (replica 0): StashMeter summary, or None
+    error        the first rank's traceback if the engine raised (same on every rank
+                 for the refusals seen so far), else None
+    block_ranks  rank of each block
+    """
+
+    run: Run
+    losses: torch.Tensor | None
+    scale: int
+    grads: dict[str, torch.Tensor]
+    dp_grad_gap: float
+    stash: list[dict] | None
+    error: str | None
+    block_ranks: list[int]
+    leftover_state: list[str] = field(default_factory=list)
+
+
+@dataclass
+class JobResult:
+    """`runs[i]` is the RunResult of `job.runs[i]`; `split_checks[i]` a dict with keys
+    target_pp_ranks, nanotron, nanotron_output_pp_rank, ours (block ranks)."""
+
+    runs: list[RunResult]
+    split_checks: list[dict]
+    seconds: float
+
+
+def run_nanotron(job: Job) -> JobResult:
+    """Spawn the group, perform every run and split check, merge the ranks' pieces."""
+    start = time.monotonic()
+    pieces = spawn(_worker, job.pp * job.dp, (job,), timeout=job.timeout)
+    runs = [_merge(job, i, [piece["runs"][i] for piece in pieces]) for i in range(len(job.runs))]
+    return JobResult(runs, pieces[0]["split_checks"], time.monotonic() - start)
+
+
+def _merge(job: Job, index: int, pieces: list[dict]) -> RunResult:
+    run = job.runs[index]
+    replica0 = [p for p in pieces if p["dp_rank"] == 0]
+    error = next((p["error"] for p in pieces if p["error"]), None)
+    grads: dict[str, torch.Tensor] = {}
+    for piece in replica0:
+        grads.update(piece["grads"])
+    gap = 0.0
+    for piece in pieces:
+        for name, grad in piece["grads"].items():
+            if grad is not None and grads.get(name) is not None:
+                gap = max(gap, (grad - grads[name]).abs().max().item())
+    losses = None
+    if error is None:
+        holders = sorted((p for p in pieces if p["losses"] is not None), key=lambda p: p["dp_rank"])
+        losses = torch.cat([torch.stack(p["losses"]) for p in holders]) if holders else None
+    stash = None
+    if run.measure_stash:
+        stash = [p["stash"] for p in sorted(replica0, key=lambda p: p["pp_rank"])]
+    leftover = sorted({item for p in pieces for item in p["leftover_state"]})
+    return RunResult(run, losses, run.microbatches, grads, gap, stash, error, pieces[0]["block_ranks"], leftover)
+
+
+# -- inside each rank ------------------------------------------------------------------
+
+
+def _worker(rank: int, world_size: int, job: Job) -> dict:
+    import nanotron.distributed as nanotron_dist
+
+    from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
+
+    context = cpu_parallel_context(tp=1, pp=job.pp, dp=job.dp)
+    pp_rank = nanotron_dist.get_rank(context.pp_pg)
+    dp_rank = nanotron_dist.get_rank(context.dp_pg)
+    p2p = cpu_p2p(context.pp_pg)
+    runs = [_train_once(job, run, context, p2p, pp_rank, dp_rank) for run in job.runs]
+    checks = [_split_check(cfg, target, context, p2p) for cfg, target in job.split_checks]
+    return {"pp_rank": pp_rank, "dp_rank": dp_rank, "runs": runs, "split_checks": checks}
+
+
+def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) -> dict:
+    from nanotron.parallel.pipeline_parallel.engine import (
+        AllForwardAllBackwardPipelineEngine,
+        OneForwardOneBackwardPipelineEngine,
+    )
+    from torch.nn.parallel import DistributedDataParallel
+
+    from integration.nanotron.llama import build_llama, llama_block_ranks
+    from integration.nanotron.stash import StashMeter
+
+    engines = {"1f1b": OneForwardOneBackwardPipelineEngine, "afab": AllForwardAllBackwardPipelineEngine}
+    if run.engine not in engines and run.engine != "loop":
+        raise ValueError(f"unknown engine {run.engine!r}; accepted: 1f1b, afab, loop")
+    if run.engine == "loop" and job.pp != 1:
+        raise ValueError("the 'loop' reference runs at pp=1 only")
+
+    leftover = _clear_shared_state()  # [Note: nanotron's shared deques]
+    block_ranks = llama_block_ranks(job.model, job.pp, split=run.split, placement=run.placement)
+    model = build_llama(job.model, p2p, block_ranks)
+    meter = StashMeter.for_model(model) if run.measure_stash else None
+    model.stash_meter = meter
+    wrapped = model
+    if job.dp > 1:
+        # nanotron's trainer also passes broadcast_buffers=False, which torch 2.13 deprecates
+        # with a warning; the model has no buffers, so the default does the same.
+        wrapped = DistributedDataParallel(model, process_group=context.dp_pg)
+    m = run.microbatches
+    # Lazily, like a data loader: a list would keep every microbatch's inputs alive.
+    data = (
+        for_rank(microbatch(job.model, job.batch_size, dp_rank * m + i, job.data_seed),
+                 pp_rank, model.input_pp_rank, model.output_pp_rank)
+        for i in range(m)
+    )
+    error = None
+    outputs: list = []
+    try:
+        if run.engine == "loop":
+            for batch in data:
+                loss = wrapped(**batch)["loss"] / m
+                loss.backward()
+                outputs.append({"loss": loss.detach()})
+        else:
+            engine = engines[run.engine]()
+            outputs = engine.train_batch_iter(
+                model=wrapped, pg=context.pp_pg, batch=data, nb_microbatches=m, grad_accumulator=None
+            )
+        # Sends are only posted (cpu.CpuP2P); the last gradient sends of the step may still
+        # wait for their receives. Finish them, as a GPU run synchronises its streams.
+        p2p.wait_sends()
+    except Exception:  # noqa: BLE001  (nanotron refuses some (pp, m) with an AssertionError)
+        error = traceback.format_exc()
+    stash = meter.finish() if meter is not None else None
+    losses = [o["loss"] for o in outputs if isinstance(o["loss"], torch.Tensor)] or None
+    grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in model.named_parameters()}
+    return {
+        "pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "grads": grads, "stash": stash,
+        "error": error, "block_ranks": block_ranks, "leftover_state": leftover,
+    }
+
+
+def _clear_shared_state() -> list[str]:
+    """Empty nanotron's class-level queues; return the names of those that were not empty.
+
+    [Note: nanotron's shared deques] `PipelineTrainBatchState` declares its queues as
+    class attributes of a dataclass without annotations, so every instance in a process
+    shares them (and `PipelineBatchState.activations_buffer`). A step that stops half
+    way leaves entries that the next step in the same process would consume as its own.
+    """
+    leftover = []
+    for owner in (PipelineBatchState, PipelineTrainBatchState):
+        for name, value in list(vars(owner).items()):
+            if hasattr(value, "clear") and hasattr(value, "popleft"):
+                if len(value):
+                    leftover.append(f"{owner.__name__}.{name}")
+                value.clear()
+    return leftover
+
+
+def _split_check(cfg: ModelConfig, target, context, p2p) -> dict:
+    from nanotron.models.base import build_model
+
+    from integration.nanotron.llama import PipelinedLlama, llama_block_ranks
+
+    model = build_model(
+        model_builder=lambda: PipelinedLlama(cfg, p2p), parallel_context=context,
+        dtype=torch.float32, target_pp_ranks=None if target is None else list(target), device=torch.device("cpu"),
+    )
+    return {
+        "target_pp_ranks": target,
+        "nanotron": [block.rank for block in model.pipeline_blocks()],
+        "nanotron_output_pp_rank": model.output_pp_rank,
+        "ours": llama_block_ranks(cfg, context.pipeline_parallel_size, placement=target),
+    }

@@ -1,0 +1,117 @@
+"""Which class runs each pipeschedule engine name, resolved lazily from a class path.
+
+The config code (`integration.nanotron.config`) never names an engine class: it looks
+the name up here and imports `EngineEntry.engine` ("module:Class") when a config is
+loaded. Adding the real engines means changing the `engine` strings below to point into
+`integration/nanotron/engine.py`; nothing in the config code changes.
+
+Contract for an engine class: a subclass of nanotron's `PipelineEngine` whose
+constructor takes the parsed `EngineSpec` as its only argument and keeps it as
+`self.spec` (saving a config writes `engine.spec.to_string()`).
+
+TODO(engines): every entry still points at `EngineNotImplementedYet`, a placeholder that
+loads and saves with a config but raises NotImplementedError when trained with. Replace
+the class paths once `integration/nanotron/engine.py` exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from integration.nanotron._compat import import_nanotron
+
+import_nanotron()
+
+from nanotron.parallel.pipeline_parallel.engine import PipelineEngine  # noqa: E402
+
+NANOTRON_ENGINES = ("afab", "1f1b")  # nanotron's own; loaded and saved by nanotron's functions
+PLACEHOLDER = "integration.nanotron.registry:EngineNotImplementedYet"
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One pipeschedule engine name.
+
+    family    the generator family in `pipeschedule.generators.FAMILIES`
+    params    the parameters the name accepts, in canonical order
+    required  those of `params` that must be given
+    engine    "module:Class" of the engine, imported when a config names it
+    usage     how the name is written, for error messages
+    """
+
+    family: str
+    params: tuple[str, ...]
+    required: tuple[str, ...]
+    engine: str
+    usage: str
+
+
+ENGINES: dict[str, EngineEntry] = {
+    "ps_afab": EngineEntry("afab", ("split",), (), PLACEHOLDER, "ps_afab[:split=A/B/...]"),
+    "ps_1f1b": EngineEntry("1f1b", ("split",), (), PLACEHOLDER, "ps_1f1b[:split=A/B/...]"),
+    "capped_1f1b": EngineEntry(
+        "capped_1f1b", ("cap", "split"), (), PLACEHOLDER, "capped_1f1b[:cap=N|N0/N1/...,split=A/B/...]"
+    ),
+    "interleaved_1f1b": EngineEntry(
+        "interleaved_1f1b", ("virtual", "cap", "split"), ("virtual",), PLACEHOLDER,
+        "interleaved_1f1b:virtual=V[,cap=N,split=A/B/...]",
+    ),
+}
+
+
+def accepted_summary() -> str:
+    """One line listing every accepted pp_engine value, for error messages."""
+    ours = "; ".join(entry.usage for entry in ENGINES.values())
+    return (
+        f"{', '.join(NANOTRON_ENGINES)} (nanotron's own engines, no parameters); {ours} "
+        "(pipeschedule); or the mapping form {name: capped_1f1b, cap: 2}"
+    )
+
+
+def resolve(class_path: str) -> type:
+    """Import "module:Class" and return the class; raises ImportError naming the path."""
+    module_name, sep, attr = class_path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ImportError(f"engine class path {class_path!r} is not of the form 'module:Class'")
+    module = importlib.import_module(module_name)
+    try:
+        cls = getattr(module, attr)
+    except AttributeError:
+        raise ImportError(f"engine class path {class_path!r}: module {module_name} has no {attr}") from None
+    if not (isinstance(cls, type) and issubclass(cls, PipelineEngine)):
+        raise ImportError(f"engine class path {class_path!r} does not name a nanotron PipelineEngine subclass")
+    return cls
+
+
+def build_engine(spec) -> PipelineEngine:
+    """The engine object for a parsed pipeschedule `EngineSpec` (not for nanotron's own)."""
+    cls = resolve(ENGINES[spec.name].engine)
+    return cls(spec)
+
+
+class EngineNotImplementedYet(PipelineEngine):
+    """Placeholder for every pipeschedule engine until `engine.py` provides them.
+
+    It exists so that configs naming our engines load, save and round-trip today. It is
+    NOT an engine: `train_batch_iter` and `validate_batch_iter` raise.
+    """
+
+    def __init__(self, spec):
+        super().__init__()
+        self.spec = spec
+
+    def _refuse(self):
+        raise NotImplementedError(
+            f"pipeschedule engine {self.spec.to_string()!r} is not implemented yet: registry entry "
+            f"{self.spec.name!r} still points at the placeholder {PLACEHOLDER}"
+        )
+
+    def train_batch_iter(self, model, pg, batch, nb_microbatches, grad_accumulator):
+        self._refuse()
+
+    def validate_batch_iter(self, model, batch, nb_microbatches):
+        self._refuse()
+
+    def __repr__(self) -> str:
+        return f"EngineNotImplementedYet({self.spec.to_string()!r})"
