@@ -1,0 +1,35 @@
+"""The runtime: executes one rank's program of a lowered schedule with torch.
+
+The only part of pipeschedule that imports torch. Pieces:
+
+    executor    Executor: one rank's program, instruction by instruction
+    stages      Stages protocol (what runs at F and B), ModuleStages adapter
+    transport   DistTransport (torch.distributed), HostStagedTransport (ranks sharing a GPU)
+    shapes      TensorMeta, the one-time exchange of boundary shapes
+    inprocess   InProcessPipeline: every rank in one process, stepped deterministically
+    ledger      Ledger: live bytes per buffer kind, high-water marks, per-instruction trace
+    driver      the blocking driver and its watchdog
+    launch      spawn: one process per rank, for tests and benchmarks
+
+    >>> from pipeschedule.generators import generate
+    >>> from pipeschedule.passes import lower
+    >>> schedule = lower(generate("1f1b", pp=2, microbatches=4))
+    >>> executor = Executor(schedule, rank, ModuleStages(chunks, loss_fn), DistTransport(store))
+    >>> outputs = executor.step(inputs, targets)   # [{"loss": ...}] * 4 on rank 1
+"""
+
+from pipeschedule.runtime.driver import RemoteOutput, StepTimes
+from pipeschedule.runtime.errors import LaunchError, RuntimeScheduleError
+from pipeschedule.runtime.buffers import BufferTable, Stash
+from pipeschedule.runtime.executor import Executor
+from pipeschedule.runtime.inprocess import InProcessPipeline, InProcessTransport, InProcessWorld, run_in_process
+from pipeschedule.runtime.ledger import Ledger
+from pipeschedule.runtime.stages import ModuleStages, Stages
+from pipeschedule.runtime.shapes import Shapes, TensorMeta
+from pipeschedule.runtime.transport import DistTransport, HostStagedTransport, P2P, Pending, Transport
+
+__all__ = [
+    "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline", "InProcessTransport",
+    "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "P2P", "Pending", "RemoteOutput",
+    "RuntimeScheduleError", "Shapes", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport", "run_in_process",
+]

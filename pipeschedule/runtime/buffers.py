@@ -1,0 +1,72 @@
+"""The buffer table: every buffer one rank holds, keyed by (buf, stage, mb).
+
+A buffer ([Note: buffers] in pipeschedule.ir) is added by the instruction that produces
+it and dropped at its FREE and nowhere else; the ledger follows both. Using a missing
+buffer, producing one twice, a FREE of a missing buffer, and a buffer still held at the
+end of a step are errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeschedule.ir import Instr
+from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.runtime.ledger import Ledger
+from pipeschedule.runtime.shapes import TensorMeta
+
+Key = tuple  # (buf, stage, mb)
+
+
+@dataclass
+class Stash:
+    """What B of a (stage, mb) needs beyond its act_in and grad_out: the tensor backward
+    starts from (the stage output, or loss / m on the last stage) and the output's meta
+    (the shape a received gradient has)."""
+
+    root: torch.Tensor
+    out_meta: TensorMeta | None
+
+
+class BufferTable:
+    """`held` maps (buf, stage, mb) to the buffer: a tensor, the data-loader input, or
+    the stash record."""
+
+    def __init__(self, ledger: Ledger):
+        self.held: dict[Key, Any] = {}
+        self.ledger = ledger
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def need(self, buf: str, i: Instr):
+        """The buffer `buf` of i's (stage, mb), which instruction i uses."""
+        try:
+            return self.held[buf, i.stage, i.mb]
+        except KeyError:
+            raise RuntimeScheduleError(
+                f"{i} needs {buf} of (stage {i.stage}, mb {i.mb}), which is not held (never produced, or already freed)"
+            ) from None
+
+    def add(self, key: Key, value, nbytes: int) -> None:
+        if key in self.held:
+            raise RuntimeScheduleError(f"{key[0]} of (stage {key[1]}, mb {key[2]}) produced twice")
+        self.held[key] = value
+        self.ledger.add(key, nbytes)
+
+    def drop(self, key: Key):
+        """Removes the buffer at its FREE and returns it."""
+        if key not in self.held:
+            raise RuntimeScheduleError(
+                f"FREE of {key[0]} of (stage {key[1]}, mb {key[2]}), which is not held (never produced, or freed twice)"
+            )
+        self.ledger.release(key)
+        return self.held.pop(key)
+
+    def check_empty(self) -> None:
+        if self.held:
+            left = ", ".join(f"{b}({s}, {mb})" for b, s, mb in sorted(self.held))
+            raise RuntimeScheduleError(f"buffers still held at the end of the step (never freed): {left}")

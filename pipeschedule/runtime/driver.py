@@ -1,0 +1,77 @@
+"""Drivers of an executor's step: blocking with a watchdog (one rank per process), and
+the pieces both drivers share (step timings, the marker returned off the loss rank).
+
+[Note: watchdog] Each wait gets `timeout` seconds. While waiting, a rank checks at
+least every `ABORT_POLL_S` whether another rank has aborted, and stops with an error
+quoting it; past the timeout it raises an error naming its rank, program counter, the
+batch it waits on and the last instructions it ran, and aborts the others. Both errors
+are thrown into the executor's generator at the wait, so the executor records and
+reports them like any other failure.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pipeschedule.runtime.transport import ABORT_POLL_S, Pending
+
+
+@dataclass(frozen=True)
+class RemoteOutput:
+    """Placeholder for a microbatch's output on ranks that do not run the last stage;
+    `rank` is the one that holds the loss (nanotron returns a TensorPointer here)."""
+
+    rank: int
+
+
+@dataclass
+class StepTimes:
+    """Host seconds of the last step: in stage forward and autograd backward
+    (`compute_s`), posting and finishing batches (`transport_s`), blocked in waits
+    (`wait_s`), in all (`total_s`); `instructions` counts those run. The executor's own
+    overhead is `total_s - compute_s - transport_s - wait_s`."""
+
+    start: float = 0.0
+    total_s: float = 0.0
+    compute_s: float = 0.0
+    transport_s: float = 0.0
+    wait_s: float = 0.0
+    instructions: int = 0
+
+    @property
+    def overhead_s(self) -> float:
+        return self.total_s - self.compute_s - self.transport_s - self.wait_s
+
+
+def describe_batch(batch) -> str:
+    return "[" + " ".join(str(instr) for _, instr in batch) + "]"
+
+
+def run_blocking(executor, steps, timeout: float):
+    """Runs the generator `steps` of `executor.run(...)` to its end, blocking at each wait
+    ([Note: watchdog]); returns what it returns."""
+    try:
+        pending = next(steps)
+        while True:
+            problem = _block(executor, pending, timeout)
+            pending = steps.send(None) if problem is None else steps.throw(problem)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _block(executor, pending: Pending, timeout: float):
+    """None once `pending` is ready, else the error to throw into the step."""
+    start = time.perf_counter()
+    deadline = start + timeout
+    try:
+        while not pending.wait_for(max(0.0, min(ABORT_POLL_S, deadline - time.perf_counter()))):
+            message = executor.transport.aborted()
+            if message is not None:
+                return executor.stopped_by(message)
+            if time.perf_counter() >= deadline:
+                what = getattr(pending, "what", "its partner ranks to post their matching batches")
+                return executor.error(f"timed out after {timeout:g} s waiting for {what}")
+        return None
+    finally:
+        executor.times.wait_s += time.perf_counter() - start

@@ -1,0 +1,325 @@
+"""The executor: runs one rank's program of a lowered schedule, one instruction at a time.
+
+[Note: executor semantics]
+- Dispatch: every op goes through one table (`self._dispatch`); an op without a
+  handler (W today) raises.
+- Buffers: every buffer of [Note: buffers] lives in `self.buffers` (a `BufferTable`),
+  from the instruction that produces it to its FREE, and nowhere else.
+- Batches: a maximal run of consecutive communication instructions is one batch: it is
+  posted as one `Transport.post` and waited on as a whole before the next instruction,
+  the semantics under which the verifier proves a schedule deadlock-free (rule 4).
+- Stage hand-off: when stages s and s+1 run on the same rank, F(s)'s output becomes
+  act_in of s+1 (detached, requiring grad as the output did) and B(s+1)'s input
+  gradient becomes grad_out of s; no message is sent.
+- Output release: at FREE act_out (after its send completed) the output's storage is
+  released by replacing its `.data` with an empty tensor, as Megatron's
+  `deallocate_output_tensor` does; the tensor object and its grad_fn stay in the stash
+  for B, so a stage never holds its outputs until backward. Outputs that are views, or
+  that are the act_in itself, are only dropped, not emptied.
+- Shapes: each boundary tensor's shape is given (`shapes=`) or exchanged once
+  ([Note: first-use metadata]); every send is checked against it, since the receiver
+  allocates exactly that. A gradient has its output's shape and dtype.
+- Loss: the last stage's loss is divided by m before backward, so gradients accumulate
+  to the mean over microbatches; the step returns the scaled, detached losses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch.autograd.variable import Variable
+
+from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.runtime.buffers import BufferTable, Stash
+from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
+from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, storage_ptrs
+from pipeschedule.runtime.shapes import Shapes, TensorMeta, describe
+from pipeschedule.runtime.stages import Stages
+from pipeschedule.runtime.transport import P2P, Transport
+
+
+class Executor:
+    """Runs `schedule.programs[rank]`; see [Note: executor semantics].
+
+    `step(inputs, targets)` runs one training step, blocking on each wait under the
+    watchdog of `driver.run_blocking`; `run(inputs, targets)` is the same step as a
+    generator that yields a `Pending` whenever the rank must wait (the in-process
+    driver uses it).
+    `inputs` holds one data-loader input per microbatch (needed on the rank of stage 0),
+    `targets` one target per microbatch (handed to the last stage, may be None).
+    """
+
+    def __init__(
+        self, schedule: Schedule, rank: int, stages: Stages, transport: Transport, *,
+        device: str | torch.device = "cpu", timeout: float = 300.0,
+        shapes: Mapping[int, TensorMeta] | None = None, history: int = 6,
+    ):
+        self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
+        self.program: tuple[Instr, ...] = schedule.programs[rank]
+        self.device = torch.device(device)
+        self.timeout = timeout
+        self.last_stage = schedule.num_stages - 1
+        self.ledger = Ledger()
+        self.buffers = BufferTable(self.ledger)
+        self.times = StepTimes()
+        self.steps = 0  # completed steps
+        self.shapes = Shapes(transport, shapes)
+        self._history: deque[tuple[int, Instr]] = deque(maxlen=history)
+        self._pc, self._waiting, self._broken = 0, None, False
+        self._dispatch = {
+            Op.F: self._forward, Op.B: self._backward, Op.FREE: self._free,
+            Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
+        }
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None, *, timeout: float | None = None) -> list:
+        """One step; returns `_outputs()`. Raises RuntimeScheduleError (and makes every
+        other rank raise) on any failure, or when one wait exceeds `timeout` seconds
+        (default: the executor's)."""
+        return run_blocking(self, self.run(inputs, targets), self.timeout if timeout is None else timeout)
+
+    def run(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None):
+        """One step as a generator: yields `Pending`s, returns the outputs (see `_outputs`)."""
+        batch: list[tuple[int, Instr]] = []
+        try:
+            self._begin(inputs, targets)
+            for pc, instr in enumerate(self.program):
+                if instr.op in COMM_OPS:
+                    batch.append((pc, instr))
+                    continue
+                if batch:
+                    yield from self._exchange(batch)
+                    batch = []
+                self._pc = pc
+                self._handler(instr)(instr)
+                self._ran(pc, instr)
+            if batch:
+                yield from self._exchange(batch)
+            return self._outputs()
+        except Exception as err:  # (the step stays marked broken: see _begin)
+            wrapped = self._fail(err)
+            if wrapped is err:
+                raise
+            raise wrapped from err
+
+    def _begin(self, inputs, targets) -> None:
+        if self._broken:
+            raise RuntimeScheduleError("this executor stopped with an error in an earlier step; build a new one")
+        m = self.schedule.microbatches
+        for name, values in (("inputs", inputs), ("targets", targets)):
+            if values is not None and len(values) != m:
+                raise RuntimeScheduleError(f"{len(values)} {name} given for {m} microbatches")
+        if inputs is None and self.schedule.placement[0] == self.rank:
+            raise RuntimeScheduleError("this rank runs stage 0 and needs inputs (one per microbatch)")
+        self._pc, self._inputs, self._targets = 0, inputs, targets
+        self._losses: list[torch.Tensor | None] = [None] * m
+        self._persistent: dict[int, set[int]] = {}
+        self._broken = True  # until the step completes; a failed or abandoned step leaves it set
+        self.ledger.begin_step()
+        self.times = StepTimes(start=time.perf_counter())
+
+    def _handler(self, instr: Instr):
+        handler = self._dispatch.get(instr.op)
+        if handler is None:
+            raise RuntimeScheduleError(
+                f"no handler for op {instr.op.value} ({instr}); this executor runs "
+                f"{', '.join(op.value for op in self._dispatch)}"
+            )
+        return handler
+
+    def _ran(self, pc: int, instr: Instr) -> None:
+        self.ledger.record(pc, instr)
+        self._history.append((pc, instr))
+        self.times.instructions += 1
+
+    def _exchange(self, batch: list[tuple[int, Instr]]):
+        """Posts one batch of communication and waits for all of it ([Note: executor semantics])."""
+        self._waiting = batch
+        now, later = self._split_unknown(batch)
+        posted = [self._post(now)] if now else []
+        for stage in sorted({i.stage - 1 for _, i in later if i.op is Op.RECV_F and i.stage - 1 not in self.shapes}):
+            yield from self.shapes.learn(stage)
+        if later:
+            posted.append(self._post(later))
+        for pending, _ in posted:
+            if not pending.ready():
+                yield pending
+        start = time.perf_counter()
+        for pending, ops in posted:
+            pending.finish()
+            for op in ops:
+                if op.instr.op is Op.RECV_F:
+                    op.tensor.requires_grad_(self.shapes[op.instr.stage - 1].requires_grad)
+        self.times.transport_s += time.perf_counter() - start
+        self._waiting = None
+
+    def _split_unknown(self, batch):
+        """(messages to post now, messages to post once the shapes they need are known):
+        a receive whose shape is unknown, and every later receive from the same peer (the
+        channel delivers in order), waits ([Note: first-use metadata])."""
+        now, later, waiting_peers = [], [], set()
+        for pc, instr in batch:
+            if instr.op is Op.RECV_F and instr.stage - 1 not in self.shapes:
+                waiting_peers.add(instr.peer)
+            is_recv = instr.op is Op.RECV_F or instr.op is Op.RECV_B
+            (later if is_recv and instr.peer in waiting_peers else now).append((pc, instr))
+        return now, later
+
+    def _post(self, batch):
+        ops = []
+        for pc, instr in batch:
+            self._pc = pc
+            ops.append(self._handler(instr)(instr))
+            self._ran(pc, instr)
+        start = time.perf_counter()
+        pending = self.transport.post(ops)
+        self.times.transport_s += time.perf_counter() - start
+        return pending, ops
+
+    def _outputs(self) -> list:
+        """m dicts {"loss": loss / m, detached} on the rank of the last stage; elsewhere m
+        `RemoteOutput(rank)` markers naming that rank (nanotron returns TensorPointer)."""
+        self.buffers.check_empty()
+        self._broken = False
+        self.steps += 1
+        self.times.total_s = time.perf_counter() - self.times.start
+        owner = self.schedule.placement[self.last_stage]
+        if owner != self.rank:
+            return [RemoteOutput(owner)] * self.schedule.microbatches
+        return [{"loss": loss} for loss in self._losses]
+
+    # -- compute -----------------------------------------------------------------------
+
+    def _forward(self, i: Instr) -> None:
+        x = self._load_input(i)
+        target = self._targets[i.mb] if i.stage == self.last_stage and self._targets is not None else None
+        with saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target))) as saved:
+            start = time.perf_counter()
+            y = self.stages.forward(i.stage, i.mb, x, target)
+            self.times.compute_s += time.perf_counter() - start
+        root, meta = self._emit_output(i, y)
+        self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta), sum(saved.values()))
+
+    def _load_input(self, i: Instr):
+        if i.stage == 0:
+            x = self._inputs[i.mb]
+            self.buffers.add(("act_in", 0, i.mb), x, nbytes(x))
+            return x
+        return self.buffers.need("act_in", i)
+
+    def _emit_output(self, i: Instr, y) -> tuple[torch.Tensor, TensorMeta | None]:
+        s, mb = i.stage, i.mb
+        if not isinstance(y, torch.Tensor):
+            raise RuntimeScheduleError(f"stage {s} forward returned {type(y).__name__}; a stage returns one tensor")
+        if s == self.last_stage:
+            if y.numel() != 1:
+                raise RuntimeScheduleError(f"the last stage must return a scalar loss, got {describe(y)}")
+            root = y / self.schedule.microbatches
+            self._losses[mb] = root.detach()
+            return root, None
+        meta = TensorMeta.of(y)
+        if self.schedule.placement[s + 1] == self.rank:  # local hand-off
+            self.buffers.add(("act_in", s + 1, mb), y.detach().requires_grad_(y.requires_grad), y.nbytes)
+        else:
+            self.shapes.publish(s, y)
+            self.buffers.add(("act_out", s, mb), y, y.nbytes)
+        return y, meta
+
+    def _backward(self, i: Instr) -> None:
+        s, mb = i.stage, i.mb
+        stash, x = self.buffers.need("stash", i), self.buffers.need("act_in", i)
+        grad = None if s == self.last_stage else self.buffers.need("grad_out", i)
+        start = time.perf_counter()
+        if stash.root.requires_grad:
+            _backward_from(stash.root, grad)
+        self.times.compute_s += time.perf_counter() - start
+        if s > 0:
+            grad_in = x.grad if x.grad is not None else torch.zeros_like(x)  # zeros, not silence
+            x.grad = None
+            local = self.schedule.placement[s - 1] == self.rank
+            self.buffers.add(("grad_out", s - 1, mb) if local else ("grad_in", s, mb), grad_in, grad_in.nbytes)
+
+    def _free(self, i: Instr) -> None:
+        value = self.buffers.drop((i.buf, i.stage, i.mb))
+        if i.buf == "act_out" and value._base is None and value is not self.buffers.held.get(("act_in", i.stage, i.mb)):
+            value.data = torch.empty(0, dtype=value.dtype, device=value.device)  # release the sent output
+
+    # -- communication: each handler returns the message its instruction posts -----------
+
+    def _send_f(self, i: Instr) -> P2P:
+        y = self.buffers.need("act_out", i)
+        Shapes.check(i, y, self.shapes[i.stage], f"stage {i.stage + 1}")
+        return P2P(True, i.peer, y.detach().contiguous(), i)  # the P2P keeps a copy alive until sent
+
+    def _recv_f(self, i: Instr) -> P2P:
+        return P2P(False, i.peer, self._allocate(("act_in", i.stage, i.mb), self.shapes[i.stage - 1]), i)
+
+    def _send_b(self, i: Instr) -> P2P:
+        grad = self.buffers.need("grad_in", i)
+        Shapes.check(i, grad, self.shapes[i.stage - 1], f"stage {i.stage - 1}")
+        return P2P(True, i.peer, grad.contiguous(), i)
+
+    def _recv_b(self, i: Instr) -> P2P:
+        return P2P(False, i.peer, self._allocate(("grad_out", i.stage, i.mb), self.buffers.need("stash", i).out_meta), i)
+
+    def _allocate(self, key: tuple[str, int, int], meta: TensorMeta) -> torch.Tensor:
+        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        self.buffers.add(key, tensor, tensor.nbytes)
+        return tensor
+
+    def _persistent_storages(self, stage: int) -> set[int]:
+        if stage not in self._persistent:
+            self._persistent[stage] = storage_ptrs(self.stages.parameters(stage))
+        return self._persistent[stage]
+
+    # -- errors ------------------------------------------------------------------------
+
+    def error(self, what: str, *, remote: bool = False) -> RuntimeScheduleError:
+        """`what` located: rank, step, pc, the instruction or batch it is at, and the last
+        instructions it ran."""
+        here = f"rank {self.rank}, step {self.steps}, pc {self._pc}"
+        if self._waiting:
+            here += f" (at batch {describe_batch(self._waiting)})"
+        elif self._pc < len(self.program):
+            here += f" ({self.program[self._pc]})"
+        ran = ", ".join(f"pc {pc} {instr}" for pc, instr in self._history) or "nothing"
+        return RuntimeScheduleError(
+            f"{here}: {what}\n  last instructions run: {ran}", rank=self.rank, step=self.steps, pc=self._pc,
+            instr=self.program[self._pc] if self._pc < len(self.program) else None, remote=remote,
+        )
+
+    def stopped_by(self, message: str, local: str = "") -> RuntimeScheduleError:
+        """The error of a rank that stops because another rank failed with `message`."""
+        quoted = "\n    ".join(message.splitlines())
+        return self.error(f"stopped because another rank failed:\n    {quoted}" + (f"\n  here: {local}" if local else ""), remote=True)
+
+    def _fail(self, err: Exception) -> RuntimeScheduleError:
+        """Locates `err` and, unless another rank failed first, tells every rank to stop."""
+        if isinstance(err, RuntimeScheduleError) and err.rank == self.rank:
+            located = err  # already located: the watchdog, another rank's abort
+        else:
+            what = str(err) if isinstance(err, RuntimeScheduleError) else f"{type(err).__name__}: {err}"
+            earlier = self.transport.aborted()
+            located = self.stopped_by(earlier, what) if earlier else self.error(what)
+        if not located.remote:
+            self.transport.abort(str(located))
+        return located
+
+
+def _backward_from(root: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Backward from `root` with gradient `grad` (None for the scalar loss).
+
+    The output's `.data` may already be released ([Note: executor semantics]), and
+    `torch.autograd.backward` would refuse a gradient whose shape differs from the
+    emptied output, so the engine is called directly, as Megatron's `custom_backward`
+    does; the gradient's shape was checked against the output's meta when received.
+    """
+    if grad is None:
+        torch.autograd.backward(root)
+    else:
+        Variable._execution_engine.run_backward((root,), (grad,), False, False, (), True, True)

@@ -1,0 +1,63 @@
+"""What runs at F and B: the `Stages` protocol and an adapter for `nn.Module` chunks.
+
+[Note: stages protocol] The executor owns scheduling, communication, memory and
+autograd; a stage only computes. For each F it calls
+
+    stages.forward(stage, mb, act_in, target) -> output
+
+- `stage` is the global stage number, `mb` the microbatch (a stage may use it to look up
+  per-microbatch side inputs, such as masks, that it was handed elsewhere).
+- `act_in` is the data-loader input for microbatch `mb` on stage 0 (any object: a tensor,
+  a dict of tensors, ...), and on every other stage ONE tensor: the previous stage's
+  output, detached from the previous stage's graph and requiring grad when the sender's
+  output did. A stage boundary carries exactly one tensor; pack several into one.
+- `target` is the caller's target for microbatch `mb` on the last stage, None elsewhere.
+- `output` is one tensor on every stage but the last, where it is the scalar loss of
+  the microbatch (unscaled: the executor divides it by the number of microbatches).
+
+At B the executor back-propagates from the output with the received output gradient
+(from loss / m on the last stage) through ordinary autograd, so gradients accumulate in
+the parameters' `.grad`; the stage is not called. A split backward (W) will add an
+optional `backward_weight(stage, mb)` method; today the executor refuses W.
+
+`stages.parameters(stage)` names the tensors of a stage that live across steps
+(parameters and module buffers); the memory ledger does not count them as stash.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any, Callable, Iterable, Protocol, Sequence
+
+import torch
+from torch import nn
+
+
+class Stages(Protocol):
+    """The computation of every stage this rank runs ([Note: stages protocol])."""
+
+    def forward(self, stage: int, mb: int, act_in: Any, target: Any | None) -> torch.Tensor: ...
+
+    def parameters(self, stage: int) -> Iterable[torch.Tensor]: ...
+
+
+class ModuleStages:
+    """`Stages` from one `nn.Module` per global stage plus a loss function.
+
+    `chunks[s]` runs stage s (entries for stages other ranks run may be None);
+    `loss_fn(output, target) -> scalar` turns the last chunk's output into the loss.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module | None], loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]):
+        self.chunks = list(chunks)
+        self.loss_fn = loss_fn
+
+    def forward(self, stage: int, mb: int, act_in: Any, target: Any | None) -> torch.Tensor:
+        output = self.chunks[stage](act_in)
+        if stage == len(self.chunks) - 1:
+            return self.loss_fn(output, target)
+        return output
+
+    def parameters(self, stage: int) -> Iterable[torch.Tensor]:
+        chunk = self.chunks[stage]
+        return chain(chunk.parameters(), chunk.buffers())

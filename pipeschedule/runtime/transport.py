@@ -1,0 +1,221 @@
+"""Transports: how a batch of sends and receives travels between ranks.
+
+A transport posts one batch at a time (`post`) and returns a `Pending` that the
+executor's driver polls; it also carries small one-time metadata (`publish`/`lookup`)
+and the abort message that stops every rank (`abort`/`aborted`). Three kinds:
+
+- `DistTransport`: torch.distributed, one `dist.batch_isend_irecv` per batch (gloo on
+  CPU, NCCL on GPU), metadata and abort through a c10d Store.
+- `HostStagedTransport`: the same over gloo for several ranks sharing one GPU; device
+  tensors are staged through pinned host memory.
+- `InProcessTransport` (module `inprocess`): all ranks in one process.
+
+[Note: waiting on gloo] gloo's send/recv work never reports `is_completed()` until
+someone calls `wait()`, and `wait(timeout)` closes the connection when the timeout
+expires, so a gloo batch cannot be polled from the executor's thread. A daemon thread
+per transport calls `wait()` on each batch in turn and sets an event; the executor waits
+on the event in short slices, checking the abort key and its watchdog in between. NCCL
+work is polled with `is_completed()` directly.
+
+[Note: every rank stops] On failure a rank writes an abort message under
+`<prefix>abort` in the store (the first writer wins); every waiting rank checks that key
+at least every `ABORT_POLL_S` and stops with an error quoting it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+ABORT_POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One message of a batch: send `tensor` to `peer`, or receive into it from `peer`.
+    `instr` is the instruction it comes from (for error messages)."""
+
+    send: bool
+    peer: int
+    tensor: torch.Tensor
+    instr: object = None
+
+
+class Pending:
+    """A posted batch (or any other wait). `ready()` never blocks; `wait_for(s)` blocks
+    up to s seconds and says whether it is ready; `finish()` raises what the transport
+    reported and completes the batch (copy-backs)."""
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def wait_for(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        pause = 1e-5
+        while not self.ready():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, 1e-3)
+        return True
+
+    def finish(self) -> None:
+        pass
+
+
+class Transport:
+    """Base class; see the module docstring. `rank` and `world_size` are pipeline ranks."""
+
+    rank: int
+    world_size: int
+
+    def __init__(self) -> None:
+        self._executors = 0
+
+    def namespace(self) -> str:
+        """A key prefix for one executor's metadata. Every rank must build its executors
+        on a transport in the same order (as with collectives)."""
+        self._executors += 1
+        return f"x{self._executors - 1}/"
+
+    def post(self, ops: list[P2P]) -> Pending:
+        raise NotImplementedError
+
+    def publish(self, key: str, value: str) -> None:
+        raise NotImplementedError
+
+    def lookup(self, key: str) -> str | None:
+        raise NotImplementedError
+
+    def abort(self, message: str) -> None:
+        raise NotImplementedError
+
+    def aborted(self) -> str | None:
+        raise NotImplementedError
+
+
+class _PolledWorks(Pending):
+    def __init__(self, works, ops):
+        self.works, self.ops = works, ops  # ops keep the tensors alive until completion
+
+    def ready(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def finish(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+class _ThreadWaited(Pending):
+    def __init__(self, works, ops):
+        self.works, self.ops = works, ops
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+
+    def ready(self) -> bool:
+        return self.event.is_set()
+
+    def wait_for(self, seconds: float) -> bool:
+        return self.event.wait(seconds)
+
+    def finish(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _wait_loop(batches: queue.SimpleQueue) -> None:
+    while True:  # [Note: waiting on gloo]
+        pending = batches.get()
+        try:
+            for work in pending.works:
+                work.wait()
+        except BaseException as err:  # reported to the executor through finish()
+            pending.error = err
+        pending.event.set()
+
+
+class DistTransport(Transport):
+    """torch.distributed point-to-point over `group` (default: the world), one
+    `batch_isend_irecv` per batch; metadata and abort through `store` under `prefix`.
+    Two transports sharing a store need different prefixes."""
+
+    def __init__(self, store: dist.Store, *, group=None, prefix: str = "pipeschedule/"):
+        super().__init__()
+        self.store, self.group, self.prefix = store, group, prefix
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._waiting: queue.SimpleQueue | None = None
+
+    def post(self, ops: list[P2P]) -> Pending:
+        requests = [
+            dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=self.group, group_peer=op.peer)
+            for op in ops
+        ]
+        works = dist.batch_isend_irecv(requests)
+        if ops[0].tensor.device.type != "cpu":
+            return _PolledWorks(works, ops)
+        if self._waiting is None:
+            self._waiting = queue.SimpleQueue()
+            threading.Thread(target=_wait_loop, args=(self._waiting,), daemon=True, name="pipeschedule-wait").start()
+        pending = _ThreadWaited(works, ops)
+        self._waiting.put(pending)
+        return pending
+
+    def publish(self, key: str, value: str) -> None:
+        self.store.set(self.prefix + key, value)
+
+    def lookup(self, key: str) -> str | None:
+        key = self.prefix + key
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def abort(self, message: str) -> None:
+        if self.store.add(self.prefix + "abort_count", 1) == 1:
+            self.store.set(self.prefix + "abort", message)
+
+    def aborted(self) -> str | None:
+        return self.lookup("abort")
+
+
+class _CopyBack(Pending):
+    def __init__(self, inner: Pending, copies):
+        self.inner, self.copies = inner, copies
+
+    def ready(self) -> bool:
+        return self.inner.ready()
+
+    def wait_for(self, seconds: float) -> bool:
+        return self.inner.wait_for(seconds)
+
+    def finish(self) -> None:
+        self.inner.finish()
+        for device_tensor, host_tensor in self.copies:
+            device_tensor.copy_(host_tensor)
+
+
+class HostStagedTransport(DistTransport):
+    """`DistTransport` over gloo for ranks that share a GPU (NCCL refuses two ranks on
+    one device; gloo cannot carry CUDA tensors): each tensor is copied to (pinned, for
+    CUDA) host memory, sent with gloo, and copied back into the device buffer at
+    `finish`. CPU tensors are staged the same way, which is how it is tested.
+    `staged_bytes` counts the bytes copied through host memory."""
+
+    def __init__(self, store: dist.Store, **kwargs):
+        super().__init__(store, **kwargs)
+        self.staged_bytes = 0
+
+    def post(self, ops: list[P2P]) -> Pending:
+        staged = [replace(op, tensor=self._host(op.tensor, copy=op.send)) for op in ops]
+        if any(op.tensor.is_cuda for op in ops):
+            torch.cuda.current_stream().synchronize()  # the host copies must land before gloo reads them
+        copies = [(op.tensor, host.tensor) for op, host in zip(ops, staged) if not op.send]
+        return _CopyBack(super().post(staged), copies)
+
+    def _host(self, tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        self.staged_bytes += tensor.nbytes
+        return host.copy_(tensor, non_blocking=True) if copy else host
