@@ -3,7 +3,10 @@
 Compiles 1f1b, capped_1f1b (cap 2) and interleaved_1f1b (v=2) for pp=4 and 8
 microbatches, verifies each against every rule, simulates them under the default costs
 (a rank's share of the model: F=1, B=2) and prints their timelines and a table of bubble
-fraction and per-rank peak in-flight microbatches.
+fraction and per-rank peak in-flight microbatches. Then, where torch and nanotron are
+installed (`pip install torch==2.13.0 -e '.[nanotron]'`), it trains a Llama-style
+nanotron model on CPU, pp=4 over 4 gloo processes, with nanotron's own 1F1B and with
+our capped_1f1b (cap 2): equal losses, and the first stage's stash halved.
 """
 
 from __future__ import annotations
@@ -47,4 +50,17 @@ def run_demo() -> int:
         f"{capped[1] / base[1] - 1:.0%} more step time; interleaving cuts the bubble from "
         f"{base[2]:.3f} to {rows[2][2]:.3f}."
     )
-    return 0
+    return _training_demo()
+
+
+def _training_demo() -> int:
+    try:
+        import torch  # noqa: F401
+        import integration.nanotron  # noqa: F401  (repairs nanotron 0.4 and registers our engines)
+    except ImportError as err:
+        print(f"\n(training part skipped: {err}; install it with `pip install torch==2.13.0 -e '.[nanotron]'`)")
+        return 0
+    from integration.nanotron.demo import run_training_demo
+
+    print("\n== training: nanotron's own 1F1B against pipeschedule's capped_1f1b (cap 2)")
+    return run_training_demo()

@@ -37,6 +37,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from pipeschedule.errors import FormatError
 
 FORMAT = "pipeschedule/1"
+MAX_COUNT = 10**9  # bound on pp, virtual, microbatches: larger is corruption, and pp*virtual must print
 
 
 class Op(str, enum.Enum):
@@ -163,7 +164,7 @@ _set_op, _set_stage, _set_mb, _set_peer, _set_buf = (
     Instr.__dict__[name].__set__ for name in ("op", "stage", "mb", "peer", "buf")
 )
 
-_TOKEN = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|FREE|F|B|W)(\d+)(?:@(\d+))?(?::([a-z_]+))?$")
+_TOKEN = re.compile(r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$")
 
 
 def _is_int(value: Any) -> bool:
@@ -196,6 +197,8 @@ class Schedule:
             value = getattr(self, key)
             if not _is_int(value) or value < 1:
                 raise FormatError(f"{key} must be an integer >= 1, got {value!r}")
+            if value > MAX_COUNT:  # not printed: it may have more digits than str() allows
+                raise FormatError(f"{key} is larger than {MAX_COUNT}")
         placement = tuple(self.placement)
         if len(placement) != self.pp * self.virtual:
             raise FormatError(
@@ -333,7 +336,7 @@ class Schedule:
     def from_json(text: str) -> Schedule:
         try:
             obj = json.loads(text)
-        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as err:
+        except (ValueError, RecursionError) as err:  # ValueError: also ints over 4300 digits
             raise FormatError(f"not valid JSON: {err}") from None
         return Schedule.from_dict(obj)
 
@@ -369,13 +372,13 @@ class Schedule:
             key = key.strip()
             if key.startswith("rank "):
                 index = key[5:].strip()
-                if not index.isdigit():
-                    raise FormatError(f"bad rank number in {line!r}")
+                if not re.fullmatch(r"[0-9]{1,9}", index) or int(index) >= len(lines):
+                    raise FormatError(f"bad rank number in {line[:60]!r}: ranks count from 0, one line each")
                 programs[int(index)] = [Instr.parse(t).to_dict() for t in value.split()]
             elif key in ("name", "pp", "virtual", "microbatches", "placement", "params"):
                 try:
                     head[key] = json.loads(value)
-                except (json.JSONDecodeError, RecursionError) as err:
+                except (ValueError, RecursionError) as err:
                     raise FormatError(f"bad value for {key!r}: {err}") from None
             else:
                 raise FormatError(f"unknown key {key!r} in schedule text")
@@ -388,8 +391,8 @@ def load(path: str) -> Schedule:
     try:
         with open(path, encoding="utf-8") as handle:
             text = handle.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise FormatError(f"cannot read {path}: {err}") from None
+    except (OSError, ValueError) as err:  # ValueError: undecodable bytes, NUL in the path
+        raise FormatError(f"cannot read {path!r}: {err}") from None
     if text.lstrip().startswith("{"):
         return Schedule.from_json(text)
     return Schedule.from_text(text)

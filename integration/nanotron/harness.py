@@ -211,7 +211,8 @@ def for_rank(batch: dict, pp_rank: int, input_pp_rank: int, output_pp_rank: int)
 class Run:
     """One training step.
 
-    engine        "1f1b" | "afab" (nanotron's engines) | "loop" (pp=1 reference)
+    engine        "1f1b" | "afab" (nanotron's engines) | "loop" (pp=1 reference) | any
+                  pipeschedule pp_engine value ("capped_1f1b:cap=2", "ps_1f1b", ...)
     microbatches  m per data-parallel replica (replica d takes stream items d*m .. d*m+m-1)
     split         decoder layers per stage; None = nanotron's cost-balanced split
     placement     rank of each stage; None = 0..pp-1, or round-robin when split lists
@@ -342,7 +343,11 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
 
     engines = {"1f1b": OneForwardOneBackwardPipelineEngine, "afab": AllForwardAllBackwardPipelineEngine}
     if run.engine not in engines and run.engine != "loop":
-        raise ValueError(f"unknown engine {run.engine!r}; accepted: 1f1b, afab, loop")
+        from integration.nanotron.engine_spec import parse_engine
+        from integration.nanotron.registry import build_engine
+
+        spec = parse_engine(run.engine)  # a pipeschedule engine (raises for unknown names)
+        engines[run.engine] = lambda: build_engine(spec)
     if run.engine == "loop" and job.pp != 1:
         raise ValueError("the 'loop' reference runs at pp=1 only")
 

@@ -8,10 +8,6 @@ loaded. Adding the real engines means changing the `engine` strings below to poi
 Contract for an engine class: a subclass of nanotron's `PipelineEngine` whose
 constructor takes the parsed `EngineSpec` as its only argument and keeps it as
 `self.spec` (saving a config writes `engine.spec.to_string()`).
-
-TODO(engines): every entry still points at `EngineNotImplementedYet`, a placeholder that
-loads and saves with a config but raises NotImplementedError when trained with. Replace
-the class paths once `integration/nanotron/engine.py` exists.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ import_nanotron()
 from nanotron.parallel.pipeline_parallel.engine import PipelineEngine  # noqa: E402
 
 NANOTRON_ENGINES = ("afab", "1f1b")  # nanotron's own; loaded and saved by nanotron's functions
-PLACEHOLDER = "integration.nanotron.registry:EngineNotImplementedYet"
 
 
 @dataclass(frozen=True)
@@ -48,13 +43,13 @@ class EngineEntry:
 
 
 ENGINES: dict[str, EngineEntry] = {
-    "ps_afab": EngineEntry("afab", ("split",), (), PLACEHOLDER, "ps_afab[:split=A/B/...]"),
-    "ps_1f1b": EngineEntry("1f1b", ("split",), (), PLACEHOLDER, "ps_1f1b[:split=A/B/...]"),
+    "ps_afab": EngineEntry("afab", ("split",), (), "integration.nanotron.engine:PsAfabEngine", "ps_afab[:split=A/B/...]"),
+    "ps_1f1b": EngineEntry("1f1b", ("split",), (), "integration.nanotron.engine:PsOneFOneBEngine", "ps_1f1b[:split=A/B/...]"),
     "capped_1f1b": EngineEntry(
-        "capped_1f1b", ("cap", "split"), (), PLACEHOLDER, "capped_1f1b[:cap=N|N0/N1/...,split=A/B/...]"
+        "capped_1f1b", ("cap", "split"), (), "integration.nanotron.engine:CappedOneFOneBEngine", "capped_1f1b[:cap=N|N0/N1/...,split=A/B/...]"
     ),
     "interleaved_1f1b": EngineEntry(
-        "interleaved_1f1b", ("virtual", "cap", "split"), ("virtual",), PLACEHOLDER,
+        "interleaved_1f1b", ("virtual", "cap", "split"), ("virtual",), "integration.nanotron.engine:InterleavedOneFOneBEngine",
         "interleaved_1f1b:virtual=V[,cap=N,split=A/B/...]",
     ),
 }
@@ -88,30 +83,3 @@ def build_engine(spec) -> PipelineEngine:
     """The engine object for a parsed pipeschedule `EngineSpec` (not for nanotron's own)."""
     cls = resolve(ENGINES[spec.name].engine)
     return cls(spec)
-
-
-class EngineNotImplementedYet(PipelineEngine):
-    """Placeholder for every pipeschedule engine until `engine.py` provides them.
-
-    It exists so that configs naming our engines load, save and round-trip today. It is
-    NOT an engine: `train_batch_iter` and `validate_batch_iter` raise.
-    """
-
-    def __init__(self, spec):
-        super().__init__()
-        self.spec = spec
-
-    def _refuse(self):
-        raise NotImplementedError(
-            f"pipeschedule engine {self.spec.to_string()!r} is not implemented yet: registry entry "
-            f"{self.spec.name!r} still points at the placeholder {PLACEHOLDER}"
-        )
-
-    def train_batch_iter(self, model, pg, batch, nb_microbatches, grad_accumulator):
-        self._refuse()
-
-    def validate_batch_iter(self, model, batch, nb_microbatches):
-        self._refuse()
-
-    def __repr__(self) -> str:
-        return f"EngineNotImplementedYet({self.spec.to_string()!r})"

@@ -1,0 +1,126 @@
+"""Plan speed: `pipeschedule plan` for Llama3-405B at pp=16 with 64 microbatches.
+
+    python -m benchmarks.plan_speed            # both configs, writes benchmarks/results/plan_speed.md
+    python -m benchmarks.plan_speed --quick    # one run of the headline, nothing written
+
+Headline: Llama3-405B, pp=16, tp=8, dp=1, seq 8192, micro-batch 1, 64 microbatches,
+GH200 96 GiB, full recompute; also without recompute (where nothing but capped schedules
+fits, so no early candidate prunes the later searches). The plan evaluates nanotron's
+default and every alternative the planner considers (1F1B, capped 1F1B at caps 1..15 and
+per-rank caps fitted to memory, interleaved v=2 uncapped and capped, AFAB), each with
+nanotron's split and with the split its exact search finds. Target: under 10 s.
+
+Times are wall clock and process CPU time of `plan()` (the report text is not timed), the
+best of `--repeat` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeschedule.memory import GiB, TrainingSetup
+from pipeschedule.plan import PlanConfig, plan
+from pipeschedule.presets import MODELS
+
+TARGET_S = 10.0
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def config(recompute: str) -> PlanConfig:
+    setup = TrainingSetup(tp=8, dp=1, seq=8192, micro_batch=1, recompute=recompute)
+    return PlanConfig(MODELS["llama3-405b"], setup, pp=16, microbatches=64, gpu_memory=96 * GiB, gpu_name="gh200")
+
+
+def measure(recompute: str, repeat: int) -> dict:
+    runs = []
+    for _ in range(repeat):
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = plan(config(recompute))
+        runs.append((time.perf_counter() - wall, time.process_time() - cpu))
+    rec = result.recommended
+    return {
+        "recompute": recompute,
+        "wall_s": [round(w, 3) for w, _ in runs],
+        "cpu_s": [round(c, 3) for _, c in runs],
+        "best_wall_s": round(min(w for w, _ in runs), 3),
+        "stats": result.stats,
+        "recommended": rec.label + " split " + "/".join(map(str, rec.split)) if rec else None,
+        "relative": round(rec.relative, 3) if rec else None,
+    }
+
+
+def machine() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=False).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "unknown", False
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "commit": commit + (" (with uncommitted changes)" if dirty else ""),
+        "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def report(rows: list[dict], meta: dict) -> str:
+    lines = [
+        "# Plan speed: Llama3-405B, pp=16, 64 microbatches",
+        "",
+        "Command: `python -m benchmarks.plan_speed`  ",
+        f"Date: {meta['date']}  ",
+        f"Machine: {meta['processor']}, {meta['cpus']} CPUs, {meta['platform']}  ",
+        f"Python {meta['python']}; 1-minute load average at the end: {meta['load']}  ",
+        f"Commit: {meta['commit']}",
+        "",
+        "Layout: tp=8, dp=1, seq 8192, micro-batch 1, GH200 96 GiB (2 GiB reserve). `plan()` wall and",
+        "CPU seconds, best of the runs shown. Schedules: distinct schedules (family, cap, virtual) tried;",
+        "candidates: (schedule, split) pairs evaluated with full memory tables (plan rows in brackets);",
+        "searches: exact split searches run (proven: finished, so optimal or proven unable to beat the",
+        "best before it); splits simulated: by the searches (seeds, probes, leaves); simulations: all.",
+        "",
+        "| recompute | wall s (runs) | CPU s (best) | schedules | candidates (rows) | searches (proven) | search nodes | splits simulated | simulations | recommended |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        st = row["stats"]
+        sims = st["simulations"] + st["search_simulations"]
+        lines.append(
+            f"| {row['recompute']} | **{row['best_wall_s']:.2f}** ({', '.join(f'{w:.2f}' for w in row['wall_s'])}) "
+            f"| {min(row['cpu_s']):.2f} | {st['schedules']} | {st['evaluations']} ({st['candidates']}) "
+            f"| {st['searches']} ({st['proven']}) | {st['search_nodes']} | {st['search_simulations']} | {sims} "
+            f"| {row['recommended']} ({row['relative']}x default) |"
+        )
+    met = all(row["best_wall_s"] < TARGET_S for row in rows)
+    lines += ["", f"Target: under {TARGET_S:g} s: {'met' if met else 'NOT met'}", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one run of the headline, nothing written")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per config (default 2)")
+    args = parser.parse_args(argv)
+    configs = ["full"] if args.quick else ["full", "none"]
+    rows = [measure(rc, 1 if args.quick else max(1, args.repeat)) for rc in configs]
+    meta = machine()
+    text = report(rows, meta)
+    print(text)
+    if not args.quick:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "plan_speed.md").write_text(text)
+    return 0 if all(row["best_wall_s"] < TARGET_S for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

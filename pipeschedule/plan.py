@@ -1,0 +1,280 @@
+"""The planner: which schedule, in-flight cap and layer split fit a GPU, and how fast.
+
+`plan(config)` evaluates nanotron's default (1F1B with nanotron's split) and the
+alternatives: 1F1B, capped 1F1B at every cap 1..pp-1, interleaved 1F1B (virtual=2 when
+the layers allow) uncapped and capped, and AFAB, each with nanotron's split and with the
+split `partition.optimal_split` finds for it. Every candidate gets a per-rank memory
+table (memory.py), a simulated step time (simulate.py) and the nanotron config line that
+selects it. The recommendation is the candidate that fits with the least simulated step
+time.
+
+Costs follow [Note: compute costs] and the config, candidates and their nanotron config
+lines live in plan_model.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from pipeschedule.errors import ParameterError
+from pipeschedule.generators import generate
+from pipeschedule.memory import (
+    GiB,
+    boundary_bytes,
+    layer_activation_bytes,
+    logits_values,
+    stage_footprints,
+    static_per_param,
+    transient_per_param,
+)
+from pipeschedule.partition import (
+    SplitInfeasible,
+    SplitProblem,
+    nanotron_split,
+    optimal_split,
+)
+from pipeschedule.passes import lower
+from pipeschedule.plan_model import (
+    Candidate,
+    PlanConfig,
+    cap_label,
+    fitted_caps,
+    head_seconds,
+    layer_seconds,
+)
+from pipeschedule.rank_memory import p2p_buffers, rank_memory, stash_buffers
+from pipeschedule.simulate import CostModel, simulate
+
+
+class _Planner:
+    """Evaluates candidates of one config, caching schedules and simulations."""
+
+    def __init__(self, config: PlanConfig) -> None:
+        self.config = config
+        self.layer = layer_seconds(config)
+        self.head = head_seconds(config)
+        self.boundary = boundary_bytes(config.model, config.setup)
+        self.schedules: dict = {}
+        self.stats = {"evaluations": 0, "simulations": 0, "searches": 0, "proven": 0, "search_nodes": 0,
+                      "search_simulations": 0}
+
+    def simulate(self, schedule, cost):
+        self.stats["simulations"] += 1
+        return simulate(schedule, cost)
+
+    def schedule(self, family: str, cap, virtual: int):
+        cap = tuple(cap) if isinstance(cap, list) else cap
+        key = (family, cap, virtual)
+        if key not in self.schedules:
+            self.schedules[key] = lower(generate(family, pp=self.config.pp, microbatches=self.config.microbatches,
+                                                 virtual=virtual, cap=cap))
+        return self.schedules[key]
+
+    def cost(self, split: Sequence[int], buffers=None) -> CostModel:
+        (f, b), (hf, hb) = self.layer, self.head
+        last = len(split) - 1
+        forward = tuple(n * f + (hf if s == last else 0) for s, n in enumerate(split))
+        backward = tuple(n * b + (hb if s == last else 0) for s, n in enumerate(split))
+        bytes_ = buffers or {"act_out": (self.boundary,) * len(split), "grad_in": (self.boundary,) * len(split)}
+        return CostModel(forward, backward, (0.0,) * len(split), bytes_,
+                         latency=self.config.p2p_latency, bandwidth=self.config.p2p_bandwidth)
+
+    def evaluate(self, family: str, cap, virtual: int, split: Sequence[int], kind: str, proven=None) -> Candidate:
+        config = self.config
+        self.stats["evaluations"] += 1
+        schedule = self.schedule(family, cap, virtual)
+        footprints = stage_footprints(config.model, config.setup, split)
+        timing = self.simulate(schedule, self.cost(split))
+        stash = self.simulate(schedule, self.cost(split, stash_buffers(footprints)))
+        p2p = self.simulate(schedule, self.cost(split, p2p_buffers(footprints)))
+        memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
+                             peak_inflight=stash.peak_inflight, budget=config.budget)
+        return Candidate(family, cap_label(cap), virtual, tuple(split), kind, timing.step_time,
+                         config.tokens_per_gpu / timing.step_time, tuple(memory), proven)
+
+    def problem(self, family: str, cap, virtual: int) -> SplitProblem:
+        """The split problem of `optimal_split` with this planner's costs and memory."""
+        config, model, setup = self.config, self.config.model, self.config.setup
+        schedule = self.schedule(family, cap, virtual)
+        S, L = schedule.num_stages, model.layers
+        per_param = sum(static_per_param(setup).values()) + transient_per_param(setup)
+        (f, b), (hf, hb) = self.layer, self.head
+        head_stash = 2 * self.boundary + 4 * logits_values(model, setup)
+        static = [0.0] * S
+        static[0] += per_param * model.embedding_params(setup.tp)
+        static[-1] += per_param * model.head_params(setup.tp)
+        probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
+        p2p = self.simulate(schedule, self.cost([1] * S, p2p_buffers(probe))).peak_bytes
+        working = [0.0] * schedule.pp
+        for s, fp in enumerate(probe):
+            r = schedule.placement[s]
+            working[r] = max(working[r], fp.working[1])
+        return SplitProblem(
+            layer_forward=(f,) * L, layer_backward=(b,) * L, layer_weight=(0.0,) * L,
+            stage_forward=(0.0,) * (S - 1) + (hf,), stage_backward=(0.0,) * (S - 1) + (hb,), stage_weight=(0.0,) * S,
+            layer_static=(per_param * model.layer_params(setup.tp),) * L,
+            layer_stash=(float(layer_activation_bytes(model, setup)),) * L,
+            stage_static=tuple(static), stage_stash=(0.0,) * (S - 1) + (float(head_stash),),
+            rank_bytes=tuple(p + w for p, w in zip(p2p, working)),
+            budget=(config.budget,) * schedule.pp, boundary=(float(self.boundary),) * S,
+            latency=config.p2p_latency, bandwidth=config.p2p_bandwidth,
+        )
+
+    def optimise(self, family: str, cap, virtual: int, seeds, cutoff: float) -> Candidate:
+        schedule = self.schedule(family, cap, virtual)
+        self.stats["searches"] += 1
+        try:
+            found = optimal_split(self.problem(family, cap, virtual), schedule, seeds=seeds,
+                                  node_limit=self.config.node_limit, cutoff=cutoff)
+        except SplitInfeasible as err:
+            self.stats["proven"] += 1
+            return Candidate(family, cap_label(cap), virtual, err.split, "least overflow",
+                             note=f"no split fits: the best still overflows rank {err.rank} by {err.overflow / GiB:.1f} GiB")
+        self.stats["proven"] += found.proven
+        self.stats["search_nodes"] += found.nodes
+        self.stats["search_simulations"] += found.simulations
+        if found.proven and found.step_time >= cutoff:
+            kind, note = "no better", "no split of this schedule beats the best candidate before it"
+        elif found.proven:
+            kind, note = "optimal", ""
+        else:
+            kind, note = "best found", f"best split found in {found.nodes} search nodes (not proven optimal)"
+        return replace(self.evaluate(family, cap, virtual, found.split, kind, found.proven), note=note)
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The evaluated candidates of a config; `default` is nanotron's 1F1B with its own
+    split, `recommended` the fitting candidate with the least step time (None: nothing
+    fits)."""
+
+    config: PlanConfig
+    default: Candidate
+    candidates: tuple[Candidate, ...]
+    recommended: Candidate | None
+    zero1_default: Candidate | None = None  # nanotron's default again with ZeRO-1, when dp > 1 without it
+    stats: dict = field(default_factory=dict, compare=False)  # work done: simulations, searches, nodes
+
+    def to_dict(self) -> dict:
+        from pipeschedule.plan_report import plan_to_dict
+
+        return plan_to_dict(self)
+
+    def to_text(self, tables: str = "all") -> str:
+        from pipeschedule.plan_report import plan_to_text
+
+        return plan_to_text(self, tables=tables)
+
+
+def _families(config: PlanConfig, planner: _Planner):
+    """(family, cap, virtual) of every alternative, fastest-looking first, so that the
+    best time so far prunes the searches of the slower ones."""
+    pp, L, v = config.pp, config.model.layers, config.virtual
+    out = [("1f1b", None, 1)]
+    if v > 1 and L >= pp * v and pp > 1:
+        out.append(("interleaved_1f1b", None, v))
+    out += [("capped_1f1b", c, 1) for c in range(pp - 1, 0, -1)]
+    if v > 1 and L >= pp * v and pp > 1:
+        # Caps in stage-microbatches: v*k holds about as much as k microbatches of 1F1B.
+        # Past pp=8 a spread of k is tried rather than every one.
+        peak = max(planner.simulate(planner.schedule("interleaved_1f1b", None, v), None).peak_inflight)
+        ks = range(1, pp) if pp <= 8 else sorted({1, 2, 3, 4, pp // 4, pp // 2, 3 * pp // 4, pp - 1})
+        out += [("interleaved_1f1b", v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
+    out.append(("afab", None, 1))
+    return out
+
+
+def plan(config: PlanConfig | None = None, **options) -> Plan:
+    """Evaluate nanotron's default and every alternative; see the module docstring.
+
+    Give a PlanConfig, or the command line's options as keywords (`plan_cli.build_config`):
+    `plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full")`.
+    """
+    if config is None:
+        from pipeschedule.plan_cli import build_config
+
+        config = build_config(options.pop("model"), **options) if "model" in options else build_config(None, **options)
+    elif options:
+        raise ParameterError(f"give a PlanConfig or keyword options, not both (got {sorted(options)})")
+    planner = _Planner(config)
+    base_split = nanotron_split(config.model, config.pp)
+    default = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
+    candidates = [default]
+    best = default.step_time if default.fits else math.inf
+    for family, cap, virtual in _families(config, planner):
+        try:
+            nanotron = nanotron_split(config.model, config.pp * virtual)
+        except ParameterError:
+            nanotron = None
+        same = None  # the row with nanotron's split, which the search may confirm
+        if nanotron is not None:
+            same = default if (family, virtual) == ("1f1b", 1) else planner.evaluate(family, cap, virtual, nanotron, "nanotron")
+            if same is not default:
+                candidates.append(same)
+                if same.fits:
+                    best = min(best, same.step_time)
+        seeds = [nanotron] if nanotron else []
+        row = planner.optimise(family, cap, virtual, seeds, cutoff=best)
+        if same is not None and row.split == same.split and row.memory and row.split_kind != "best found":
+            # The search kept nanotron's split (or proved nothing beats the rows before): one row.
+            kind = "nanotron" if same is default else "nanotron=optimal" if row.split_kind == "optimal" else same.split_kind
+            candidates[candidates.index(same)] = replace(same, split_kind=kind, proven=row.proven)
+            continue
+        candidates.append(row)
+        if row.fits:
+            best = min(best, row.step_time)
+    # Per-rank caps: for each split found so far, the least capping that fits it (p2p
+    # buffers as 1F1B has them: the most a capped schedule holds).
+    p2p = [r.terms["p2p buffers"] for r in default.memory]
+    tried = {(c.family, c.cap) for c in candidates if c.virtual == 1}
+    for split in dict.fromkeys(c.split for c in list(candidates) if c.virtual == 1 and c.split):
+        caps = fitted_caps(config, split, p2p)
+        if caps is None or caps == tuple(min(config.pp - r, config.microbatches) for r in range(config.pp)):
+            continue
+        uniform = [c for c in range(1, config.pp) if caps == tuple(min(c, config.pp - r) for r in range(config.pp))]
+        if uniform or ("capped_1f1b", caps) in tried:
+            continue
+        tried.add(("capped_1f1b", caps))
+        candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best))
+        if candidates[-1].fits:
+            best = min(best, candidates[-1].step_time)
+    base = default.tokens_per_gpu
+    candidates = [replace(c, relative=c.tokens_per_gpu / base if c.tokens_per_gpu else None) for c in candidates]
+    # The fastest that fits; among equals (1e-9) the earliest, i.e. the simplest change.
+    fitting = [(i, c) for i, c in enumerate(candidates) if c.fits]
+    recommended = None
+    if fitting:
+        fastest = min(c.step_time for _, c in fitting)
+        recommended = next(c for _, c in fitting if c.step_time <= fastest * (1 + 1e-9))
+    zero1 = None
+    if config.setup.dp > 1 and config.setup.zero_stage == 0:
+        sharded = replace(config, setup=replace(config.setup, zero_stage=1))
+        zero1 = _Planner(sharded).evaluate("1f1b", None, 1, base_split, "nanotron")
+    stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.schedules))
+    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats)
+
+
+def add_plan_arguments(parser) -> None:
+    """The `pipeschedule plan` flags (see plan_cli.py)."""
+    from pipeschedule.plan_cli import add_arguments
+
+    add_arguments(parser)
+
+
+def run_plan(args) -> int:
+    """Run `pipeschedule plan`: print the plan (text or --json), write --png; exit code 0,
+    or 1 when nothing fits. Bad input raises ParameterError naming the value."""
+    from pipeschedule.plan_cli import run
+
+    return run(args)
+
+
+__all__ = [
+    "Candidate", "Plan", "PlanConfig", "add_plan_arguments", "fitted_caps", "head_seconds", "layer_seconds",
+    "plan", "run_plan",
+]

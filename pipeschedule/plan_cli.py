@@ -1,0 +1,163 @@
+"""`pipeschedule plan`: its flags, and turning them into a PlanConfig.
+
+The model comes from a preset (--model), a YAML/JSON file (--model-file, which may be a
+whole nanotron config) or the size flags, which also override a preset or file
+(--model llama3-70b --layers 40). Memory flags are in GiB, bandwidth in GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import replace
+
+from pipeschedule.errors import ParameterError
+from pipeschedule.memory import (
+    ACTIVATION_FORMULAS,
+    RECOMPUTE_MODES,
+    GiB,
+    ModelSpec,
+    TrainingSetup,
+)
+from pipeschedule.presets import GPUS, MODELS, gpu_preset, load_model, model_preset
+
+SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (a preset, a file, or the sizes)")
+    model.add_argument("--model", help=f"preset: {', '.join(MODELS)}")
+    model.add_argument("--model-file", help="YAML or JSON with the sizes (a nanotron config works)")
+    for flag in SIZE_FLAGS:
+        model.add_argument("--" + flag.replace("_", "-"), type=int, help=f"model {flag} (overrides the preset)")
+    layout = parser.add_argument_group("layout and training")
+    layout.add_argument("--pp", type=int, required=True, help="pipeline stages")
+    layout.add_argument("--tp", type=int, default=1, help="tensor parallel (default 1)")
+    layout.add_argument("--dp", type=int, default=1, help="data parallel replicas (default 1)")
+    layout.add_argument("--zero", type=int, default=0, choices=(0, 1), help="nanotron ZeRO stage (default 0)")
+    layout.add_argument("--microbatches", type=int, required=True,
+                        help="microbatches per replica per step (nanotron batch_accumulation_per_replica)")
+    layout.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192, Llama3's)")
+    layout.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch (default 1)")
+    layout.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recompute (default none)")
+    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                        help="nanotron tp_mode REDUCE_SCATTER (default on)")
+    layout.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
+                        help="flash attention: scores never materialised (default on)")
+    layout.add_argument("--fp32-grad-accum", action=argparse.BooleanOptionalAction, default=True,
+                        help="nanotron accumulate_grad_in_fp32 (default on)")
+    layout.add_argument("--ddp-buckets", action=argparse.BooleanOptionalAction, default=True,
+                        help="count torch DDP's bf16 gradient buckets when dp > 1 (default on)")
+    layout.add_argument("--activation-formula", choices=ACTIVATION_FORMULAS, default="korthikanti",
+                        help="per-layer activation count (default korthikanti)")
+    gpu = parser.add_argument_group("GPU and costs")
+    gpu.add_argument("--gpu", default="gh200", help=f"preset: {', '.join(GPUS)} (default gh200)")
+    gpu.add_argument("--gpu-memory", type=float, help="GiB per GPU (overrides the preset)")
+    gpu.add_argument("--reserve", type=float, default=2.0,
+                     help="GiB kept back for CUDA context, NCCL buffers, allocator slack (default 2)")
+    gpu.add_argument("--gpu-tflops", type=float, help="peak bf16 TFLOP/s (default: the preset's)")
+    gpu.add_argument("--mfu", type=float, default=0.5, help="fraction of peak the matmuls reach (default 0.5)")
+    gpu.add_argument("--p2p-bandwidth", type=float, default=25.0, help="GB/s between stages (default 25)")
+    gpu.add_argument("--p2p-latency", type=float, default=20.0, help="microseconds per message (default 20)")
+    search = parser.add_argument_group("search and output")
+    search.add_argument("--virtual", type=int, default=2, help="chunks per rank for interleaved candidates (default 2)")
+    search.add_argument("--node-limit", type=int, default=20_000, help="search nodes per optimal split (default 20000)")
+    search.add_argument("--tables", choices=("all", "top", "none"), default="all",
+                        help="memory tables of all candidates, of the default and recommended, or none")
+    search.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    search.add_argument("--png", metavar="PATH", help="write a stacked bar chart of memory per stage")
+
+
+def model_from_args(args) -> ModelSpec:
+    if args.model_file:
+        model = load_model(args.model_file)
+    elif args.model:
+        model = model_preset(args.model)
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in SIZE_FLAGS if k != "kv_heads" and getattr(args, k) is None]
+        if missing:
+            raise ParameterError(f"give --model, --model-file, or the sizes ({', '.join(missing)} missing)")
+        heads = args.heads
+        return ModelSpec("custom", layers=args.layers, hidden=args.hidden, heads=heads,
+                         kv_heads=args.kv_heads or heads, ffn=args.ffn, vocab=args.vocab)
+    overrides = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
+    return replace(model, **overrides) if overrides else model
+
+
+def _gib(flag: str, value: float, minimum_exclusive: bool = True) -> float:
+    if value is None:
+        return None
+    if math.isnan(value) or value < 0 or (minimum_exclusive and value == 0):
+        raise ParameterError(f"{flag} must be {'> 0' if minimum_exclusive else '>= 0'} GiB, got {value:g}")
+    return value * GiB
+
+
+def build_config(
+    model, *, pp: int, microbatches: int, tp: int = 1, dp: int = 1, zero_stage: int = 0, seq: int = 8192,
+    micro_batch: int = 1, recompute: str = "none", sequence_parallel: bool = True, flash: bool = True,
+    fp32_grad_accum: bool = True, ddp_buckets: bool = True, activation_formula: str = "korthikanti",
+    gpu: str | None = "gh200", gpu_memory: float | None = None, reserve: float = 2.0,
+    gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
+    virtual: int = 2, node_limit: int = 20_000,
+):
+    """A PlanConfig in the command line's units: `model` a preset name, a model file path
+    or a ModelSpec; gpu_memory and reserve in GiB (gpu_memory overrides the `gpu` preset),
+    p2p_bandwidth in GB/s, p2p_latency in microseconds."""
+    from pipeschedule.plan_model import PlanConfig
+
+    if isinstance(model, str):
+        model = load_model(model) if model.endswith((".yaml", ".yml", ".json")) else model_preset(model)
+    if not isinstance(model, ModelSpec):
+        raise ParameterError(f"model must be a preset name, a model file or a ModelSpec, got {model!r}")
+    setup = TrainingSetup(
+        tp=tp, dp=dp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute,
+        sequence_parallel=sequence_parallel, flash=flash, fp32_grad_accum=fp32_grad_accum,
+        ddp_buckets=ddp_buckets, activation_formula=activation_formula,
+    )
+    if gpu_memory is None and gpu is None:
+        raise ParameterError("give a GPU preset (gpu=) or its memory in GiB (gpu_memory=)")
+    preset = gpu_preset(gpu) if gpu else {"memory": None, "tflops": 989.0}
+    memory = _gib("--gpu-memory", gpu_memory) if gpu_memory is not None else preset["memory"]
+    if p2p_bandwidth is None or not p2p_bandwidth > 0:
+        raise ParameterError(f"--p2p-bandwidth must be > 0 GB/s, got {p2p_bandwidth}")
+    if not p2p_latency >= 0:
+        raise ParameterError(f"--p2p-latency must be >= 0 microseconds, got {p2p_latency}")
+    return PlanConfig(
+        model=model, setup=setup, pp=pp, microbatches=microbatches, gpu_memory=memory,
+        reserve=_gib("--reserve", reserve, minimum_exclusive=False),
+        gpu_tflops=gpu_tflops if gpu_tflops is not None else preset["tflops"], mfu=mfu,
+        p2p_bandwidth=p2p_bandwidth * 1e9, p2p_latency=p2p_latency * 1e-6,
+        virtual=virtual, node_limit=node_limit, gpu_name=gpu if gpu_memory is None else f"{gpu_memory:g} GiB",
+    )
+
+
+def config_from_args(args):
+    return build_config(
+        model_from_args(args), pp=args.pp, microbatches=args.microbatches, tp=args.tp, dp=args.dp,
+        zero_stage=args.zero, seq=args.seq, micro_batch=args.micro_batch, recompute=args.recompute,
+        sequence_parallel=args.sequence_parallel, flash=args.flash, fp32_grad_accum=args.fp32_grad_accum,
+        ddp_buckets=args.ddp_buckets, activation_formula=args.activation_formula, gpu=args.gpu,
+        gpu_memory=args.gpu_memory, reserve=args.reserve, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
+        p2p_bandwidth=args.p2p_bandwidth, p2p_latency=args.p2p_latency, virtual=args.virtual,
+        node_limit=args.node_limit,
+    )
+
+
+def run(args, out=None) -> int:
+    from pipeschedule.plan import plan
+    from pipeschedule.plan_report import plan_png
+
+    out = out or sys.stdout
+    result = plan(config_from_args(args))
+    if args.json:
+        out.write(json.dumps(result.to_dict()) + "\n")
+    else:
+        out.write(result.to_text(tables=args.tables))
+    if args.png:
+        plan_png(result, args.png)
+    return 0 if result.recommended is not None else 1
+
+
+__all__ = ["add_arguments", "build_config", "config_from_args", "model_from_args", "run"]
