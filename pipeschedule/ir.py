@@ -211,10 +211,14 @@ class Schedule:
         programs = tuple(tuple(p) for p in self.programs)
         if len(programs) != self.pp:
             raise FormatError(f"schedule has {len(programs)} programs; pp = {self.pp} are needed")
+        split = False
         for rank, program in enumerate(programs):
             for instr in program:
-                if not isinstance(instr, Instr):
+                if type(instr) is not Instr and not isinstance(instr, Instr):
                     raise FormatError(f"rank {rank}: {instr!r} is not an instruction")
+                if instr.op is Op.W:
+                    split = True
+        object.__setattr__(self, "_split_backward", split)
         if not isinstance(self.params, Mapping):
             raise FormatError(f"params must be an object, got {self.params!r}")
         object.__setattr__(self, "placement", placement)
@@ -260,7 +264,7 @@ class Schedule:
     @property
     def split_backward(self) -> bool:
         """True when the schedule has W instructions (backward split in B and W)."""
-        return any(i.op is Op.W for program in self.programs for i in program)
+        return self._split_backward  # found once, on construction
 
     def caps(self) -> list[int] | None:
         """Per-rank in-flight caps from params, or None when uncapped."""

@@ -7,6 +7,8 @@ given and only inserts new ones.
 
 from __future__ import annotations
 
+from pipeschedule.gcpause import gc_paused
+
 from bisect import bisect_left
 from collections import defaultdict
 
@@ -152,6 +154,7 @@ def add_frees(schedule: Schedule) -> Schedule:
 PASSES = (add_communication, add_frees)
 
 
+@gc_paused
 def lower(schedule: Schedule) -> Schedule:
     """Applies every pass of `PASSES` in order to a compute-only schedule."""
     for lowering_pass in PASSES:

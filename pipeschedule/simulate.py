@@ -34,6 +34,8 @@ the points of the curve.
 
 from __future__ import annotations
 
+from pipeschedule.gcpause import gc_paused
+
 import json
 import math
 from dataclasses import dataclass, field
@@ -220,6 +222,7 @@ def _is_lowered(schedule: Schedule) -> bool:
     return any(i.op not in COMPUTE_OPS for program in schedule.programs for i in program)
 
 
+@gc_paused
 def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     """Simulate one step of a lowered schedule ([Note: simulated semantics]).
 

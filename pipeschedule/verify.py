@@ -10,6 +10,8 @@ liveness and caps.
 
 from __future__ import annotations
 
+from pipeschedule.gcpause import gc_paused
+
 from collections import defaultdict
 
 from pipeschedule.errors import ScheduleError
@@ -347,6 +349,7 @@ def check_caps(schedule: Schedule) -> None:
 RULES = (check_coverage, check_dependencies, check_matching, check_deadlock, check_liveness, check_caps)
 
 
+@gc_paused
 def verify(schedule: Schedule) -> None:
     """Raises ScheduleError at the first broken rule; returns None for a valid schedule."""
     for rule in RULES:

@@ -6,6 +6,8 @@ what the family accepts and calls it.
 
 from __future__ import annotations
 
+from pipeschedule.gcpause import gc_paused
+
 from pipeschedule.errors import ParameterError
 from pipeschedule.generators.afab import afab
 from pipeschedule.generators.common import check_common, per_rank_caps
@@ -21,6 +23,7 @@ FAMILIES = {
 }
 
 
+@gc_paused
 def generate(name: str, *, pp: int, microbatches: int, virtual: int = 1, cap=None):
     """The compute-only schedule of family `name`; raises ParameterError on bad input."""
     if name not in FAMILIES:
