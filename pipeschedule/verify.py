@@ -184,67 +184,71 @@ def check_matching(schedule: Schedule) -> None:
 
 
 def comm_batches(schedule: Schedule):
-    """Every maximal run of communication instructions as (rank, start, end), the batch
-    of each communication step as {(rank, step): batch}, and for each batch the set of
-    partner batches its operations are matched with (rule 3's order)."""
+    """Every maximal run of communication instructions as (rank, start, end); per rank,
+    its batches in program order; and for each batch the set of partner batches its
+    operations are matched with (rule 3's order)."""
     batches: list[tuple[int, int, int]] = []
-    batch_of: dict[tuple[int, int], int] = {}
+    rank_batches: list[list[int]] = []
+    batch_at: list[list[int]] = []  # per rank: the batch of each comm step (-1 elsewhere)
     for rank, program in enumerate(schedule.programs):
+        at = [-1] * len(program)
+        mine: list[int] = []
         start = None
         for index, i in enumerate(program):
             op = i.op
             if op is SEND_F or op is RECV_F or op is SEND_B or op is RECV_B:
                 if start is None:
                     start = index
-                batch_of[rank, index] = len(batches)
+                    mine.append(len(batches))
+                    batches.append((rank, index, index))
+                at[index] = mine[-1]
             elif start is not None:
-                batches.append((rank, start, index))
+                batches[mine[-1]] = (rank, start, index)
                 start = None
         if start is not None:
-            batches.append((rank, start, len(program)))
+            batches[mine[-1]] = (rank, start, len(program))
+        rank_batches.append(mine)
+        batch_at.append(at)
     partners: list[set[int]] = [set() for _ in batches]
     sends, recvs = _channels(schedule)
     for key, out in sends.items():
-        src, dst = key
+        src_at, dst_at = batch_at[key[0]], batch_at[key[1]]
         for (_, s_index), (_, r_index) in zip(out, recvs.get(key, ())):
-            a, b = batch_of[src, s_index], batch_of[dst, r_index]
+            a, b = src_at[s_index], dst_at[r_index]
             partners[a].add(b)
             partners[b].add(a)
-    return batches, batch_of, partners
+    return batches, rank_batches, partners
 
 
 def check_deadlock(schedule: Schedule) -> None:
     """Runs every program under rule 4's semantics: a batch is posted when its rank
-    reaches it, and the rank moves past it once every partner batch is posted."""
-    batches, batch_of, partners = comm_batches(schedule)
+    reaches it, and the rank moves past it once every partner batch is posted. Only the
+    batches matter: compute never blocks, so each rank walks its batches in order."""
+    batches, rank_batches, partners = comm_batches(schedule)
     unposted = [len(p) for p in partners]  # partner batches not yet posted
     posted = [False] * len(batches)
-    pcs = [0] * schedule.pp
+    nexts = [0] * schedule.pp  # per rank: index of its next batch in rank_batches
     waiting: dict[int, int] = {}  # batch -> the rank blocked on it
     runnable = list(range(schedule.pp))
     while runnable:
         rank = runnable.pop()
-        program, pc = schedule.programs[rank], pcs[rank]
-        n = len(program)
-        while pc < n:
-            batch = batch_of.get((rank, pc))
-            if batch is None:
-                pc += 1
-                continue
+        mine, k = rank_batches[rank], nexts[rank]
+        while k < len(mine):
+            batch = mine[k]
             if not posted[batch]:
                 posted[batch] = True
                 for other in partners[batch]:  # posting it may complete a partner's batch
                     unposted[other] -= 1
                     if unposted[other] == 0 and other in waiting:
                         runnable.append(waiting.pop(other))
-            if unposted[batch] == 0:
-                pc = batches[batch][2]
-            else:
+            if unposted[batch]:
                 waiting[batch] = rank
                 break
-        pcs[rank] = pc
-    blocked = [r for r in range(schedule.pp) if pcs[r] < len(schedule.programs[r])]
+            k += 1
+        nexts[rank] = k
+    blocked = [r for r in range(schedule.pp) if nexts[r] < len(rank_batches[r])]
     if blocked:
+        pcs = {r: batches[rank_batches[r][nexts[r]]][1] for r in blocked}
         rank = blocked[0]
         states = ", ".join(f"rank {r} at step {pcs[r]} ({schedule.programs[r][pcs[r]]})" for r in blocked[:8])
         more = f" and {len(blocked) - 8} more ranks" if len(blocked) > 8 else ""
