@@ -53,11 +53,16 @@ from pipeschedule.split_search import Cut, Search, balanced_seed, boundary_table
 # -- nanotron's split ------------------------------------------------------------------------
 
 
+def nanotron_layer_cost(*, hidden: int, heads: int, ffn: int) -> int:
+    """nanotron's `get_block_compute_costs` for one decoder layer: its matmul sizes, with
+    k and v priced as full heads (GQA ignored)."""
+    return 4 * heads * (hidden // heads) * hidden + 3 * ffn * hidden
+
+
 def llama_block_costs(model: ModelSpec) -> list[int]:
     """nanotron's cost of each pipeline block of LlamaForTraining, in module order:
     embedding, decoder layers, final norm, LM head, fp32 cast, loss ([Note: nanotron's split])."""
-    d = model.hidden // model.heads
-    layer = 4 * model.heads * d * model.hidden + 3 * model.ffn * model.hidden
+    layer = nanotron_layer_cost(hidden=model.hidden, heads=model.heads, ffn=model.ffn)
     return [0] + [layer] * model.layers + [0, model.vocab * model.hidden, 0, 0]
 
 

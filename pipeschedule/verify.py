@@ -143,14 +143,14 @@ def check_dependencies(schedule: Schedule) -> None:
 # -- rule 3: matching ------------------------------------------------------------------
 
 
-_last_channels: list = [None, None]  # [schedule, result]: matching and deadlock share it
-
-
 def _channels(schedule: Schedule):
     """Per (src, dst): the sends in src's order and the receives in dst's order, each as
-    (tensor, step), a tensor named by its receiving instruction (RECV_x, stage, mb)."""
-    if _last_channels[0] is schedule:
-        return _last_channels[1]
+    (tensor, step), a tensor named by its receiving instruction (RECV_x, stage, mb).
+    Matching and deadlock both need it; a schedule is immutable, so it is found once and
+    kept on the schedule."""
+    cached = schedule.__dict__.get("_verify_channels")
+    if cached is not None:
+        return cached
     sends, recvs = defaultdict(list), defaultdict(list)
     for rank, program in enumerate(schedule.programs):
         for index, i in enumerate(program):
@@ -161,7 +161,7 @@ def _channels(schedule: Schedule):
                 sends[rank, i.peer].append(((RECV_B, i.stage - 1, i.mb), index))
             elif op is RECV_F or op is RECV_B:
                 recvs[i.peer, rank].append(((op, i.stage, i.mb), index))
-    _last_channels[:] = [schedule, (sends, recvs)]
+    object.__setattr__(schedule, "_verify_channels", (sends, recvs))
     return sends, recvs
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeschedule.errors import ParameterError
+from pipeschedule.partition import nanotron_assignment, nanotron_layer_cost
 
 HEAD_BLOCKS = 1  # embedding
 TAIL_BLOCKS = 3  # final norm, LM head, loss
@@ -38,8 +39,7 @@ def llama_block_costs(*, hidden: int, heads: int, ffn: int, vocab: int, layers: 
     ignored: k and v are priced as full heads), the LM head vocab * hidden, everything
     else 0.
     """
-    head_dim = hidden // heads
-    layer = 4 * heads * head_dim * hidden + 3 * ffn * hidden
+    layer = nanotron_layer_cost(hidden=hidden, heads=heads, ffn=ffn)
     return [0] + [layer] * layers + [0, vocab * hidden, 0]
 
 
@@ -59,17 +59,7 @@ def nanotron_block_stages(costs: Sequence[int], num_stages: int) -> list[int]:
     """
     if num_stages < 1:
         raise ParameterError(f"number of stages must be >= 1, got {num_stages}")
-    cumulative, total = [], 0
-    for cost in costs:
-        total += cost
-        cumulative.append(total)
-    thresholds = [total * ((s + 1) / num_stages) for s in range(num_stages)]
-    stages, k = [], 0
-    for c in cumulative:
-        stages.append(k)
-        if c > thresholds[k]:
-            k += 1
-    return stages
+    return nanotron_assignment(costs, num_stages) if costs else []
 
 
 def nanotron_output_pp_rank(block_stages: Sequence[int], placement: Sequence[int]) -> int:
