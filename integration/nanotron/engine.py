@@ -74,7 +74,7 @@ from integration.nanotron.stage_call import (
 from pipeschedule import compile_schedule
 from pipeschedule.generators.one_f_one_b import default_cap
 from pipeschedule.ir import Instr, Op, Schedule
-from pipeschedule.runtime import DistTransport, Executor, RemoteOutput
+from pipeschedule.runtime import DistTransport, Executor, HostStagedTransport, RemoteOutput
 
 _engines_built: dict[tuple[int, ...], itertools.count] = {}  # pp group -> engine counter (store prefixes)
 
@@ -138,7 +138,7 @@ class PipescheduleEngine(PipelineEngine):
             schedule = self.compile(pp=pp, microbatches=m)
             if not train:
                 schedule = forward_only(schedule)
-            self._runners[key] = _Runner(schedule, self._transport_for(pg))
+            self._runners[key] = _Runner(schedule, self._transport_for(pg), _device_of(model))
         return self._runners[key]
 
     def _transport_for(self, pg) -> DistTransport:
@@ -147,7 +147,11 @@ class PipescheduleEngine(PipelineEngine):
             counter = _engines_built.setdefault(ranks, itertools.count())
             prefix = f"pipeschedule/nanotron/{'-'.join(map(str, ranks))}/{next(counter)}/"
             store = dist.distributed_c10d._get_default_store()  # TODO(runtime): a public way to reach the store
-            self._transport = DistTransport(store, group=pg, prefix=prefix)
+            # gloo cannot carry CUDA tensors: ranks that share a GPU (gloo on a CUDA
+            # machine) stage each boundary tensor through pinned host memory.
+            staged = dist.get_backend(pg) == "gloo" and torch.cuda.is_available()
+            transport = HostStagedTransport if staged else DistTransport
+            self._transport = transport(store, group=pg, prefix=prefix)
         return self._transport
 
     def __repr__(self) -> str:
@@ -213,18 +217,24 @@ def forward_only(schedule: Schedule) -> Schedule:
                     schedule.placement, tuple(programs), dict(schedule.params))
 
 
+def _device_of(model) -> torch.device:
+    """Where received boundary tensors are allocated: the device of the rank's parameters."""
+    parameter = next(iter(_unwrap(model).parameters()), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
 # -- one step ----------------------------------------------------------------------------
 
 
 class _Runner:
     """The executor of one (pg, m, train|eval) and what its steps share."""
 
-    def __init__(self, schedule: Schedule, transport: DistTransport):
+    def __init__(self, schedule: Schedule, transport: DistTransport, device: torch.device):
         self.schedule, self.transport = schedule, transport
         self.rank = transport.rank
         self.layouts: dict[int, Layout] = {}  # producing stage -> boundary layout
         self.stages = _ModelStages(self)
-        self.executor = _NanotronExecutor(schedule, self.rank, self.stages, transport)
+        self.executor = _NanotronExecutor(schedule, self.rank, self.stages, transport, device=device)
         backwards = [pc for pc, i in enumerate(self.executor.program) if i.op is Op.B]
         self.last_backward = self.executor.program[backwards[-1]] if backwards else None
 
