@@ -70,6 +70,7 @@ from dataclasses import dataclass
 from pipeschedule.errors import ParameterError
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+OPTIMIZERS = ("adam", "none")
 ACTIVATION_FORMULAS = ("korthikanti", "llama")
 GiB = 1 << 30
 
@@ -151,7 +152,9 @@ class TrainingSetup:
     act_bytes: bytes per parameter and per activation value (2 for bf16).
     fp32_grad_accum: nanotron's `accumulate_grad_in_fp32`. ddp_buckets: count DDP's bf16
     bucket buffers when dp > 1. activation_formula: "korthikanti" or "llama"
-    ([Note: memory terms]).
+    ([Note: memory terms]). optimizer: "adam" (Adam/AdamW: two moments per parameter,
+    plus fp32 master weights under fp32_grad_accum) or "none" (no optimizer state, as in
+    a gradient-only measurement).
     """
 
     tp: int = 1
@@ -167,6 +170,7 @@ class TrainingSetup:
     fp32_grad_accum: bool = True
     ddp_buckets: bool = True
     activation_formula: str = "korthikanti"
+    optimizer: str = "adam"
 
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
@@ -179,6 +183,8 @@ class TrainingSetup:
             raise ParameterError(
                 f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, got {self.activation_formula!r}"
             )
+        if self.optimizer not in OPTIMIZERS:
+            raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.sequence_parallel and self.seq % self.tp:
             raise ParameterError(
                 f"sequence parallel splits the sequence over tp: seq={self.seq} is not divisible by tp={self.tp}"
@@ -237,14 +243,17 @@ def static_per_param(setup: TrainingSetup) -> dict[str, float]:
     """Bytes held all step per parameter, by term ([Note: memory terms]). Linear in the
     parameter count, so a stage's static bytes are additive over its layers."""
     shard = setup.dp if setup.zero_stage == 1 else 1
+    adam = setup.optimizer == "adam"
     out = {"weights": float(setup.param_bytes)}
     if setup.fp32_grad_accum:
         out["fp32 grad accumulator"] = 4.0
-        out["fp32 master weights"] = 4 / shard
-        out["Adam moments"] = 8 / shard
+        if adam:
+            out["fp32 master weights"] = 4 / shard
+            out["Adam moments"] = 8 / shard
     else:
         out["gradients"] = float(setup.param_bytes)
-        out["Adam moments"] = 2 * setup.param_bytes / shard
+        if adam:
+            out["Adam moments"] = 2 * setup.param_bytes / shard
     if setup.dp > 1 and setup.ddp_buckets:
         out["DDP grad buckets"] = float(setup.param_bytes)
     return out
@@ -346,6 +355,7 @@ def stage_footprints(model: ModelSpec, setup: TrainingSetup, split: Sequence[int
 
 __all__ = [
     "ACTIVATION_FORMULAS",
+    "OPTIMIZERS",
     "RECOMPUTE_MODES",
     "GiB",
     "ModelSpec",

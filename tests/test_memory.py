@@ -300,3 +300,14 @@ def test_flat_json_model_and_bad_files(tmp_path):
 def test_stage_footprint_rejects_negative_layers():
     with pytest.raises(ParameterError, match="-1"):
         stage_footprint(L70, TrainingSetup(tp=4), -1, first=True, last=False)
+
+
+def test_optimizer_none_drops_the_optimizer_state_only():
+    """TrainingSetup.optimizer: "none" keeps weights and gradients, drops the moments and
+    fp32 master weights (used to calibrate a gradient-only measurement)."""
+    assert static_per_param(TrainingSetup(optimizer="none")) == {"weights": 2, "fp32 grad accumulator": 4}
+    assert static_per_param(TrainingSetup(fp32_grad_accum=False, optimizer="none", param_bytes=4)) == {
+        "weights": 4, "gradients": 4}
+    assert static_per_param(TrainingSetup()) == static_per_param(TrainingSetup(optimizer="adam"))
+    with pytest.raises(ParameterError, match="optimizer must be one of adam, none, got 'sgd'"):
+        TrainingSetup(optimizer="sgd")
