@@ -66,8 +66,9 @@ class ChildFailed(RuntimeError):
     """A spawned rank raised; the message holds its traceback."""
 
 
-def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 120.0, threads: int = 1) -> list:
-    """Run `fn(rank, world_size, *args)` in `world_size` gloo processes; results by rank.
+def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 120.0, threads: int = 1,
+          backend: str = "gloo") -> list:
+    """Run `fn(rank, world_size, *args)` in `world_size` processes (gloo, or `backend`); results by rank.
 
     `fn` must be importable by name (a module-level function) and its result picklable
     by `torch.save`. Each child uses `threads` intra-op threads (1 keeps CPU kernels
@@ -76,7 +77,8 @@ def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: f
     context = torch_mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="pipeschedule-gloo-") as tmp:
         processes = [
-            context.Process(target=_child, args=(rank, world_size, tmp, fn, tuple(args), threads, timeout), daemon=True)
+            context.Process(target=_child, args=(rank, world_size, tmp, fn, tuple(args), threads, timeout, backend),
+                            daemon=True)
             for rank in range(world_size)
         ]
         for process in processes:
@@ -106,7 +108,7 @@ def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: f
         return [torch.load(os.path.join(tmp, f"result-{rank}.pt"), weights_only=False) for rank in range(world_size)]
 
 
-def _child(rank, world_size, tmp, fn, args, threads, timeout) -> None:
+def _child(rank, world_size, tmp, fn, args, threads, timeout, backend="gloo") -> None:
     # On SIGUSR1 (sent by the parent at its deadline) write every thread's stack.
     stack_file = open(os.path.join(tmp, f"stack-{rank}.txt"), "w", encoding="utf-8")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -118,8 +120,10 @@ def _child(rank, world_size, tmp, fn, args, threads, timeout) -> None:
 
     try:
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
         result = fn(rank, world_size, *args)
         path = os.path.join(tmp, f"result-{rank}.pt")
