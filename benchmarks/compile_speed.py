@@ -361,7 +361,8 @@ def markdown(result: dict) -> str:
         f"Machine: {meta['machine']['cpu_model']} ({meta['machine']['processor']}), {meta['machine']['cpu_count']} CPUs "
         f"({meta['affinity']}), {meta['machine']['platform']}  ",
         f"Python {meta['machine']['python']}, torch {meta['machine']['torch']}; "
-        f"1-minute load average at the end: {meta['machine']['load_average_1m_at_end']}  ",
+        f"1-minute load average at the start: {meta.get('load_average_1m_at_start')}, at the end: "
+        f"{meta['machine']['load_average_1m_at_end']} ({meta['machine']['cpu_count']} CPUs; other processes share them)  ",
         f"Commit: {meta['commit']}",
         "",
         f"## Headline: interleaved 1F1B, pp={h['pp']}, virtual={h['virtual']}, microbatches={h['microbatches']}",
@@ -392,6 +393,15 @@ def markdown(result: dict) -> str:
         f"ratio >= {TARGET_RATIO:.0f}x: "
         + ("met" if h["ratio"] and h["ratio"] >= TARGET_RATIO else "NOT met"),
         "",
+    ]
+    # The headline is a best of several runs; say how far a single run of the same size
+    # (the grid's cell, timed once) was from it, so a narrow margin is visible.
+    same = [c for c in result["grid"] if (c["pp"], c["virtual"], c["microbatches"]) == (h["pp"], h["virtual"], h["microbatches"])]
+    if same:
+        lines += [f"A single run of the same size in the grid below took {same[0]['ours_total']:.3f} s "
+                  f"({100 * (same[0]['ours_total'] / h['ours_total'] - 1):+.0f}% against the best of {h['repeat']}); "
+                  "runs on this shared machine vary by that much.", ""]
+    lines += [
         f"## Growth (virtual={result['grid'][0]['virtual']}; one run per cell, best of {SMALL_REPEAT} below {SMALL_S} s)",
         "",
         "| pp | m | instructions | ours s | µs/instr | PyTorch s | ratio |",
@@ -442,6 +452,7 @@ def main(argv=None) -> int:
     global _clock_name
     _clock_name = "wall" if args.wall else "cpu"
 
+    load_at_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     affinity = pin_to_one_core()
     has_torch = torch_version() is not None
     pp, virtual, microbatches = (8, 2, 64) if args.quick else HEADLINE
@@ -493,7 +504,8 @@ def main(argv=None) -> int:
     result = {
         "command": "python -m benchmarks.compile_speed" + ("".join(f" {a}" for a in (argv or sys.argv[1:]))),
         "meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "machine": machine(), "affinity": affinity, "commit": git_commit()},
+                 "machine": machine(), "affinity": affinity, "commit": git_commit(),
+                 "load_average_1m_at_start": load_at_start},
         "clock": "process CPU time (user + system)" if _clock_name == "cpu" else "wall clock",
         "headline": headline, "grid": cells, "torch_budget_s": args.torch_budget,
         "growth": fits, "growth_summary": summary, "profile": profile,

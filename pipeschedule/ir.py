@@ -283,6 +283,23 @@ class Schedule:
             tuple(tuple(p) for p in programs), dict(self.params),
         )
 
+    def _with_trusted_programs(self, programs: tuple[tuple[Instr, ...], ...]) -> Schedule:
+        """`replace_programs` without the checks of construction, for the lowering passes.
+
+        Only for programs that hold `self`'s own (already checked) instructions plus
+        instructions a pass built itself with `make_instr`, as a tuple of tuples, and no
+        new W (so `split_backward` carries over). Checking every instruction again cost
+        about 0.08 s per pass at pp=64, v=2, m=512. Caches kept in `self.__dict__`
+        (such as the verifier's channels) belong to the old programs and are not copied.
+        """
+        twin = object.__new__(Schedule)
+        twin.__dict__.update(
+            name=self.name, pp=self.pp, virtual=self.virtual, microbatches=self.microbatches,
+            placement=self.placement, programs=programs, params=dict(self.params),
+            _split_backward=self._split_backward,
+        )
+        return twin
+
     # -- JSON form ---------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:

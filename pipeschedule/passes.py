@@ -10,10 +10,9 @@ from __future__ import annotations
 from pipeschedule.gcpause import gc_paused
 
 from bisect import bisect_left
-from collections import defaultdict
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.generators.common import UNIT_COST, asap
+from pipeschedule.generators.common import UNIT_COST, asap_of
 from pipeschedule.ir import Instr, Op, Schedule, make_instr
 
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -43,7 +42,7 @@ def add_communication(schedule: Schedule) -> Schedule:
     a later message's receive is moved up to it, and within one gap messages go in the
     order they were produced.
     """
-    starts, stuck = asap(schedule.num_stages, schedule.programs)
+    starts, stuck = asap_of(schedule)  # the generator's timing where it kept one
     if stuck:
         rank = stuck[0]
         pc = starts[rank].index(None)
@@ -53,66 +52,85 @@ def add_communication(schedule: Schedule) -> Schedule:
             rule="deadlock", rank=rank, index=pc, instr=schedule.programs[rank][pc],
             mb=schedule.programs[rank][pc].mb,
         )
-    placement = schedule.placement
+    placement, pp = schedule.placement, schedule.pp
     # gaps[r][pc]: the messages that go right before rank r's pc-th compute (pc == len:
-    # after the last one), each as (production time, sender rank, sender pc, instr).
+    # after the last one), each as (production time, sender rank, sender pc, kind, instr);
+    # kind 0 is the send, 1 the receive. Sorting a gap orders its messages by when they
+    # were produced; (time, rank, pc, kind) never ties (a producer sends one message),
+    # so the sort never compares instructions.
     gaps = [[None] * (len(program) + 1) for program in schedule.programs]
-    position = {}  # (op, stage, mb) -> (rank, pc) of every compute
-    for rank, program in enumerate(schedule.programs):
-        for pc, i in enumerate(program):
-            position[i.op, i.stage, i.mb] = (rank, pc)
+    position = {  # (op, stage, mb) -> (rank, pc) of every compute
+        (i.op, i.stage, i.mb): (rank, pc) for rank, program in enumerate(schedule.programs) for pc, i in enumerate(program)
+    }
     sends_forward = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
     sends_backward = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
-    channels: dict[tuple[int, int], list] = defaultdict(list)  # (src, dst) -> receives, in send order
+    # channel src * pp + dst -> (the due gap of each receive, the receive's gap entry),
+    # in send order (src and dst are both ranks, so the int names the pair)
+    channels: dict[int, tuple[list[int], list[tuple]]] = {}
+    cost_f, cost_b = UNIT_COST[F], UNIT_COST[B]
     inf = float("inf")
     for rank, program in enumerate(schedule.programs):
         rank_starts, rank_gaps = starts[rank], gaps[rank]
+        n = len(program)
         for pc, i in enumerate(program):
             op, stage, mb = i.op, i.stage, i.mb
             if op is F and sends_forward[stage]:
                 recv = make_instr(RECV_F, stage + 1, mb, rank)
                 send = make_instr(SEND_F, stage, mb, placement[stage + 1])
                 c_rank, c_pc = position[F, stage + 1, mb]
+                produced = rank_starts[pc] + cost_f  # the message exists from its producer's end
             elif op is B and sends_backward[stage]:
                 recv = make_instr(RECV_B, stage - 1, mb, rank)
                 send = make_instr(SEND_B, stage, mb, placement[stage - 1])
                 c_rank, c_pc = position[B, stage - 1, mb]
+                produced = rank_starts[pc] + cost_b
             else:
                 continue
-            entry = (rank_starts[pc] + UNIT_COST[op], rank, pc, send)  # exists from its producer's end
-            _put(rank_gaps, pc + 1, entry)
-            sender_next = rank_starts[pc + 1] if pc + 1 < len(program) else inf
-            due = min(sender_next, starts[c_rank][c_pc])
-            channels[rank, c_rank].append([bisect_left(starts[c_rank], due), entry[:3] + (recv,)])
-    for (_, dst), recvs in channels.items():
+            gap = rank_gaps[pc + 1]
+            if gap is None:
+                rank_gaps[pc + 1] = [(produced, rank, pc, 0, send)]
+            else:
+                gap.append((produced, rank, pc, 0, send))
+            sender_next = rank_starts[pc + 1] if pc + 1 < n else inf
+            c_starts = starts[c_rank]
+            # at: the consumer rank's first compute that starts no earlier than
+            # min(sender_next, the consumer's start). Starts on a rank never decrease, so
+            # the search can stop at the consumer itself.
+            if sender_next < c_starts[c_pc]:
+                at = bisect_left(c_starts, sender_next, 0, c_pc)
+            else:
+                at = bisect_left(c_starts, c_starts[c_pc], 0, c_pc)
+            channel = channels.get(rank * pp + c_rank)
+            if channel is None:
+                channel = channels[rank * pp + c_rank] = ([], [])
+            channel[0].append(at)
+            channel[1].append((produced, rank, pc, 1, recv))
+    for channel, (ats, entries) in channels.items():
+        dst_gaps = gaps[channel % pp]
         # NCCL matches by order: a receive never goes after a later message's receive.
-        for k in range(len(recvs) - 2, -1, -1):
-            recvs[k][0] = min(recvs[k][0], recvs[k + 1][0])
-        for at, entry in recvs:
-            _put(gaps[dst], at, entry)
+        at = len(dst_gaps)
+        for at_k, entry in zip(reversed(ats), reversed(entries)):
+            if at_k < at:
+                at = at_k
+            gap = dst_gaps[at]
+            if gap is None:
+                dst_gaps[at] = [entry]
+            else:
+                gap.append(entry)
     programs = []
     for program, rank_gaps in zip(schedule.programs, gaps):
         out: list[Instr] = []
+        append = out.append
         for pc, gap in enumerate(rank_gaps):
             if gap is not None:
                 if len(gap) > 1:
-                    gap.sort(key=_gap_order)
-                out.extend(entry[3] for entry in gap)
+                    gap.sort()
+                for entry in gap:
+                    append(entry[4])
             if pc < len(program):
-                out.append(program[pc])
-        programs.append(out)
-    return schedule.replace_programs(programs)
-
-
-def _put(gaps: list, at: int, entry) -> None:
-    if gaps[at] is None:
-        gaps[at] = [entry]
-    else:
-        gaps[at].append(entry)
-
-
-def _gap_order(entry):
-    return entry[:3]
+                append(program[pc])
+        programs.append(tuple(out))
+    return schedule._with_trusted_programs(tuple(programs))
 
 
 def add_frees(schedule: Schedule) -> Schedule:
@@ -136,10 +154,11 @@ def add_frees(schedule: Schedule) -> Schedule:
                 pending = []
             append(i)
             if op is B:
+                stage, mb = i.stage, i.mb
                 for buf in after_b:
-                    append(make_instr(FREE, i.stage, i.mb, None, buf))
-                if i.stage < last:
-                    append(make_instr(FREE, i.stage, i.mb, None, "grad_out"))
+                    append(make_instr(FREE, stage, mb, None, buf))
+                if stage < last:
+                    append(make_instr(FREE, stage, mb, None, "grad_out"))
             elif op is W:
                 append(make_instr(FREE, i.stage, i.mb, None, "stash"))
             elif op is SEND_F:
@@ -147,8 +166,8 @@ def add_frees(schedule: Schedule) -> Schedule:
             elif op is SEND_B:
                 pending.append(make_instr(FREE, i.stage, i.mb, None, "grad_in"))
         out.extend(pending)
-        programs.append(out)
-    return schedule.replace_programs(programs)
+        programs.append(tuple(out))
+    return schedule._with_trusted_programs(tuple(programs))
 
 
 PASSES = (add_communication, add_frees)

@@ -15,7 +15,7 @@ from pipeschedule.gcpause import gc_paused
 from collections import defaultdict
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.ir import BUFFERS, COMM_OPS, Instr, Op, Schedule
 
 # Plain names for the ops: enum attribute lookups dominate loops over a million steps.
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -84,7 +84,13 @@ def check_coverage(schedule: Schedule) -> None:
                 if op is W and (B, stage, mb) not in seen:
                     raise _fail(schedule, "coverage", rank, index, f"W of (stage {stage}, mb {mb}) before its B")
         ops = (F, B, W) if split else (F, B)
-        for stage in schedule.stages_of(rank):
+        stages = schedule.stages_of(rank)
+        # Every key of `seen` is one of the len(ops) * len(stages) * m wanted (checked
+        # above, and a W anywhere makes the schedule split), each once: when the counts
+        # agree nothing is missing, and the search below for what is can be skipped.
+        if len(seen) == len(ops) * len(stages) * m:
+            continue
+        for stage in stages:
             for mb in range(m):
                 for op in ops:
                     if (op, stage, mb) not in seen:
@@ -107,7 +113,10 @@ def check_dependencies(schedule: Schedule) -> None:
     for rank, program in enumerate(schedule.programs):
         done: set[tuple[Op, int, int]] = set()
         for index, i in enumerate(program):
-            op, s, mb = i.op, i.stage, i.mb
+            op = i.op
+            if op is FREE or op is W:
+                continue  # nothing below waits for them (W's place is rule 1's business)
+            s, mb = i.stage, i.mb
             if op is F:
                 need = f_needs[s]
                 if need is not None:
@@ -120,7 +129,7 @@ def check_dependencies(schedule: Schedule) -> None:
                     key = (need, s, mb) if need is RECV_B else (B, s + 1, mb)
                     if key not in done:
                         raise _fail(schedule, "dependency", rank, index, f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
-            elif op is not FREE and op is not W:
+            else:
                 other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
                 if not 0 <= other < S or placement[other] == rank:
                     raise _fail(schedule, "dependency", rank, index, f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
@@ -143,35 +152,54 @@ def check_dependencies(schedule: Schedule) -> None:
 # -- rule 3: matching ------------------------------------------------------------------
 
 
-def _channels(schedule: Schedule):
-    """Per (src, dst): the sends in src's order and the receives in dst's order, each as
-    (tensor, step), a tensor named by its receiving instruction (RECV_x, stage, mb).
-    Matching and deadlock both need it; a schedule is immutable, so it is found once and
-    kept on the schedule."""
-    cached = schedule.__dict__.get("_verify_channels")
+def _communication(schedule: Schedule):
+    """One walk over the programs for rules 3 and 4: per (src, dst), the sends in src's
+    order and the receives in dst's order, each as (tensor, step, batch), a tensor named
+    by its receiving instruction (RECV_x, stage, mb) and batch being the index of its
+    step's batch; and the batches, every maximal run of communication instructions as
+    (rank, start, end), with per rank its batches in program order. A schedule is
+    immutable, so this is found once and kept on the schedule."""
+    cached = schedule.__dict__.get("_verify_communication")
     if cached is not None:
         return cached
     sends, recvs = defaultdict(list), defaultdict(list)
+    batches: list[tuple[int, int, int]] = []
+    rank_batches: list[list[int]] = []
     for rank, program in enumerate(schedule.programs):
+        mine: list[int] = []
+        run_start = run_end = -1  # the current run of communication steps: [run_start, run_end)
+        batch = -1
         for index, i in enumerate(program):
             op = i.op
+            if op is not SEND_F and op is not SEND_B and op is not RECV_F and op is not RECV_B:
+                continue
+            if index != run_end:  # not right after the previous comm step: a new batch
+                if run_end >= 0:
+                    batches.append((rank, run_start, run_end))
+                run_start, batch = index, len(batches)
+                mine.append(batch)
+            run_end = index + 1
             if op is SEND_F:
-                sends[rank, i.peer].append(((RECV_F, i.stage + 1, i.mb), index))
+                sends[rank, i.peer].append(((RECV_F, i.stage + 1, i.mb), index, batch))
             elif op is SEND_B:
-                sends[rank, i.peer].append(((RECV_B, i.stage - 1, i.mb), index))
-            elif op is RECV_F or op is RECV_B:
-                recvs[i.peer, rank].append(((op, i.stage, i.mb), index))
-    object.__setattr__(schedule, "_verify_channels", (sends, recvs))
-    return sends, recvs
+                sends[rank, i.peer].append(((RECV_B, i.stage - 1, i.mb), index, batch))
+            else:
+                recvs[i.peer, rank].append(((op, i.stage, i.mb), index, batch))
+        if run_end >= 0:
+            batches.append((rank, run_start, run_end))
+        rank_batches.append(mine)
+    found = (sends, recvs, batches, rank_batches)
+    object.__setattr__(schedule, "_verify_communication", found)
+    return found
 
 
 def check_matching(schedule: Schedule) -> None:
     """For each ordered pair of ranks, the k-th send from a to b and the k-th receive on b
     from a carry the same tensor (NCCL matches by order alone)."""
-    sends, recvs = _channels(schedule)
+    sends, recvs, _, _ = _communication(schedule)
     for src, dst in sorted(set(sends) | set(recvs)):
         out, into = sends.get((src, dst), []), recvs.get((src, dst), [])
-        for k, ((sent, s_index), (wanted, r_index)) in enumerate(zip(out, into)):
+        for k, ((sent, s_index, _), (wanted, r_index, _)) in enumerate(zip(out, into)):
             if sent != wanted:
                 name = lambda t: f"{'activation' if t[0] is Op.RECV_F else 'gradient'} for (stage {t[1]}, mb {t[2]})"
                 raise _fail(schedule, "matching", dst, r_index, f"receive #{k} from rank {src} expects the {name(wanted)}, but rank {src}'s send #{k} (step {s_index}) carries the {name(sent)}")
@@ -187,34 +215,10 @@ def comm_batches(schedule: Schedule):
     """Every maximal run of communication instructions as (rank, start, end); per rank,
     its batches in program order; and for each batch the set of partner batches its
     operations are matched with (rule 3's order)."""
-    batches: list[tuple[int, int, int]] = []
-    rank_batches: list[list[int]] = []
-    batch_at: list[list[int]] = []  # per rank: the batch of each comm step (-1 elsewhere)
-    for rank, program in enumerate(schedule.programs):
-        at = [-1] * len(program)
-        mine: list[int] = []
-        start = None
-        for index, i in enumerate(program):
-            op = i.op
-            if op is SEND_F or op is RECV_F or op is SEND_B or op is RECV_B:
-                if start is None:
-                    start = index
-                    mine.append(len(batches))
-                    batches.append((rank, index, index))
-                at[index] = mine[-1]
-            elif start is not None:
-                batches[mine[-1]] = (rank, start, index)
-                start = None
-        if start is not None:
-            batches[mine[-1]] = (rank, start, len(program))
-        rank_batches.append(mine)
-        batch_at.append(at)
+    sends, recvs, batches, rank_batches = _communication(schedule)
     partners: list[set[int]] = [set() for _ in batches]
-    sends, recvs = _channels(schedule)
     for key, out in sends.items():
-        src_at, dst_at = batch_at[key[0]], batch_at[key[1]]
-        for (_, s_index), (_, r_index) in zip(out, recvs.get(key, ())):
-            a, b = src_at[s_index], dst_at[r_index]
+        for (_, _, a), (_, _, b) in zip(out, recvs.get(key, ())):
             partners[a].add(b)
             partners[b].add(a)
     return batches, rank_batches, partners
@@ -260,22 +264,31 @@ def check_deadlock(schedule: Schedule) -> None:
 
 def check_liveness(schedule: Schedule) -> None:
     """Every buffer is produced once, used only while live, and freed exactly once after
-    its last use; nothing is live when the program ends ([Note: buffers] in ir.py)."""
+    its last use; nothing is live when the program ends ([Note: buffers] in ir.py).
+
+    [Note: buffer states] Per rank, one dict per buffer kind maps (stage, mb) to the state
+    of that buffer: the step that produced it while it is live, ~step (a negative number)
+    of the FREE that released it once freed, absent before it is produced. One lookup
+    then answers both "is it live" and "did it ever exist", and one (stage, mb) tuple
+    serves every buffer an instruction touches (this loop runs once per instruction).
+    """
     S = schedule.num_stages
     last = S - 1
     sends_fwd = [schedule.sends_forward(s) for s in range(S)]
     sends_bwd = [schedule.sends_backward(s) for s in range(S)]
     for rank, program in enumerate(schedule.programs):
-        live: dict[tuple[str, int, int], int] = {}
-        freed: dict[tuple[str, int, int], int] = {}
+        states: dict[str, dict[tuple[int, int], int]] = {buf: {} for buf in BUFFERS}
+        act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
 
-        def fail(index, key, what):
-            buf, s, mb = key
+        def fail(index, buf, key, what):
+            s, mb = key
+            state = states[buf].get(key)
+            freed_at = ~state if state is not None and state < 0 else None
             if what == "use":
-                state = f"freed at step {freed[key]}" if key in freed else "never produced"
+                state = f"freed at step {freed_at}" if freed_at is not None else "never produced"
                 message = f"uses {buf} of (stage {s}, mb {mb}), which is {state}"
             elif what == "free":
-                state = f"already freed at step {freed[key]}" if key in freed else "never produced"
+                state = f"already freed at step {freed_at}" if freed_at is not None else "never produced"
                 message = f"frees {buf} of (stage {s}, mb {mb}), which is {state}"
             elif what == "early":
                 op, producer = ("SEND_F", "F") if buf == "act_out" else ("SEND_B", "B")
@@ -284,50 +297,85 @@ def check_liveness(schedule: Schedule) -> None:
                 message = f"{buf} of (stage {s}, mb {mb}) produced a second time"
             return _fail(schedule, "liveness", rank, index, message)
 
+        # Each instruction produces its buffers, then uses its inputs, in the order of
+        # [Note: buffers]; the first failing check names the error.
+        frees = 0
         for index, i in enumerate(program):
-            op, s, mb = i.op, i.stage, i.mb
-            if op is F:
-                produced = [("stash", s, mb)]
-                if s == 0:
-                    produced.append(("act_in", 0, mb))  # the data loader's input, at F
+            op = i.op
+            key = (i.stage, i.mb)
+            if op is FREE:
+                states_of = states[i.buf]
+                state = states_of.get(key)
+                if state is None or state < 0:
+                    raise fail(index, i.buf, key, "free")
+                states_of[key] = ~index
+                frees += 1
+            elif op is F:
+                s = key[0]
+                if key in stash:
+                    raise fail(index, "stash", key, "twice")
+                stash[key] = index
+                if s == 0:  # the data loader's input, at F
+                    if key in act_in:
+                        raise fail(index, "act_in", key, "twice")
+                    act_in[key] = index
                 if sends_fwd[s]:
-                    produced.append(("act_out", s, mb))
-                elif s < last:
-                    produced.append(("act_in", s + 1, mb))  # local hand-off
-                used = [("act_in", s, mb)]
+                    if key in act_out:
+                        raise fail(index, "act_out", key, "twice")
+                    act_out[key] = index
+                elif s < last:  # local hand-off
+                    nxt = (s + 1, key[1])
+                    if nxt in act_in:
+                        raise fail(index, "act_in", nxt, "twice")
+                    act_in[nxt] = index
+                state = act_in.get(key)
+                if state is None or state < 0:
+                    raise fail(index, "act_in", key, "use")
             elif op is B:
-                produced = []
+                s = key[0]
                 if sends_bwd[s]:
-                    produced.append(("grad_in", s, mb))
-                elif s > 0:
-                    produced.append(("grad_out", s - 1, mb))  # local hand-off
-                used = [("act_in", s, mb), ("stash", s, mb)]
-                if s < last:
-                    used.append(("grad_out", s, mb))
-            elif op is FREE:
-                key = (i.buf, s, mb)
-                if live.pop(key, None) is None:
-                    raise fail(index, key, "free")
-                freed[key] = index
-                continue
+                    if key in grad_in:
+                        raise fail(index, "grad_in", key, "twice")
+                    grad_in[key] = index
+                elif s > 0:  # local hand-off
+                    prev = (s - 1, key[1])
+                    if prev in grad_out:
+                        raise fail(index, "grad_out", prev, "twice")
+                    grad_out[prev] = index
+                state = act_in.get(key)
+                if state is None or state < 0:
+                    raise fail(index, "act_in", key, "use")
+                state = stash.get(key)
+                if state is None or state < 0:
+                    raise fail(index, "stash", key, "use")
+                if s < last:  # no grad_out on the last stage: the loss is there
+                    state = grad_out.get(key)
+                    if state is None or state < 0:
+                        raise fail(index, "grad_out", key, "use")
             elif op is RECV_F or op is RECV_B:
-                produced, used = [("act_in" if op is RECV_F else "grad_out", s, mb)], ()
+                buf, states_of = ("act_in", act_in) if op is RECV_F else ("grad_out", grad_out)
+                if key in states_of:
+                    raise fail(index, buf, key, "twice")
+                states_of[key] = index
             elif op is SEND_F or op is SEND_B:
-                key = ("act_out" if op is SEND_F else "grad_in", s, mb)
-                if key not in live and key not in freed:
-                    raise fail(index, key, "early")
-                produced, used = (), (key,)
+                buf, states_of = ("act_out", act_out) if op is SEND_F else ("grad_in", grad_in)
+                state = states_of.get(key)
+                if state is None:
+                    raise fail(index, buf, key, "early")
+                if state < 0:
+                    raise fail(index, buf, key, "use")
             else:  # W
-                produced, used = (), (("stash", s, mb),)
-            for key in produced:
-                if key in live or key in freed:
-                    raise fail(index, key, "twice")
-                live[key] = index
-            for key in used:
-                if key not in live:
-                    raise fail(index, key, "use")
-        if live:
-            (buf, s, mb), index = min(live.items(), key=lambda kv: kv[1])
+                state = stash.get(key)
+                if state is None or state < 0:
+                    raise fail(index, "stash", key, "use")
+        if sum(map(len, states.values())) > frees:  # every key was produced once; each FREE released one
+            # The first leak in program order; buffers one instruction produces come in the
+            # order it produces them (stash, act_in, act_out; [Note: buffers]).
+            order = {"stash": 0, "act_in": 1, "act_out": 2, "grad_in": 3, "grad_out": 4}
+            index, _, s, buf, mb = min(
+                (state, order[buf], s, buf, mb)
+                for buf, states_of in states.items() for (s, mb), state in states_of.items() if state >= 0
+            )
             raise _fail(schedule, "liveness", rank, index, f"{buf} of (stage {s}, mb {mb}) is never freed (a leak)")
 
 

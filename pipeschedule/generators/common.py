@@ -46,22 +46,34 @@ def interleave_1f1b(forwards: Sequence[Slot], backwards: Sequence[Slot], warmup:
     warmup >= len(forwards)), and that is the rank's peak in-flight count.
     """
     warmup = min(warmup, len(forwards))
-    order = [make_instr(Op.F, s, mb) for s, mb in forwards[:warmup]]  # warmup
+    F, B = Op.F, Op.B  # an enum's attribute costs more than a local, per instruction here
+    order = [make_instr(F, s, mb) for s, mb in forwards[:warmup]]  # warmup
     b = 0
     for s, mb in forwards[warmup:]:  # steady
-        order.append(make_instr(Op.F, s, mb))
-        order.append(make_instr(Op.B, *backwards[b]))
+        order.append(make_instr(F, s, mb))
+        order.append(make_instr(B, *backwards[b]))
         b += 1
-    order.extend(make_instr(Op.B, s, mb) for s, mb in backwards[b:])  # cooldown
+    order.extend(make_instr(B, s, mb) for s, mb in backwards[b:])  # cooldown
     return order
 
 
-UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}
+UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}  # B is the whole backward
+SPLIT_UNIT_COST = {Op.F: 1, Op.B: 1, Op.W: 1}  # the backward's 2 split in B (input) and W (weights)
 
 
-def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=UNIT_COST):
+def unit_cost(programs: Sequence[Sequence[Instr]]) -> dict:
+    """The unit costs of a compute order: `SPLIT_UNIT_COST` when it splits the backward
+    (its first non-empty program has a W), else `UNIT_COST`."""
+    for program in programs:
+        if program:
+            return SPLIT_UNIT_COST if any(i.op is Op.W for i in program) else UNIT_COST
+    return UNIT_COST
+
+
+def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     """Start time of every compute instruction when each runs as soon as its rank is
-    free and its inputs exist, under integer unit costs; communication takes no time.
+    free and its inputs exist, under integer unit costs (`unit_cost(programs)` unless
+    `cost` is given); communication takes no time.
 
     F(s, mb) waits for F(s-1, mb); B(s, mb) for F(s, mb) and B(s+1, mb); W(s, mb) for
     B(s, mb). Returns (starts, stuck): starts[r][k] is the start of rank r's k-th
@@ -69,7 +81,15 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=UNIT_COST):
     (empty when the compute order is free of dependency cycles).
     """
     F, B = Op.F, Op.B
-    end: dict[tuple[Op, int, int], int] = {}
+    if cost is None:
+        cost = unit_cost(programs)
+    # [Note: asap keys] (stage, mb) is packed into one int, stage * span + mb, with span
+    # above every mb in the programs: distinct for every stage >= 0, and cheaper to build
+    # and hash than a tuple (this loop runs once per compute instruction). Only the ends
+    # of F and B are ever waited for, so only those are kept.
+    span = 1 + max((i.mb for program in programs for i in program), default=0)
+    f_end: dict[int, int] = {}
+    b_end: dict[int, int] = {}
     pcs = [0] * len(programs)
     free_at = [0] * len(programs)
     starts = [[None] * len(p) for p in programs]
@@ -82,39 +102,65 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=UNIT_COST):
             pc, n, t_free, rank_starts = pcs[r], len(program), free_at[r], starts[r]
             while pc < n:
                 i = program[pc]
-                op, s, mb = i.op, i.stage, i.mb
+                op, s = i.op, i.stage
+                key = s * span + i.mb
                 if op is F:
                     if s == 0:
                         ready = 0
                     else:
-                        ready = end.get((F, s - 1, mb))
+                        ready = f_end.get(key - span)  # F(s - 1, mb)
                         if ready is None:
                             break
-                    duration = cost_f
+                    start = ready if ready > t_free else t_free
+                    t_free = f_end[key] = start + cost_f
                 elif op is B:
-                    ready = end.get((F, s, mb))
+                    ready = f_end.get(key)
                     if ready is None:
                         break
                     if s != last:
-                        after = end.get((B, s + 1, mb))
+                        after = b_end.get(key + span)  # B(s + 1, mb)
                         if after is None:
                             break
-                        ready = max(ready, after)
-                    duration = cost_b
+                        if after > ready:
+                            ready = after
+                    start = ready if ready > t_free else t_free
+                    t_free = b_end[key] = start + cost_b
                 else:
-                    ready = end.get((B, s, mb))
+                    ready = b_end.get(key)
                     if ready is None:
                         break
-                    duration = cost_w
-                start = ready if ready > t_free else t_free
+                    start = ready if ready > t_free else t_free
+                    t_free = start + cost_w
                 rank_starts[pc] = start
-                t_free = end[op, s, mb] = start + duration
                 pc += 1
             if pc != pcs[r]:
                 pcs[r], free_at[r] = pc, t_free
                 progress = True
     stuck = [r for r, program in enumerate(programs) if pcs[r] < len(program)]
     return starts, stuck
+
+
+# [Note: asap memo] Lowering times the compute order with `asap` to place the messages.
+# A generator that has already run `asap` on the very programs it returns (interleaved
+# does, to find blocked ranks) leaves the result on the schedule, so that lowering does
+# not compute it a second time (0.1 s at pp=64, v=2, m=512). A schedule is immutable and
+# a new one starts without the memo, so the memo cannot go stale.
+
+
+def remember_asap(schedule: Schedule, timing) -> Schedule:
+    """Keeps `timing`, the result of `asap(schedule.num_stages, schedule.programs)`, on
+    `schedule` for `asap_of`; returns the schedule."""
+    object.__setattr__(schedule, "_asap", timing)
+    return schedule
+
+
+def asap_of(schedule: Schedule):
+    """`asap(schedule.num_stages, schedule.programs)`, taken from the memo where a
+    generator left one ([Note: asap memo]). The caller must not modify it."""
+    timing = schedule.__dict__.get("_asap")
+    if timing is None:
+        timing = asap(schedule.num_stages, schedule.programs)
+    return timing
 
 
 def stuck_ranks(num_stages: int, programs: Sequence[Sequence[Instr]]) -> list[int]:
