@@ -15,7 +15,7 @@ from pipeschedule.passes import lower
 from pipeschedule.verify import verify
 
 
-def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int = 1, cap=None, check: bool = True) -> Schedule:
+def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None, check: bool = True) -> Schedule:
     """Generates the compute order of family `name`, lowers it (communication, FREE) and,
     unless `check` is False, verifies every rule. Raises ParameterError on bad
     parameters and ScheduleError if the result breaks a rule."""

@@ -40,11 +40,17 @@ def parse_cap(text: str):
     return values[0] if len(values) == 1 else values
 
 
+def _family_names():
+    from pipeschedule.generators import FAMILIES
+
+    return list(FAMILIES)
+
+
 def _schedule_args(parser: argparse.ArgumentParser, *, name_required: bool = True) -> None:
-    parser.add_argument("name", nargs=None if name_required else "?", help="schedule family: afab, 1f1b, capped_1f1b, interleaved_1f1b")
+    parser.add_argument("name", nargs=None if name_required else "?", help="schedule family: " + ", ".join(_family_names()))
     parser.add_argument("--pp", type=int, default=None, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=int, default=None, help="microbatches per step")
-    parser.add_argument("--virtual", type=int, default=1, help="chunks per rank (interleaved_1f1b)")
+    parser.add_argument("--virtual", type=int, default=None, help="chunks per rank (interleaved_1f1b; zbv, v_half, v_min: 2)")
     parser.add_argument("--cap", type=str, default=None, help="in-flight cap: one int for all ranks or C0,C1,... per rank")
 
 

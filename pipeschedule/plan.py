@@ -2,11 +2,14 @@
 
 `plan(config)` evaluates nanotron's default (1F1B with nanotron's split) and the
 alternatives: 1F1B, capped 1F1B at every cap 1..pp-1, interleaved 1F1B (virtual=2 when
-the layers allow) uncapped and capped, and AFAB, each with nanotron's split and with the
-split `partition.optimal_split` finds for it. Every candidate gets a per-rank memory
-table (memory.py), a simulated step time (simulate.py) and the nanotron config line that
-selects it. The recommendation is the candidate that fits with the least simulated step
-time.
+the layers allow) uncapped and capped, the split-backward schedules (ZB-H1; ZB-V, V-Half
+and V-Min with their V-shape placement, two stages per rank, when every stage gets a
+layer) and AFAB, each with nanotron's split and with the split `partition.optimal_split`
+finds for it. Every candidate gets a per-rank memory table (memory.py: a rank's
+activations are the simulated peak of its stages' stash together, which lives from F to
+W under a split backward), a simulated step time (simulate.py) and the nanotron config
+line that selects it. The recommendation is the candidate that fits with the least
+simulated step time.
 
 Costs follow [Note: compute costs] and the config, candidates and their nanotron config
 lines live in plan_model.py.
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators import generate
+from pipeschedule.generators import FIXED_VIRTUAL, SPLIT_BACKWARD, generate
 from pipeschedule.memory import (
     GiB,
     boundary_bytes,
@@ -43,6 +46,7 @@ from pipeschedule.plan_model import (
     fitted_caps,
     head_seconds,
     layer_seconds,
+    weight_seconds,
 )
 from pipeschedule.rank_memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.simulate import CostModel, simulate
@@ -55,6 +59,7 @@ class _Planner:
         self.config = config
         self.layer = layer_seconds(config)
         self.head = head_seconds(config)
+        self.weight = weight_seconds(config)  # (layer, head): W of split-backward schedules
         self.boundary = boundary_bytes(config.model, config.setup)
         self.schedules: dict = {}
         self.stats = {"evaluations": 0, "simulations": 0, "searches": 0, "proven": 0, "search_nodes": 0,
@@ -72,13 +77,22 @@ class _Planner:
                                                  virtual=virtual, cap=cap))
         return self.schedules[key]
 
-    def cost(self, split: Sequence[int], buffers=None) -> CostModel:
+    def compute_costs(self, split_backward: bool):
+        """((layer F, B, W), (head F, B, W)) seconds; W is 0 unless the backward is split."""
         (f, b), (hf, hb) = self.layer, self.head
+        if not split_backward:
+            return (f, b, 0.0), (hf, hb, 0.0)
+        w, hw = self.weight
+        return (f, b - w, w), (hf, hb - hw, hw)
+
+    def cost(self, split: Sequence[int], buffers=None, split_backward: bool = False) -> CostModel:
+        (f, b, w), (hf, hb, hw) = self.compute_costs(split_backward)
         last = len(split) - 1
         forward = tuple(n * f + (hf if s == last else 0) for s, n in enumerate(split))
         backward = tuple(n * b + (hb if s == last else 0) for s, n in enumerate(split))
+        weight = tuple(n * w + (hw if s == last else 0) for s, n in enumerate(split))
         bytes_ = buffers or {"act_out": (self.boundary,) * len(split), "grad_in": (self.boundary,) * len(split)}
-        return CostModel(forward, backward, (0.0,) * len(split), bytes_,
+        return CostModel(forward, backward, weight, bytes_,
                          latency=self.config.p2p_latency, bandwidth=self.config.p2p_bandwidth)
 
     def evaluate(self, family: str, cap, virtual: int, split: Sequence[int], kind: str, proven=None) -> Candidate:
@@ -86,9 +100,10 @@ class _Planner:
         self.stats["evaluations"] += 1
         schedule = self.schedule(family, cap, virtual)
         footprints = stage_footprints(config.model, config.setup, split)
-        timing = self.simulate(schedule, self.cost(split))
-        stash = self.simulate(schedule, self.cost(split, stash_buffers(footprints)))
-        p2p = self.simulate(schedule, self.cost(split, p2p_buffers(footprints)))
+        sb = schedule.split_backward
+        timing = self.simulate(schedule, self.cost(split, split_backward=sb))
+        stash = self.simulate(schedule, self.cost(split, stash_buffers(footprints), sb))
+        p2p = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb))
         memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
                              peak_inflight=stash.peak_inflight, budget=config.budget)
         return Candidate(family, cap_label(cap), virtual, tuple(split), kind, timing.step_time,
@@ -100,20 +115,21 @@ class _Planner:
         schedule = self.schedule(family, cap, virtual)
         S, L = schedule.num_stages, model.layers
         per_param = sum(static_per_param(setup).values()) + transient_per_param(setup)
-        (f, b), (hf, hb) = self.layer, self.head
+        (f, b, w), (hf, hb, hw) = self.compute_costs(schedule.split_backward)
         head_stash = 2 * self.boundary + 4 * logits_values(model, setup)
         static = [0.0] * S
         static[0] += per_param * model.embedding_params(setup.tp)
         static[-1] += per_param * model.head_params(setup.tp)
         probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
-        p2p = self.simulate(schedule, self.cost([1] * S, p2p_buffers(probe))).peak_bytes
+        p2p = self.simulate(schedule, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward)).peak_bytes
         working = [0.0] * schedule.pp
         for s, fp in enumerate(probe):
             r = schedule.placement[s]
             working[r] = max(working[r], fp.working[1])
         return SplitProblem(
-            layer_forward=(f,) * L, layer_backward=(b,) * L, layer_weight=(0.0,) * L,
-            stage_forward=(0.0,) * (S - 1) + (hf,), stage_backward=(0.0,) * (S - 1) + (hb,), stage_weight=(0.0,) * S,
+            layer_forward=(f,) * L, layer_backward=(b,) * L, layer_weight=(w,) * L,
+            stage_forward=(0.0,) * (S - 1) + (hf,), stage_backward=(0.0,) * (S - 1) + (hb,),
+            stage_weight=(0.0,) * (S - 1) + (hw,),
             layer_static=(per_param * model.layer_params(setup.tp),) * L,
             layer_stash=(float(layer_activation_bytes(model, setup)),) * L,
             stage_static=tuple(static), stage_stash=(0.0,) * (S - 1) + (float(head_stash),),
@@ -185,6 +201,12 @@ def _families(config: PlanConfig, planner: _Planner):
         peak = max(planner.simulate(planner.schedule("interleaved_1f1b", None, v), None).peak_inflight)
         ks = range(1, pp) if pp <= 8 else sorted({1, 2, 3, 4, pp // 4, pp // 2, 3 * pp // 4, pp - 1})
         out += [("interleaved_1f1b", v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
+    if pp > 1:
+        # Split backward: ZB-H1 at 1F1B's memory; the V shapes (2 stages per rank) where
+        # every one of the 2pp stages gets a layer.
+        out.append(("zb_h1", None, 1))
+        if L >= 2 * pp:
+            out += [(name, None, FIXED_VIRTUAL[name]) for name in ("zbv", "v_half", "v_min")]
     out.append(("afab", None, 1))
     return out
 

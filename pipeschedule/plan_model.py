@@ -5,7 +5,9 @@ candidates (plan.py builds and ranks them).
 (P its parameters: q, k, v, o and SwiGLU, GQA counted) plus 4 * s^2 * b * h for the
 attention matmuls, all / tp; backward is twice the forward; full recompute adds one more
 forward to the backward (4F per layer instead of 3F), selective recompute without flash
-adds the attention matmuls. The LM head costs 2 * V * h * s*b / tp forward, twice that
+adds the attention matmuls. A split-backward schedule (zb_h1, zbv, v_half, v_min) runs
+the weight-gradient matmuls, 2 * P * s*b / tp, as W and the rest of the backward
+(recompute included) as B. The LM head costs 2 * V * h * s*b / tp forward, twice that
 backward; the embedding lookup nothing. Seconds = FLOPs / (peak TFLOP/s * mfu). A message
 costs latency + bytes / bandwidth. DP gradient sync and the optimizer step are the same
 for every candidate of a plan and are left out, so the throughput is that of the
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeschedule.errors import ParameterError
+from pipeschedule.generators import FIXED_VIRTUAL
 from pipeschedule.memory import GiB, ModelSpec, TrainingSetup, stage_footprints
 from pipeschedule.rank_memory import RankMemory
 
@@ -100,6 +103,18 @@ def layer_seconds(config: PlanConfig) -> tuple[float, float]:
     return forward / rate, backward / rate
 
 
+def weight_seconds(config: PlanConfig) -> tuple[float, float]:
+    """(layer, head) seconds of the weight-gradient part of the backward per microbatch:
+    the parameter matmuls once more (2 * P * s*b / tp), attention excluded. A split-backward
+    schedule runs it as W and the rest of the backward as B ([Note: compute costs])."""
+    m, st = config.model, config.setup
+    tokens = st.seq * st.micro_batch
+    rate = config.gpu_tflops * 1e12 * config.mfu
+    layer = 2 * m.layer_params() * tokens / st.tp / rate
+    head = 2 * m.padded_vocab(st.tp) * m.hidden * tokens / st.tp / rate
+    return layer, head
+
+
 def head_seconds(config: PlanConfig) -> tuple[float, float]:
     m, st = config.model, config.setup
     forward = 2 * m.padded_vocab(st.tp) * m.hidden * st.seq * st.micro_batch / st.tp
@@ -147,7 +162,7 @@ class Candidate:
     @property
     def label(self) -> str:
         name = "1f1b" if self.family == "1f1b" else self.family
-        if self.virtual > 1:
+        if self.virtual > 1 and self.family not in FIXED_VIRTUAL:
             name += f" v={self.virtual}"
         if self.cap is not None:
             name += f" cap={cap_text(self.cap)}"
@@ -161,7 +176,7 @@ class Candidate:
             return "1f1b"
         name = {"1f1b": "ps_1f1b", "afab": "ps_afab"}.get(self.family, self.family)
         params = []
-        if self.virtual > 1:
+        if self.virtual > 1 and self.family not in FIXED_VIRTUAL:
             params.append(f"virtual={self.virtual}")
         if self.cap is not None:
             params.append(f"cap={cap_text(self.cap)}")
@@ -209,4 +224,5 @@ def fitted_caps(config: PlanConfig, split: Sequence[int], p2p: Sequence[float]) 
     return tuple(caps)
 
 
-__all__ = ["Candidate", "PlanConfig", "cap_label", "cap_text", "fitted_caps", "head_seconds", "layer_seconds"]
+__all__ = ["Candidate", "PlanConfig", "cap_label", "cap_text", "fitted_caps", "head_seconds", "layer_seconds",
+           "weight_seconds"]

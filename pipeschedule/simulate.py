@@ -113,11 +113,13 @@ class CostModel:
     @staticmethod
     def default(schedule: Schedule) -> CostModel:
         """Unit costs: a rank's whole share of the model costs F=1, B=2, so each of its
-        `virtual` stages costs F=1/v, B=2/v; W=0; free messages; 1 byte per buffer."""
+        `virtual` stages costs F=1/v, B=2/v; W=0; free messages; 1 byte per buffer.
+        A split-backward schedule (with W) splits the backward's 2 in halves: B=1/v, W=1/v."""
         stages, v = schedule.num_stages, schedule.virtual
         forward = 1.0 if v == 1 else 1 / v
+        backward, weight = (forward, forward) if schedule.split_backward else (2 * forward, 0.0)
         return CostModel(
-            (forward,) * stages, (2 * forward,) * stages, (0.0,) * stages,
+            (forward,) * stages, (backward,) * stages, (weight,) * stages,
             {k: (1,) * stages for k in BUFFERS},
         )
 

@@ -92,15 +92,17 @@ class SplitProblem:
 
 
 def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
-    """Per stage, the most microbatches whose F has run and whose B has not."""
+    """Per stage, the most microbatches whose stash is live: whose F has run and whose B
+    (W, when the schedule splits the backward) has not."""
     live = [0] * schedule.num_stages
     peak = [0] * schedule.num_stages
+    release = Op.W if schedule.split_backward else Op.B
     for program in schedule.programs:
         for instr in program:
             if instr.op is Op.F:
                 live[instr.stage] += 1
                 peak[instr.stage] = max(peak[instr.stage], live[instr.stage])
-            elif instr.op is Op.B:
+            elif instr.op is release:
                 live[instr.stage] -= 1
     return tuple(peak)
 

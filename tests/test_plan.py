@@ -15,7 +15,7 @@ from pipeschedule.presets import MODELS
 L70 = MODELS["llama3-70b"]
 # integration/nanotron/engine_spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
 # integer or integers joined by '/'.
-ENGINE = re.compile(r"^(1f1b|afab|ps_1f1b|ps_afab|capped_1f1b|interleaved_1f1b)(:[a-z]+=\d+(/\d+)*(,[a-z]+=\d+(/\d+)*)*)?$")
+ENGINE = re.compile(r"^(1f1b|afab|ps_1f1b|ps_afab|capped_1f1b|interleaved_1f1b|zb_h1|zbv|v_half|v_min)(:[a-z]+=\d+(/\d+)*(,[a-z]+=\d+(/\d+)*)*)?$")
 
 
 def config(**kw):
@@ -37,7 +37,7 @@ def test_default_is_nanotron_1f1b_with_its_split():
     assert result.recommended is not None and result.recommended.fits
     assert result.recommended.step_time <= result.default.step_time
     families = {c.family for c in result.candidates}
-    assert families == {"1f1b", "capped_1f1b", "interleaved_1f1b", "afab"}
+    assert families == {"1f1b", "capped_1f1b", "interleaved_1f1b", "afab", "zb_h1", "zbv", "v_half", "v_min"}
     caps = {c.cap for c in result.candidates if c.family == "capped_1f1b"}
     assert {1, 2, 3} <= caps
     for cand in result.candidates:
@@ -162,3 +162,73 @@ def test_keyword_api():
     assert result.recommended.engine() == "capped_1f1b:cap=4/2/2/1,split=19/21/21/19"
     with pytest.raises(ParameterError, match="model must be a preset name"):
         plan(pp=4, microbatches=16)
+
+
+# -- split-backward and V-shape candidates (issue 8) -------------------------------------------
+
+
+def test_split_backward_candidates_are_evaluated_with_v_placement():
+    from pipeschedule.generators import FIXED_VIRTUAL
+
+    result = plan(config())
+    rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron")}
+    for family in ("zb_h1", "zbv", "v_half", "v_min"):
+        row = rows[family]
+        assert row.step_time and row.memory and row.virtual == FIXED_VIRTUAL.get(family, 1)
+        assert ENGINE.match(row.engine()), row.engine()
+        assert "virtual" not in row.engine() and " v=" not in row.label
+    # A V rank holds stages r and 2pp-1-r: rank 0 runs the embedding and the LM head.
+    v_half = rows["v_half"]
+    assert [r.stages for r in v_half.memory] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert v_half.split == (11, 10, 10, 10, 10, 10, 10, 9)
+    assert [r.layers for r in v_half.memory][0] == (11, 9)
+    # Stash peaks per rank follow the families' limits in stage-microbatches: the
+    # in-flight count of a V rank is its two stages' together.
+    assert [r.inflight for r in rows["zbv"].memory] == [8] * 4
+    assert [r.inflight for r in v_half.memory] == [6] * 4
+    assert [r.inflight for r in rows["v_min"].memory] == [4] * 4
+    # Without recompute (layer activations dominate; with full recompute the LM head's
+    # logits, which a V keeps on rank 0, do): V-Half and V-Min hold less on the first rank.
+    result = plan(config(setup={"recompute": "none"}))
+    rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron")}
+    acts = {f: rows[f].memory[0].terms["activations"] for f in ("1f1b", "zbv", "v_half", "v_min")}
+    assert acts["v_min"] < 0.55 * acts["1f1b"] and acts["v_half"] < 0.8 * acts["1f1b"]
+    assert acts["zbv"] < 1.1 * acts["1f1b"]
+
+
+def test_split_backward_costs_split_the_backward():
+    from pipeschedule.plan import _Planner
+    from pipeschedule.plan_model import weight_seconds
+
+    cfg = config(setup={"recompute": "none"})
+    planner = _Planner(cfg)
+    (f, b, w), (hf, hb, hw) = planner.compute_costs(True)
+    assert (f, b + w) == pytest.approx(layer_seconds(cfg)) and (hf, hb + hw) == pytest.approx(head_seconds(cfg))
+    layer_w, head_w = weight_seconds(cfg)
+    assert w == layer_w == pytest.approx(2 * L70.layer_params() * 8192 / 4 / (989e12 * 0.5))
+    assert hw == head_w == pytest.approx(hf)
+    assert planner.compute_costs(False) == ((f, b + w, 0.0), (hf, hb + hw, 0.0))
+    cost = planner.cost([20, 20, 20, 20], split_backward=True)
+    assert cost.weight == pytest.approx((20 * w, 20 * w, 20 * w, 20 * w + hw))
+
+
+def test_split_search_memory_equals_the_reported_memory_for_v_shapes():
+    """The split search's memory model is the memory table with one stage per rank (stash
+    counted F to W under a split backward), and an upper bound of it with two (it adds the
+    two stages' peaks, which need not coincide)."""
+    from pipeschedule.plan import _Planner
+    from pipeschedule.split_problem import Evaluator
+
+    planner = _Planner(config(setup={"dp": 2}))
+    for family in ("zb_h1", "v_half"):
+        virtual = 2 if family == "v_half" else 1
+        schedule = planner.schedule(family, None, virtual)
+        ev = Evaluator(planner.problem(family, None, virtual), schedule)
+        split = (11, 10, 10, 10, 10, 10, 10, 9) if virtual == 2 else (21, 20, 20, 19)
+        row = planner.evaluate(family, None, virtual, split, "x")
+        table = [r.total for r in row.memory]
+        if virtual == 1:
+            assert ev.rank_bytes(split) == pytest.approx(table, rel=1e-12)
+        else:
+            assert all(a >= b * (1 - 1e-12) for a, b in zip(ev.rank_bytes(split), table))
+        assert ev.simulate(split)[0] == pytest.approx(row.step_time, rel=1e-12)

@@ -10,9 +10,11 @@ from pipeschedule.gcpause import gc_paused
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.generators.afab import afab
-from pipeschedule.generators.common import check_common, per_rank_caps
+from pipeschedule.generators.common import check_common, check_positive, per_rank_caps
 from pipeschedule.generators.interleaved import interleaved_1f1b
 from pipeschedule.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
+from pipeschedule.generators.v_shape import v_half, v_min, zbv
+from pipeschedule.generators.zero_bubble import zb_h1
 
 # name -> (function, takes virtual, takes cap)
 FAMILIES = {
@@ -20,15 +22,45 @@ FAMILIES = {
     "1f1b": (one_f_one_b, False, False),
     "capped_1f1b": (capped_1f1b, False, True),
     "interleaved_1f1b": (interleaved_1f1b, True, True),
+    "zb_h1": (zb_h1, False, True),
+    "zbv": (zbv, False, True),
+    "v_half": (v_half, False, True),
+    "v_min": (v_min, False, True),
 }
+
+# Families whose placement fixes the chunks per rank: `virtual` may be omitted or must
+# equal this.
+FIXED_VIRTUAL = {"zbv": 2, "v_half": 2, "v_min": 2}
+
+# Families that split the backward in B and W.
+SPLIT_BACKWARD = frozenset({"zb_h1", "zbv", "v_half", "v_min"})
+
+
+def family_virtual(name: str, virtual: int | None = None) -> int:
+    """The chunks per rank family `name` runs with: `virtual` as given, or the family's
+    default when None (1, or the fixed value of a V-shape family)."""
+    fixed = FIXED_VIRTUAL.get(name)
+    if virtual is None:
+        return fixed or 1
+    return virtual
 
 
 @gc_paused
-def generate(name: str, *, pp: int, microbatches: int, virtual: int = 1, cap=None):
-    """The compute-only schedule of family `name`; raises ParameterError on bad input."""
+def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None):
+    """The compute-only schedule of family `name`; raises ParameterError on bad input.
+    `virtual` None means the family's default (1; 2 for the V-shape families)."""
     if name not in FAMILIES:
         raise ParameterError(f"unknown schedule {name!r}; accepted: {', '.join(FAMILIES)}")
     function, takes_virtual, takes_cap = FAMILIES[name]
+    fixed = FIXED_VIRTUAL.get(name)
+    if virtual is not None:
+        check_positive("virtual", virtual)
+        if fixed is not None and virtual != fixed:
+            raise ParameterError(
+                f"{name} places exactly {fixed} stages on each rank (a V shape): virtual must be {fixed} "
+                f"or left out, got virtual={virtual}"
+            )
+    virtual = family_virtual(name, virtual)
     check_common(pp, microbatches, virtual)
     if cap is not None:
         per_rank_caps(cap, pp)
@@ -36,11 +68,11 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int = 1, cap=Non
             raise ParameterError(f"{name} takes no cap (got cap={cap!r}); use capped_1f1b or interleaved_1f1b")
     if takes_virtual:
         return function(pp, microbatches, virtual=virtual, cap=cap)
-    if virtual != 1:
+    if virtual != (fixed or 1):
         raise ParameterError(f"{name} takes no virtual stages (got virtual={virtual}); use interleaved_1f1b")
     if takes_cap:
         return function(pp, microbatches, cap=cap)
     return function(pp, microbatches)
 
 
-__all__ = ["FAMILIES", "generate", "default_cap"]
+__all__ = ["FAMILIES", "FIXED_VIRTUAL", "SPLIT_BACKWARD", "family_virtual", "generate", "default_cap"]
