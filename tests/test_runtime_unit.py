@@ -62,8 +62,16 @@ def test_v_shape_local_hand_off_is_exact():
 
 def test_unknown_op_raises():
     schedule = lower(generate("1f1b", pp=1, microbatches=1))
-    schedule = _edit(schedule, 0, add=[Instr(Op.W, 0, 0)])
-    with pytest.raises(RuntimeScheduleError, match=r"no handler for op W \(0W0\)"):
+    pipeline = _pipeline(schedule)[0]
+    del pipeline.executors[0]._dispatch[Op.B]  # an op the table does not know
+    with pytest.raises(RuntimeScheduleError, match=r"no handler for op B \(0B0\)"):
+        pipeline.step(*make_data(1, 1))
+
+
+def test_w_after_its_stash_was_freed_raises():
+    schedule = lower(generate("1f1b", pp=1, microbatches=1))
+    schedule = _edit(schedule, 0, add=[Instr(Op.W, 0, 0)])  # after B's FREE of the stash
+    with pytest.raises(RuntimeScheduleError, match=r"0W0 needs stash of \(stage 0, mb 0\), which is not held"):
         _pipeline(schedule)[0].step(*make_data(1, 1))
 
 

@@ -7,6 +7,11 @@
                        (cap = pp is exactly 1F1B)
     interleaved_1f1b   `virtual` chunks per rank, round-robin placement (default virtual=2
                        when the class is built directly; a config must name it); optional cap
+    zb_h1              zero-bubble ZB-H1: split backward (B input gradients, W weight
+                       gradients), 1F1B's memory; optional cap
+    zbv, v_half, v_min split backward on the V-shape placement (rank r runs stages r and
+                       2pp-1-r): ZB-V (1F1B's memory), V-Half (about half), V-Min (about
+                       a third); optional cap in stage-microbatches
 
 Use (nanotron's trainer does exactly this; a config names the engine with
 `parallelism.pp_engine: capped_1f1b:cap=2`, see `integration.nanotron.config`):
@@ -16,11 +21,13 @@ Use (nanotron's trainer does exactly this; a config names the engine with
     model = build_llama(cfg, p2p, llama_block_ranks(cfg, pp, split=engine.spec.split))
     outputs = engine.train_batch_iter(model, pg=pp_pg, batch=..., nb_microbatches=m, grad_accumulator=None)
 
-The layer split (`spec.split`, decoder layers per stage, pp * virtual entries) is applied
-when the model is built, not by the engine: pass it to `llama_block_ranks(cfg, pp,
-split=spec.split)` (interleaved: a split of pp * virtual stages places them round robin).
-The engine derives its stages from the built model (consecutive blocks on one rank) and
-refuses a model whose stages are not the schedule's.
+The layer split (`spec.split`, decoder layers per stage, pp * virtual entries) and the
+placement are applied when the model is built, not by the engine: pass them to
+`llama_block_ranks(cfg, pp, split=spec.split, placement=engine.placement(pp))`. The
+engine derives its stages from the built model (`block_stages`: consecutive blocks on
+one rank; where two consecutive stages share a rank, as at the turn of a V, the split or
+nanotron's cost arithmetic divides them) and refuses a model whose stages are not the
+schedule's.
 
 How a step runs: the schedule for (pp, m) is compiled and verified once and cached; one
 `Executor` of pipeschedule's runtime runs this rank's program over a `DistTransport` on
@@ -36,10 +43,14 @@ the last B of this rank's program instead: every other B runs under DDP `no_sync
 whole step does) and, with a grad accumulator, under its `no_sync`; the last B runs under
 nanotron's `ddp_trigger_sync_in_bwd`, so with a grad accumulator its fp32 all-reduce hook
 sets `fp32_grads_allreduce_handle`, which the trainer waits on afterwards. After each B
-the grad accumulator folds the half-precision gradients into its fp32 buffers, as its
-own `backward` does. With virtual > 1 the last B touches one chunk's parameters only, so
-DDP's buckets cannot fire from it: the engine then all-reduces (averages) the gradients
-over DDP's group after the step itself, and refuses a grad accumulator (not supported).
+(and each W) the grad accumulator folds the half-precision gradients into its fp32
+buffers, as its own `backward` does. DDP's buckets fire only when one backward touches
+every parameter of the rank for the last time, which no single instruction does with
+virtual > 1 (the last B touches one chunk) or with a split backward (the last B leaves
+the deferred weights to the W that follow it, and W of earlier microbatches may run
+after it too). Then the engine all-reduces (averages) the gradients over DDP's group
+after the step itself, once the last W has run, and refuses a grad accumulator (not
+supported).
 """
 
 from __future__ import annotations
@@ -65,14 +76,18 @@ from torch.nn.parallel import DistributedDataParallel
 
 from integration.nanotron.boundary import Layout
 from integration.nanotron.engine_spec import EngineSpec
+from integration.nanotron.split import nanotron_block_stages
 from integration.nanotron.stage_call import (
     StageCall,
     block_stages,
     consumer_tracking,
     one_stage,
+    split_block_stages,
 )
 from pipeschedule import compile_schedule
+from pipeschedule.generators import family_virtual
 from pipeschedule.generators.one_f_one_b import default_cap
+from pipeschedule.generators.v_shape import v_placement
 from pipeschedule.ir import Instr, Op, Schedule
 from pipeschedule.runtime import DistTransport, Executor, HostStagedTransport, RemoteOutput
 
@@ -101,6 +116,11 @@ class PipescheduleEngine(PipelineEngine):
 
     def cap(self, pp: int):
         return None
+
+    def placement(self, pp: int) -> list[int]:
+        """Rank of each stage: round robin over pp * virtual stages (the V-shape engines:
+        rank r runs stages r and 2pp-1-r). Build the model with it."""
+        return [s % pp for s in range(pp * self.virtual)]
 
     def check(self, *, pp: int, num_layers: int | None = None) -> None:
         """`spec.check_against(pp=, num_layers=)`: cap and split lengths, split sum."""
@@ -138,8 +158,16 @@ class PipescheduleEngine(PipelineEngine):
             schedule = self.compile(pp=pp, microbatches=m)
             if not train:
                 schedule = forward_only(schedule)
-            self._runners[key] = _Runner(schedule, self._transport_for(pg), _device_of(model))
+            self._runners[key] = _Runner(schedule, self._transport_for(pg), _device_of(model), self.spec.split)
         return self._runners[key]
+
+    def split_report(self) -> dict:
+        """stage -> `SplitReport` of this rank's stages, from the runs so far (split-backward
+        schedules only): whether each stage deferred its weight gradients to W."""
+        out = {}
+        for runner in self._runners.values():
+            out.update(runner.executor.split_report)
+        return out
 
     def _transport_for(self, pg) -> DistTransport:
         if self._transport is None:
@@ -198,7 +226,53 @@ class InterleavedOneFOneBEngine(PipescheduleEngine):
         spec.check_against(pp=pp, num_layers=num_layers)
 
 
-ENGINE_CLASSES = {cls.name: cls for cls in (PsAfabEngine, PsOneFOneBEngine, CappedOneFOneBEngine, InterleavedOneFOneBEngine)}
+class SplitBackwardEngine(PipescheduleEngine):
+    """Base of the split-backward engines: each F defers its linear layers' weight
+    gradients, B computes input gradients (and what cannot defer), W the deferred weight
+    gradients ([Note: split backward] in pipeschedule.runtime.split_backward). The
+    runtime reports per stage whether deferral applied (`executor.split_mode`)."""
+
+    @property
+    def virtual(self) -> int:
+        return family_virtual(self.family)
+
+    def cap(self, pp: int):
+        return self.spec.cap
+
+
+class ZeroBubbleH1Engine(SplitBackwardEngine):
+    """`zb_h1`: ZB-H1, 1F1B's placement and memory, about a third of its bubble."""
+
+    name, family = "zb_h1", "zb_h1"
+
+
+class _VShapeEngine(SplitBackwardEngine):
+    def placement(self, pp: int) -> list[int]:
+        return v_placement(pp)
+
+
+class ZeroBubbleVEngine(_VShapeEngine):
+    """`zbv`: ZB-V, V-shape placement, 1F1B's activation memory, near-zero bubble."""
+
+    name, family = "zbv", "zbv"
+
+
+class VHalfEngine(_VShapeEngine):
+    """`v_half`: V-Half, V-shape placement, about half of 1F1B's activation memory."""
+
+    name, family = "v_half", "v_half"
+
+
+class VMinEngine(_VShapeEngine):
+    """`v_min`: V-Min, V-shape placement, about a third of 1F1B's activation memory."""
+
+    name, family = "v_min", "v_min"
+
+
+ENGINE_CLASSES = {cls.name: cls for cls in (
+    PsAfabEngine, PsOneFOneBEngine, CappedOneFOneBEngine, InterleavedOneFOneBEngine,
+    ZeroBubbleH1Engine, ZeroBubbleVEngine, VHalfEngine, VMinEngine,
+)}
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -229,33 +303,39 @@ def _device_of(model) -> torch.device:
 class _Runner:
     """The executor of one (pg, m, train|eval) and what its steps share."""
 
-    def __init__(self, schedule: Schedule, transport: DistTransport, device: torch.device):
-        self.schedule, self.transport = schedule, transport
+    def __init__(self, schedule: Schedule, transport: DistTransport, device: torch.device, split=None):
+        self.schedule, self.transport, self.split = schedule, transport, split
         self.rank = transport.rank
         self.layouts: dict[int, Layout] = {}  # producing stage -> boundary layout
         self.stages = _ModelStages(self)
         self.executor = _NanotronExecutor(schedule, self.rank, self.stages, transport, device=device)
         backwards = [pc for pc, i in enumerate(self.executor.program) if i.op is Op.B]
         self.last_backward = self.executor.program[backwards[-1]] if backwards else None
+        # [Note: gradient sync]: DDP syncs inside the last B only when that B is the last
+        # touch of every parameter of the rank.
+        self.sync_in_backward = schedule.virtual == 1 and not schedule.split_backward
 
     def step(self, model, batch, grad_accumulator) -> list[dict]:
         inner = _unwrap(model)
         blocks = inner.pipeline_blocks() if hasattr(inner, "pipeline_blocks") else [
             m for m in inner.modules() if isinstance(m, PipelineBlock)]
-        stage_of = block_stages(blocks, self.schedule.placement)
+        stage_of = block_stages(blocks, self.schedule.placement, candidates=_stage_candidates(inner, blocks, self.schedule, self.split))
         is_ddp = isinstance(model, DistributedDataParallel)
-        if is_ddp and self.schedule.virtual > 1 and grad_accumulator is not None:
-            raise NotImplementedError("interleaved_1f1b with DDP and a grad accumulator ([Note: gradient sync])")
+        if is_ddp and not self.sync_in_backward and grad_accumulator is not None:
+            raise NotImplementedError(
+                f"{self.schedule.name} with DDP and a grad accumulator: the gradients are synchronised after "
+                "the step, which the accumulator's fp32 all-reduce hook does not support ([Note: gradient sync])"
+            )
         self.stages.begin(model, blocks, stage_of, batch)
         self.executor.begin(model if is_ddp else None, grad_accumulator,
-                            self.last_backward if self.schedule.virtual == 1 else None)
+                            self.last_backward if self.sync_in_backward else None)
         try:
             with consumer_tracking(blocks, stage_of), (model.no_sync() if is_ddp else contextlib.nullcontext()):
                 outputs = self.executor.step([None] * self.schedule.microbatches)  # data: _ModelStages
         finally:
             self.stages.end()
             self.executor.end()
-        if is_ddp and self.schedule.virtual > 1 and torch.is_grad_enabled():
+        if is_ddp and not self.sync_in_backward and torch.is_grad_enabled():
             _average_gradients(model)
         return [
             {"loss": TensorPointer(group_rank=o.rank)} if isinstance(o, RemoteOutput) else o for o in outputs
@@ -355,10 +435,29 @@ class _NanotronExecutor(Executor):
             for context in contexts:
                 stack.enter_context(context)
             super()._backward(i)
-            if self._accumulator is not None:  # what GradientAccumulator.backward does after loss.backward()
-                for name, entry in self._accumulator.fp32_grad_buffers.items():
-                    if entry["half"].grad is not None:
-                        self._accumulator._accumulate_grad(name=name, half_param=entry["half"])
+            self._fold()
+
+    def _weight(self, i: Instr) -> None:
+        super()._weight(i)  # never the sync point ([Note: gradient sync])
+        self._fold()
+
+    def _fold(self) -> None:
+        if self._accumulator is not None:  # what GradientAccumulator.backward does after loss.backward()
+            for name, entry in self._accumulator.fp32_grad_buffers.items():
+                if entry["half"].grad is not None:
+                    self._accumulator._accumulate_grad(name=name, half_param=entry["half"])
+
+
+def _stage_candidates(model, blocks, schedule: Schedule, split) -> list:
+    """Ways to divide the blocks into the schedule's stages where consecutive stages
+    share a rank (`block_stages`): the engine's split, then nanotron's cost arithmetic."""
+    out = []
+    if split is not None:
+        out.append(split_block_stages(blocks, split))
+    if hasattr(model, "get_block_compute_costs"):
+        costs = model.get_block_compute_costs()
+        out.append(nanotron_block_stages([costs.get(b.module_builder, 0) for b in blocks], schedule.num_stages))
+    return out
 
 
 def _unwrap(model):
@@ -381,5 +480,10 @@ __all__ = [
     "PipescheduleEngine",
     "PsAfabEngine",
     "PsOneFOneBEngine",
+    "SplitBackwardEngine",
+    "VHalfEngine",
+    "VMinEngine",
+    "ZeroBubbleH1Engine",
+    "ZeroBubbleVEngine",
     "forward_only",
 ]

@@ -19,6 +19,9 @@ Which engine runs:
     ps_afab, ps_1f1b      pipeschedule's engine running the same schedules
     capped_1f1b           pipeschedule; cap (default ceil(pp/2)), split
     interleaved_1f1b      pipeschedule; virtual (required), cap, split
+    zb_h1                 pipeschedule, split backward (B, then W); cap, split
+    zbv, v_half, v_min    pipeschedule, split backward, V-shape placement (rank r runs
+                          stages r and 2pp-1-r); cap (stage-microbatches, >= 2), split
 
 `1f1b` and `afab` keep meaning nanotron's engines so that every existing config keeps
 its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
@@ -26,8 +29,9 @@ its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
     cap      in-flight microbatches per rank: one integer >= 1 for every rank, or one
              per rank (`4/3/2/1`); clipped as the generator documents
     virtual  model chunks per rank (interleaved only), integer >= 1
-    split    decoder layers per stage, pp * virtual integers >= 0 in stage order; the
-             embedding sits on stage 0, the final norm, LM head and loss on the last
+    split    decoder layers per stage, pp * virtual integers >= 0 in stage order (2pp for
+             the V-shape engines); the embedding sits on stage 0, the final norm, LM
+             head and loss on the last
 
 Saving writes the canonical string form (`EngineSpec.to_string()`): keys in the order
 virtual, cap, split, defaults left out.
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pipeschedule.errors import ParameterError
+from pipeschedule.generators import family_virtual
 
 from integration.nanotron.registry import ENGINES, NANOTRON_ENGINES, accepted_summary
 
@@ -85,7 +90,7 @@ class EngineSpec:
         Engines call this once they know pp (config load does not: dacite builds
         `pp_engine` before the rest of `parallelism`).
         """
-        virtual = self.virtual or 1
+        virtual = 1 if self.is_nanotron_builtin else family_virtual(self.family, self.virtual)
         if isinstance(self.cap, tuple) and len(self.cap) != pp:
             raise ParameterError(
                 f"pp_engine {self.to_string()!r}: cap lists {len(self.cap)} ranks but pp = {pp}; "

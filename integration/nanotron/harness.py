@@ -221,7 +221,9 @@ class Run:
     split         decoder layers per stage; None = nanotron's cost-balanced split
     placement     rank of each stage; None = 0..pp-1, or round-robin when split lists
                   a multiple of pp stages (interleaving: nanotron's AFAB runs it, its
-                  1F1B deadlocks, see DESIGN.md)
+                  1F1B deadlocks, see DESIGN.md); with a pipeschedule engine, None =
+                  the engine's placement (`engine.placement(pp)`: the V
+                  shape of zbv, v_half, v_min)
     measure_stash attach a StashMeter (integration.nanotron.stash) to the model
     """
 
@@ -264,6 +266,8 @@ class RunResult:
     error        the first rank's traceback if the engine raised (same on every rank
                  for the refusals seen so far), else None
     block_ranks  rank of each block
+    split_modes  stage -> "split" | "full" (split-backward engines: whether the stage
+                 deferred its weight gradients to W), all pp ranks of replica 0
     """
 
     run: Run
@@ -275,6 +279,7 @@ class RunResult:
     error: str | None
     block_ranks: list[int]
     leftover_state: list[str] = field(default_factory=list)
+    split_modes: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -315,7 +320,9 @@ def _merge(job: Job, index: int, pieces: list[dict]) -> RunResult:
     if run.measure_stash:
         stash = [p["stash"] for p in sorted(replica0, key=lambda p: p["pp_rank"])]
     leftover = sorted({item for p in pieces for item in p["leftover_state"]})
-    return RunResult(run, losses, run.microbatches, grads, gap, stash, error, pieces[0]["block_ranks"], leftover)
+    split_modes = {s: mode for p in replica0 for s, mode in p["split_modes"].items()}
+    return RunResult(run, losses, run.microbatches, grads, gap, stash, error, pieces[0]["block_ranks"], leftover,
+                     split_modes)
 
 
 # -- inside each rank ------------------------------------------------------------------
@@ -346,17 +353,20 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
     from integration.nanotron.stash import StashMeter
 
     engines = {"1f1b": OneForwardOneBackwardPipelineEngine, "afab": AllForwardAllBackwardPipelineEngine}
+    placement = run.placement
     if run.engine not in engines and run.engine != "loop":
         from integration.nanotron.engine_spec import parse_engine
         from integration.nanotron.registry import build_engine
 
         spec = parse_engine(run.engine)  # a pipeschedule engine (raises for unknown names)
         engines[run.engine] = lambda: build_engine(spec)
+        if placement is None:
+            placement = build_engine(spec).placement(job.pp)  # V shapes: the engine's placement
     if run.engine == "loop" and job.pp != 1:
         raise ValueError("the 'loop' reference runs at pp=1 only")
 
     leftover = _clear_shared_state()  # [Note: nanotron's shared deques]
-    block_ranks = llama_block_ranks(job.model, job.pp, split=run.split, placement=run.placement)
+    block_ranks = llama_block_ranks(job.model, job.pp, split=run.split, placement=placement)
     model = build_llama(job.model, p2p, block_ranks)
     meter = StashMeter.for_model(model) if run.measure_stash else None
     model.stash_meter = meter
@@ -374,6 +384,7 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
     )
     error = None
     outputs: list = []
+    engine = None
     try:
         if run.engine == "loop":
             for batch in data:
@@ -393,9 +404,10 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
     stash = meter.finish() if meter is not None else None
     losses = [o["loss"] for o in outputs if isinstance(o["loss"], torch.Tensor)] or None
     grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in model.named_parameters()}
+    split_modes = {s: r.mode for s, r in engine.split_report().items()} if hasattr(engine, "split_report") else {}
     return {
         "pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "grads": grads, "stash": stash,
-        "error": error, "block_ranks": block_ranks, "leftover_state": leftover,
+        "error": error, "block_ranks": block_ranks, "leftover_state": leftover, "split_modes": split_modes,
     }
 
 

@@ -52,6 +52,18 @@ ENGINES: dict[str, EngineEntry] = {
         "interleaved_1f1b", ("virtual", "cap", "split"), ("virtual",), "integration.nanotron.engine:InterleavedOneFOneBEngine",
         "interleaved_1f1b:virtual=V[,cap=N,split=A/B/...]",
     ),
+    "zb_h1": EngineEntry(
+        "zb_h1", ("cap", "split"), (), "integration.nanotron.engine:ZeroBubbleH1Engine", "zb_h1[:cap=N,split=A/B/...]"
+    ),
+    "zbv": EngineEntry(
+        "zbv", ("cap", "split"), (), "integration.nanotron.engine:ZeroBubbleVEngine", "zbv[:cap=N,split=A/B/...]"
+    ),
+    "v_half": EngineEntry(
+        "v_half", ("cap", "split"), (), "integration.nanotron.engine:VHalfEngine", "v_half[:cap=N,split=A/B/...]"
+    ),
+    "v_min": EngineEntry(
+        "v_min", ("cap", "split"), (), "integration.nanotron.engine:VMinEngine", "v_min[:cap=N,split=A/B/...]"
+    ),
 }
 
 

@@ -144,10 +144,24 @@ class StageCall(PipelineBatchState):
         return out
 
 
-def block_stages(blocks: Iterable[PipelineBlock], placement: tuple[int, ...]) -> dict[int, int]:
-    """Stage of each block (by id): consecutive blocks on one rank form a stage, in
-    forward order. Checks that the model's stages are the schedule's."""
+def block_stages(blocks: Iterable[PipelineBlock], placement: tuple[int, ...], *,
+                 candidates: Iterable[list[int] | None] = ()) -> dict[int, int]:
+    """Stage of each block (by id), checked against the schedule's placement.
+
+    Consecutive blocks on one rank form a stage, in forward order, as long as no two
+    consecutive stages share a rank. Where they do (the turn of a V-shape placement:
+    stages pp-1 and pp both on rank pp-1), the ranks cannot tell where one stage ends, so
+    the first of `candidates` (a stage per block, such as the split the model was built
+    with) that is non-decreasing, uses every stage and puts each block on its rank
+    decides.
+    """
     blocks = list(blocks)
+    ranks = [block.rank for block in blocks]
+    stages = len(placement)
+    if any(placement[s] == placement[s + 1] for s in range(stages - 1)):
+        for candidate in candidates:
+            if candidate is not None and _fits(candidate, ranks, placement):
+                return {id(block): s for block, s in zip(blocks, candidate)}
     runs: list[int] = []
     stage_of: dict[int, int] = {}
     for block in blocks:
@@ -157,11 +171,44 @@ def block_stages(blocks: Iterable[PipelineBlock], placement: tuple[int, ...]) ->
     if tuple(runs) != tuple(placement):
         raise ValueError(
             f"the model's blocks form {len(runs)} stage(s) on ranks {runs} (consecutive blocks on one rank are one "
-            f"stage), but the schedule has {len(placement)} stages on ranks {list(placement)}. Build the model "
-            "for the engine's placement, e.g. llama_block_ranks(cfg, pp, split=spec.split) with a split of "
-            "pp * virtual stages; every stage needs at least one block"
+            f"stage), but the schedule has {len(placement)} stages on ranks {list(placement)}"
+            + (" and no split the engine knows divides the blocks of consecutive stages on one rank"
+               if len(runs) < len(placement) else "")
+            + ". Build the model for the engine's placement, e.g. llama_block_ranks(cfg, pp, split=spec.split, "
+            "placement=engine.placement(pp)); every stage needs at least one block"
         )
     return stage_of
+
+
+def _fits(candidate, ranks: list[int], placement) -> bool:
+    return (
+        len(candidate) == len(ranks)
+        and all(a <= b for a, b in zip(candidate, candidate[1:]))
+        and set(candidate) == set(range(len(placement)))
+        and all(placement[s] == rank for s, rank in zip(candidate, ranks))
+    )
+
+
+def split_block_stages(blocks: Iterable[PipelineBlock], split) -> list[int] | None:
+    """Stage of each block when stage s holds split[s] decoder layers: the decoder layers
+    are the blocks of the most frequent module builder; the blocks before the first one
+    go with stage 0, those after the last one with the last stage. None when the layers
+    counted are not sum(split)."""
+    blocks = list(blocks)
+    builders = [block.module_builder for block in blocks]
+    layer = max(set(builders), key=builders.count, default=None)
+    if builders.count(layer) != sum(split):
+        return None
+    owner = [s for s, count in enumerate(split) for _ in range(count)]
+    out, seen, stage = [], 0, 0
+    for builder in builders:
+        if builder is layer:
+            stage = owner[seen]
+            seen += 1
+        elif seen == len(owner):
+            stage = len(split) - 1
+        out.append(stage)
+    return out
 
 
 @contextlib.contextmanager
@@ -200,4 +247,4 @@ def consumer_tracking(blocks: list[PipelineBlock], stage_of: dict[int, int]):
             handle.remove()
 
 
-__all__ = ["FAKE_RANK", "StageCall", "block_stages", "consumer_tracking", "one_stage"]
+__all__ = ["FAKE_RANK", "StageCall", "block_stages", "consumer_tracking", "one_stage", "split_block_stages"]

@@ -8,6 +8,7 @@ The only part of pipeschedule that imports torch. Pieces:
     shapes      TensorMeta, the one-time exchange of boundary shapes
     inprocess   InProcessPipeline: every rank in one process, stepped deterministically
     ledger      Ledger: live bytes per buffer kind, high-water marks, per-instruction trace
+    split_backward  WeightGrads: B's deferred weight-gradient matmuls, run at W
     driver      the blocking driver and its watchdog
     launch      spawn: one process per rank, for tests and benchmarks
 
@@ -26,10 +27,12 @@ from pipeschedule.runtime.inprocess import InProcessPipeline, InProcessTransport
 from pipeschedule.runtime.ledger import Ledger
 from pipeschedule.runtime.stages import ModuleStages, Stages
 from pipeschedule.runtime.shapes import Shapes, TensorMeta
+from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
 from pipeschedule.runtime.transport import DistTransport, HostStagedTransport, P2P, Pending, Transport
 
 __all__ = [
     "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline", "InProcessTransport",
     "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "P2P", "Pending", "RemoteOutput",
-    "RuntimeScheduleError", "Shapes", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport", "run_in_process",
+    "RuntimeScheduleError", "Shapes", "SplitReport", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport",
+    "WeightGrads", "run_in_process",
 ]

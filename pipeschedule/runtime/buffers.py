@@ -9,7 +9,7 @@ end of a step are errors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ from pipeschedule.runtime.errors import RuntimeScheduleError
 from pipeschedule.runtime.ledger import Ledger
 from pipeschedule.runtime.shapes import TensorMeta
 
+if TYPE_CHECKING:
+    from pipeschedule.runtime.split_backward import WeightGrads
+
 Key = tuple  # (buf, stage, mb)
 
 
@@ -25,10 +28,12 @@ Key = tuple  # (buf, stage, mb)
 class Stash:
     """What B of a (stage, mb) needs beyond its act_in and grad_out: the tensor backward
     starts from (the stage output, or loss / m on the last stage) and the output's meta
-    (the shape a received gradient has)."""
+    (the shape a received gradient has). In a split-backward schedule, `weights` is the
+    W part: the weight-gradient work B deferred ([Note: split backward])."""
 
     root: torch.Tensor
     out_meta: TensorMeta | None
+    weights: WeightGrads | None = None
 
 
 class BufferTable:
@@ -56,6 +61,12 @@ class BufferTable:
             raise RuntimeScheduleError(f"{key[0]} of (stage {key[1]}, mb {key[2]}) produced twice")
         self.held[key] = value
         self.ledger.add(key, nbytes)
+
+    def resize(self, key: Key, nbytes: int) -> None:
+        """A held buffer now holds `nbytes` (the stash after B of a split backward)."""
+        if key not in self.held:
+            raise RuntimeScheduleError(f"{key[0]} of (stage {key[1]}, mb {key[2]}) resized but not held")
+        self.ledger.resize(key, nbytes)
 
     def drop(self, key: Key):
         """Removes the buffer at its FREE and returns it."""

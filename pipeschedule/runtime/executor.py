@@ -2,7 +2,7 @@
 
 [Note: executor semantics]
 - Dispatch: every op goes through one table (`self._dispatch`); an op without a
-  handler (W today) raises.
+  handler raises.
 - Buffers: every buffer of [Note: buffers] lives in `self.buffers` (a `BufferTable`),
   from the instruction that produces it to its FREE, and nowhere else.
 - Batches: a maximal run of consecutive communication instructions is one batch: it is
@@ -21,10 +21,18 @@
   allocates exactly that. A gradient has its output's shape and dtype.
 - Loss: the last stage's loss is divided by m before backward, so gradients accumulate
   to the mean over microbatches; the step returns the scaled, detached losses.
+- Split backward: in a schedule with W, each F defers its stage's weight-gradient
+  matmuls into the stash's W part (`Stash.weights`, [Note: split backward]); B computes
+  input gradients and the gradients that could not defer, W the deferred ones. From B
+  to W the ledger charges the stash with what the W part holds (`Ledger.resize`).
+  `split_mode[stage]` says "split" or "full" (nothing deferred: B runs the full backward,
+  W runs nothing), `split_report[stage]` the counts; each stage is logged once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections import deque
 from typing import Any, Mapping, Sequence
@@ -38,8 +46,11 @@ from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch,
 from pipeschedule.runtime.errors import RuntimeScheduleError
 from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, storage_ptrs
 from pipeschedule.runtime.shapes import Shapes, TensorMeta, describe
+from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
 from pipeschedule.runtime.stages import Stages
 from pipeschedule.runtime.transport import P2P, Transport
+
+_LOG = logging.getLogger("pipeschedule.runtime")
 
 
 class Executor:
@@ -70,8 +81,11 @@ class Executor:
         self.shapes = Shapes(transport, shapes)
         self._history: deque[tuple[int, Instr]] = deque(maxlen=history)
         self._pc, self._waiting, self._broken = 0, None, False
+        self.split = schedule.split_backward
+        self.split_mode: dict[int, str] = {}  # stage -> "split" | "full", from its first F
+        self.split_report: dict[int, SplitReport] = {}
         self._dispatch = {
-            Op.F: self._forward, Op.B: self._backward, Op.FREE: self._free,
+            Op.F: self._forward, Op.B: self._backward, Op.W: self._weight, Op.FREE: self._free,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
         }
 
@@ -198,12 +212,17 @@ class Executor:
     def _forward(self, i: Instr) -> None:
         x = self._load_input(i)
         target = self._targets[i.mb] if i.stage == self.last_stage and self._targets is not None else None
+        weights = WeightGrads() if self.split else None
         with saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target))) as saved:
             start = time.perf_counter()
-            y = self.stages.forward(i.stage, i.mb, x, target)
+            with weights.deferring() if weights is not None else contextlib.nullcontext():
+                y = self.stages.forward(i.stage, i.mb, x, target)
             self.times.compute_s += time.perf_counter() - start
+        if weights is not None:
+            weights.close_forward()
+            self._report_split(i.stage, weights)
         root, meta = self._emit_output(i, y)
-        self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta), sum(saved.values()))
+        self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta, weights), sum(saved.values()))
 
     def _load_input(self, i: Instr):
         if i.stage == 0:
@@ -238,11 +257,34 @@ class Executor:
         if stash.root.requires_grad:
             _backward_from(stash.root, grad)
         self.times.compute_s += time.perf_counter() - start
+        if stash.weights is not None:  # from here the stash holds W's part only
+            held = stash.weights.held_bytes(self._persistent_storages(s))
+            self.buffers.resize(("stash", s, mb), held)
         if s > 0:
             grad_in = x.grad if x.grad is not None else torch.zeros_like(x)  # zeros, not silence
             x.grad = None
             local = self.schedule.placement[s - 1] == self.rank
             self.buffers.add(("grad_out", s - 1, mb) if local else ("grad_in", s, mb), grad_in, grad_in.nbytes)
+
+    def _weight(self, i: Instr) -> None:
+        """W: the weight gradients B deferred ([Note: split backward]); the stash is
+        freed by the FREE that follows."""
+        stash = self.buffers.need("stash", i)
+        if stash.weights is None:
+            raise RuntimeScheduleError(f"{i}: the stash of (stage {i.stage}, mb {i.mb}) has no W part")
+        start = time.perf_counter()
+        stash.weights.run()
+        self.times.compute_s += time.perf_counter() - start
+
+    def _report_split(self, stage: int, weights: WeightGrads) -> None:
+        if stage in self.split_report:
+            return
+        report = weights.report(stage, self.stages.parameters(stage))
+        self.split_report[stage], self.split_mode[stage] = report, report.mode
+        if report.mode == "full":
+            _LOG.warning("pipeschedule rank %d: %s", self.rank, report.describe())
+        else:
+            _LOG.info("pipeschedule rank %d: %s", self.rank, report.describe())
 
     def _free(self, i: Instr) -> None:
         value = self.buffers.drop((i.buf, i.stage, i.mb))

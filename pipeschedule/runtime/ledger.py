@@ -19,6 +19,12 @@ program with these sizes (what the simulator does) gives the same curve exactly:
     grad_out  nbytes of the received (at RECV_B) or locally handed-off (at B) gradient
     grad_in   nbytes of the input gradient produced at B
 
+In a split-backward schedule the stash lives from F to W. At B its count changes
+(`resize`) to what W still needs ([Note: split backward]): the storages of the deferred
+matmuls' inputs and of their output gradients, parameters left out; an input that is
+the act_in is counted here too, since act_in is freed right after B while W keeps it.
+`sizes` keeps the size at F, `resized` the size from B on.
+
 Parameters, their gradients and optimizer state are not counted: the baseline between
 steps is 0. Saved tensors that the stage itself packs with its own saved-tensors hooks
 (activation checkpointing, offloading) are not seen and count as 0.
@@ -52,6 +58,7 @@ class Ledger:
         self.high = dict.fromkeys(BUFFERS, 0)
         self.high_total = 0
         self.sizes: dict[Key, int] = {}  # every buffer produced this step, by (kind, stage, mb)
+        self.resized: dict[Key, int] = {}  # buffers whose count changed while held (split stash from B)
         self.trace: list[tuple[int, Instr, dict[str, int]]] = []  # (pc, instr, live bytes per kind) after it ran
 
     @property
@@ -63,6 +70,13 @@ class Ledger:
         self._held[key] = nbytes
         self.sizes[key] = nbytes
         self.live[kind] += nbytes
+        self.high[kind] = max(self.high[kind], self.live[kind])
+        self.high_total = max(self.high_total, self.live_total)
+
+    def resize(self, key: Key, nbytes: int) -> None:
+        kind = key[0]
+        self.live[kind] += nbytes - self._held[key]
+        self._held[key] = self.resized[key] = nbytes
         self.high[kind] = max(self.high[kind], self.live[kind])
         self.high_total = max(self.high_total, self.live_total)
 

@@ -17,8 +17,9 @@ autograd; a stage only computes. For each F it calls
 
 At B the executor back-propagates from the output with the received output gradient
 (from loss / m on the last stage) through ordinary autograd, so gradients accumulate in
-the parameters' `.grad`; the stage is not called. A split backward (W) will add an
-optional `backward_weight(stage, mb)` method; today the executor refuses W.
+the parameters' `.grad`; the stage is not called. In a split-backward schedule the
+executor runs F under a mode that defers the stage's `F.linear` weight gradients to W
+([Note: split backward]); the stage needs to do nothing for it.
 
 `stages.parameters(stage)` names the tensors of a stage that live across steps
 (parameters and module buffers); the memory ledger does not count them as stash.

@@ -1,0 +1,269 @@
+"""Split backward: B computes input gradients, W the weight gradients it deferred.
+
+[Note: split backward] In a schedule with W instructions (`Schedule.split_backward`)
+the executor runs every F of a stage under `WeightGrads.deferring()`, a
+`TorchFunctionMode` that catches each `F.linear` (what `nn.Linear` calls, and what
+nanotron's tensor-parallel linears call in their non-async modes) whose weight is a leaf
+requiring grad, with grad mode on. Such a call becomes one `_DeferredLinear` node that
+owns a private autograd graph of the very same `F.linear`, on a detached alias `x_` of
+the input:
+
+    F   y_ = F.linear(x_, weight, bias) (private graph);  the stage sees y = y_.detach(),
+        whose grad_fn is the _DeferredLinear node
+    B   the node's backward differentiates the private graph for x_ only (autograd's
+        engine computes only what is asked: the matmul's weight half is skipped) and
+        keeps (y_, grad of y) for W; it returns no gradient for weight and bias
+    W   one backward over every kept (y_, grad) of the (stage, mb), into the parameters:
+        autograd runs the weight half of the same matmul nodes and accumulates into
+        `.grad` through the parameters' own AccumulateGrad nodes (so hooks on them,
+        DDP's included, fire at W)
+
+Exactness: both halves run autograd's own derivative of the same op on the same saved
+tensors, so the input gradient, each weight gradient and their accumulation into `.grad`
+are bitwise those of an unsplit backward, provided W of each stage runs in microbatch
+order (then every parameter accumulates in the reference's order). The nodes of the
+outer graph keep their relative creation order, so contributions meeting in one
+gradient (an input feeding two linears) are summed in the same order too.
+
+What does not defer, and is computed at B as before:
+- parameters not used through `F.linear` (norm weights, embeddings, convolutions);
+- `F.linear` inside a custom autograd Function (grad mode is off there: nanotron's
+  async-communication tensor-parallel linears), under `no_grad`, on tensor subclasses
+  with their own `__torch_function__`, or with a weight that is not a leaf;
+- a weight also used by some other differentiable op during the same F (a tied weight:
+  an op whose output has a grad_fn; reading `.grad`, `.shape` or `.detach()` does not
+  count): its gradient must be summed with the other use's before it reaches `.grad`, as
+  in the reference, so its linears compute their weight half at B (decided once F has
+  returned).
+A stage where nothing defers runs the full backward at B and its W runs nothing; the
+executor records that in `split_mode` and logs it once ([Note: executor semantics]).
+
+Memory: from B to W a deferred linear holds its input (saved by the private matmul)
+and its output gradient; `held_bytes` counts their storages (parameters and the given
+`exclude` left out), which the ledger charges to the stash from B until W frees it.
+Activation checkpointing inside a deferred stage is not supported (its recomputation
+would run outside the mode and rebuild ordinary linears).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.variable import Variable
+from torch.overrides import TorchFunctionMode
+
+_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear dispatch as
+
+
+@dataclass(frozen=True)
+class SplitReport:
+    """How a stage's backward splits (from its first F of the step).
+
+    mode        "split" when at least one parameter's gradient waits for W, "full" when
+                none does (B runs the whole backward, W runs nothing)
+    deferred    parameter tensors whose gradients W computes
+    at_b        parameter tensors requiring grad whose gradients B computes
+    tied        of those, weights of linears kept at B because another op also used them
+    """
+
+    stage: int
+    mode: str
+    deferred: int
+    at_b: int
+    tied: int
+
+    def describe(self) -> str:
+        if self.mode == "full":
+            return (f"stage {self.stage}: no weight gradient can be deferred (no F.linear on a leaf parameter "
+                    f"with grad enabled during its forward); B runs the full backward and W of stage "
+                    f"{self.stage} runs nothing")
+        extra = f", {self.tied} of them tied to another use" if self.tied else ""
+        return (f"stage {self.stage}: W computes the gradients of {self.deferred} parameter tensor(s); "
+                f"B computes {self.at_b}{extra}")
+
+
+class _Record:
+    """One deferred `F.linear` call of one (stage, mb)."""
+
+    __slots__ = ("x", "y", "weight", "bias", "grad", "at_b")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+        self.x: torch.Tensor | None = None  # private input alias, until B
+        self.y: GradientEdge | None = None  # the private output's node: the root of B and W
+        self.grad: torch.Tensor | None = None  # output gradient, from B to W
+        self.at_b = False  # tied: compute the weight half at B
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for p in (self.weight, self.bias) if p is not None and p.requires_grad]
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """`F.linear` whose weight half of the backward waits for W ([Note: split backward])."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, record: _Record):
+        with torch.enable_grad():
+            x_ = x.detach()
+            if x.requires_grad:
+                x_.requires_grad_()
+            y_ = F.linear(x_, weight, bias)
+        # Only the private output's grad_fn is kept (as the root of B and W): its storage
+        # belongs to the returned output, which the stage may release.
+        record.x, record.y = x_, get_gradient_edge(y_)
+        ctx.record = record
+        return y_.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        record: _Record = ctx.record
+        want_x = ctx.needs_input_grad[0]
+        if record.at_b:
+            inputs = ([record.x] if want_x else []) + record.params()
+            grads = list(_grad((record.y,), (grad,), inputs, keep_graph=False))
+            gx = grads.pop(0) if want_x else None
+            gw = grads.pop(0) if record.weight.requires_grad else None
+            gb = grads.pop(0) if record.bias is not None and record.bias.requires_grad else None
+            record.x = record.y = None
+            return gx, gw, gb, None
+        gx = _grad((record.y,), (grad,), [record.x], keep_graph=True)[0] if want_x else None
+        record.grad = grad
+        return gx, None, None, None
+
+
+def _grad(roots, grads, inputs, *, keep_graph: bool):
+    """torch.autograd.grad on gradient edges, through the engine directly (the engine
+    checks each gradient against the node's recorded shape)."""
+    return Variable._execution_engine.run_backward(
+        tuple(roots), tuple(grads), keep_graph, False, tuple(inputs), True, False
+    )
+
+
+class _Deferring(TorchFunctionMode):
+    def __init__(self, store: WeightGrads):
+        super().__init__()
+        self.store = store
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        if func is _LINEAR and not types:
+            out = self.store.defer(*args, **kwargs)
+            if out is not None:
+                return out
+        out = func(*args, **kwargs)
+        if _differentiable(out):  # a use autograd will differentiate (not .grad, .shape, .detach())
+            self.store.note_uses(args, kwargs)
+        return out
+
+
+def _differentiable(out) -> bool:
+    if isinstance(out, torch.Tensor):
+        return out.grad_fn is not None
+    if isinstance(out, (list, tuple)):
+        return any(isinstance(item, torch.Tensor) and item.grad_fn is not None for item in out)
+    return False
+
+
+class WeightGrads:
+    """The W part of one (stage, mb)'s stash: its deferred linears ([Note: split backward]).
+
+    `deferring()` wraps the stage's forward; `close_forward()` follows it; B then runs
+    through autograd as usual; `run()` is W.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[_Record] = []
+        self._used: set[int] = set()  # ids of leaf tensors requiring grad that other ops used
+        self._tied: set[int] = set()
+
+    # -- F -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        with _Deferring(self):
+            yield
+
+    def defer(self, input=None, weight=None, bias=None):  # noqa: A002  (F.linear's names)
+        """F.linear(input, weight, bias) with its weight half deferred, or None when it
+        cannot be (then the caller runs the plain op)."""
+        if not (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)):
+            return None
+        if not (weight.is_leaf and weight.requires_grad):
+            return None
+        if bias is not None and not (isinstance(bias, torch.Tensor) and bias.is_leaf):
+            return None
+        record = _Record(weight, bias)
+        self.records.append(record)
+        return _DeferredLinear.apply(input, weight, bias, record)
+
+    def note_uses(self, args, kwargs) -> None:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, (list, tuple)):
+                for item in value:
+                    if isinstance(item, torch.Tensor) and item.is_leaf and item.requires_grad:
+                        self._used.add(id(item))
+            elif isinstance(value, torch.Tensor) and value.is_leaf and value.requires_grad:
+                self._used.add(id(value))
+
+    def close_forward(self) -> None:
+        """After F: linears whose weight another op also used compute it at B."""
+        for record in self.records:
+            if any(id(p) in self._used for p in record.params()):
+                record.at_b = True
+                self._tied.update(id(p) for p in record.params())
+        self._used = set()
+
+    def report(self, stage: int, params: Iterable[torch.Tensor]) -> SplitReport:
+        deferred = {id(p) for r in self.records if not r.at_b for p in r.params()}
+        trainable = {id(p) for p in params if p.requires_grad}
+        at_b = trainable - deferred
+        return SplitReport(stage, "split" if deferred else "full", len(deferred), len(at_b), len(self._tied & at_b))
+
+    # -- B -----------------------------------------------------------------------------
+
+    def held_bytes(self, exclude: set[int]) -> int:
+        """Bytes W keeps from B on: the storages of the deferred matmuls' inputs and of
+        their output gradients, each once, leaving out storages in `exclude`. Drops the
+        input aliases (the private graph keeps what it saved)."""
+        found: dict[int, int] = {}
+        for record in self.records:
+            tensors = (record.x, record.grad) if record.grad is not None else ()
+            for tensor in tensors:
+                if tensor is not None:
+                    storage = tensor.untyped_storage()
+                    if storage.data_ptr() not in exclude:
+                        found[storage.data_ptr()] = storage.nbytes()
+            record.x = None
+        return sum(found.values())
+
+    # -- W -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """W: the weight halves of every linear whose B ran, in one backward, into `.grad`."""
+        roots, grads, params, seen = [], [], [], set()
+        for record in self.records:
+            if record.grad is None:
+                continue  # no gradient reached it at B (or it ran at B): nothing to add
+            roots.append(record.y)
+            grads.append(record.grad)
+            for p in record.params():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self.records = []
+        if roots:
+            Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, tuple(params), True, True)
+
+    @property
+    def deferred(self) -> bool:
+        return any(not r.at_b for r in self.records)
+
+
+__all__ = ["SplitReport", "WeightGrads"]
