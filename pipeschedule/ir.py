@@ -51,6 +51,8 @@ class Op(str, enum.Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
     FREE = "FREE"
+    OFFLOAD = "OFFLOAD"
+    RELOAD = "RELOAD"
 
     def __str__(self) -> str:
         return self.value
@@ -64,6 +66,10 @@ COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W})
 SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
 RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
 COMM_OPS = SEND_OPS | RECV_OPS
+# Ops that name one buffer of (stage, mb): FREE releases it; OFFLOAD starts moving its
+# storage to host memory and RELOAD back to the device, both asynchronously (a use of the
+# buffer waits for the RELOAD to land).
+BUF_OPS = frozenset({Op.FREE, Op.OFFLOAD, Op.RELOAD})
 BUFFERS = ("act_in", "act_out", "stash", "grad_out", "grad_in")
 
 
@@ -71,7 +77,7 @@ BUFFERS = ("act_in", "act_out", "stash", "grad_out", "grad_in")
 class Instr:
     """One instruction of a rank's program.
 
-    `peer` is set exactly for communication ops, `buf` exactly for FREE.
+    `peer` is set exactly for communication ops, `buf` exactly for FREE, OFFLOAD, RELOAD.
     """
 
     op: Op
@@ -97,9 +103,9 @@ class Instr:
                 raise FormatError(f"{self.op.value} needs a peer rank (integer >= 0), got {self.peer!r}")
         elif self.peer is not None:
             raise FormatError(f"{self.op.value} takes no peer, got peer={self.peer!r}")
-        if self.op is Op.FREE:
+        if self.op in BUF_OPS:
             if self.buf not in BUFFERS:
-                raise FormatError(f"FREE needs buf in {', '.join(BUFFERS)}, got {self.buf!r}")
+                raise FormatError(f"{self.op.value} needs buf in {', '.join(BUFFERS)}, got {self.buf!r}")
         elif self.buf is not None:
             raise FormatError(f"{self.op.value} takes no buf, got buf={self.buf!r}")
 
@@ -164,7 +170,7 @@ _set_op, _set_stage, _set_mb, _set_peer, _set_buf = (
     Instr.__dict__[name].__set__ for name in ("op", "stage", "mb", "peer", "buf")
 )
 
-_TOKEN = re.compile(r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$")
+_TOKEN = re.compile(r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$")
 
 
 def _is_int(value: Any) -> bool:

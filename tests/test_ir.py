@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import FormatError, Instr, Op, Schedule, compile_schedule, dump, load
-from pipeschedule.ir import BUFFERS, COMM_OPS, make_instr
+from pipeschedule.ir import BUF_OPS, BUFFERS, COMM_OPS, make_instr
 
 from strategies import build, schedule_params
 
@@ -15,7 +15,7 @@ from strategies import build, schedule_params
 def instrs(draw):
     op = draw(st.sampled_from(list(Op)))
     peer = draw(st.integers(0, 99)) if op in COMM_OPS else None
-    buf = draw(st.sampled_from(BUFFERS)) if op is Op.FREE else None
+    buf = draw(st.sampled_from(BUFFERS)) if op in BUF_OPS else None
     return Instr(op, draw(st.integers(0, 10_000)), draw(st.integers(0, 10_000)), peer, buf)
 
 
