@@ -132,33 +132,56 @@ def run_overhead(cfg: ModelConfig, device, dtype, m: int, steps: int) -> dict:
     def pipe_step():
         pipeline.step(inputs, targets)
 
-    def timed(fn) -> list[float]:
-        out = []
+    def timed(fn, *, collect: bool = True) -> tuple[list[float], list[float], int]:
+        """Step times (synchronised), host times (until `fn` returns, before the final
+        synchronise: if these approach the step time the host is the bottleneck) and the
+        cudaMalloc calls made meanwhile (allocator churn)."""
+        out, host = [], []
+        mallocs = _segments(device)
         for step in range(WARMUP + steps):
             for p in params:
                 p.grad = None
             sync(device)
+            if not collect:
+                gc.disable()
             start = time.perf_counter()
             fn()
+            issued = time.perf_counter()
             sync(device)
+            end = time.perf_counter()
+            gc.enable()
             if step >= WARMUP:
-                out.append(time.perf_counter() - start)
-        return out
+                out.append(end - start)
+                host.append(issued - start)
+        return out, host, _segments(device) - mallocs
 
-    pure, piped = [], []
-    for _ in range(2):  # alternate, so drift hits both alike
-        pure += timed(pure_step)
-        piped += timed(pipe_step)
+    runs: dict[str, dict[str, list]] = {k: {"step": [], "host": [], "mallocs": []} for k in ("pure", "executor",
+                                                                                               "executor_no_gc")}
+    for _ in range(3):  # alternate, so that drift (clocks, allocator state) hits every variant alike
+        for key, fn, collect in (("pure", pure_step, True), ("executor", pipe_step, True),
+                                 ("executor_no_gc", pipe_step, False)):
+            step_s, host_s, mallocs = timed(fn, collect=collect)
+            runs[key]["step"] += step_s
+            runs[key]["host"] += host_s
+            runs[key]["mallocs"].append(mallocs)
     executors = pipeline.executors
     host = {key: sum(getattr(e.times, key) for e in executors) for key in ("compute_s", "transport_s", "wait_s", "total_s")}
-    pure_s, pipe_s = statistics.median(pure), statistics.median(piped)
+    pure_s, pipe_s = statistics.median(runs["pure"]["step"]), statistics.median(runs["executor"]["step"])
     return {
         "schedule": "1f1b", "pp": PP, "microbatches": m, "instructions": instructions,
-        "pure_compute_s": pure_s, "executor_step_s": pipe_s, "pure_all": pure, "executor_all": piped,
+        "pure_compute_s": pure_s, "executor_step_s": pipe_s, "runs": runs,
+        "executor_no_gc_step_s": statistics.median(runs["executor_no_gc"]["step"]),
         "overhead_s": pipe_s - pure_s, "overhead_fraction": (pipe_s - pure_s) / pipe_s,
         "overhead_us_per_instruction": (pipe_s - pure_s) / instructions * 1e6,
         "executor_host_times_last_step": host,
     }
+
+
+def _segments(device) -> int:
+    """cudaMalloc calls so far (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.memory_stats(device).get("segment.all.allocated", 0)
 
 
 # -- part 3: calibration -------------------------------------------------------------------
@@ -309,6 +332,13 @@ def render(report: dict, out_dir: Path | None) -> str:
                   "| pure compute ms | through the executor ms | overhead | per instruction us |", "|---|---|---|---|",
                   f"| {o['pure_compute_s'] * 1e3:.2f} | {o['executor_step_s'] * 1e3:.2f} | "
                   f"{o['overhead_fraction']:+.2%} | {o['overhead_us_per_instruction']:.1f} |", ""]
+        if "runs" in o:
+            lines += ["Per variant (all steps, ms; host: until the step call returned, before the final "
+                      "synchronise; cudaMalloc calls per round):", ""]
+            lines += [f"- {key}: steps {', '.join(f'{t * 1e3:.1f}' for t in run['step'])}; host "
+                      f"{', '.join(f'{t * 1e3:.1f}' for t in run['host'])}; cudaMalloc {run['mallocs']}"
+                      for key, run in o["runs"].items()]
+            lines.append("")
     calibration = report.get("calibration_ms")
     if calibration is not None:
         lines += ["## Calibration (ms per block, median of 20)", "", "| block | forward | backward | input-only backward "

@@ -111,10 +111,10 @@ def predicted(cfg: ModelConfig, case: Case, *, pp: int, microbatch_size: int, dt
     return ranks
 
 
-# The memory model's terms (pipeschedule.llama_memory.TERMS) that add up to a rank's peak;
-# "stash per microbatch" is a rate, not a part of the peak.
-PEAK_TERMS = ("parameters", "gradients", "optimizer state", "stash peak", "p2p buffers peak", "working set (transient)",
-              "cuBLAS workspace")
+# What the memory model (pipeschedule.llama_memory) predicts as the allocator's peak of a
+# rank: its "step peak" (parameters, optimizer state, the peak of live buffers and
+# gradients together, the working set) plus, on CUDA, the cuBLAS workspace.
+PEAK_TERMS = ("step peak", "cuBLAS workspace")
 # Allocated on the GPU beyond parameters and optimizer state at a step's start, as read on
 # the H200 with torch 2.11 (docs/memory_calibration.md): cuBLAS workspaces (the forward's
 # thread and autograd's backward thread each get a handle).
@@ -122,7 +122,7 @@ CUBLAS_WORKSPACE_BYTES = 64 * 2**20
 
 
 def predicted_total(terms: dict) -> float:
-    """The predicted peak of a rank: the sum of its PEAK_TERMS."""
+    """The predicted allocator peak of a rank: the sum of its PEAK_TERMS."""
     return float(sum(terms[k] for k in PEAK_TERMS))
 
 

@@ -15,8 +15,12 @@ memory_probe.py). Pure arithmetic: no torch.
     stash peak               the simulator's peak of live stash on the rank under the schedule
     p2p buffers peak         its peak of live boundary tensors (act_in, act_out, grad_out,
                              grad_in), each the packed boundary ([Note: packed boundary])
-    working set (transient)  an estimate of the largest short-lived allocation (not
-                             calibrated on CPU, where no allocator statistics exist)
+    working set (transient)  an estimate of the largest short-lived allocation (`working_set`;
+                             checked on a GPU only: CPU has no allocator statistics)
+    step peak                what the allocator should report as the step's peak:
+                             parameters + optimizer state + the peak of live buffers and
+                             gradients together ([Note: gradients appear at the first
+                             backward]) + the working set
 
 [Note: what the integration Llama saves] Saved-for-backward storages of one microbatch,
 read from llama.py and checked tensor by tensor with saved_tensors_hooks (torch 2.13,
@@ -75,7 +79,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.ir import Schedule
+from pipeschedule.ir import Op, Schedule
 from pipeschedule.memory import (
     ModelSpec,
     StageFootprint,
@@ -94,6 +98,7 @@ TERMS = (
     "stash peak",
     "p2p buffers peak",
     "working set (transient)",
+    "step peak",
 )
 LAYER_TENSORS = 7  # parameter tensors of a decoder layer: 2 norms, q, kv, o, gate_up, down
 STEP_BYTES = 4  # AdamW's per-tensor `step` (an fp32 scalar unless capturable/fused)
@@ -180,12 +185,21 @@ def stage_stash(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: b
 
 
 def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool) -> tuple[str, int]:
-    """An estimate, not calibrated: the gradients of one layer's saved tensors during its
-    backward, or on the last stage the logits (act dtype, their fp32 cast when narrower,
-    and the fp32 gradient of the log-softmax), whichever is larger."""
-    layer = sum(decoder_layer_stash(model, setup).values()) if layers else 0
-    e, logits = setup.act_bytes, setup.seq * setup.micro_batch * model.vocab
-    head = logits * (e + (4 if e < 4 else 0) + 4) if last else 0
+    """The largest short-lived allocation above what the ledger counts, whichever is larger:
+
+    - a decoder layer's backward: the gradient of the gate_up output, s*b*2f in the act
+      dtype, the largest single tensor that backward allocates (autograd frees each saved
+      tensor once its node has run, so the layer's other gradients mostly replace stash
+      the ledger still counts);
+    - the last stage: the fp32 logits and their fp32 gradient, 2 * s*b*V*4 (the LM head's
+      act-dtype logits are a temporary: `.float()` saves nothing, so they are gone before
+      the loss runs).
+
+    Checked on the H200 (docs/memory_calibration.md, benchmarks/results/gpu.md): an
+    earlier estimate (a whole layer's stash; the logits in three dtypes) over-predicted
+    every rank's peak by 0.25 to 0.3 GiB."""
+    layer = 2 * setup.seq * setup.micro_batch * model.ffn * setup.act_bytes if layers else 0
+    head = 2 * setup.seq * setup.micro_batch * model.vocab * 4 if last else 0
     return ("logits (transient)", head) if head > layer else ("layer backward (transient)", layer)
 
 
@@ -247,6 +261,7 @@ def predict_ranks(model: ModelSpec, setup: TrainingSetup, split: Sequence[int], 
     n = schedule.num_stages
     unit = ((1.0,) * n, (2.0,) * n, (0.0,) * n)
     stash_run, p2p_run = simulate(schedule, CostModel(*unit, stash)), simulate(schedule, CostModel(*unit, p2p))
+    live_peaks = buffers_and_gradients_peak(schedule, footprints, {**stash, **p2p}, setup.param_bytes)
     rows = rank_memory(footprints, schedule.placement, peak_stash=stash_run.peak_bytes, peak_p2p=p2p_run.peak_bytes,
                        peak_inflight=stash_run.peak_inflight, budget=float("inf"))
     out = []
@@ -263,7 +278,40 @@ def predict_ranks(model: ModelSpec, setup: TrainingSetup, split: Sequence[int], 
             "p2p buffers peak": row.terms[P2P],
             "working set (transient)": float(max(fp.working[1] for fp in fps)),
         })
+        terms = out[-1]
+        terms["step peak"] = (terms["parameters"] + terms["optimizer state"] + live_peaks[row.rank]
+                              + terms["working set (transient)"])
     return out
+
+
+def buffers_and_gradients_peak(schedule: Schedule, footprints: Sequence[StageFootprint],
+                               buffer_bytes: dict[str, tuple[int, ...]], param_bytes: int) -> list[float]:
+    """Per rank, the most bytes of live buffers (stash and boundaries, as the ledger counts
+    them) plus the gradients allocated so far, over one step under unit costs.
+
+    [Note: gradients appear at the first backward] Training zeroes gradients with
+    `zero_grad(set_to_none=True)`, so a stage's `.grad` tensors are allocated by its first
+    B of the step and live to its end. Where a rank's buffers peak before that B (all
+    forwards first: afab, a long interleaved warmup) the peak does not hold the gradients;
+    adding the two peaks would over-count by the whole gradient size."""
+    result = simulate(schedule, CostModel((1.0,) * schedule.num_stages, (2.0,) * schedule.num_stages,
+                                          (0.0,) * schedule.num_stages, buffer_bytes))
+    first_b: dict[int, float] = {}
+    for event in result.events:
+        if event.instr.op is Op.B and event.instr.stage not in first_b:
+            first_b[event.instr.stage] = event.start
+    peaks = []
+    for rank, curve in enumerate(result.memory):
+        grads = sorted((first_b[s], footprints[s].params * param_bytes)
+                       for s, r in enumerate(schedule.placement) if r == rank and s in first_b)
+        peak, k, held = 0.0, 0, 0.0
+        for t, live in curve:
+            while k < len(grads) and grads[k][0] <= t:
+                held += grads[k][1]
+                k += 1
+            peak = max(peak, live + held)
+        peaks.append(peak)
+    return peaks
 
 
 __all__ = [

@@ -57,7 +57,7 @@ from pipeschedule.ir import Schedule
 from pipeschedule.llama_memory import TERMS, predict_ranks
 from pipeschedule.memory import ModelSpec, TrainingSetup
 
-MEASURED_TERMS = TERMS[:-1]  # the working set is predicted only
+MEASURED_TERMS = tuple(t for t in TERMS if t not in ("working set (transient)", "step peak"))  # predicted only: CPU has no allocator peak
 OPTIMIZERS = ("adamw", "none")
 P2P_KINDS = ("act_in", "act_out", "grad_out", "grad_in")
 
