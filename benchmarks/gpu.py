@@ -56,9 +56,27 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.calibration import P2P_GBPS, P2P_LATENCY_MS, run_calibration, simulate_cases, stage_costs
-from benchmarks.training import OURS, Case, cases, compiled, gib, model_split, predicted_total, sync, to_device
-from integration.nanotron.llama import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
+from benchmarks.calibration import run_calibration, simulate_cases
+from benchmarks.costs import P2P_GBPS, P2P_LATENCY_MS, stage_costs
+from benchmarks.training import (
+    OURS,
+    Case,
+    cases,
+    compiled,
+    gib,
+    model_split,
+    predicted_total,
+    sync,
+    to_device,
+)
+from integration.nanotron.llama import (
+    DecoderLayer,
+    FinalNorm,
+    LMHead,
+    Loss,
+    ModelConfig,
+    TokenEmbedding,
+)
 
 RESULTS = Path(__file__).parent / "results"
 PP = 4

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.calibration import simulate_cases, stage_costs
+from benchmarks.calibration import simulate_cases
+from benchmarks.costs import stage_costs
 from benchmarks.training import NANOTRON, OURS, Case, cases, gib, model_split
 
 RESULTS = Path(__file__).parent / "results"
