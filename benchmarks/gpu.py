@@ -60,6 +60,7 @@ from benchmarks.calibration import run_calibration, simulate_cases
 from benchmarks.costs import P2P_GBPS, P2P_LATENCY_MS, stage_costs
 from benchmarks.training import (
     OURS,
+    SPLIT_BACKWARD,
     Case,
     cases,
     compiled,
@@ -280,7 +281,7 @@ def plot_release(curves: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None) -> dict:
+def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None, with_split: bool = False) -> dict:
     """Every measurement, raw: what `render` turns into tables, checks and plots."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -305,7 +306,7 @@ def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None
             torch.cuda.empty_cache()
     if "memory" not in skip:
         t = time.perf_counter()
-        case_list = cases(OURS, (4,) if smoke else MICROBATCHES)
+        case_list = cases(OURS + (SPLIT_BACKWARD if with_split else ()), (4,) if smoke else MICROBATCHES)
         rows, report["skipped"] = training.run_cases(
             cfg, case_list, pp=PP, mode="shared", microbatch_size=MICROBATCH_SIZE, warmup=WARMUP, steps=steps,
             trace_labels=TRACE_LABELS, timeout=300 if smoke else 480)
@@ -406,6 +407,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="folder for the results (default benchmarks/results/)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: memory,overhead,calibration")
     parser.add_argument("--commit", default=None, help="the commit measured (recorded in the results)")
+    parser.add_argument("--split-backward", action="store_true",
+                        help="also run zb_h1, zbv, v_half and v_min (split backward; V-shape placements)")
     parser.add_argument("--render", type=Path, default=None, metavar="GPU_JSON",
                         help="measure nothing: re-render the tables and plots of a saved gpu.json")
     args = parser.parse_args(argv)
@@ -424,7 +427,8 @@ def main(argv=None) -> int:
         if not args.smoke and not torch.cuda.is_available():
             print("benchmarks.gpu: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
             return 2
-        report = measure(SMOKE_MODEL if args.smoke else MODEL, smoke=args.smoke, skip=skip, commit=args.commit)
+        report = measure(SMOKE_MODEL if args.smoke else MODEL, smoke=args.smoke, skip=skip, commit=args.commit,
+                         with_split=args.split_backward)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         if args.render is None:

@@ -138,7 +138,10 @@ def predict(cfg: ModelConfig, *, pp: int, split: Sequence[int] | None, schedule:
             raise ValueError(f"schedule {schedule!r} is an engine name: give microbatches to compile it")
         schedule = engine_schedule(schedule, pp=pp, microbatches=microbatches)
     placement = schedule.placement if schedule.virtual > 1 else None
-    layers = layers_per_stage(cfg, pp, split, placement)
+    if split is not None and len(split) == schedule.num_stages:
+        layers = tuple(split)  # given per stage (also where two consecutive stages share a rank: a V's turn)
+    else:
+        layers = layers_per_stage(cfg, pp, split, placement)
     setup = training_setup(cfg, microbatch_size=microbatch_size, dtype_bytes=dtype_bytes, optimizer=optimizer)
     return predict_ranks(model_spec(cfg), setup, layers, schedule, attention_lse_pad=attention_lse_pad,
                          attention_rng_bytes=16 if device == "cuda" else 0)
