@@ -141,6 +141,32 @@ def plot(cfg, rows: list[dict], sims: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_predictions(calibration_path: Path, out_dir: Path) -> int:
+    """The simulator's step time and bubble per case for MODEL_X4 on four GPUs, from the
+    one-GPU calibration: what a run on four GPUs should show (and is checked against)."""
+    try:
+        saved = json.loads(calibration_path.read_text(encoding="utf-8"))
+        calibration = saved["calibration_x4_ms"]
+    except (OSError, ValueError, KeyError) as err:
+        print(f"benchmarks.multi_gpu: no calibration for the x4 model in {calibration_path} ({err})", file=sys.stderr)
+        return 2
+    cfg = training.MODEL_X4
+    sims = predictions(cfg, calibration, cases(NANOTRON + OURS, MICROBATCHES))
+    lines = ["# Predictions for the multi-GPU benchmark (not a measurement)", "",
+             f"`python -m benchmarks.multi_gpu --predict-only`: the simulator with block times measured on one H200 "
+             f"({saved['versions']['date']}, commit {saved['versions'].get('commit')}) for {asdict(cfg)}, pp={PP}, "
+             "nanotron's split, the p2p link assumed (0.02 ms, 100 GB/s). nanotron's own engines run the same "
+             "schedules as ps_1f1b / ps_afab here; their blocking metadata exchanges are not modelled.", "",
+             "| engine | m | step ms | bubble | tokens/s/GPU |", "|---|---|---|---|---|"]
+    lines += [f"| {c.label} | {c.microbatches} | {s['step_ms']:.1f} | {s['bubble']:.3f} | {s['tokens_per_s_per_gpu']:.0f} |"
+              for c, s in sims.items()]
+    text = "\n".join(lines) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "multi_gpu_predictions.md").write_text(text)
+    print(text)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.multi_gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny model on CPU (gloo); writes nothing unless --out")
@@ -148,7 +174,11 @@ def main(argv=None) -> int:
     parser.add_argument("--calibration", type=Path, default=RESULTS / "gpu.json",
                         help="benchmarks.gpu's results, for the simulator's predictions")
     parser.add_argument("--commit", default=None, help="the commit measured (recorded in the results)")
+    parser.add_argument("--predict-only", action="store_true",
+                        help="run nothing: write the simulator's predictions (multi_gpu_predictions.md) and stop")
     args = parser.parse_args(argv)
+    if args.predict_only:
+        return write_predictions(args.calibration, args.out if args.out is not None else RESULTS)
     if not args.dry_run and torch.cuda.device_count() < PP:
         print(f"benchmarks.multi_gpu: needs {PP} CUDA GPUs, found {torch.cuda.device_count()}; "
               "--dry-run runs the plumbing on CPU", file=sys.stderr)
