@@ -15,11 +15,16 @@ from pipeschedule.passes import lower
 from pipeschedule.verify import verify
 
 
-def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None, check: bool = True) -> Schedule:
+def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None, cost=None,
+                     check: bool = True) -> Schedule:
     """Generates the compute order of family `name`, lowers it (communication, FREE) and,
     unless `check` is False, verifies every rule. Raises ParameterError on bad
-    parameters and ScheduleError if the result breaks a rule."""
-    schedule = lower(generate(name, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap))
+    parameters and ScheduleError if the result breaks a rule.
+
+    `cost` (None: unit costs; a `CostModel`, or one (forward, backward, weight) time tuple
+    per stage) is what the list-scheduled families order by and what lowering places the
+    messages by; see `generators.generate`."""
+    schedule = lower(generate(name, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap, cost=cost))
     if check:
         verify(schedule)
     return schedule

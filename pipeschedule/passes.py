@@ -12,7 +12,7 @@ from pipeschedule.gcpause import gc_paused
 from bisect import bisect_left
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.generators.common import UNIT_COST, asap_of
+from pipeschedule.generators.common import asap_of, message_times
 from pipeschedule.ir import Instr, Op, Schedule, make_instr
 
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -26,8 +26,9 @@ def add_communication(schedule: Schedule) -> Schedule:
     whenever the compute order itself is free of cycles.
 
     [Note: message placement] The compute order is first timed as soon as possible
-    (`asap`, unit costs). A message is sent right after its producer, so the sender never
-    waits to send. It is received right before the receiver's first compute that starts
+    (`asap`, under unit costs or the cost the schedule was generated for: [Note:
+    cost-aware timing] in generators/common.py). A message is sent right after its
+    producer, so the sender never waits to send. It is received right before the receiver's first compute that starts
     no earlier than min(the sender's next compute, the consumer): as late as possible
     (so its buffer lives no longer than needed; in 1F1B this is Megatron's pairing, a
     forward send travelling with the next backward receive and a backward send with the
@@ -67,7 +68,7 @@ def add_communication(schedule: Schedule) -> Schedule:
     # channel src * pp + dst -> (the due gap of each receive, the receive's gap entry),
     # in send order (src and dst are both ranks, so the int names the pair)
     channels: dict[int, tuple[list[int], list[tuple]]] = {}
-    cost_f, cost_b = UNIT_COST[F], UNIT_COST[B]
+    cost_f, cost_b = message_times(schedule)  # per stage
     inf = float("inf")
     for rank, program in enumerate(schedule.programs):
         rank_starts, rank_gaps = starts[rank], gaps[rank]
@@ -78,12 +79,12 @@ def add_communication(schedule: Schedule) -> Schedule:
                 recv = make_instr(RECV_F, stage + 1, mb, rank)
                 send = make_instr(SEND_F, stage, mb, placement[stage + 1])
                 c_rank, c_pc = position[F, stage + 1, mb]
-                produced = rank_starts[pc] + cost_f  # the message exists from its producer's end
+                produced = rank_starts[pc] + cost_f[stage]  # the message exists from its producer's end
             elif op is B and sends_backward[stage]:
                 recv = make_instr(RECV_B, stage - 1, mb, rank)
                 send = make_instr(SEND_B, stage, mb, placement[stage - 1])
                 c_rank, c_pc = position[B, stage - 1, mb]
-                produced = rank_starts[pc] + cost_b
+                produced = rank_starts[pc] + cost_b[stage]
             else:
                 continue
             gap = rank_gaps[pc + 1]

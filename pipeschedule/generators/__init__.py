@@ -1,7 +1,7 @@
 """Schedule families. Each returns the compute order (F, B, W) of every rank.
 
-`generate(name, pp=, microbatches=, virtual=, cap=)` validates the parameters against
-what the family accepts and calls it.
+`generate(name, pp=, microbatches=, virtual=, cap=, cost=)` validates the parameters
+against what the family accepts and calls it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pipeschedule.gcpause import gc_paused
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.generators.afab import afab
-from pipeschedule.generators.common import check_common, check_positive, per_rank_caps
+from pipeschedule.generators.common import asap, check_common, check_positive, per_rank_caps, remember_asap, stage_times
 from pipeschedule.generators.interleaved import interleaved_1f1b
 from pipeschedule.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
 from pipeschedule.generators.v_shape import v_half, v_min, zbv
@@ -32,6 +32,10 @@ FAMILIES = {
 # equal this.
 FIXED_VIRTUAL = {"zbv": 2, "v_half": 2, "v_min": 2}
 
+# Families whose order is found by list scheduling, timed under `cost` where one is given
+# ([Note: cost-aware timing]); the others' order does not depend on it.
+COST_AWARE = frozenset({"capped_1f1b", "zb_h1", "zbv", "v_half", "v_min"})
+
 # Families that split the backward in B and W.
 SPLIT_BACKWARD = frozenset({"zb_h1", "zbv", "v_half", "v_min"})
 
@@ -46,9 +50,22 @@ def family_virtual(name: str, virtual: int | None = None) -> int:
 
 
 @gc_paused
-def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None):
+def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None, cost=None):
     """The compute-only schedule of family `name`; raises ParameterError on bad input.
-    `virtual` None means the family's default (1; 2 for the V-shape families)."""
+    `virtual` None means the family's default (1; 2 for the V-shape families).
+
+    `cost`: None (unit costs), a `CostModel`, or one (forward, backward, weight) time
+    tuple per stage (B the input-gradient part for a split-backward family). The families
+    of `COST_AWARE` time their list schedule with it; for every family, lowering places
+    the messages by it ([Note: cost-aware timing])."""
+    schedule = _generate(name, pp, microbatches, virtual, cap, cost)
+    if cost is not None and "_cost" not in schedule.__dict__:
+        times = stage_times(cost, schedule.num_stages)
+        remember_asap(schedule, asap(schedule.num_stages, schedule.programs, times), times)  # [Note: asap memo]
+    return schedule
+
+
+def _generate(name: str, pp: int, microbatches: int, virtual: int | None, cap, cost):
     if name not in FAMILIES:
         raise ParameterError(f"unknown schedule {name!r}; accepted: {', '.join(FAMILIES)}")
     function, takes_virtual, takes_cap = FAMILIES[name]
@@ -62,6 +79,7 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
             )
     virtual = family_virtual(name, virtual)
     check_common(pp, microbatches, virtual)
+    times = stage_times(cost, pp * virtual)  # checked before any work
     if cap is not None:
         per_rank_caps(cap, pp)
         if not takes_cap:
@@ -71,8 +89,10 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
     if virtual != (fixed or 1):
         raise ParameterError(f"{name} takes no virtual stages (got virtual={virtual}); use interleaved_1f1b")
     if takes_cap:
+        if name in COST_AWARE:
+            return function(pp, microbatches, cap=cap, cost=times)
         return function(pp, microbatches, cap=cap)
     return function(pp, microbatches)
 
 
-__all__ = ["FAMILIES", "FIXED_VIRTUAL", "SPLIT_BACKWARD", "family_virtual", "generate", "default_cap"]
+__all__ = ["COST_AWARE", "FAMILIES", "FIXED_VIRTUAL", "SPLIT_BACKWARD", "family_virtual", "generate", "default_cap"]

@@ -7,7 +7,9 @@ Every generator returns a `Schedule` whose programs hold compute instructions on
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from numbers import Real
+from typing import NamedTuple, Sequence
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.ir import Instr, Op, Schedule, make_instr
@@ -70,10 +72,72 @@ def unit_cost(programs: Sequence[Sequence[Instr]]) -> dict:
     return UNIT_COST
 
 
+class StageTimes(NamedTuple):
+    """Per-stage durations of F, B and W (indexed by global stage) that the list
+    schedulers and `asap` time a compute order with instead of unit costs
+    ([Note: cost-aware timing]). B is the whole backward, or its input-gradient part when
+    the schedule splits the backward (then W is the rest), as in `CostModel`."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+
+
+# [Note: cost-aware timing] Generators order instructions by simulating time: the list
+# schedulers pick, whenever a rank is free, the best instruction that is ready, and
+# `asap` times an order so that lowering can place the messages. Without a cost both use
+# unit costs (F = 1, B = 2, or F = B = W = 1 with a split backward), which is what the
+# closed forms in the tests assume. With a `cost` (a `CostModel`, or one (F, B, W)
+# tuple per stage) they use the given per-stage times, so that the order fits the
+# machine it will run on: with real block times the backward is not twice the forward,
+# W is far smaller than B, and the stages need not weigh the same. Only the order (and
+# the place of each message) depends on the cost; every rule is checked as before.
+# A time of 0 (a stage with no weight gradient, say) is timed as a tiny positive one
+# (`MIN_TIME` of the largest), so that two instructions of one rank never start at the
+# same instant, which the message placement's argument relies on.
+MIN_TIME = 1e-6
+
+
+def stage_times(cost, num_stages: int) -> StageTimes | None:
+    """`cost` as `StageTimes` for `num_stages` stages, or None for None (unit costs).
+
+    `cost` is a `CostModel` (anything with per-stage `forward`, `backward` and `weight`
+    sequences), a `StageTimes`, or a sequence of one (F, B, W) tuple per stage; times
+    are finite numbers >= 0, not all 0. Raises ParameterError otherwise."""
+    if cost is None:
+        return None
+    if all(hasattr(cost, key) for key in ("forward", "backward", "weight")):
+        columns = [cost.forward, cost.backward, cost.weight]
+    elif isinstance(cost, (list, tuple)) and all(isinstance(t, (list, tuple)) and len(t) == 3 for t in cost):
+        columns = [[t[k] for t in cost] for k in range(3)]
+    else:
+        raise ParameterError(
+            f"cost must be a CostModel or one (forward, backward, weight) tuple per stage, got {cost!r}"
+        )
+    for name, column in zip(("forward", "backward", "weight"), columns):
+        if len(column) != num_stages:
+            raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: {list(column)!r}")
+        for s, x in enumerate(column):
+            if isinstance(x, bool) or not isinstance(x, Real) or not 0 <= x < math.inf:
+                raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {x!r}")
+    top = max(max(column) for column in columns)
+    if top <= 0:
+        raise ParameterError(f"cost times are all 0: {cost!r}")
+    low = MIN_TIME * top
+    return StageTimes(*(tuple(x if x > low else low for x in column) for column in columns))
+
+
+def unit_stage_times(programs: Sequence[Sequence[Instr]], num_stages: int) -> StageTimes:
+    """`unit_cost(programs)` as `StageTimes`."""
+    cost = unit_cost(programs)
+    return StageTimes(*((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W)))
+
+
 def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     """Start time of every compute instruction when each runs as soon as its rank is
-    free and its inputs exist, under integer unit costs (`unit_cost(programs)` unless
-    `cost` is given); communication takes no time.
+    free and its inputs exist, under integer unit costs (`unit_cost(programs)`) unless
+    `cost` (`StageTimes`, or an {op: time} dict for every stage) is given
+    ([Note: cost-aware timing]); communication takes no time.
 
     F(s, mb) waits for F(s-1, mb); B(s, mb) for F(s, mb) and B(s+1, mb); W(s, mb) for
     B(s, mb). Returns (starts, stuck): starts[r][k] is the start of rank r's k-th
@@ -83,6 +147,10 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     F, B = Op.F, Op.B
     if cost is None:
         cost = unit_cost(programs)
+    if isinstance(cost, StageTimes):
+        cost_f, cost_b, cost_w = cost
+    else:
+        cost_f, cost_b, cost_w = ((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W))
     # [Note: asap keys] (stage, mb) is packed into one int, stage * span + mb, with span
     # above every mb in the programs: distinct for every stage >= 0, and cheaper to build
     # and hash than a tuple (this loop runs once per compute instruction). Only the ends
@@ -94,7 +162,6 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     free_at = [0] * len(programs)
     starts = [[None] * len(p) for p in programs]
     last = num_stages - 1
-    cost_f, cost_b, cost_w = cost[Op.F], cost[Op.B], cost[Op.W]
     progress = True
     while progress:
         progress = False
@@ -112,7 +179,7 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
                         if ready is None:
                             break
                     start = ready if ready > t_free else t_free
-                    t_free = f_end[key] = start + cost_f
+                    t_free = f_end[key] = start + cost_f[s]
                 elif op is B:
                     ready = f_end.get(key)
                     if ready is None:
@@ -124,13 +191,13 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
                         if after > ready:
                             ready = after
                     start = ready if ready > t_free else t_free
-                    t_free = b_end[key] = start + cost_b
+                    t_free = b_end[key] = start + cost_b[s]
                 else:
                     ready = b_end.get(key)
                     if ready is None:
                         break
                     start = ready if ready > t_free else t_free
-                    t_free = start + cost_w
+                    t_free = start + cost_w[s]
                 rank_starts[pc] = start
                 pc += 1
             if pc != pcs[r]:
@@ -147,20 +214,49 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
 # a new one starts without the memo, so the memo cannot go stale.
 
 
-def remember_asap(schedule: Schedule, timing) -> Schedule:
-    """Keeps `timing`, the result of `asap(schedule.num_stages, schedule.programs)`, on
-    `schedule` for `asap_of`; returns the schedule."""
+def remember_asap(schedule: Schedule, timing, cost: StageTimes | None = None) -> Schedule:
+    """Keeps `timing`, the result of `asap(schedule.num_stages, schedule.programs, cost)`,
+    on `schedule` for `asap_of`, and `cost` (None: unit costs) for `message_times`;
+    returns the schedule."""
     object.__setattr__(schedule, "_asap", timing)
+    if cost is not None:
+        object.__setattr__(schedule, "_cost", cost)
     return schedule
 
 
 def asap_of(schedule: Schedule):
-    """`asap(schedule.num_stages, schedule.programs)`, taken from the memo where a
-    generator left one ([Note: asap memo]). The caller must not modify it."""
+    """`asap(schedule.num_stages, schedule.programs, cost)`, taken from the memo where a
+    generator left one ([Note: asap memo]), `cost` being the one the schedule was
+    generated for (None: unit costs). The caller must not modify it."""
     timing = schedule.__dict__.get("_asap")
     if timing is None:
-        timing = asap(schedule.num_stages, schedule.programs)
+        timing = asap(schedule.num_stages, schedule.programs, schedule.__dict__.get("_cost"))
     return timing
+
+
+def message_times(schedule: Schedule) -> tuple[Sequence[float], Sequence[float]]:
+    """Per-stage durations of F and B that lowering adds to a start time to date the
+    message a compute produces: the cost the schedule was generated for
+    ([Note: cost-aware timing]), else `UNIT_COST`'s F = 1, B = 2."""
+    cost = schedule.__dict__.get("_cost")
+    if cost is None:
+        stages = schedule.num_stages
+        return (UNIT_COST[Op.F],) * stages, (UNIT_COST[Op.B],) * stages
+    return cost.forward, cost.backward
+
+
+def finish_time(programs: Sequence[Sequence[Instr]], timing, cost: StageTimes | None = None):
+    """The step time of `timing` (an `asap` result for `programs` under `cost`; None: the
+    unit costs of `unit_cost(programs)`): the latest end of any rank's last compute."""
+    starts, _ = timing
+    if cost is None:
+        cost = unit_stage_times(programs, 1 + max((i.stage for p in programs for i in p), default=0))
+    durations = {Op.F: cost.forward, Op.B: cost.backward, Op.W: cost.weight}
+    return max(
+        (rank_starts[-1] + durations[program[-1].op][program[-1].stage]
+         for program, rank_starts in zip(programs, starts) if program),
+        default=0,
+    )
 
 
 def stuck_ranks(num_stages: int, programs: Sequence[Sequence[Instr]]) -> list[int]:

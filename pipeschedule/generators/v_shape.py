@@ -30,13 +30,14 @@ ZB-V, pp=4, m=8, unit costs (F = B = W = 1 cell per stage), the first 19 steps:
     rank 3  .    .    .    3F0  4F0  3F1  4F1  3F2  4F2  3F3  4F3  4B0  3B0  4W0  3W0  4B1  3B1  4B2  3B2
 
 `cap` (one int or pp ints) lowers the limit where it is smaller; it counts
-stage-microbatches as rule 6 does, so it must be >= 2.
+stage-microbatches as rule 6 does, so it must be >= 2. `cost` (see `stage_times`) times
+the list schedule instead of unit costs ([Note: cost-aware timing]).
 """
 
 from __future__ import annotations
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators.common import check_common, make
+from pipeschedule.generators.common import check_common, make, stage_times
 from pipeschedule.generators.zero_bubble import split_list_schedule, stage_limits
 
 VIRTUAL = 2
@@ -57,27 +58,27 @@ def natural_limit(name: str, pp: int) -> int:
     return min(2 * ((pp + 4) // 3), 2 * pp)  # v_min
 
 
-def _v_schedule(name: str, pp: int, microbatches: int, cap):
+def _v_schedule(name: str, pp: int, microbatches: int, cap, cost):
     check_common(pp, microbatches)
     limits = stage_limits(name, pp, microbatches, VIRTUAL, [natural_limit(name, pp)] * pp, cap)
     placement = v_placement(pp)
-    programs = split_list_schedule(pp, microbatches, placement, limits)
+    programs = split_list_schedule(pp, microbatches, placement, limits, stage_times(cost, 2 * pp))
     params = {"stash_limit": limits}
     if cap is not None:
         params["cap"] = limits
     return make(name, pp, VIRTUAL, microbatches, placement, programs, params)
 
 
-def zbv(pp: int, microbatches: int, cap=None):
+def zbv(pp: int, microbatches: int, cap=None, cost=None):
     """ZB-V: V-shape placement, split backward, 2pp stage-microbatches per rank."""
-    return _v_schedule("zbv", pp, microbatches, cap)
+    return _v_schedule("zbv", pp, microbatches, cap, cost)
 
 
-def v_half(pp: int, microbatches: int, cap=None):
+def v_half(pp: int, microbatches: int, cap=None, cost=None):
     """V-Half: V-shape placement, split backward, about half of 1F1B's activation memory."""
-    return _v_schedule("v_half", pp, microbatches, cap)
+    return _v_schedule("v_half", pp, microbatches, cap, cost)
 
 
-def v_min(pp: int, microbatches: int, cap=None):
+def v_min(pp: int, microbatches: int, cap=None, cost=None):
     """V-Min: V-shape placement, split backward, about a third of 1F1B's activation memory."""
-    return _v_schedule("v_min", pp, microbatches, cap)
+    return _v_schedule("v_min", pp, microbatches, cap, cost)

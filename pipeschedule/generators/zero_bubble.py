@@ -28,7 +28,8 @@ in flight: 1F1B's min(pp - r, m). The order is acyclic because its F and B are i
 order and nothing waits for a W.
 
 [Note: split list scheduling] The V shapes (v_shape.py), and ZB-H1 under some caps, are
-one event-driven list schedule under unit costs (F = B = W = 1 per stage), differing only
+one event-driven list schedule under unit costs (F = B = W = 1 per stage; or a given
+cost's per-stage times, [Note: cost-aware timing] in common.py), differing only
 in the placement and in `limit[r]`, the most stage-microbatches rank r may hold between
 an F and its W (its stash). Whenever a rank is free it runs, in this order of preference:
   1. a B whose output gradient is there (the backward chain is the critical path);
@@ -59,7 +60,9 @@ from collections import deque
 from typing import Sequence
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators.common import asap, check_common, make, per_rank_caps, remember_asap
+from pipeschedule.generators.common import (
+    StageTimes, asap, check_common, finish_time, make, per_rank_caps, remember_asap, stage_times,
+)
 from pipeschedule.ir import Op, make_instr
 
 
@@ -82,11 +85,16 @@ def stage_limits(name: str, pp: int, microbatches: int, local_stages: int, natur
     return [max(local_stages, min(n, local_stages * microbatches)) for n in limits]
 
 
-def split_list_schedule(pp: int, microbatches: int, placement: Sequence[int], limits: Sequence[int]) -> list[list]:
+def split_list_schedule(pp: int, microbatches: int, placement: Sequence[int], limits: Sequence[int],
+                        cost: StageTimes | None = None) -> list[list]:
     """The compute order of [Note: split list scheduling]: F, B and W of every
     (stage, mb), stage s on rank placement[s], rank r holding at most limits[r]
-    stage-microbatches between an F and its W."""
+    stage-microbatches between an F and its W; timed under unit costs, or under `cost`'s
+    per-stage times ([Note: cost-aware timing])."""
     S, m = len(placement), microbatches
+    if cost is None:
+        cost = StageTimes((1,) * S, (1,) * S, (1,) * S)
+    duration = {Op.F: cost.forward, Op.B: cost.backward, Op.W: cost.weight}
     last = S - 1
     local = [[s for s in range(S) if placement[s] == r] for r in range(pp)]
     entry = [stages[0] for stages in local]  # the stage through which a microbatch enters a rank
@@ -121,7 +129,7 @@ def split_list_schedule(pp: int, microbatches: int, placement: Sequence[int], li
         if choice is None:
             continue  # idle until a neighbour or this rank finishes something
         op, s, mb = choice
-        end = free_at[r] = t + 1
+        end = free_at[r] = t + duration[op][s]
         programs[r].append(make_instr(op, s, mb))
         if op is Op.F:
             f_end[s][mb] = end
@@ -169,7 +177,7 @@ def zb_h1_order(rank: int, microbatches: int, warmup: int, delay: int) -> list:
     return order
 
 
-def zb_h1(pp: int, microbatches: int, cap=None):
+def zb_h1(pp: int, microbatches: int, cap=None, cost=None):
     """ZB-H1: round-robin placement, split backward, every rank holding at most pp
     stage-microbatches between an F and its W (1F1B's peak, on its first rank), or `cap`
     where lower.
@@ -182,9 +190,12 @@ def zb_h1(pp: int, microbatches: int, cap=None):
       schedule of [Note: split list scheduling] under the cap, whichever finishes first
       under unit costs (the handcrafted one on a tie);
     - otherwise (a cap below 1F1B's in-flight count on some rank): the list schedule.
+    `cost` (see `stage_times`) times the list schedule and the choice instead of unit
+    costs ([Note: cost-aware timing]).
     """
     check_common(pp, microbatches)
     m = microbatches
+    times = stage_times(cost, pp)
     limits = stage_limits("zb_h1", pp, m, 1, [pp] * pp, cap)
     warmups = [min(pp - r, m) for r in range(pp)]  # 1F1B's forwards before the first B
     # W put off by r backwards (the handcrafted form) where the limit allows its
@@ -194,21 +205,15 @@ def zb_h1(pp: int, microbatches: int, cap=None):
     if cap is not None:
         params["cap"] = limits
     if min(delays) < 0:
-        programs = split_list_schedule(pp, m, list(range(pp)), limits)
+        programs = split_list_schedule(pp, m, list(range(pp)), limits, times)
         return make("zb_h1", pp, 1, m, range(pp), programs, params)
     programs = [zb_h1_order(r, m, warmups[r], delays[r]) for r in range(pp)]
     if delays == list(range(pp)):
         return make("zb_h1", pp, 1, m, range(pp), programs, params)
     # a cap between 1F1B's in-flight count and ZB-H1's: keep whichever order is faster
-    timing = asap(pp, programs)
-    listed = split_list_schedule(pp, m, list(range(pp)), limits)
-    listed_timing = asap(pp, listed)
-    if _finish(listed_timing) < _finish(timing):
+    timing = asap(pp, programs, times)
+    listed = split_list_schedule(pp, m, list(range(pp)), limits, times)
+    listed_timing = asap(pp, listed, times)
+    if finish_time(listed, listed_timing, times) < finish_time(programs, timing, times):
         programs, timing = listed, listed_timing
-    return remember_asap(make("zb_h1", pp, 1, m, range(pp), programs, params), timing)  # [Note: asap memo]
-
-
-def _finish(timing) -> int:
-    """The step time of an `asap` timing under unit costs (every instruction takes 1)."""
-    starts, _ = timing
-    return max(program[-1] + 1 for program in starts if program)
+    return remember_asap(make("zb_h1", pp, 1, m, range(pp), programs, params), timing, times)  # [Note: asap memo]
