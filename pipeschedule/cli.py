@@ -1,6 +1,7 @@
 """The `pipeschedule` command.
 
     pipeschedule compile NAME --pp P --microbatches M [--virtual V] [--cap C|C0,C1,..] --json PATH
+                              [--offload fraction=F[,lead=L][,ranks=..]|auto[,budget=B]] [--host-bandwidth GB/s]
     pipeschedule verify PATH                  exit 0 valid, 1 invalid, 2 unusable input
     pipeschedule simulate NAME|--schedule PATH [...] [--cost PATH] [--json] [--trace PATH] [--png PATH]
     pipeschedule show NAME ...                ASCII timeline
@@ -74,10 +75,61 @@ def _load_any(path: str):
     return load(path)
 
 
+def _offload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--offload", metavar="SPEC", default=None,
+                        help="move stashes to host memory: fraction=F[,lead=L][,ranks=R0/R1..] or auto[,budget=0.03]")
+    parser.add_argument("--host-bandwidth", metavar="GB/s", type=float, default=None,
+                        help="host link per direction, GB/s; cost times are read as ms (default: infinite)")
+
+
+def _with_host_link(args, cost):
+    """`cost` with --host-bandwidth (GB/s = 1e6 bytes per ms) on both directions."""
+    if getattr(args, "host_bandwidth", None) is None:
+        return cost
+    from dataclasses import replace
+
+    from pipeschedule.offload import host_bandwidth
+
+    per_ms = host_bandwidth(None, args.host_bandwidth) * 1e6
+    return replace(cost, offload_bandwidth=per_ms, reload_bandwidth=per_ms)
+
+
+def _offloaded(args, schedule, cost):
+    """The schedule with --offload applied (None: the option was not given) as
+    (schedule, OffloadChoice or None), the choice being made under `cost`."""
+    if getattr(args, "offload", None) is None:
+        return schedule, None
+    from pipeschedule.offload import AutoOffload, choose_offload, evaluate_offload, parse_offload
+
+    spec = parse_offload(args.offload)
+    if isinstance(spec, AutoOffload):
+        choice = choose_offload(schedule, cost, spec)
+    else:
+        choice = evaluate_offload(schedule, cost, spec)
+    from pipeschedule.verify import verify
+
+    verify(choice.schedule)
+    return choice.schedule, choice
+
+
+def _offload_line(choice) -> str:
+    offloaded = ", ".join(f"{k}/{n}" for k, n in choice.counts)
+    return (f"offload {choice.policy.text()}: stashes offloaded per rank {offloaded}; step time "
+            f"{choice.base_step_time:g} -> {choice.step_time:g} ({choice.slowdown:+.2%}); peak bytes "
+            f"{[round(b, 3) for b in choice.peak_before]} -> {[round(b, 3) for b in choice.peak_after]}, "
+            f"on the host {[round(b, 3) for b in choice.peak_host]}")
+
+
 def cmd_compile(args) -> int:
     schedule = _build(args)
     if not (args.json or args.text or args.csv):
         raise ParameterError("compile needs an output: --json PATH, --text PATH or --csv PATH")
+    choice = None
+    if args.offload is not None:
+        from pipeschedule.simulate import CostModel, load_cost
+
+        cost = load_cost(args.cost, schedule) if args.cost else CostModel.default(schedule)
+        schedule, choice = _offloaded(args, schedule, _with_host_link(args, cost))
     if args.json:
         _write(args.json, schedule.to_json())
     if args.text:
@@ -88,6 +140,8 @@ def cmd_compile(args) -> int:
         _write(args.csv, write_csv(schedule, form=args.csv_form))
     count = sum(len(p) for p in schedule.programs)
     print(f"compiled {schedule.name}: pp={schedule.pp} virtual={schedule.virtual} microbatches={schedule.microbatches}, {count} instructions, verified")
+    if choice is not None:
+        print(_offload_line(choice))
     return 0
 
 
@@ -132,7 +186,13 @@ def cmd_simulate(args) -> int:
     from pipeschedule.simulate import CostModel, load_cost, simulate
 
     schedule = _schedule_for(args)
-    cost = load_cost(args.cost, schedule) if args.cost else CostModel.default(schedule)
+    cost = _with_host_link(args, load_cost(args.cost, schedule) if args.cost else CostModel.default(schedule))
+    choice = None
+    if args.offload is not None:
+        from pipeschedule.passes import lower
+        from pipeschedule.simulate import _is_lowered
+
+        schedule, choice = _offloaded(args, schedule if _is_lowered(schedule) else lower(schedule), cost)
     result = simulate(schedule, cost)
     if args.trace:
         from pipeschedule.render import chrome_trace
@@ -143,9 +203,13 @@ def cmd_simulate(args) -> int:
 
         png(schedule, result, args.png)
     if args.json:
-        print(json.dumps(result.to_dict() | {"name": schedule.name, "pp": schedule.pp, "virtual": schedule.virtual, "microbatches": schedule.microbatches}))
+        extra = {"offload": choice.to_dict()} if choice is not None else {}
+        print(json.dumps(result.to_dict() | {"name": schedule.name, "pp": schedule.pp, "virtual": schedule.virtual, "microbatches": schedule.microbatches} | extra))
     else:
         print(_summary(schedule, result))
+        if choice is not None:
+            print(f"  peak host bytes  {[round(b, 3) for b in result.peak_host_bytes]}")
+            print("  " + _offload_line(choice))
     return 0
 
 
@@ -186,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", metavar="PATH", help="write the compact text form")
     p.add_argument("--csv", metavar="PATH", help="write PyTorch's pipeline CSV")
     p.add_argument("--csv-form", choices=("compute_only", "compute_comms"), default="compute_comms")
+    _offload_args(p)
+    p.add_argument("--cost", metavar="PATH", help="cost model JSON for --offload auto (default: unit costs)")
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser("verify", help="check a schedule file (JSON, text or PyTorch CSV) against every rule")
@@ -201,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--json", action="store_true", help="print one JSON object")
             p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace")
             p.add_argument("--png", metavar="PATH", help="write a PNG (needs matplotlib)")
+            _offload_args(p)
         else:
             p.add_argument("--width", type=int, default=None, help="maximum columns")
         p.set_defaults(run=run)

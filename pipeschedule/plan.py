@@ -175,6 +175,7 @@ class Plan:
     recommended: Candidate | None
     zero1_default: Candidate | None = None  # nanotron's default again with ZeRO-1, when dp > 1 without it
     stats: dict = field(default_factory=dict, compare=False)  # work done: simulations, searches, nodes
+    offload: dict | None = field(default=None, compare=False)  # what offload adds to `recommended` (config.offload)
 
     def to_dict(self) -> dict:
         from pipeschedule.plan_report import plan_to_dict
@@ -278,7 +279,46 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
         sharded = replace(config, setup=replace(config.setup, zero_stage=1))
         zero1 = _Planner(sharded).evaluate("1f1b", None, 1, base_split, "nanotron")
     stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.schedules))
-    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats)
+    # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
+    offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
+    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload)
+
+
+def offload_report(planner: _Planner, candidate: Candidate) -> dict:
+    """What host offload ([Note: offload placement] in offload.py) adds to `candidate`
+    under `config.offload`, over a host link of `config.host_bandwidth` per direction:
+    the policy (chosen by `choose_offload` for an AutoOffload), the step time with and
+    without it (boundary messages and stash copies timed), and per rank the simulated
+    peak of saved activations without and with it. `tightest` is the rank with the least
+    headroom, where the saving matters."""
+    from pipeschedule.offload import AutoOffload, choose_offload, evaluate_offload
+
+    config = planner.config
+    schedule = planner.schedule(candidate.family, candidate.cap, candidate.virtual)
+    sb = schedule.split_backward
+    footprints = stage_footprints(config.model, config.setup, candidate.split)
+    stash = stash_buffers(footprints)
+    timing = planner.cost(candidate.split, split_backward=sb)
+    both = replace(timing, buffer_bytes=dict(timing.buffer_bytes) | stash,
+                   offload_bandwidth=config.host_bandwidth, reload_bandwidth=config.host_bandwidth)
+    if isinstance(config.offload, AutoOffload):
+        choice = choose_offload(schedule, both, config.offload)
+    else:
+        choice = evaluate_offload(schedule, both, config.offload)
+    stash_cost = replace(planner.cost(candidate.split, stash, sb), offload_bandwidth=config.host_bandwidth,
+                         reload_bandwidth=config.host_bandwidth)
+    before, after = simulate(schedule, stash_cost), simulate(choice.schedule, stash_cost)
+    tightest = candidate.peak.rank
+    return {
+        "policy": choice.policy.text(), "offloaded": [list(c) for c in choice.counts],
+        "host_bandwidth": config.host_bandwidth, "auto": isinstance(config.offload, AutoOffload),
+        "budget": config.offload.budget if isinstance(config.offload, AutoOffload) else None,
+        "step_time_s": choice.base_step_time, "step_time_offload_s": choice.step_time, "slowdown": choice.slowdown,
+        "activations": [float(x) for x in before.peak_bytes], "activations_offload": [float(x) for x in after.peak_bytes],
+        "host_bytes": [float(x) for x in after.peak_host_bytes], "tightest_rank": tightest,
+        "saved_on_tightest": float(before.peak_bytes[tightest] - after.peak_bytes[tightest]),
+        "simulations": choice.simulations,
+    }
 
 
 def add_plan_arguments(parser) -> None:

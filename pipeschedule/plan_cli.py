@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--mfu", type=float, default=0.5, help="fraction of peak the matmuls reach (default 0.5)")
     gpu.add_argument("--p2p-bandwidth", type=float, default=25.0, help="GB/s between stages (default 25)")
     gpu.add_argument("--p2p-latency", type=float, default=20.0, help="microseconds per message (default 20)")
+    gpu.add_argument("--offload", metavar="SPEC", default=None,
+                     help="report what host offload adds to the recommendation: fraction=F[,lead=L][,ranks=..] or auto[,budget=0.03]")
+    gpu.add_argument("--host-bandwidth", metavar="GB/s", type=float, default=None,
+                     help="host link per direction (default: the preset's, gh200 450, h200 55.4)")
     search = parser.add_argument_group("search and output")
     search.add_argument("--virtual", type=int, default=2, help="chunks per rank for interleaved candidates (default 2)")
     search.add_argument("--node-limit", type=int, default=20_000, help="search nodes per optimal split (default 20000)")
@@ -100,11 +104,14 @@ def build_config(
     fp32_grad_accum: bool = True, ddp_buckets: bool = True, activation_formula: str = "korthikanti",
     gpu: str | None = "gh200", gpu_memory: float | None = None, reserve: float = 2.0,
     gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
-    virtual: int = 2, node_limit: int = 20_000,
+    virtual: int = 2, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
 ):
     """A PlanConfig in the command line's units: `model` a preset name, a model file path
     or a ModelSpec; gpu_memory and reserve in GiB (gpu_memory overrides the `gpu` preset),
-    p2p_bandwidth in GB/s, p2p_latency in microseconds."""
+    p2p_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds; offload an
+    `--offload` spec, an OffloadPolicy or an AutoOffload."""
+    from pipeschedule.offload import host_bandwidth as host_link, parse_offload
+
     from pipeschedule.plan_model import PlanConfig
 
     if isinstance(model, str):
@@ -130,6 +137,8 @@ def build_config(
         gpu_tflops=gpu_tflops if gpu_tflops is not None else preset["tflops"], mfu=mfu,
         p2p_bandwidth=p2p_bandwidth * 1e9, p2p_latency=p2p_latency * 1e-6,
         virtual=virtual, node_limit=node_limit, gpu_name=gpu if gpu_memory is None else f"{gpu_memory:g} GiB",
+        offload=parse_offload(offload) if isinstance(offload, str) else offload,
+        host_bandwidth=link * 1e9 if (link := host_link(gpu, host_bandwidth)) is not None else None,
     )
 
 
@@ -141,7 +150,7 @@ def config_from_args(args):
         ddp_buckets=args.ddp_buckets, activation_formula=args.activation_formula, gpu=args.gpu,
         gpu_memory=args.gpu_memory, reserve=args.reserve, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
         p2p_bandwidth=args.p2p_bandwidth, p2p_latency=args.p2p_latency, virtual=args.virtual,
-        node_limit=args.node_limit,
+        node_limit=args.node_limit, offload=args.offload, host_bandwidth=args.host_bandwidth,
     )
 
 

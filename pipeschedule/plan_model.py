@@ -33,7 +33,9 @@ class PlanConfig:
     gpu_tflops / mfu: peak bf16 TFLOP/s and the fraction of it matmuls reach, for absolute
     times only ([Note: compute costs]). p2p_bandwidth (bytes/s) / p2p_latency (s): one
     pipeline message. virtual: chunks per rank of the interleaved candidates. node_limit:
-    search budget of each optimal split.
+    search budget of each optimal split. offload / host_bandwidth: the offload to report
+    for the recommended candidate (None: none) and the host link it runs over (bytes/s
+    per direction).
     """
 
     model: ModelSpec
@@ -49,6 +51,8 @@ class PlanConfig:
     virtual: int = 2
     node_limit: int = 20_000
     gpu_name: str = "custom"
+    offload: object = None  # offload.OffloadPolicy or AutoOffload: what `plan` reports offload would add
+    host_bandwidth: float | None = None  # bytes/s per direction of the host link (None: unknown)
 
     def __post_init__(self) -> None:
         for key in ("pp", "microbatches", "virtual", "node_limit"):
@@ -74,6 +78,11 @@ class PlanConfig:
                 f"pp={self.pp} exceeds the model's {self.model.layers} decoder layers: a stage would get no layer"
             )
         self.setup.check_model(self.model)
+        if self.offload is not None and self.host_bandwidth is None:
+            raise ParameterError(f"offload needs the host link's bandwidth: give --host-bandwidth GB/s "
+                                 f"(presets know gh200 and h200; the GPU here is {self.gpu_name!r})")
+        if self.host_bandwidth is not None and (isinstance(self.host_bandwidth, bool) or not 0 < self.host_bandwidth < math.inf):
+            raise ParameterError(f"host_bandwidth must be a number > 0 (bytes/s), got {self.host_bandwidth!r}")
 
     @property
     def budget(self) -> float:

@@ -61,7 +61,7 @@ def plan_to_dict(plan) -> dict:
         "candidates": [x.to_dict() for x in plan.candidates],
         "zero1_default": plan.zero1_default.to_dict() if plan.zero1_default else None,
         "stats": dict(plan.stats),
-    }
+    } | ({"offload": plan.offload} if plan.offload is not None else {})
 
 
 def _row(plan, i, cand) -> str:
@@ -140,6 +140,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         out.append("  nanotron config (our integration reads cap, virtual and split inside pp_engine;")
         out.append("  nanotron's strict config parser rejects a separate key):")
         out += ["    " + line for line in rec.yaml_lines(c.pp, rec is plan.default)]
+    if plan.offload is not None:
+        out += offload_lines(plan)
     z = plan.zero1_default
     if z is not None:
         peak = z.peak
@@ -156,6 +158,21 @@ def plan_to_text(plan, tables: str = "all") -> str:
             out.append("")
             out += memory_table(plan, plan.candidates.index(cand), cand)
     return "\n".join(out) + "\n"
+
+
+def offload_lines(plan) -> list[str]:
+    """The offload section: what moving stashes to the host adds to the recommendation."""
+    o = plan.offload
+    how = f"chosen within a {o['budget']:.1%} step-time budget" if o["auto"] else "as given"
+    which = "the recommendation" if plan.recommended is not None else "nanotron's default"
+    lines = [f"Offload for {which} ({o['policy']}, {how}; host link {o['host_bandwidth'] / 1e9:g} GB/s per direction):"]
+    lines.append("  stashes offloaded per rank: " + ", ".join(f"{k}/{n}" for k, n in o["offloaded"]))
+    lines.append("  activations GiB per rank: " + ", ".join(
+        f"{_gib(a)} -> {_gib(b)}" for a, b in zip(o["activations"], o["activations_offload"]))
+        + "; on the host: " + ", ".join(_gib(h) for h in o["host_bytes"]))
+    lines.append(f"  saves {_gib(o['saved_on_tightest'])} GiB on rank {o['tightest_rank']} (the tightest) at a predicted "
+                 f"slowdown of {o['slowdown']:.2%} (step {o['step_time_s']:.3f} s -> {o['step_time_offload_s']:.3f} s)")
+    return lines
 
 
 def plan_png(plan, path: str) -> None:

@@ -23,7 +23,10 @@ from itertools import accumulate
 from typing import Iterator, NamedTuple, Sequence
 
 from pipeschedule.errors import ScheduleError
+from pipeschedule.hostlink import HostLink
 from pipeschedule.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule
+
+MOVE_OPS = frozenset({Op.OFFLOAD, Op.RELOAD})
 
 
 class Event(NamedTuple):
@@ -44,18 +47,21 @@ class EventLog(Sequence[Event]):
     when read, because a large schedule has about a million of them.
     """
 
-    def __init__(self, programs, ends) -> None:
+    def __init__(self, programs, ends, waits=None) -> None:
         self._programs, self._ends = programs, ends
+        self._waits = waits or [{} for _ in programs]  # per rank: pc -> start of a compute that waited for a RELOAD
         self._times: dict[int, tuple[list, list]] = {}  # rank -> (starts, ends), on demand
         self._offsets = [0, *accumulate(len(p) for p in programs)]
 
     def times(self, rank: int) -> tuple[list, list]:
         """(starts, ends) of every instruction of `rank`. A rank's clock moves with each
         compute; a communication op starts when its batch is posted and the clock moves
-        to its batch's end; a FREE starts and ends at the clock."""
+        to its batch's end; a FREE starts and ends at the clock; an OFFLOAD or RELOAD
+        starts at the clock and ends when its copy lands, leaving the clock where it is."""
         if rank not in self._times:
             starts, ends, clock, post = [], [], 0, None
-            for instr, end in zip(self._programs[rank], self._ends[rank]):
+            waits = self._waits[rank]
+            for pc, (instr, end) in enumerate(zip(self._programs[rank], self._ends[rank])):
                 if instr.op in COMM_OPS:
                     if post is None:
                         post = batch_end = clock
@@ -64,9 +70,14 @@ class EventLog(Sequence[Event]):
                 else:
                     if post is not None:
                         clock, post = batch_end, None
+                    if waits and pc in waits:
+                        clock = waits[pc]
                     starts.append(clock)
                     if end is None:
                         end = clock
+                    elif instr.op in MOVE_OPS:
+                        ends.append(end)
+                        continue
                     clock = end
                 ends.append(end)
             self._times[rank] = starts, ends
@@ -118,6 +129,8 @@ class Trace:
     peak_bytes: list
     memory: list  # per rank: (times, live bytes) lists of equal length
     ends: list  # per rank: end of each instruction, None for FREE
+    peak_host_bytes: list  # per rank: the most bytes held in host memory by OFFLOAD
+    waits: list  # per rank: pc -> start of each compute that waited for a RELOAD
 
 
 def _point(times: list, values: list, t, live) -> None:
@@ -157,7 +170,9 @@ def run(schedule: Schedule, cost) -> Trace:
     """Simulate `schedule` (lowered) under `cost`; see [Note: event-driven run].
 
     Per rank, `ends[pc]` is the end of instruction pc (None for FREE, which takes no
-    time); `EventLog` derives the start times from them. The loop over instructions is
+    time; the landing of its copy for OFFLOAD and RELOAD); `EventLog` derives the start
+    times from them. OFFLOAD and RELOAD go to the rank's `HostLink`, which also sees
+    every buffer-touching instruction while some buffer of the rank is moved. The loop over instructions is
     kept in one piece, with local variables only, because it runs a million times for
     pp=64, m=512: a call or an object per instruction would double its time.
     """
@@ -189,18 +204,20 @@ def run(schedule: Schedule, cost) -> Trace:
     programs = schedule.programs
     ends = [[None] * len(p) for p in programs]
     memory = [([0], [0]) for _ in range(pp)]
-    fixed = [(programs[r], len(programs[r]), ends[r], *memory[r]) for r in range(pp)]
+    links = [HostLink(cost.offload_bandwidth, cost.reload_bandwidth, cost.offload_slowdown, *memory[r], _point)
+             for r in range(pp)]
+    fixed = [(programs[r], len(programs[r]), ends[r], *memory[r], links[r], links[r].moved) for r in range(pp)]
     # per rank: pc, clock, live bytes, peak bytes, in flight, peak in flight, busy time
     state = [(0, 0, 0, 0, 0, 0, 0)] * pp
     parked = [None] * pp  # per rank: (waiting ops, end so far, first pc) of its parked batch
     waiting = [0] * pp  # per rank: partners its parked batch still misses
-    F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
+    F, B, W, FREE, OFFLOAD = Op.F, Op.B, Op.W, Op.FREE, Op.OFFLOAD
     SEND_F, SEND_B, RECV_F, RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
 
     stack = list(range(pp - 1, -1, -1))
     while stack:
         r = stack.pop()
-        program, n, rank_ends, mem_t, mem_v = fixed[r]
+        program, n, rank_ends, mem_t, mem_v, link, moved = fixed[r]
         pc, t, live, peak, inflight, peak_inflight, busy = state[r]
         if parked[r] is not None:  # resumed: every partner of the parked batch has posted
             ops, batch_end, _ = parked[r]
@@ -210,7 +227,11 @@ def run(schedule: Schedule, cost) -> Trace:
             instr = program[pc]
             op = instr.op
             if op is FREE:
-                live -= free_bytes[instr.buf][instr.stage]
+                if moved:  # some buffer is off the device: [Note: host link]
+                    live, released = link.free((instr.buf, instr.stage, instr.mb), free_bytes[instr.buf][instr.stage], t, live)
+                    live -= released
+                else:
+                    live -= free_bytes[instr.buf][instr.stage]
                 # _point(mem_t, mem_v, t, live), written out: FREE is the most frequent
                 # instruction, and the call cost a tenth of the run at pp=64, m=512.
                 if mem_t[-1] != t:
@@ -239,6 +260,12 @@ def run(schedule: Schedule, cost) -> Trace:
                     inflight -= 1
                 else:
                     grow, spend = 0, wcost[s]
+                if moved:  # wait for reloads of what it reads; land finished copies
+                    ready = link.ready(op.value, s, instr.mb, t)
+                    if ready != t:
+                        link.waited[pc] = t = ready
+                    live = link.drain(t, live)
+                    spend = link.stretch(t, spend)
                 if grow:
                     live += grow
                     if live > peak:
@@ -253,8 +280,18 @@ def run(schedule: Schedule, cost) -> Trace:
                 rank_ends[pc] = t
                 pc += 1
                 continue
+            if op is OFFLOAD or op is Op.RELOAD:  # asynchronous copies: [Note: host link]
+                key, nbytes = (instr.buf, instr.stage, instr.mb), free_bytes[instr.buf][instr.stage]
+                if op is OFFLOAD:
+                    live, rank_ends[pc] = link.offload(key, nbytes, t, live)
+                else:
+                    live, peak, rank_ends[pc] = link.reload(key, nbytes, t, live, peak)
+                pc += 1
+                continue
             # Communication: post the maximal run of comm ops as one batch. An op whose
             # partner has posted completes now; the others wait in `ops`.
+            if moved:
+                live = link.drain(t, live)
             post = batch_end = t
             first, ops, missing = pc, None, 0
             while pc < n:
@@ -279,7 +316,10 @@ def run(schedule: Schedule, cost) -> Trace:
                 else:
                     break
                 k = len(mine)
-                mine.append(post)
+                if moved and (op is SEND_F or op is SEND_B):  # a reloaded buffer is read once it lands
+                    mine.append(link.ready_buffer(("act_out" if op is SEND_F else "grad_in", instr.stage, instr.mb), post))
+                else:
+                    mine.append(post)
                 if op is SEND_F or op is SEND_B:
                     # Sends do not hold the sender up ([Note: simulated semantics]).
                     rank_ends[pc] = post
@@ -323,8 +363,13 @@ def run(schedule: Schedule, cost) -> Trace:
             raise ScheduleError(
                 f"rule matching: rank {src}'s send #{k} to rank {dst} ({instr}, step {pc}) is never received",
                 rule="matching", rank=src, index=pc, instr=instr, mb=instr.mb)
+    for r, link in enumerate(links):
+        if link.pending:  # copies landing after the program's end (a FREE cancels the rest)
+            pc, t, live, *rest = state[r]
+            state[r] = (pc, t, link.finish(live), *rest)
     _, finish, _, peaks, _, peak_inflights, busy = zip(*state)
-    return Trace(list(finish), list(busy), list(peak_inflights), list(peaks), memory, ends)
+    return Trace(list(finish), list(busy), list(peak_inflights), list(peaks), memory, ends,
+                 [link.peak_host for link in links], [link.waited for link in links])
 
 
 def _deadlock(schedule: Schedule, stuck, pcs, parked) -> ScheduleError:

@@ -29,7 +29,26 @@ produces it (memory is allocated before it is written) until its FREE:
 - RECV_F / RECV_B produce act_in / grad_out when their batch is posted (a receive
   buffer exists before the message lands).
 Live bytes, and so the peak, therefore depend on program order only; time only places
-the points of the curve.
+the points of the curve (except where OFFLOAD moves bytes, below).
+
+[Note: host link] Each rank has a link to host memory with a bandwidth per direction
+(`offload_bandwidth` device->host, `reload_bandwidth` host->device; infinite by default,
+so that offload then costs nothing). Copies are queued per direction in program order;
+compute overlaps them (slowed by `offload_slowdown` over the part of a compute that
+overlaps a running copy; 0 by default, as measured on the H200: a 1 GiB copy on a side
+stream beside bf16 matmuls cost them 2%).
+- OFFLOAD of a buffer takes no time on the rank. Its copy starts when the device->host
+  queue is free, and lasts bytes / offload_bandwidth. The host holds the bytes from the
+  OFFLOAD; the device releases them when the copy lands.
+- RELOAD allocates the device bytes at once; its copy starts when the host->device queue
+  is free (and the buffer's own offload has landed), lasts bytes / reload_bandwidth, and
+  releases the host bytes when it lands. An instruction that reads the buffer (F, B, W of
+  its (stage, mb); SEND_F / SEND_B for act_out / grad_in) does not start before then.
+- FREE releases whichever copies exist; an unfinished copy of a freed buffer is dropped.
+- A rank's finish time is that of its last instruction: a copy still running then (only
+  one that is never waited for) does not count.
+With offload the device peak depends on time as well as on program order; `peak_host_bytes`
+reports the most bytes each rank held on the host.
 """
 
 from __future__ import annotations
@@ -47,7 +66,8 @@ from pipeschedule.ir import BUFFERS, COMPUTE_OPS, Schedule
 from pipeschedule.passes import lower
 from pipeschedule.simcore import Event, EventLog, run
 
-COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwidth")
+COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwidth", "offload_bandwidth",
+             "reload_bandwidth", "offload_slowdown")
 
 
 def _number(value: Any) -> bool:
@@ -76,6 +96,9 @@ class CostModel:
     microbatch's buffer of each kind ("act_in", "act_out", "stash", "grad_out",
     "grad_in"), per stage; a kind left out holds no bytes. latency: fixed time per
     message; bandwidth: bytes per time unit (math.inf: transfers are free).
+    offload_bandwidth / reload_bandwidth: bytes per time unit of a rank's copies to and
+    from host memory (math.inf: free); offload_slowdown: how much slower compute runs
+    while a copy does, as a fraction (0: not at all). See [Note: host link].
     `forward` fixes the number of stages; any other per-stage field may be given as one
     number meaning "the same on every stage". Exact numbers (Fraction) stay exact.
     """
@@ -86,6 +109,9 @@ class CostModel:
     buffer_bytes: Mapping[str, tuple[float, ...]] = field(hash=False)
     latency: float = 0.0
     bandwidth: float = math.inf
+    offload_bandwidth: float = math.inf
+    reload_bandwidth: float = math.inf
+    offload_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         stages = len(self.forward) if isinstance(self.forward, (list, tuple)) else None
@@ -105,6 +131,12 @@ class CostModel:
             raise ParameterError(f"cost 'latency' must be a finite number >= 0, got {self.latency!r}")
         if not _number(self.bandwidth) or not self.bandwidth > 0:
             raise ParameterError(f"cost 'bandwidth' must be a number > 0 (math.inf for free transfers), got {self.bandwidth!r}")
+        for key in ("offload_bandwidth", "reload_bandwidth"):
+            value = getattr(self, key)
+            if not _number(value) or not value > 0:
+                raise ParameterError(f"cost {key!r} must be a number > 0 (math.inf for free copies), got {value!r}")
+        if not _number(self.offload_slowdown) or not 0 <= self.offload_slowdown < math.inf:
+            raise ParameterError(f"cost 'offload_slowdown' must be a finite number >= 0, got {self.offload_slowdown!r}")
 
     @property
     def num_stages(self) -> int:
@@ -154,7 +186,15 @@ class CostModel:
         bandwidth = math.inf if bandwidth is None else bandwidth
         if not _number(bandwidth) or not bandwidth > 0:
             raise FormatError(f"cost 'bandwidth' must be a number > 0 or null (infinite), got {bandwidth!r}")
-        return CostModel(latency=latency, bandwidth=bandwidth, **values)
+        for key in ("offload_bandwidth", "reload_bandwidth"):
+            value = obj.get(key)
+            values[key] = math.inf if value is None else value
+            if not _number(values[key]) or not values[key] > 0:
+                raise FormatError(f"cost {key!r} must be a number > 0 or null (infinite), got {value!r}")
+        slowdown = obj.get("offload_slowdown", 0.0)
+        if not _number(slowdown) or not 0 <= slowdown < math.inf:
+            raise FormatError(f"cost 'offload_slowdown' must be a finite number >= 0, got {slowdown!r}")
+        return CostModel(latency=latency, bandwidth=bandwidth, offload_slowdown=slowdown, **values)
 
     def to_dict(self) -> dict[str, Any]:
         """The inverse of `from_dict` (infinite bandwidth is written as null)."""
@@ -165,6 +205,9 @@ class CostModel:
             "buffer_bytes": {k: list(v) for k, v in self.buffer_bytes.items()},
             "latency": self.latency,
             "bandwidth": None if self.bandwidth == math.inf else self.bandwidth,
+            "offload_bandwidth": None if self.offload_bandwidth == math.inf else self.offload_bandwidth,
+            "reload_bandwidth": None if self.reload_bandwidth == math.inf else self.reload_bandwidth,
+            "offload_slowdown": self.offload_slowdown,
         }
 
 
@@ -189,7 +232,9 @@ class SimResult:
     which the bytes change ([Note: when bytes count]); it starts at (0, ...) and ends at
     0 when every buffer is freed. events: one `Event(rank, index, instr, start, end)`
     per executed instruction, rank by rank in program order (a lazy sequence; for a
-    communication op, start is its batch's post time and end its message's completion).
+    communication op, start is its batch's post time and end its message's completion;
+    for OFFLOAD / RELOAD, start is its issue and end its copy's landing). peak_host_bytes:
+    per rank, the most bytes held in host memory ([Note: host link]; 0 without offload).
     """
 
     step_time: float
@@ -199,6 +244,7 @@ class SimResult:
     peak_bytes: tuple[float, ...]
     memory: tuple[tuple[tuple[float, float], ...], ...]
     events: Sequence[Event] = field(repr=False, hash=False)
+    peak_host_bytes: tuple[float, ...] = ()
 
     def to_dict(self, *, memory: bool = False, events: bool = False) -> dict[str, Any]:
         """JSON-able summary; `memory` / `events` add the (large) curves and events."""
@@ -208,6 +254,7 @@ class SimResult:
             "busy": [float(b) for b in self.busy],
             "peak_inflight": list(self.peak_inflight),
             "peak_bytes": [float(b) for b in self.peak_bytes],
+            "peak_host_bytes": [float(b) for b in self.peak_host_bytes],
         }
         if memory:
             out["memory"] = [[[float(t), float(b)] for t, b in curve] for curve in self.memory]
@@ -253,7 +300,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
         peak_inflight=tuple(trace.peak_inflight),
         peak_bytes=tuple(trace.peak_bytes),
         memory=tuple(tuple(zip(times, values)) for times, values in trace.memory),
-        events=EventLog(schedule.programs, trace.ends),
+        events=EventLog(schedule.programs, trace.ends, trace.waits),
+        peak_host_bytes=tuple(trace.peak_host_bytes),
     )
 
 

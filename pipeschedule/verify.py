@@ -19,6 +19,7 @@ from pipeschedule.ir import BUFFERS, COMM_OPS, Instr, Op, Schedule
 
 # Plain names for the ops: enum attribute lookups dominate loops over a million steps.
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
+OFFLOAD, RELOAD = Op.OFFLOAD, Op.RELOAD
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 
 def grid(schedule: Schedule, rank: int, index: int, window: int = 4) -> str:
@@ -130,6 +131,8 @@ def check_dependencies(schedule: Schedule) -> None:
                     if key not in done:
                         raise _fail(schedule, "dependency", rank, index, f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
             else:
+                if op is OFFLOAD or op is RELOAD:
+                    continue  # moves between device and host: no data dependency, no message
                 other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
                 if not 0 <= other < S or placement[other] == rank:
                     raise _fail(schedule, "dependency", rank, index, f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
@@ -267,10 +270,23 @@ def check_liveness(schedule: Schedule) -> None:
     its last use; nothing is live when the program ends ([Note: buffers] in ir.py).
 
     [Note: buffer states] Per rank, one dict per buffer kind maps (stage, mb) to the state
-    of that buffer: the step that produced it while it is live, ~step (a negative number)
-    of the FREE that released it once freed, absent before it is produced. One lookup
-    then answers both "is it live" and "did it ever exist", and one (stage, mb) tuple
-    serves every buffer an instruction touches (this loop runs once per instruction).
+    of that buffer: the step that produced it (or last reloaded it) while it is live on
+    the device, ~step (a negative number, -n..-1 for a program of n steps) of the FREE
+    that released it once freed, host - step of the OFFLOAD that moved it (host = -(n+1),
+    so every such value is below every freed one) while it is on the host, absent before
+    it is produced. One lookup then answers "is it usable" (state >= 0) and "did it ever
+    exist", and one (stage, mb) tuple serves every buffer an instruction touches (this
+    loop runs once per instruction); schedules without OFFLOAD pay nothing for the third
+    state.
+
+    [Note: offload liveness] OFFLOAD needs the buffer live on the device and puts it on
+    the host; RELOAD needs it on the host and puts it back on the device. Any use of a
+    buffer on the host (the op that reads it: F, B, W, SEND_F, SEND_B, per [Note:
+    buffers]) is an error: its RELOAD is missing or comes too late. FREE is allowed in
+    either state and releases whichever copy exists, so a buffer need not come back only
+    to be dropped. Both are neither compute nor communication: no other rule counts them,
+    and like FREE they end a run of communication (so a pass must not put them inside
+    one, which would split its batch).
     """
     S = schedule.num_stages
     last = S - 1
@@ -279,17 +295,27 @@ def check_liveness(schedule: Schedule) -> None:
     for rank, program in enumerate(schedule.programs):
         states: dict[str, dict[tuple[int, int], int]] = {buf: {} for buf in BUFFERS}
         act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
+        host = -(len(program) + 1)  # states <= host: on the host ([Note: buffer states])
 
         def fail(index, buf, key, what):
             s, mb = key
             state = states[buf].get(key)
-            freed_at = ~state if state is not None and state < 0 else None
+            if state is None:
+                where = "never produced"
+            elif state <= host:
+                where = f"on the host (offloaded at step {host - state}, not reloaded since)"
+            elif state < 0:
+                where = f"freed at step {~state}"
+            else:
+                where = f"on the device (produced or reloaded at step {state})"
             if what == "use":
-                state = f"freed at step {freed_at}" if freed_at is not None else "never produced"
-                message = f"uses {buf} of (stage {s}, mb {mb}), which is {state}"
+                message = f"uses {buf} of (stage {s}, mb {mb}), which is {where}"
             elif what == "free":
-                state = f"already freed at step {freed_at}" if freed_at is not None else "never produced"
-                message = f"frees {buf} of (stage {s}, mb {mb}), which is {state}"
+                message = f"frees {buf} of (stage {s}, mb {mb}), which is {'already ' if state is not None and host < state < 0 else ''}{where}"
+            elif what == "offload":
+                message = f"offloads {buf} of (stage {s}, mb {mb}), which is {'already ' if state is not None and state <= host else ''}{where}"
+            elif what == "reload":
+                message = f"reloads {buf} of (stage {s}, mb {mb}), which is {where}; RELOAD needs an OFFLOAD before it"
             elif what == "early":
                 op, producer = ("SEND_F", "F") if buf == "act_out" else ("SEND_B", "B")
                 message = f"{op} of (stage {s}, mb {mb}) runs before the {producer} that produces its {buf}"
@@ -307,7 +333,8 @@ def check_liveness(schedule: Schedule) -> None:
                 states_of = states[i.buf]
                 state = states_of.get(key)
                 if state is None or state < 0:
-                    raise fail(index, i.buf, key, "free")
+                    if state is None or state > host:  # FREE of a host copy is fine
+                        raise fail(index, i.buf, key, "free")
                 states_of[key] = ~index
                 frees += 1
             elif op is F:
@@ -364,19 +391,32 @@ def check_liveness(schedule: Schedule) -> None:
                     raise fail(index, buf, key, "early")
                 if state < 0:
                     raise fail(index, buf, key, "use")
-            else:  # W
+            elif op is W:
                 state = stash.get(key)
                 if state is None or state < 0:
                     raise fail(index, "stash", key, "use")
+            else:  # OFFLOAD, RELOAD: [Note: offload liveness]
+                states_of = states[i.buf]
+                state = states_of.get(key)
+                if op is OFFLOAD:
+                    if state is None or state < 0:
+                        raise fail(index, i.buf, key, "offload")
+                    states_of[key] = host - index
+                else:
+                    if state is None or state > host:
+                        raise fail(index, i.buf, key, "reload")
+                    states_of[key] = index
         if sum(map(len, states.values())) > frees:  # every key was produced once; each FREE released one
             # The first leak in program order; buffers one instruction produces come in the
             # order it produces them (stash, act_in, act_out; [Note: buffers]).
             order = {"stash": 0, "act_in": 1, "act_out": 2, "grad_in": 3, "grad_out": 4}
             index, _, s, buf, mb = min(
-                (state, order[buf], s, buf, mb)
-                for buf, states_of in states.items() for (s, mb), state in states_of.items() if state >= 0
+                (state if state >= 0 else host - state, order[buf], s, buf, mb)
+                for buf, states_of in states.items() for (s, mb), state in states_of.items()
+                if state >= 0 or state <= host
             )
-            raise _fail(schedule, "liveness", rank, index, f"{buf} of (stage {s}, mb {mb}) is never freed (a leak)")
+            where = " on the host" if states[buf][s, mb] <= host else ""
+            raise _fail(schedule, "liveness", rank, index, f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
 
 
 # -- rule 6: caps ----------------------------------------------------------------------
