@@ -7,7 +7,9 @@ The only part of pipeschedule that imports torch. Pieces:
     transport   DistTransport (torch.distributed), HostStagedTransport (ranks sharing a GPU)
     shapes      TensorMeta, the one-time exchange of boundary shapes
     inprocess   InProcessPipeline: every rank in one process, stepped deterministically
-    ledger      Ledger: live bytes per buffer kind, high-water marks, per-instruction trace
+    ledger      Ledger: live bytes per buffer kind (device and host), high-water marks, per-instruction trace
+    host_offload  Offloader: OFFLOAD / RELOAD of stashes on a side stream, pinned host buffers
+    pool        BufferPool: boundary buffers sized by the schedule, allocated once
     split_backward  WeightGrads: B's deferred weight-gradient matmuls, run at W
     driver      the blocking driver and its watchdog
     launch      spawn: one process per rank, for tests and benchmarks
@@ -24,15 +26,17 @@ from pipeschedule.runtime.errors import LaunchError, RuntimeScheduleError
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.executor import Executor
 from pipeschedule.runtime.inprocess import InProcessPipeline, InProcessTransport, InProcessWorld, run_in_process
+from pipeschedule.runtime.host_offload import HostPool, Offloader, SavedTensor
 from pipeschedule.runtime.ledger import Ledger
+from pipeschedule.runtime.pool import BufferPool
 from pipeschedule.runtime.stages import ModuleStages, Stages
 from pipeschedule.runtime.shapes import Shapes, TensorMeta
 from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
 from pipeschedule.runtime.transport import DistTransport, HostStagedTransport, P2P, Pending, Transport
 
 __all__ = [
-    "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline", "InProcessTransport",
-    "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "P2P", "Pending", "RemoteOutput",
-    "RuntimeScheduleError", "Shapes", "SplitReport", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport",
+    "BufferPool", "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline", "InProcessTransport",
+    "HostPool", "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "Offloader", "P2P", "Pending", "RemoteOutput",
+    "RuntimeScheduleError", "SavedTensor", "Shapes", "SplitReport", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport",
     "WeightGrads", "run_in_process",
 ]

@@ -27,12 +27,19 @@
   to W the ledger charges the stash with what the W part holds (`Ledger.resize`).
   `split_mode[stage]` says "split" or "full" (nothing deferred: B runs the full backward,
   W runs nothing), `split_report[stage]` the counts; each stage is logged once.
+- Host offload: OFFLOAD / RELOAD of a stash copy its saved tensors to host memory and
+  back on a side stream ([Note: host offload] in host_offload); B and W wait on the
+  reload's event, and raise if the stash was not reloaded. Only `stash` moves.
+- Buffer pool: with `pool=True` (the default) receive and send buffers come from a
+  `BufferPool` sized by the schedule ([Note: buffer pool] in pool); the stage output
+  is then copied into its send buffer at F and its own storage released at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from typing import Any, Mapping, Sequence
@@ -44,7 +51,9 @@ from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
 from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.runtime.host_offload import Offloader
 from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, storage_ptrs
+from pipeschedule.runtime.pool import BufferPool
 from pipeschedule.runtime.shapes import Shapes, TensorMeta, describe
 from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
 from pipeschedule.runtime.stages import Stages
@@ -62,12 +71,14 @@ class Executor:
     driver uses it).
     `inputs` holds one data-loader input per microbatch (needed on the rank of stage 0),
     `targets` one target per microbatch (handed to the last stage, may be None).
+    `pool`: boundary buffers from a `BufferPool` (allocated once, reused across steps);
+    False allocates each one afresh, as the caching allocator serves it.
     """
 
     def __init__(
         self, schedule: Schedule, rank: int, stages: Stages, transport: Transport, *,
         device: str | torch.device = "cpu", timeout: float = 300.0,
-        shapes: Mapping[int, TensorMeta] | None = None, history: int = 6,
+        shapes: Mapping[int, TensorMeta] | None = None, history: int = 6, pool: bool = True,
     ):
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = schedule.programs[rank]
@@ -84,9 +95,13 @@ class Executor:
         self.split = schedule.split_backward
         self.split_mode: dict[int, str] = {}  # stage -> "split" | "full", from its first F
         self.split_report: dict[int, SplitReport] = {}
+        self.pool = BufferPool(schedule, rank, self.device) if pool else None
+        self.offloads = any(i.op is Op.OFFLOAD for i in self.program)  # F packs saved tensors in holders
+        self.offloader = Offloader(self.device, self.ledger)
         self._dispatch = {
             Op.F: self._forward, Op.B: self._backward, Op.W: self._weight, Op.FREE: self._free,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
+            Op.OFFLOAD: self._offload, Op.RELOAD: self._reload,
         }
 
     # -- the step ----------------------------------------------------------------------
@@ -110,6 +125,7 @@ class Executor:
                     yield from self._exchange(batch)
                     batch = []
                 self._pc = pc
+                self.offloader.poll()
                 self._handler(instr)(instr)
                 self._ran(pc, instr)
             if batch:
@@ -199,6 +215,9 @@ class Executor:
         """m dicts {"loss": loss / m, detached} on the rank of the last stage; elsewhere m
         `RemoteOutput(rank)` markers naming that rank (nanotron returns TensorPointer)."""
         self.buffers.check_empty()
+        self.offloader.finish()
+        if self.pool is not None:
+            self.pool.check_idle()
         self._broken = False
         self.steps += 1
         self.times.total_s = time.perf_counter() - self.times.start
@@ -213,7 +232,9 @@ class Executor:
         x = self._load_input(i)
         target = self._targets[i.mb] if i.stage == self.last_stage and self._targets is not None else None
         weights = WeightGrads() if self.split else None
-        with saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target))) as saved:
+        holders = [] if self.offloads else None
+        exclude = self._persistent_storages(i.stage) | storage_ptrs((x, target))
+        with saved_storages(exclude, holders, ("stash", i.stage, i.mb)) as saved:
             start = time.perf_counter()
             with weights.deferring() if weights is not None else contextlib.nullcontext():
                 y = self.stages.forward(i.stage, i.mb, x, target)
@@ -221,8 +242,8 @@ class Executor:
         if weights is not None:
             weights.close_forward()
             self._report_split(i.stage, weights)
-        root, meta = self._emit_output(i, y)
-        self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta, weights), sum(saved.values()))
+        root, meta = self._emit_output(i, y, x)
+        self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta, weights, holders), sum(saved.values()))
 
     def _load_input(self, i: Instr):
         if i.stage == 0:
@@ -231,7 +252,7 @@ class Executor:
             return x
         return self.buffers.need("act_in", i)
 
-    def _emit_output(self, i: Instr, y) -> tuple[torch.Tensor, TensorMeta | None]:
+    def _emit_output(self, i: Instr, y, x) -> tuple[torch.Tensor, TensorMeta | None]:
         s, mb = i.stage, i.mb
         if not isinstance(y, torch.Tensor):
             raise RuntimeScheduleError(f"stage {s} forward returned {type(y).__name__}; a stage returns one tensor")
@@ -246,13 +267,19 @@ class Executor:
             self.buffers.add(("act_in", s + 1, mb), y.detach().requires_grad_(y.requires_grad), y.nbytes)
         else:
             self.shapes.publish(s, y)
-            self.buffers.add(("act_out", s, mb), y, y.nbytes)
+            sent = y
+            if self.pool is not None and y.numel() > 0:  # [Note: buffer pool]
+                sent = self.pool.take("act_out", meta)
+                sent.copy_(y.detach())
+                _release(y, x)
+            self.buffers.add(("act_out", s, mb), sent, sent.nbytes)
         return y, meta
 
     def _backward(self, i: Instr) -> None:
         s, mb = i.stage, i.mb
         stash, x = self.buffers.need("stash", i), self.buffers.need("act_in", i)
         grad = None if s == self.last_stage else self.buffers.need("grad_out", i)
+        self.offloader.ready(("stash", s, mb), str(i))
         start = time.perf_counter()
         if stash.root.requires_grad:
             _backward_from(stash.root, grad)
@@ -264,6 +291,9 @@ class Executor:
             grad_in = x.grad if x.grad is not None else torch.zeros_like(x)  # zeros, not silence
             x.grad = None
             local = self.schedule.placement[s - 1] == self.rank
+            if not local and self.pool is not None and grad_in.numel() > 0:  # [Note: buffer pool]
+                sent = self.pool.take("grad_in", TensorMeta.of(grad_in))
+                grad_in = sent.copy_(grad_in)
             self.buffers.add(("grad_out", s - 1, mb) if local else ("grad_in", s, mb), grad_in, grad_in.nbytes)
 
     def _weight(self, i: Instr) -> None:
@@ -272,6 +302,7 @@ class Executor:
         stash = self.buffers.need("stash", i)
         if stash.weights is None:
             raise RuntimeScheduleError(f"{i}: the stash of (stage {i.stage}, mb {i.mb}) has no W part")
+        self.offloader.ready(("stash", i.stage, i.mb), str(i))
         start = time.perf_counter()
         stash.weights.run()
         self.times.compute_s += time.perf_counter() - start
@@ -287,9 +318,43 @@ class Executor:
             _LOG.info("pipeschedule rank %d: %s", self.rank, report.describe())
 
     def _free(self, i: Instr) -> None:
-        value = self.buffers.drop((i.buf, i.stage, i.mb))
-        if i.buf == "act_out" and value._base is None and value is not self.buffers.held.get(("act_in", i.stage, i.mb)):
-            value.data = torch.empty(0, dtype=value.dtype, device=value.device)  # release the sent output
+        s, mb = i.stage, i.mb
+        value = self.buffers.drop((i.buf, s, mb))
+        if i.buf == "stash":
+            self.offloader.forget(("stash", s, mb))
+            if self.pool is not None:
+                self.pool.stash_freed(s, mb)
+        elif self.pool is not None and self._pooled(i.buf, s) and self.pool.owns(value):
+            # autograd may read a received buffer until its stash goes ([Note: buffer pool])
+            held = i.buf in ("act_in", "grad_out") and ("stash", s, mb) in self.buffers.held
+            self.pool.give(value, after_stash=(s, mb) if held else None)
+        elif i.buf == "act_out":
+            _release(value, self.buffers.held.get(("act_in", s, mb)))  # the sent output
+
+    def _pooled(self, buf: str, stage: int) -> bool:
+        """Whether (buf, stage) is a boundary buffer the pool serves ([Note: buffer pool])."""
+        schedule = self.schedule
+        return {"act_in": schedule.recvs_forward, "grad_out": schedule.recvs_backward, "act_out": schedule.sends_forward,
+                "grad_in": schedule.sends_backward}.get(buf, lambda _: False)(stage)
+
+    # -- host offload ([Note: host offload]) ---------------------------------------------
+
+    def _offload(self, i: Instr) -> None:
+        stash = self._movable(i)
+        leaves = stash.weights.leaves() if stash.weights is not None else ()
+        self.offloader.offload(("stash", i.stage, i.mb), stash.holders, f"{i} at pc {self._pc}", leaves)
+
+    def _reload(self, i: Instr) -> None:
+        self._movable(i)
+        self.offloader.reload(("stash", i.stage, i.mb), f"{i} at pc {self._pc}")
+
+    def _movable(self, i: Instr) -> Stash:
+        if i.buf != "stash":
+            raise RuntimeScheduleError(f"{i}: this runtime moves only the stash to host memory, not {i.buf}")
+        stash = self.buffers.need("stash", i)
+        if stash.holders is None:
+            raise RuntimeScheduleError(f"{i}: the stash of (stage {i.stage}, mb {i.mb}) was made without holders")
+        return stash
 
     # -- communication: each handler returns the message its instruction posts -----------
 
@@ -310,7 +375,10 @@ class Executor:
         return P2P(False, i.peer, self._allocate(("grad_out", i.stage, i.mb), self.buffers.need("stash", i).out_meta), i)
 
     def _allocate(self, key: tuple[str, int, int], meta: TensorMeta) -> torch.Tensor:
-        tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+        if self.pool is not None and math.prod(meta.shape) > 0:
+            tensor = self.pool.take(key[0], meta)
+        else:
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
         self.buffers.add(key, tensor, tensor.nbytes)
         return tensor
 
@@ -351,6 +419,13 @@ class Executor:
         if not located.remote:
             self.transport.abort(str(located))
         return located
+
+
+def _release(output: torch.Tensor, act_in) -> None:
+    """Releases a stage output's storage by replacing its `.data` ([Note: executor
+    semantics]); views and an output that is the act_in itself are left alone."""
+    if output._base is None and output is not act_in:
+        output.data = torch.empty(0, dtype=output.dtype, device=output.device)
 
 
 def _backward_from(root: torch.Tensor, grad: torch.Tensor | None) -> None:

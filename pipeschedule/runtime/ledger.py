@@ -7,7 +7,8 @@ program with these sizes (what the simulator does) gives the same curve exactly:
     act_in    nbytes of the received tensor (allocated when its RECV_F is posted), of the
               local hand-off (at F of the previous stage), or of the tensors in the
               data-loader input (at F of stage 0)
-    act_out   nbytes of the stage output that will be sent (at F)
+    act_out   nbytes of the stage output that will be sent (at F; with the buffer pool, of
+              the pooled send buffer it is copied into, the same size)
     stash     the storages autograd saved during F (seen through
               `torch.autograd.graph.saved_tensors_hooks`), each storage once (by its
               data_ptr) at its full size, leaving out storages that live anyway: the
@@ -25,6 +26,14 @@ matmuls' inputs and of their output gradients, parameters left out; an input tha
 the act_in is counted here too, since act_in is freed right after B while W keeps it.
 `sizes` keeps the size at F, `resized` the size from B on.
 
+[Note: device and host bytes] A stash that the schedule offloads (OFFLOAD, [Note: host
+offload] in host_offload) moves from `live` (device) to `host` when its copy to host
+memory has completed (`to_host`, with the bytes actually moved: the storages the stash's
+saved tensors hold, the same storages the stash count is made of), and back at its
+RELOAD (`to_device`). Each side has its own high-water marks (`high` / `high_total`,
+`high_host` / `high_host_total`); `trace` records device bytes after each instruction
+and `host_trace` (same length, same order) host bytes. A FREE releases both sides.
+
 Parameters, their gradients and optimizer state are not counted: the baseline between
 steps is 0. Saved tensors that the stage itself packs with its own saved-tensors hooks
 (activation checkpointing, offloading) are not seen and count as 0.
@@ -32,38 +41,52 @@ steps is 0. Saved tensors that the stage itself packs with its own saved-tensors
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
 from pipeschedule.ir import BUFFERS, Instr
+from pipeschedule.runtime.host_offload import SavedTensor, unpack
 
 Key = tuple  # (kind, stage, mb)
 
 
 class Ledger:
-    """Live bytes per buffer kind, their high-water marks and a per-instruction trace.
+    """Live bytes per buffer kind on the device (`live`) and on the host (`host`), their
+    high-water marks and a per-instruction trace of both.
 
-    `trace`, `sizes` and the high-water marks cover the current step (`begin_step`
-    resets them); `live` must be back to 0 at the end of every step.
+    `trace`, `host_trace`, `sizes`, `moved` and the high-water marks cover the current
+    step (`begin_step` resets them); `live` and `host` must be back to 0 at the end of
+    every step.
     """
 
     def __init__(self) -> None:
         self.live = dict.fromkeys(BUFFERS, 0)
-        self._held: dict[Key, int] = {}
+        self.host = dict.fromkeys(BUFFERS, 0)
+        self._held: dict[Key, int] = {}  # device bytes per held buffer
+        self._hosted: dict[Key, int] = {}  # host bytes per offloaded buffer
         self.begin_step()
 
     def begin_step(self) -> None:
         self.high = dict.fromkeys(BUFFERS, 0)
         self.high_total = 0
+        self.high_host = dict.fromkeys(BUFFERS, 0)
+        self.high_host_total = 0
         self.sizes: dict[Key, int] = {}  # every buffer produced this step, by (kind, stage, mb)
         self.resized: dict[Key, int] = {}  # buffers whose count changed while held (split stash from B)
-        self.trace: list[tuple[int, Instr, dict[str, int]]] = []  # (pc, instr, live bytes per kind) after it ran
+        self.moved: dict[Key, int] = {}  # bytes each offloaded buffer moved to the host this step
+        self.trace: list[tuple[int, Instr, dict[str, int]]] = []  # (pc, instr, device bytes per kind) after it ran
+        self.host_trace: list[dict[str, int]] = []  # host bytes per kind after the same instruction
 
     @property
     def live_total(self) -> int:
         return sum(self.live.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
 
     def add(self, key: Key, nbytes: int) -> None:
         kind = key[0]
@@ -82,9 +105,31 @@ class Ledger:
 
     def release(self, key: Key) -> None:
         self.live[key[0]] -= self._held.pop(key)
+        self.host[key[0]] -= self._hosted.pop(key, 0)
+
+    def to_host(self, key: Key, nbytes: int) -> None:
+        """`nbytes` of a held buffer now live in host memory (its offload completed)."""
+        kind = key[0]
+        self._held[key] -= nbytes
+        self.live[kind] -= nbytes
+        self._hosted[key] = self._hosted.get(key, 0) + nbytes
+        self.moved[key] = self.moved.get(key, 0) + nbytes
+        self.host[kind] += nbytes
+        self.high_host[kind] = max(self.high_host[kind], self.host[kind])
+        self.high_host_total = max(self.high_host_total, self.host_total)
+
+    def to_device(self, key: Key) -> None:
+        """What `to_host` moved of a buffer is on the device again (its RELOAD)."""
+        kind, nbytes = key[0], self._hosted.pop(key, 0)
+        self.host[kind] -= nbytes
+        self._held[key] += nbytes
+        self.live[kind] += nbytes
+        self.high[kind] = max(self.high[kind], self.live[kind])
+        self.high_total = max(self.high_total, self.live_total)
 
     def record(self, pc: int, instr: Instr) -> None:
         self.trace.append((pc, instr, dict(self.live)))
+        self.host_trace.append(dict(self.host))
 
 
 def nbytes(value) -> int:
@@ -114,24 +159,28 @@ def storage_ptrs(values) -> set[int]:
 
 
 @contextmanager
-def saved_storages(exclude: set[int]) -> Iterator[dict[int, int]]:
+def saved_storages(exclude: set[int], holders: list | None = None, key=None) -> Iterator[dict[int, int]]:
     """Collects {storage data_ptr: storage nbytes} of what autograd saves in the block,
-    leaving out storages in `exclude` ([Note: what the ledger counts])."""
+    leaving out storages in `exclude` ([Note: what the ledger counts]). With `holders`
+    (a list), each saved tensor that is counted is packed in a `SavedTensor` holder for
+    `key`, and a weak reference to it is appended to `holders` ([Note: host offload])."""
     found: dict[int, int] = {}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor):
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in exclude:
+        counted = ptr not in exclude
+        if counted:
             found[ptr] = storage.nbytes()
         # A detached alias, not the tensor itself: when the saved tensor is the stage
         # output, the executor later empties that output's `.data` ([Note: executor
         # semantics]); the alias keeps the storage autograd needs.
-        return tensor.detach()
+        alias = tensor.detach()
+        if holders is not None and counted and alias.layout is torch.strided and ptr != 0:
+            holder = SavedTensor(alias, key)
+            holders.append(weakref.ref(holder))
+            return holder
+        return alias
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield found
-
-
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor

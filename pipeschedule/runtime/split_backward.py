@@ -90,11 +90,13 @@ class SplitReport:
 class _Record:
     """One deferred `F.linear` call of one (stage, mb)."""
 
-    __slots__ = ("x", "y", "weight", "bias", "grad", "at_b")
+    __slots__ = ("x", "leaf", "y", "weight", "bias", "grad", "at_b")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight, bias
         self.x: torch.Tensor | None = None  # private input alias, until B
+        self.leaf: torch.Tensor | None = None  # the same alias until W: the private graph's leaf, whose
+        # storage host offload swaps out and back ([Note: host offload])
         self.y: GradientEdge | None = None  # the private output's node: the root of B and W
         self.grad: torch.Tensor | None = None  # output gradient, from B to W
         self.at_b = False  # tied: compute the weight half at B
@@ -115,7 +117,8 @@ class _DeferredLinear(torch.autograd.Function):
             y_ = F.linear(x_, weight, bias)
         # Only the private output's grad_fn is kept (as the root of B and W): its storage
         # belongs to the returned output, which the stage may release.
-        record.x, record.y = x_, get_gradient_edge(y_)
+        record.x = record.leaf = x_
+        record.y = get_gradient_edge(y_)
         ctx.record = record
         return y_.detach()
 
@@ -129,7 +132,7 @@ class _DeferredLinear(torch.autograd.Function):
             gx = grads.pop(0) if want_x else None
             gw = grads.pop(0) if record.weight.requires_grad else None
             gb = grads.pop(0) if record.bias is not None and record.bias.requires_grad else None
-            record.x = record.y = None
+            record.x = record.leaf = record.y = None
             return gx, gw, gb, None
         gx = _grad((record.y,), (grad,), [record.x], keep_graph=True)[0] if want_x else None
         record.grad = grad
@@ -260,6 +263,11 @@ class WeightGrads:
         self.records = []
         if roots:
             Variable._execution_engine.run_backward(tuple(roots), tuple(grads), False, False, tuple(params), True, True)
+
+    def leaves(self) -> list[torch.Tensor]:
+        """The private graphs' input leaves still held (their storages move with the stash
+        at OFFLOAD: [Note: host offload])."""
+        return [record.leaf for record in self.records if record.leaf is not None]
 
     @property
     def deferred(self) -> bool:

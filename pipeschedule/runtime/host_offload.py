@@ -1,0 +1,335 @@
+"""Host offload of stashes: OFFLOAD moves a stash's saved tensors to host memory, RELOAD
+brings them back before the B (or W) that needs them.
+
+[Note: host offload] What moves is what the ledger counts as the stash ([Note: what
+the ledger counts]): every tensor autograd saves during F, except storages that live
+anyway (the act_in, the target, the stage's parameters and buffers, and views of
+them). On a rank whose program has an OFFLOAD, the executor runs F with pack hooks
+that wrap each such tensor in a `SavedTensor` holder; autograd keeps the holder, and
+its unpack hook returns the holder's current device tensor. The stash keeps weak
+references to its holders, so a holder whose graph was freed (after B) is simply gone.
+
+    OFFLOAD   the live holders' storages, each once (views share it), are copied whole to
+              host buffers taken from a `HostPool`. On CUDA: the side stream waits on an
+              event recorded on the compute stream (so the copy follows the compute that
+              produced the tensors), copies with non_blocking into pinned buffers, and
+              records `done`. The holders drop their device tensors at once (a use now
+              raises); the offload keeps the device storages alive until `done` has
+              completed (`poll`, at every instruction), then drops them, which is when the
+              memory returns to the caching allocator and the ledger moves the bytes from
+              device to host. Keeping the references, rather than `record_stream`, keeps
+              the allocator's rule simple: a block is freed only once no stream uses it.
+    RELOAD    fresh device storages are allocated on the compute stream (their blocks
+              belong to it), the side stream waits on an event recorded after the
+              allocation, copies the host bytes in and records `done`; each holder gets a
+              tensor of its old dtype, offset, size and stride over the new storage. The
+              host buffers go back to the pool once `done` has completed. A RELOAD that
+              comes before its OFFLOAD's copy has completed reuses the device storages
+              still kept alive (the data never changed) and copies nothing.
+    B / W     `ready` makes the compute stream wait on the reload's `done` (no host
+              wait); a stash that is offloaded and not reloaded raises a
+              RuntimeScheduleError naming the instruction, before autograd runs.
+
+On CPU there are no streams: the copies are real copies into other CPU tensors, made at
+once, so the semantics (holders, pool, ledger moves, errors) and exactness are the same
+and are what the tests exercise. The bytes are copied unchanged, so gradients are
+bitwise those of a run without offload.
+
+Split backward ([Note: split backward]): the W part's deferred linears keep their
+inputs through the private graphs' saved tensors, which go through the same hooks, so
+the linear inputs W needs are part of the stash: an OFFLOAD before B moves them too,
+and the RELOAD before B brings them back with the rest. An OFFLOAD between B and W
+moves the holders still alive then (those linear inputs); the output gradients the W
+part keeps (`_Record.grad`) stay on the device (TODO: a holder for them would let an
+OFFLOAD between B and W move them as well).
+
+A storage that a stash shares with another live buffer (a stage output that autograd
+saved and that is not yet sent, a local hand-off) is copied and counted as moved, but
+its device memory returns only once that other buffer is freed too.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from pipeschedule.runtime.errors import RuntimeScheduleError
+
+Key = tuple  # ("stash", stage, mb)
+
+
+class SavedTensor:
+    """What the pack hook returns for one saved tensor of a stash that may move: the
+    device tensor, or None while offloaded, and how to rebuild it over a new storage."""
+
+    __slots__ = ("tensor", "layout", "key", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, key: Key | None):
+        self.tensor: torch.Tensor | None = tensor
+        self.layout = None  # (dtype, storage offset, size, stride) while offloaded
+        self.key = key
+
+    def get(self) -> torch.Tensor:
+        if self.tensor is None:
+            stage, mb = (self.key or (None, "?", "?"))[1:]
+            raise RuntimeScheduleError(
+                f"autograd used a saved tensor of the stash of (stage {stage}, mb {mb}) while it is offloaded "
+                f"to host memory: the schedule has no RELOAD of it before this use"
+            )
+        return self.tensor
+
+
+def unpack(value):
+    """The unpack hook: a holder's current device tensor, anything else as packed."""
+    return value.get() if type(value) is SavedTensor else value
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over a whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+class HostPool:
+    """Host buffers (pinned when the device is CUDA) by size in bytes, reused across
+    offloads and steps: stash storages have the same sizes every microbatch, so after the
+    first step nothing is allocated. `allocations` counts the buffers ever made."""
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.allocations = 0
+        self.allocated_bytes = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.free[nbytes]:
+            return self.free[nbytes].pop()
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.free[buffer.numel()].append(buffer)
+
+
+class _Group:
+    """One storage of a stash on its way: the holders over it, the leaves whose `.data`
+    is over it (with their layouts), and its host copy."""
+
+    __slots__ = ("holders", "leaves", "nbytes", "device", "host")
+
+    def __init__(self, holders: list[SavedTensor], nbytes: int, device: torch.Tensor, host: torch.Tensor):
+        self.holders, self.nbytes, self.device, self.host = holders, nbytes, device, host
+        self.leaves: list[tuple[torch.Tensor, tuple]] = []
+
+
+class _Moving:
+    """One offloaded stash: its groups, the offload's and the reload's `done` events
+    (None on CPU, and once handled), and where it stands."""
+
+    __slots__ = ("key", "groups", "offload_done", "reload_done", "on_host", "reloaded", "where")
+
+    def __init__(self, key: Key, groups: list[_Group], offload_done, where: str):
+        self.key, self.groups, self.offload_done, self.where = key, groups, offload_done, where
+        self.reload_done = None
+        self.on_host = False  # the offload completed: device storages dropped, ledger moved
+        self.reloaded = False
+
+
+class Offloader:
+    """OFFLOAD / RELOAD of stashes for one executor ([Note: host offload])."""
+
+    def __init__(self, device: torch.device, ledger):
+        self.device, self.ledger = device, ledger
+        self.cuda = device.type == "cuda"
+        self.host_pool = HostPool(pinned=self.cuda)
+        self._side = None  # the side stream, made at the first offload
+        self.moving: dict[Key, _Moving] = {}
+        self._pending: list[_Moving] = []  # offloads or reloads whose `done` has not been seen
+        self.copied_to_host = self.copied_to_device = 0  # bytes, over the executor's life
+
+    @property
+    def side(self) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    # -- the instructions -------------------------------------------------------------
+
+    def offload(self, key: Key, holders, where: str, leaves=()) -> None:
+        """OFFLOAD of the stash `key`, whose holders are `holders` (weak references).
+        `leaves` are tensors whose own reference would keep a moved storage alive (the
+        split backward's private input leaves): their `.data` is emptied and restored."""
+        earlier = self.moving.get(key)
+        if earlier is not None and not earlier.reloaded:
+            raise RuntimeScheduleError(f"{where}: the stash of (stage {key[1]}, mb {key[2]}) is already offloaded")
+        by_storage: dict[int, tuple[torch.UntypedStorage, list[SavedTensor]]] = {}
+        for ref in holders:
+            holder = ref()
+            if holder is not None and holder.tensor is not None:
+                storage = holder.tensor.untyped_storage()
+                by_storage.setdefault(storage.data_ptr(), (storage, []))[1].append(holder)
+        groups = []
+        if self.cuda:
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            self.side.wait_event(produced)
+        for storage, group_holders in by_storage.values():
+            nbytes = storage.nbytes()
+            device_bytes = _bytes_of(storage, self.device)
+            host = self.host_pool.take(nbytes)
+            if self.cuda:
+                with torch.cuda.stream(self.side):
+                    host.copy_(device_bytes, non_blocking=True)
+            else:
+                host.copy_(device_bytes)
+            for holder in group_holders:
+                t = holder.tensor
+                holder.layout = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+                holder.tensor = None
+            groups.append(_Group(group_holders, nbytes, device_bytes, host))
+            self.copied_to_host += nbytes
+        by_ptr = {group.device.data_ptr(): group for group in groups}
+        for leaf in leaves:
+            group = by_ptr.get(leaf.untyped_storage().data_ptr())
+            if group is not None and leaf.layout is torch.strided:
+                group.leaves.append((leaf, (leaf.dtype, leaf.storage_offset(), tuple(leaf.shape), leaf.stride())))
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=self.device)
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.side)
+        moving = _Moving(key, groups, done, where)
+        self.moving[key] = moving
+        if done is None:
+            self._offloaded(moving)
+        else:
+            self._pending.append(moving)
+
+    def reload(self, key: Key, where: str) -> None:
+        """RELOAD of the stash `key`."""
+        moving = self.moving.get(key)
+        if moving is None or moving.reloaded:
+            state = "already reloaded" if moving is not None else "not offloaded"
+            raise RuntimeScheduleError(f"{where}: RELOAD of the stash of (stage {key[1]}, mb {key[2]}), which is {state}")
+        self.poll()
+        moving.reloaded = True
+        if not moving.on_host:  # the offload's copy is still running: its device storages never went
+            for group in moving.groups:
+                self._rebuild(group, group.device)
+            return  # the host buffers return when the offload's `done` is seen (poll)
+        ready = None
+        if self.cuda:
+            ready = torch.cuda.Event()
+        targets = [torch.empty(group.nbytes, dtype=torch.uint8, device=self.device) for group in moving.groups]
+        if self.cuda:  # the new blocks belong to the compute stream; the side stream writes them after this point
+            ready.record(torch.cuda.current_stream(self.device))
+            self.side.wait_event(ready)
+            with torch.cuda.stream(self.side):
+                for group, target in zip(moving.groups, targets):
+                    target.copy_(group.host, non_blocking=True)
+            moving.reload_done = torch.cuda.Event()
+            moving.reload_done.record(self.side)
+        else:
+            for group, target in zip(moving.groups, targets):
+                target.copy_(group.host)
+        for group, target in zip(moving.groups, targets):
+            self._rebuild(group, target)
+            self.copied_to_device += group.nbytes
+        self.ledger.to_device(key)
+        if moving.reload_done is None:
+            self._return_host(moving)
+        else:
+            self._pending.append(moving)
+
+    def ready(self, key: Key, where: str) -> None:
+        """Before B or W of `key`: raises if its stash is offloaded and not reloaded;
+        otherwise makes the compute stream wait for the reload's copy."""
+        moving = self.moving.get(key)
+        if moving is None:
+            return
+        if not moving.reloaded:
+            raise RuntimeScheduleError(
+                f"{where} uses the stash of (stage {key[1]}, mb {key[2]}), which is offloaded to host memory "
+                f"({moving.where}) and not reloaded: the schedule needs a RELOAD of it before {where}"
+            )
+        if moving.reload_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(moving.reload_done)
+
+    def forget(self, key: Key) -> None:
+        """At the stash's FREE: drops what is left of its offload (the ledger releases
+        both sides itself). Host buffers still being copied return once done."""
+        moving = self.moving.pop(key, None)
+        if moving is not None and not self._is_pending(moving):
+            self._return_host(moving)
+
+    # -- completion --------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Handles every copy whose `done` event has completed (never waits)."""
+        if not self._pending:
+            return
+        still = []
+        for moving in self._pending:
+            if not self._complete(moving, wait=False):
+                still.append(moving)
+        self._pending = still
+
+    def finish(self) -> None:
+        """Waits for every copy in flight (the end of a step) and handles it."""
+        for moving in self._pending:
+            self._complete(moving, wait=True)
+        self._pending = []
+        self.moving.clear()
+
+    def _complete(self, moving: _Moving, *, wait: bool) -> bool:
+        for name in ("offload_done", "reload_done"):
+            event = getattr(moving, name)
+            if event is None:
+                continue
+            if wait:
+                event.synchronize()
+            elif not event.query():
+                return False
+            setattr(moving, name, None)
+            if name == "offload_done":
+                if moving.reloaded:  # reloaded before the copy finished: it kept its device storages
+                    for group in moving.groups:
+                        group.device = None
+                    self._return_host(moving)
+                elif self.moving.get(moving.key) is moving:
+                    self._offloaded(moving)
+                else:  # freed meanwhile
+                    self._return_host(moving)
+            else:
+                self._return_host(moving)
+        return True
+
+    def _offloaded(self, moving: _Moving) -> None:
+        """The offload's copies are complete: the device storages go, the bytes move."""
+        moved = 0
+        for group in moving.groups:
+            group.device = None
+            moved += group.nbytes
+        moving.on_host = True
+        self.ledger.to_host(moving.key, moved)
+
+    def _rebuild(self, group: _Group, storage_bytes: torch.Tensor) -> None:
+        storage = storage_bytes.untyped_storage()
+        for holder in group.holders:
+            dtype, offset, size, stride = holder.layout
+            holder.tensor = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
+            holder.layout = None
+        for leaf, (dtype, offset, size, stride) in group.leaves:
+            leaf.data = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
+        group.leaves = []
+        group.device = None
+
+    def _return_host(self, moving: _Moving) -> None:
+        for group in moving.groups:
+            if group.host is not None:
+                self.host_pool.give(group.host)
+                group.host = None
+
+    def _is_pending(self, moving: _Moving) -> bool:
+        return any(entry is moving for entry in self._pending)

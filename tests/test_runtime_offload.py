@@ -1,0 +1,342 @@
+"""Host offload (OFFLOAD / RELOAD of stashes) and the buffer pool in the runtime, run for
+real: gloo process groups at pp 2 and 4 (spawned once each, every schedule family looped
+inside) and the in-process world, compared with the single-process reference of
+test_runtime_common.
+
+Offload schedules are built here from lowered schedules (`with_offload`: OFFLOAD after
+each F, past its sends; RELOAD a given number of compute instructions before the B), so
+the runtime is tested independently of the offload pass; where `pipeschedule.offload`
+exists, its `add_offload` is run too.
+
+Bitwise equality is expected everywhere: offload copies bytes unchanged ([Note: host
+offload]) and the pool only changes where boundary tensors live ([Note: buffer pool]).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+
+import pytest
+import torch
+
+from pipeschedule import compile_schedule
+from pipeschedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op
+from pipeschedule.runtime import DistTransport, Executor, InProcessPipeline, ModuleStages, RuntimeScheduleError
+from pipeschedule.runtime.errors import LaunchError
+from pipeschedule.runtime.host_offload import Offloader
+from pipeschedule.runtime.launch import spawn
+from pipeschedule.runtime.ledger import Ledger, saved_storages
+from pipeschedule.runtime.pool import capacity
+
+from test_runtime_common import grads, loss_fn, make_chunks, make_data, reference
+
+FAMILIES = (
+    ("afab", {}), ("1f1b", {}), ("capped_1f1b", {"cap": 1}), ("interleaved_1f1b", {"virtual": 2}),
+    ("zb_h1", {}), ("zbv", {}), ("v_half", {}), ("v_min", {}),
+)
+
+
+def with_offload(schedule, *, lead: int = 1, ranks=None, keep=lambda stage, mb: True, drop_reload=None):
+    """`schedule` with OFFLOAD(stash) after each F(s, mb) on `ranks` (default all) for which
+    `keep(s, mb)`, placed past the communication run that follows F (a batch is never
+    split), and RELOAD(stash) before the compute instruction `lead` compute instructions
+    before B(s, mb) (never before the OFFLOAD). `drop_reload=(s, mb)` leaves that RELOAD out."""
+    programs = []
+    for rank, program in enumerate(schedule.programs):
+        out = list(program)
+        forwards = [i for i in program if i.op is Op.F and (ranks is None or rank in ranks) and keep(i.stage, i.mb)]
+        for f in forwards:
+            at = out.index(f) + 1
+            while at < len(out) and out[at].op in COMM_OPS:
+                at += 1
+            out.insert(at, Instr(Op.OFFLOAD, f.stage, f.mb, buf="stash"))
+            if (f.stage, f.mb) == drop_reload:
+                continue
+            pos, seen = out.index(Instr(Op.B, f.stage, f.mb)), 0
+            while seen < lead and pos - 1 > at:
+                pos -= 1
+                seen += out[pos].op in COMPUTE_OPS
+            while out[pos].op not in COMPUTE_OPS:  # land right before a compute instruction
+                pos += 1
+            out.insert(pos, Instr(Op.RELOAD, f.stage, f.mb, buf="stash"))
+        programs.append(out)
+    return schedule.replace_programs(programs)
+
+
+def family(pp: int, name: str, kwargs: dict, m: int):
+    return compile_schedule(name, pp=pp, microbatches=m, **kwargs)
+
+
+def _equal(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _losses(outputs):
+    return [o["loss"] for o in outputs] if isinstance(outputs[0], dict) else None
+
+
+# -- the spawned ranks --------------------------------------------------------------------
+
+
+def offload_pass():
+    try:
+        return importlib.import_module("pipeschedule.offload")
+    except ImportError:
+        return None
+
+
+def offload_worker(rank: int, world: int, store) -> dict:
+    """Every family at m = 2pp+1 with every stash offloaded (RELOAD one compute before B),
+    with the pool and without, plus the plain run (no offload, no pool) and, where the
+    pass exists, `add_offload` with fraction 1; rank 0 also the reference."""
+    torch.set_num_threads(1)
+    transport = DistTransport(store, prefix="offload/")
+    out = {}
+    m = 2 * world + 1
+    for name, kwargs in FAMILIES:
+        plain = family(world, name, kwargs, m)
+        offloaded = with_offload(plain)
+        inputs, targets = make_data(plain.num_stages, m)
+        row = {}
+        runs = [("plain", plain, False), ("offload+pool", offloaded, True), ("offload", offloaded, False)]
+        module = offload_pass()
+        if module is not None:
+            runs.append(("pass", module.add_offload(plain, module.OffloadPolicy(fraction=1.0, lead=1)), True))
+        for label, schedule, pool in runs:
+            chunks = make_chunks(schedule.num_stages)
+            executor = Executor(schedule, rank, ModuleStages(chunks, loss_fn), transport, timeout=30, pool=pool)
+            outputs = executor.step(inputs, targets)
+            ledger = executor.ledger
+            row[label] = {
+                "losses": _losses(outputs), "grads": grads(chunks, schedule.stages_of(rank)),
+                "left": (len(executor.buffers), ledger.live_total, ledger.host_total),
+                "sizes": {k: v for k, v in ledger.sizes.items() if k[0] == "stash"}, "moved": dict(ledger.moved),
+                "high_host": ledger.high_host_total,
+            }
+        if rank == 0:
+            chunks = make_chunks(plain.num_stages)
+            row["ref_losses"] = reference(chunks, inputs, targets)
+            row["ref_grads"] = grads(chunks, range(plain.num_stages))
+        out[f"{name}{kwargs}"] = row
+    return out
+
+
+@pytest.fixture(scope="module", params=(2, 4), ids=lambda pp: f"pp{pp}")
+def offload_runs(request):
+    pp = request.param
+    start = time.monotonic()
+    ranks = spawn(offload_worker, pp, timeout=180)
+    print(f"pp={pp}: {len(FAMILIES)} families x 3 runs in {time.monotonic() - start:.1f} s")
+    return pp, ranks
+
+
+def test_offload_is_bitwise_exact_on_every_family(offload_runs):
+    pp, ranks = offload_runs
+    for name, kwargs in FAMILIES:
+        label = f"{name}{kwargs}"
+        schedule = family(pp, name, kwargs, 2 * pp + 1)
+        ref = ranks[0][label]
+        last = schedule.placement[-1]
+        for run in ("plain", "offload+pool", "offload", "pass"):
+            if run not in ref:
+                continue  # no offload pass yet
+            assert _equal(ranks[last][label][run]["losses"], ref["ref_losses"]), (label, run)
+            for rank in range(pp):
+                for param, grad in ranks[rank][label][run]["grads"].items():
+                    assert torch.equal(grad, ref["ref_grads"][param]), f"{label} {run}: rank {rank} {param}"
+
+
+def test_every_stash_moved_whole_and_everything_was_released(offload_runs):
+    pp, ranks = offload_runs
+    for name, kwargs in FAMILIES:
+        label = f"{name}{kwargs}"
+        for rank in range(pp):
+            for run in ("offload+pool", "offload"):
+                row = ranks[rank][label][run]
+                assert row["left"] == (0, 0, 0), (label, run, rank)
+                assert row["sizes"] and row["moved"] == row["sizes"], (label, run, rank)  # all of each stash moved
+                assert row["high_host"] >= max(row["sizes"].values()) > 0
+            assert ranks[rank][label]["plain"]["moved"] == {} and ranks[rank][label]["plain"]["high_host"] == 0
+            through = ranks[rank][label].get("pass")
+            if through is not None:  # the pass leaves short waits alone; what it moves, it moves whole
+                assert through["left"] == (0, 0, 0)
+                assert all(through["sizes"][key] == moved for key, moved in through["moved"].items()), (label, rank)
+        if offload_pass() is not None and name in ("afab", "1f1b", "zbv"):  # (cap 1: every wait is short)
+            assert any(ranks[r][label]["pass"]["moved"] for r in range(pp)), label
+
+
+# -- the ledger: device bytes fall by the stash, host bytes rise by it --------------------------
+
+
+def test_ledger_moves_each_stash_to_the_host_and_back():
+    schedule = with_offload(compile_schedule("1f1b", pp=2, microbatches=4), lead=1)
+    plain = InProcessPipeline(compile_schedule("1f1b", pp=2, microbatches=4), ModuleStages(make_chunks(2), loss_fn))
+    plain.step(*make_data(2, 4))
+    pipeline = InProcessPipeline(schedule, ModuleStages(make_chunks(2), loss_fn))
+    pipeline.step(*make_data(2, 4))
+    for rank, executor in enumerate(pipeline.executors):
+        ledger = executor.ledger
+        stash = ledger.sizes["stash", rank, 0]
+        assert stash > 0 and all(ledger.sizes["stash", rank, mb] == stash for mb in range(4))
+        before = {"stash": 0}, {"stash": 0}
+        seen = {Op.OFFLOAD: 0, Op.RELOAD: 0}
+        for (pc, instr, device), host in zip(ledger.trace, ledger.host_trace):
+            if instr.op in seen:
+                sign = 1 if instr.op is Op.OFFLOAD else -1
+                assert device["stash"] == before[0]["stash"] - sign * stash, (rank, pc, instr)
+                assert host["stash"] == before[1]["stash"] + sign * stash, (rank, pc, instr)
+                seen[instr.op] += 1
+            before = device, host
+        assert seen == {Op.OFFLOAD: 4, Op.RELOAD: 4}
+        assert ledger.live_total == ledger.host_total == 0
+        assert ledger.moved == {("stash", rank, mb): stash for mb in range(4)}
+        assert ledger.high_host["stash"] == ledger.high_host_total >= stash
+        # The device high-water mark of the stash falls: rank 0 holds pp stashes under 1F1B
+        # without offload, here at most the one in B plus the one reloaded ahead of the next B.
+        assert plain.executors[rank].ledger.high["stash"] == (2 - rank) * stash
+        assert ledger.high["stash"] <= min(2, 2 - rank) * stash
+    assert pipeline.executors[0].offloader.copied_to_host == pipeline.executors[0].offloader.copied_to_device > 0
+
+
+def test_offloaded_tensors_leave_the_device_and_come_back_as_new_storages():
+    ledger = Ledger()
+    ledger.add(("stash", 0, 0), 0)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 3))
+    x = torch.randn(5, 4, requires_grad=True)
+    holders: list = []
+    exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+    with saved_storages(exclude, holders, ("stash", 0, 0)) as saved:
+        y = layer(x)
+    live = [ref() for ref in holders]
+    assert live and all(h is not None and h.tensor is not None for h in live)
+    values = [h.tensor.clone() for h in live]
+    offloader = Offloader(torch.device("cpu"), ledger)
+    offloader.offload(("stash", 0, 0), holders, "test")
+    assert all(h.tensor is None for h in live)
+    assert ledger.host["stash"] == sum(saved.values()) and ledger.live["stash"] == -sum(saved.values())
+    with pytest.raises(RuntimeScheduleError, match=r"while it is offloaded to host memory"):
+        y.sum().backward(retain_graph=True)  # the unpack hook refuses
+    offloader.reload(("stash", 0, 0), "test")
+    assert all(h.tensor is not None for h in live) and ledger.host["stash"] == 0
+    assert all(torch.equal(h.tensor, v) for h, v in zip(live, values))  # the bytes came back
+    y.sum().backward()
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 3))
+    twin.load_state_dict(layer.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    twin(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(layer.parameters(), twin.parameters()))
+
+
+# -- a use without RELOAD: a clear error on every rank --------------------------------------
+
+
+def test_use_without_reload_raises_in_process():
+    schedule = with_offload(compile_schedule("1f1b", pp=2, microbatches=4), drop_reload=(1, 2))
+    pipeline = InProcessPipeline(schedule, ModuleStages(make_chunks(2), loss_fn))
+    with pytest.raises(RuntimeScheduleError, match=r"1B2 uses the stash of \(stage 1, mb 2\), which is offloaded"):
+        pipeline.step(*make_data(2, 4))
+
+
+def missing_reload_worker(rank: int, world: int, store, timeout: float) -> None:
+    torch.set_num_threads(1)
+    schedule = with_offload(compile_schedule("zb_h1", pp=world, microbatches=4), drop_reload=(1, 2))
+    executor = Executor(schedule, rank, ModuleStages(make_chunks(world), loss_fn), DistTransport(store), timeout=timeout)
+    executor.step(*make_data(world, 4))
+    time.sleep(2 * timeout)  # a rank that wrongly finishes must not look like one that stopped
+
+
+def test_use_without_reload_stops_every_rank():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        spawn(missing_reload_worker, 2, timeout=60, args=(3.0,))
+    assert time.monotonic() - start < 45
+    failures = caught.value.failures
+    assert sorted(failures) == [0, 1] and all(f.kind == "RuntimeScheduleError" for f in failures.values())
+    assert "1B2 uses the stash of (stage 1, mb 2), which is offloaded to host memory (1OFFLOAD2:stash at pc" in \
+        failures[1].message
+    assert "needs a RELOAD of it before 1B2" in failures[1].message
+    assert "another rank failed" in failures[0].message and "1B2 uses the stash" in failures[0].message
+
+
+# -- the buffer pool ------------------------------------------------------------------------
+
+
+def test_pool_capacity_is_the_schedule_peak_and_independent_of_m_for_1f1b():
+    for rank in range(4):
+        caps = [capacity(compile_schedule("1f1b", pp=4, microbatches=m), rank) for m in (8, 32, 128)]
+        assert caps[0] == caps[1] == caps[2], (rank, caps)
+    # all forwards first: every received act_in waits for its B (the schedule's memory, not the pool's)
+    afab = [capacity(compile_schedule("afab", pp=4, microbatches=m), 1) for m in (8, 32)]
+    assert [c["act_in"] for c in afab] == [8, 32] and [c["act_out"] for c in afab] == [1, 1]
+
+
+def _pool_run(name: str, m: int, steps: int, **kwargs):
+    schedule = compile_schedule(name, pp=4, microbatches=m, **kwargs)
+    chunks = make_chunks(schedule.num_stages)
+    pipeline = InProcessPipeline(schedule, ModuleStages(chunks, loss_fn))
+    inputs, targets = make_data(schedule.num_stages, m)
+    allocations = []
+    for _ in range(steps):
+        outputs = pipeline.step(inputs, targets)
+        for executor in pipeline.executors:
+            assert len(executor.buffers) == 0 and executor.ledger.live_total == 0
+            assert not executor.pool.out and all(n == 0 for n in executor.pool.outstanding.values())
+        allocations.append([e.pool.allocations for e in pipeline.executors])
+    return schedule, pipeline, allocations, outputs, chunks
+
+
+@pytest.mark.parametrize("name,kwargs", [("1f1b", {}), ("interleaved_1f1b", {"virtual": 2}), ("zbv", {})])
+def test_pool_allocations_do_not_grow_with_microbatches_or_steps(name, kwargs):
+    counts = {}
+    for m in (8, 32):
+        schedule, pipeline, allocations, outputs, chunks = _pool_run(name, m, 2, **kwargs)
+        assert allocations[0] == allocations[1], (m, allocations)  # nothing allocated after the first step
+        counts[m] = allocations[0]
+        for rank, executor in enumerate(pipeline.executors):
+            assert executor.pool.high == executor.pool.capacity, (m, rank)  # the static peak is tight
+        ref = make_chunks(schedule.num_stages)
+        inputs, targets = make_data(schedule.num_stages, m)
+        reference(ref, inputs, targets)
+        reference(ref, inputs, targets)
+        mine, theirs = grads(chunks, range(schedule.num_stages)), grads(ref, range(schedule.num_stages))
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert counts[8] == counts[32] and sum(counts[8]) > 0
+
+
+# -- through the offload pass, where it exists ----------------------------------------------
+
+
+def test_through_add_offload_when_the_pass_exists():
+    try:
+        module = importlib.import_module("pipeschedule.offload")
+    except ImportError:
+        pytest.skip("pipeschedule.offload (add_offload) does not exist yet")
+    add_offload = module.add_offload
+    policy = _full_policy(module)
+    for name, kwargs in (("1f1b", {}), ("zbv", {})):
+        schedule = add_offload(compile_schedule(name, pp=2, microbatches=5, **kwargs), policy)
+        assert any(i.op is Op.OFFLOAD for p in schedule.programs for i in p)
+        chunks = make_chunks(schedule.num_stages)
+        inputs, targets = make_data(schedule.num_stages, 5)
+        pipeline = InProcessPipeline(schedule, ModuleStages(chunks, loss_fn))
+        pipeline.step(inputs, targets)
+        ref = make_chunks(schedule.num_stages)
+        reference(ref, inputs, targets)
+        mine, theirs = grads(chunks, range(schedule.num_stages)), grads(ref, range(schedule.num_stages))
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs), name
+        assert any(e.ledger.moved for e in pipeline.executors)
+
+
+def _full_policy(module):
+    """A policy that offloads every stash, built from whatever the pass module offers."""
+    for name in ("OffloadPolicy", "Policy"):
+        cls = getattr(module, name, None)
+        if cls is not None:
+            for kwargs in ({"fraction": 1.0}, {}):
+                try:
+                    return cls(**kwargs)
+                except TypeError:
+                    continue
+    return {"fraction": 1.0}
