@@ -82,8 +82,9 @@ class Case:
 
     @property
     def split_backward(self) -> bool:
-        """A schedule with W: the memory model holds its stash whole until W, while the
-        runtime keeps only what W needs after B, so the prediction is an upper bound."""
+        """A schedule with W: the memory model holds a stash whole until W, while the
+        runtime keeps only what W needs after B (so the model over-counts where W waits
+        long: zb_h1's later ranks); its figures are shown, not checked."""
         return self.engine.split(":")[0] in {engine for _, engine, _ in SPLIT_BACKWARD}
 
 
@@ -360,7 +361,7 @@ def worst_term(rank: dict, prediction: dict) -> str:
 def memory_table(rows: list[dict]) -> tuple[list[str], dict]:
     """Markdown lines (one per case and rank) and the check: the cases off by more than
     FIT_TOLERANCE (`misses`) out of `compared` (ranks with an allocator figure; split-
-    backward schedules are shown, marked "(bound)", and not checked: `Case.split_backward`)."""
+    backward schedules are shown, marked "(split, unchecked)", and not checked: `Case.split_backward`)."""
     compared: list = []
     lines = ["| schedule | m | rank | peak allocated GiB | predicted GiB | error | peak reserved GiB | "
              "ledger peak GiB | step s |", "|---|---|---|---|---|---|---|---|---|"]
@@ -379,7 +380,7 @@ def memory_table(rows: list[dict]) -> tuple[list[str], dict]:
                                "term": worst_term(rank, row["predicted"][r])})
             lines.append(
                 f"| {case['label']} | {case['microbatches']} | {r} | {gib(measured)} | {gib(total)} | "
-                f"{'-' if error is None else f'{error:+.1%}'}{' (bound)' if bound else ''} | {gib(rank['peak_reserved'])} | "
+                f"{'-' if error is None else f'{error:+.1%}'}{' (split, unchecked)' if bound else ''} | {gib(rank['peak_reserved'])} | "
                 f"{gib(rank['ledger_peak'])} | {rank['seconds']:.3f} |")
     measured = [e for e in compared if e is not None]
     return lines, {"ok": not misses, "compared": len(measured), "misses": misses,
