@@ -193,6 +193,13 @@ def _families(config: PlanConfig, planner: _Planner):
     best time so far prunes the searches of the slower ones."""
     pp, L, v = config.pp, config.model.layers, config.virtual
     out = [("1f1b", None, 1)]
+    if pp > 1:
+        # Split backward: ZB-H1 at 1F1B's memory; the V shapes (2 stages per rank) where
+        # every one of the 2pp stages gets a layer. Early: they are often the fastest, and
+        # the best time so far prunes every search after them.
+        out.append(("zb_h1", None, 1))
+        if L >= 2 * pp:
+            out += [(name, None, FIXED_VIRTUAL[name]) for name in ("zbv", "v_half")]
     if v > 1 and L >= pp * v and pp > 1:
         out.append(("interleaved_1f1b", None, v))
     out += [("capped_1f1b", c, 1) for c in range(pp - 1, 0, -1)]
@@ -202,12 +209,8 @@ def _families(config: PlanConfig, planner: _Planner):
         peak = max(planner.simulate(planner.schedule("interleaved_1f1b", None, v), None).peak_inflight)
         ks = range(1, pp) if pp <= 8 else sorted({1, 2, 3, 4, pp // 4, pp // 2, 3 * pp // 4, pp - 1})
         out += [("interleaved_1f1b", v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
-    if pp > 1:
-        # Split backward: ZB-H1 at 1F1B's memory; the V shapes (2 stages per rank) where
-        # every one of the 2pp stages gets a layer.
-        out.append(("zb_h1", None, 1))
-        if L >= 2 * pp:
-            out += [(name, None, FIXED_VIRTUAL[name]) for name in ("zbv", "v_half", "v_min")]
+    if pp > 1 and L >= 2 * pp:
+        out.append(("v_min", None, FIXED_VIRTUAL["v_min"]))  # the least memory, rarely the fastest
     out.append(("afab", None, 1))
     return out
 
