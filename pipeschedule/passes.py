@@ -122,13 +122,14 @@ def add_communication(schedule: Schedule) -> Schedule:
     for program, rank_gaps in zip(schedule.programs, gaps):
         out: list[Instr] = []
         append = out.append
+        n = len(program)
         for pc, gap in enumerate(rank_gaps):
             if gap is not None:
                 if len(gap) > 1:
                     gap.sort()
                 for entry in gap:
                     append(entry[4])
-            if pc < len(program):
+            if pc < n:
                 append(program[pc])
         programs.append(tuple(out))
     return schedule._with_trusted_programs(tuple(programs))
@@ -142,7 +143,6 @@ def add_frees(schedule: Schedule) -> Schedule:
     """
     split = schedule.split_backward
     last = schedule.num_stages - 1
-    after_b = ("act_in",) if split else ("act_in", "stash")
     programs = []
     for program in schedule.programs:
         out: list[Instr] = []
@@ -156,8 +156,9 @@ def add_frees(schedule: Schedule) -> Schedule:
             append(i)
             if op is B:
                 stage, mb = i.stage, i.mb
-                for buf in after_b:
-                    append(make_instr(FREE, stage, mb, None, buf))
+                append(make_instr(FREE, stage, mb, None, "act_in"))
+                if not split:  # else W frees the stash
+                    append(make_instr(FREE, stage, mb, None, "stash"))
                 if stage < last:
                     append(make_instr(FREE, stage, mb, None, "grad_out"))
             elif op is W:

@@ -68,7 +68,8 @@ def unit_cost(programs: Sequence[Sequence[Instr]]) -> dict:
     (its first non-empty program has a W), else `UNIT_COST`."""
     for program in programs:
         if program:
-            return SPLIT_UNIT_COST if any(i.op is Op.W for i in program) else UNIT_COST
+            W = Op.W
+            return SPLIT_UNIT_COST if any(i.op is W for i in program) else UNIT_COST
     return UNIT_COST
 
 
