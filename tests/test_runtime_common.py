@@ -84,10 +84,13 @@ def schedule_of(args):
     return lower(generate(args.pop("name"), **args))
 
 
-def replay_high_water(schedule, rank, sizes) -> int:
+def replay_high_water(schedule, rank, sizes, resized=None) -> int:
     """Peak of the sum of live buffers when rank's program is replayed with the measured
     per-buffer sizes: what a simulator fed those sizes predicts. Buffers appear at the
-    instruction that produces them ([Note: buffers]) and go at their FREE."""
+    instruction that produces them ([Note: buffers]) and go at their FREE. With `resized`
+    (a split backward's `ledger.resized`), a stash counts its F size from F to B and its
+    W part from B to its FREE."""
+    resized = resized or {}
     live = peak = 0
     last = schedule.num_stages - 1
     for i in schedule.programs[rank]:
@@ -101,10 +104,14 @@ def replay_high_water(schedule, rank, sizes) -> int:
             made = ["act_in"]
         elif i.op is Op.RECV_B:
             made = ["grad_out"]
-        elif i.op is Op.B and i.stage > 0:
-            made = ["grad_in"] if schedule.sends_backward(i.stage) else [("grad_out", i.stage - 1)]
+        elif i.op is Op.B:
+            key = ("stash", i.stage, i.mb)
+            if key in resized:
+                live += resized[key] - sizes[key]
+            if i.stage > 0:
+                made = ["grad_in"] if schedule.sends_backward(i.stage) else [("grad_out", i.stage - 1)]
         elif i.op is Op.FREE:
-            live -= sizes[i.buf, i.stage, i.mb]
+            live -= resized.get((i.buf, i.stage, i.mb), sizes[i.buf, i.stage, i.mb])
         for item in made:
             buf, stage = item if isinstance(item, tuple) else (item, i.stage)
             live += sizes[buf, stage, i.mb]

@@ -33,7 +33,7 @@ from pipeschedule.runtime.launch import spawn
 from pipeschedule.runtime.split_backward import WeightGrads
 from pipeschedule.verify import verify
 
-from test_runtime_common import BATCH, grads, loss_fn, make_chunks, make_data, reference, width
+from test_runtime_common import BATCH, grads, loss_fn, make_chunks, make_data, reference, replay_high_water, width
 
 SPLIT_FAMILIES = tuple(name for name in ("zb_h1", "zbv", "v_half", "v_min") if name in FAMILIES)
 
@@ -107,35 +107,6 @@ def build(pp: int, args):
     assert schedule.split_backward
     verify(schedule)
     return schedule
-
-
-def replay_split_high_water(schedule, rank, sizes, resized) -> int:
-    """Peak of the sum of live buffers when rank's program is replayed with the measured
-    sizes: a stash counts its F size from F to B and its W part from B to its FREE."""
-    live = peak = 0
-    last = schedule.num_stages - 1
-    for i in schedule.programs[rank]:
-        made = []
-        if i.op is Op.F:
-            made = ["stash"] + (["act_out"] if schedule.sends_forward(i.stage) else [])
-            made += [("act_in", i.stage)] if i.stage == 0 else []
-            if i.stage < last and not schedule.sends_forward(i.stage):
-                made.append(("act_in", i.stage + 1))
-        elif i.op is Op.RECV_F:
-            made = ["act_in"]
-        elif i.op is Op.RECV_B:
-            made = ["grad_out"]
-        elif i.op is Op.B:
-            live += resized["stash", i.stage, i.mb] - sizes["stash", i.stage, i.mb]
-            if i.stage > 0:
-                made = ["grad_in"] if schedule.sends_backward(i.stage) else [("grad_out", i.stage - 1)]
-        elif i.op is Op.FREE:
-            live -= resized.get((i.buf, i.stage, i.mb), sizes[i.buf, i.stage, i.mb])
-        for item in made:
-            buf, stage = item if isinstance(item, tuple) else (item, i.stage)
-            live += sizes[buf, stage, i.mb]
-        peak = max(peak, live)
-    return peak
 
 
 def w_part_bytes(stage: int) -> int:
@@ -226,7 +197,7 @@ def test_buffers_are_empty_and_the_ledger_counts_w_parts_until_w(split_runs):
             assert set(row["resized"]) == stashes and stashes, label
             for _, stage, mb in stashes:
                 assert row["resized"]["stash", stage, mb] == w_part_bytes(stage), (label, stage, mb)
-            assert replay_split_high_water(schedule, rank, row["sizes"], row["resized"]) == row["high_total"], label
+            assert replay_high_water(schedule, rank, row["sizes"], row["resized"]) == row["high_total"], label
 
 
 # -- in-process checks: deferral happens, fallback, tied weights ------------------------
