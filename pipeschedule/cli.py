@@ -55,14 +55,15 @@ def _schedule_args(parser: argparse.ArgumentParser, *, name_required: bool = Tru
     parser.add_argument("--cap", type=str, default=None, help="in-flight cap: one int for all ranks or C0,C1,... per rank")
 
 
-def _build(args):
+def _build(args, cost=None):
     from pipeschedule import compile_schedule
 
     missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)) if value is None]
     if missing:
         raise ParameterError(f"{' and '.join(missing)} required to build schedule {args.name!r}")
     cap = parse_cap(args.cap) if args.cap is not None else None
-    return compile_schedule(args.name, pp=args.pp, microbatches=args.microbatches, virtual=args.virtual, cap=cap)
+    return compile_schedule(args.name, pp=args.pp, microbatches=args.microbatches, virtual=args.virtual, cap=cap,
+                            cost=cost)
 
 
 def _load_any(path: str):
@@ -125,11 +126,15 @@ def cmd_compile(args) -> int:
     if not (args.json or args.text or args.csv):
         raise ParameterError("compile needs an output: --json PATH, --text PATH or --csv PATH")
     choice = None
-    if args.offload is not None:
-        from pipeschedule.simulate import CostModel, load_cost
+    if args.host_bandwidth is not None and args.offload is None:
+        raise ParameterError("compile --host-bandwidth only matters with --offload (the link is used to choose it)")
+    from pipeschedule.simulate import CostModel, load_cost
 
-        cost = load_cost(args.cost, schedule) if args.cost else CostModel.default(schedule)
-        schedule, choice = _offloaded(args, schedule, _with_host_link(args, cost))
+    cost = load_cost(args.cost, schedule) if args.cost else None
+    if cost is not None:  # order and place messages by the measured costs ([Note: cost-aware timing])
+        schedule = _build(args, cost)
+    if args.offload is not None:
+        schedule, choice = _offloaded(args, schedule, _with_host_link(args, cost or CostModel.default(schedule)))
     if args.json:
         _write(args.json, schedule.to_json())
     if args.text:
@@ -251,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="PATH", help="write PyTorch's pipeline CSV")
     p.add_argument("--csv-form", choices=("compute_only", "compute_comms"), default="compute_comms")
     _offload_args(p)
-    p.add_argument("--cost", metavar="PATH", help="cost model JSON for --offload auto (default: unit costs)")
+    p.add_argument("--cost", metavar="PATH", help="cost model JSON: list-scheduled families order by its times and messages are placed by them; --offload auto simulates with it (default: unit costs)")
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser("verify", help="check a schedule file (JSON, text or PyTorch CSV) against every rule")

@@ -272,8 +272,8 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
     their choice). For each, fractions k/8 of its stashes (every count when it has fewer
     than 8) are tried with each lead of `AutoOffload.leads`, smallest first, stopping a
     lead at the first count over budget (more offload is never faster). The winner has
-    the least device peak on the rank, then the largest fraction, then the smallest
-    lead; a rank whose peak no choice lowers offloads nothing. The peak, not the
+    the least device peak on the rank, then the least step time, then the largest
+    fraction, then the smallest lead; a rank whose peak no choice lowers offloads nothing. The peak, not the
     fraction, is what is wanted: a stash reloaded too early can raise it.
     Input: a schedule (lowered or not) without offload.
     """
@@ -297,7 +297,7 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
     for rank in ranks:
         n = sizes[rank]
         counts = sorted({n * k // 8 for k in range(1, 9)} - {0}) if n >= 8 else list(range(1, n + 1))
-        best = (base.peak_bytes[rank], 0, 0)  # (peak, -count, lead): least is best
+        best = (base.peak_bytes[rank], base.step_time, 0, 0)  # (peak, step time, -count, lead): least is best
         for lead in sorted(auto.leads):
             for count in counts:
                 trial_f, trial_l = list(fractions), list(leads)
@@ -307,9 +307,9 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
                 if result.step_time > limit:
                     break
                 if result.peak_bytes[rank] < base.peak_bytes[rank]:
-                    best = min(best, (result.peak_bytes[rank], -count, lead))
-        if best[1]:
-            fractions[rank], leads[rank] = -best[1] / n, best[2]
+                    best = min(best, (result.peak_bytes[rank], result.step_time, -count, lead))
+        if best[2]:
+            fractions[rank], leads[rank] = -best[2] / n, best[3]
     policy = OffloadPolicy(tuple(fractions), None, tuple(leads))
     choice = evaluate_offload(schedule, cost, policy, base)
     return replace(choice, simulations=runs + 1)

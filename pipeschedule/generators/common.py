@@ -238,11 +238,11 @@ def asap_of(schedule: Schedule):
 def message_times(schedule: Schedule) -> tuple[Sequence[float], Sequence[float]]:
     """Per-stage durations of F and B that lowering adds to a start time to date the
     message a compute produces: the cost the schedule was generated for
-    ([Note: cost-aware timing]), else `UNIT_COST`'s F = 1, B = 2."""
+    ([Note: cost-aware timing]), else the unit costs `asap` timed it with (B = 1 where the
+    backward is split, 2 where it is whole)."""
     cost = schedule.__dict__.get("_cost")
     if cost is None:
-        stages = schedule.num_stages
-        return (UNIT_COST[Op.F],) * stages, (UNIT_COST[Op.B],) * stages
+        cost = unit_stage_times(schedule.programs, schedule.num_stages)
     return cost.forward, cost.backward
 
 
