@@ -175,15 +175,6 @@ def _build_engine(case: Case):
     return build_engine(parse_engine(case.engine))
 
 
-def _ledger_of(engine):
-    """The runtime ledger of a pipeschedule engine's one executor (None for nanotron's)."""
-    runners = getattr(engine, "_runners", None)
-    if not runners:
-        return None
-    (runner,) = runners.values()  # one (pg, m) per engine object here
-    return runner.executor.ledger
-
-
 def measure_case(case: Case, cfg: ModelConfig, *, pp: int, context, p2p, pp_rank: int, device, dtype,
                  microbatch_size: int, warmup: int, steps: int, keep_trace: bool) -> dict:
     import torch.distributed as dist
@@ -214,7 +205,7 @@ def measure_case(case: Case, cfg: ModelConfig, *, pp: int, context, p2p, pp_rank
             p2p.wait_sends()  # CPU nanotron P2P: finish the posted sends, as a GPU stream would
         sync(device)
         seconds = time.perf_counter() - start
-        ledger = _ledger_of(engine)
+        ledger = engine.training_ledger() if hasattr(engine, "training_ledger") else None  # nanotron's: none
         entry = {
             "seconds": seconds, "allocated_before": before,
             "peak_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

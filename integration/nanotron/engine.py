@@ -161,6 +161,16 @@ class PipescheduleEngine(PipelineEngine):
             self._runners[key] = _Runner(schedule, self._transport_for(pg), _device_of(model), self.spec.split)
         return self._runners[key]
 
+    def training_ledger(self):
+        """The memory `Ledger` of this rank's executor for training steps (its sizes, peaks
+        and per-instruction trace cover the last step), or None before the first
+        `train_batch_iter`. Raises if the engine trained at several (pg, m): the ledger
+        would be ambiguous."""
+        ledgers = [runner.executor.ledger for (_, _, train), runner in self._runners.items() if train]
+        if len(ledgers) > 1:
+            raise RuntimeError(f"this engine ran {len(ledgers)} training configurations; the ledger is ambiguous")
+        return ledgers[0] if ledgers else None
+
     def split_report(self) -> dict:
         """stage -> `SplitReport` of this rank's stages, from the runs so far (split-backward
         schedules only): whether each stage deferred its weight gradients to W."""

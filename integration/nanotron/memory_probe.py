@@ -245,12 +245,11 @@ def _to(batch: dict, device: torch.device) -> dict:
 
 
 def _ledger(engine):
-    """The executor's ledger of the engine's one training runner.
-    TODO(integration): a public accessor on PipescheduleEngine would replace `_runners`."""
-    runners = [r for key, r in engine._runners.items() if key[2]]
-    if len(runners) != 1:
-        raise RuntimeError(f"expected one training runner, found {len(runners)}")
-    return runners[0].executor.ledger
+    """The executor's ledger of the engine's one training runner."""
+    ledger = engine.training_ledger()
+    if ledger is None:
+        raise RuntimeError("the engine has not trained yet")
+    return ledger
 
 
 def _optimizer_bytes(opt) -> int:
