@@ -16,6 +16,11 @@
   `deallocate_output_tensor` does; the tensor object and its grad_fn stay in the stash
   for B, so a stage never holds its outputs until backward. Outputs that are views, or
   that are the act_in itself, are only dropped, not emptied.
+- Stash bytes: F measures what autograd saves with the ledger's saved-tensor hooks
+  ([Note: what the ledger counts]) on the first F of each stage and input signature in a
+  step (`measure_stash="first"`) or on every F (`"every"`); a stash that may be offloaded
+  is always packed through them. Where no hooks ran, autograd keeps its own shallow copy
+  of a saved output, so emptying the output's `.data` (below) is safe either way.
 - Shapes: each boundary tensor's shape is given (`shapes=`) or exchanged once
   ([Note: first-use metadata]); every send is checked against it, since the receiver
   allocates exactly that. A gradient has its output's shape and dtype.
@@ -52,7 +57,7 @@ from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
 from pipeschedule.runtime.errors import RuntimeScheduleError
 from pipeschedule.runtime.host_offload import Offloader
-from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, storage_ptrs
+from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, signature_of, storage_ptrs
 from pipeschedule.runtime.pool import BufferPool
 from pipeschedule.runtime.shapes import Shapes, TensorMeta, describe
 from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
@@ -60,6 +65,7 @@ from pipeschedule.runtime.stages import Stages
 from pipeschedule.runtime.transport import P2P, Transport
 
 _LOG = logging.getLogger("pipeschedule.runtime")
+MEASURE_STASH = ("first", "every")
 
 
 class Executor:
@@ -73,13 +79,21 @@ class Executor:
     `targets` one target per microbatch (handed to the last stage, may be None).
     `pool`: boundary buffers from a `BufferPool` (allocated once, reused across steps);
     False allocates each one afresh, as the caching allocator serves it.
+    `measure_stash`: "first" (the default) measures the stash of the first F of each stage
+    and input signature in a step, and charges later ones of the same signature the same
+    bytes; "every" measures every F (for stages whose saved tensors vary with the data,
+    not only with the input shapes). See [Note: what the ledger counts] in ledger.
     """
 
     def __init__(
         self, schedule: Schedule, rank: int, stages: Stages, transport: Transport, *,
         device: str | torch.device = "cpu", timeout: float = 300.0,
         shapes: Mapping[int, TensorMeta] | None = None, history: int = 6, pool: bool = True,
+        measure_stash: str = "first",
     ):
+        if measure_stash not in MEASURE_STASH:
+            raise ValueError(f"measure_stash={measure_stash!r}: accepted values are {', '.join(map(repr, MEASURE_STASH))}")
+        self.measure_stash = measure_stash
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = schedule.programs[rank]
         self.device = torch.device(device)
@@ -149,6 +163,7 @@ class Executor:
         self._pc, self._inputs, self._targets = 0, inputs, targets
         self._losses: list[torch.Tensor | None] = [None] * m
         self._persistent: dict[int, set[int]] = {}
+        self._stash_bytes: dict[tuple, int] = {}  # (stage, input signature) -> stash bytes, this step
         self._broken = True  # until the step completes; a failed or abandoned step leaves it set
         self.ledger.begin_step()
         self.times = StepTimes(start=time.perf_counter())
@@ -233,17 +248,22 @@ class Executor:
         target = self._targets[i.mb] if i.stage == self.last_stage and self._targets is not None else None
         weights = WeightGrads() if self.split else None
         holders = [] if self.offloads else None
-        exclude = self._persistent_storages(i.stage) | storage_ptrs((x, target))
-        with saved_storages(exclude, holders, ("stash", i.stage, i.mb)) as saved:
+        signature = (i.stage, signature_of((x, target)))
+        stash_bytes = None if self.measure_stash == "every" or holders is not None else self._stash_bytes.get(signature)
+        with (contextlib.nullcontext({}) if stash_bytes is not None else
+              saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target)), holders,
+                             ("stash", i.stage, i.mb))) as saved:
             start = time.perf_counter()
             with weights.deferring() if weights is not None else contextlib.nullcontext():
                 y = self.stages.forward(i.stage, i.mb, x, target)
             self.times.compute_s += time.perf_counter() - start
+        if stash_bytes is None:
+            stash_bytes = self._stash_bytes[signature] = sum(saved.values())
         if weights is not None:
             weights.close_forward()
             self._report_split(i.stage, weights)
         root, meta = self._emit_output(i, y, x)
-        self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta, weights, holders), sum(saved.values()))
+        self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta, weights, holders), stash_bytes)
 
     def _load_input(self, i: Instr):
         if i.stage == 0:

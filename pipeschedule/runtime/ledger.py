@@ -16,7 +16,13 @@ program with these sizes (what the simulator does) gives the same curve exactly:
               (`Stages.parameters`). A saved view of a parameter (`weight.t()` in a
               Linear) shares the parameter's storage, so it is left out too. A stage output
               that autograd saves (e.g. by sigmoid) is counted in stash as well as in
-              act_out, since it outlives the send.
+              act_out, since it outlives the send. The hooks cost a few microseconds of
+              host time per saved tensor, so by default (`Executor(measure_stash=
+              "first")`) only the first F of each stage and input signature
+              (`signature_of`: shapes, dtypes, grad mode) in a step runs under them; the
+              other F of that stage and signature are charged the same bytes. Exact
+              unless what a stage saves depends on the values of its inputs (e.g. routing
+              in a mixture of experts): then `measure_stash="every"`.
     grad_out  nbytes of the received (at RECV_B) or locally handed-off (at B) gradient
     grad_in   nbytes of the input gradient produced at B
 
@@ -156,6 +162,31 @@ def storage_ptrs(values) -> set[int]:
         elif isinstance(value, dict):
             stack.extend(value.values())
     return out
+
+
+def signature_of(values) -> tuple:
+    """What the tensors a stage saves can depend on, apart from the values: shape, dtype,
+    device and requires_grad of each tensor in `values` (nested lists, tuples, dicts, in
+    order), other leaves as themselves (by type where unhashable), and grad mode."""
+    out: list = [torch.is_grad_enabled()]
+    stack = [values]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            out.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
+        elif isinstance(value, (list, tuple)):
+            out.append(len(value))
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            out.append(tuple(value))
+            stack.extend(reversed(list(value.values())))
+        else:
+            try:
+                hash(value)
+                out.append(value)
+            except TypeError:
+                out.append(type(value))
+    return tuple(out)
 
 
 @contextmanager
