@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.gpu import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL, LlamaStages
+from benchmarks.gpu import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL
+from benchmarks.gpu_overhead import LlamaStages
 from benchmarks.training import model_split, sync, to_device
 
 RESULTS = Path(__file__).parent / "results"

@@ -1,0 +1,336 @@
+"""Executor overhead on one GPU (part 2 of `benchmarks.gpu`).
+
+All four stages of the Llama-style model run in ONE process on the GPU, as plain modules
+(`LlamaStages`). One 1F1B step (m microbatches) is timed four ways, the variants
+alternating round by round so that drift (clocks, allocator state, neighbours on the
+host) hits all of them alike:
+
+    fused      the same blocks, each microbatch's forward through all stages then ONE
+               backward from its loss: the least work a step can do, no stage
+               boundaries at all (for reference)
+    ordered    the same forward and backward calls the executor makes, in an order it
+               could make them (`compute_order`: 1F1B's order, ranks visited round-robin
+               as `InProcessPipeline` does), from a plain loop: at each boundary the
+               output is detached into a leaf that requires grad, and each stage's
+               backward is its own autograd call with the received gradient. This is
+               the baseline: "the pure compute of the same forward and backward calls"
+    executor   `InProcessPipeline` running the compiled 1f1b schedule: everything the
+               runtime adds (dispatch, buffer table, ledger, buffer pool copies, the
+               in-process transport)
+    executor_every
+               the executor measuring every F's stash with the ledger's saved-tensor
+               hooks (`measure_stash="every"`); the default measures the first F of
+               each stage and input signature per step, and the difference to
+               `executor` is what the hooks would cost on every F
+
+The variants are interleaved step by step (round r runs each variant once, starting
+with a different one each round), so that host jitter, which comes and goes over
+seconds (other work on the machine's CPUs), falls on all of them alike; at micro-batch
+size 1 the model is host-bound on the H200 (the host takes about as long to issue a
+step's ~20,000 kernels as the GPU takes to run them), so any hiccup of the host shows
+in the step. Overhead = the median over rounds of (executor step - ordered step in the
+same round), as a fraction of the executor's median step; the medians and minima of
+every variant are reported beside it. For every variant the run also records host time
+(until the step call returns, before the final synchronise), the synchronisations the
+step makes (CUDA's sync-debug mode), and, from one profiled step, the GPU's busy time
+(the union of kernel and copy intervals) and the number of kernels: if the executor's
+busy time equals the baseline's while its step is longer, the GPU waited for the host;
+if the busy time is longer, the executor added device work.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+
+import torch
+
+from integration.nanotron.llama import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
+
+
+
+class LlamaStages:
+    """`Stages` over llama.py's blocks as plain modules (no nanotron `PipelineBlock`):
+    stage 0 embeds, the last stage ends with the final norm, the head and the loss; the
+    boundary is the hidden states."""
+
+    def __init__(self, cfg: ModelConfig, split: tuple[int, ...], device, dtype):
+        self.cfg, self.split = cfg, split
+        index = 1
+        self.layers = []
+        for count in split:
+            self.layers.append(torch.nn.ModuleList(
+                DecoderLayer(cfg, index + i).to(device=device, dtype=dtype) for i in range(count)))
+            index += count
+        self.embedding = TokenEmbedding(cfg, 0).to(device=device, dtype=dtype)
+        self.norm = FinalNorm(cfg, index).to(device=device, dtype=dtype)
+        self.head = LMHead(cfg, index + 1).to(device=device, dtype=dtype)
+        self.loss = Loss(cfg, index + 2)
+
+    def forward(self, stage: int, mb: int, act_in, target):
+        x = self.embedding(act_in["input_ids"], None)["input_embeds"] if stage == 0 else act_in
+        for layer in self.layers[stage]:
+            x = layer(x, None)["hidden_states"]
+        if stage < len(self.split) - 1:
+            return x
+        logits = self.head(self.norm(x)["hidden_states"])["logits"]
+        return self.loss(logits, target["label_ids"], target["label_mask"])["loss"]
+
+    def parameters(self, stage: int):
+        modules = list(self.layers[stage])
+        if stage == 0:
+            modules.append(self.embedding)
+        if stage == len(self.split) - 1:
+            modules += [self.norm, self.head]
+        return [p for module in modules for p in module.parameters()]
+
+
+def compute_order(schedule) -> list[tuple[str, int, int]]:
+    """The schedule's F and B as one sequence a single process can run: ranks visited
+    round-robin in rank order, each running its program's compute instructions until the
+    next one needs a result not yet computed (F(s, mb) needs F(s-1, mb); B(s, mb) needs
+    F(s, mb) and B(s+1, mb)). Every F and B appears once, each rank's in program order."""
+    from pipeschedule.ir import Op
+
+    if schedule.split_backward:
+        raise ValueError(f"compute_order: {schedule.name} splits the backward (W); only F and B schedules are timed here")
+    last = schedule.num_stages - 1
+    programs = [[(i.op.value, i.stage, i.mb) for i in program if i.op in (Op.F, Op.B)] for program in schedule.programs]
+    done: set[tuple[str, int, int]] = set()
+
+    def ready(op: str, s: int, mb: int) -> bool:
+        if op == "F":
+            return s == 0 or ("F", s - 1, mb) in done
+        return ("F", s, mb) in done and (s == last or ("B", s + 1, mb) in done)
+
+    order, pcs = [], [0] * len(programs)
+    while len(order) < sum(map(len, programs)):
+        moved = False
+        for rank, program in enumerate(programs):
+            while pcs[rank] < len(program) and ready(*program[pcs[rank]]):
+                order.append(program[pcs[rank]])
+                done.add(program[pcs[rank]])
+                pcs[rank] += 1
+                moved = True
+        if not moved:
+            raise ValueError(f"compute_order: {schedule.name} cannot proceed (its programs wait on each other)")
+    return order
+
+
+def gpu_busy(fn, device) -> dict:
+    """One call of `fn` under the profiler: the union of the GPU's kernel and copy
+    intervals (busy ms), their sum and their number. {} where the profiler has no GPU
+    activity (CPU) or fails."""
+    if device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize(device)
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    except Exception as err:  # the profiler is a diagnostic: its failure must not end the benchmark
+        return {"error": f"{type(err).__name__}: {err}"}
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return {"busy_ms": busy / 1e3, "kernel_sum_ms": sum(b - a for a, b in spans) / 1e3, "kernels": len(spans),
+            "window_ms": (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0}
+
+
+def syncs(fn, device) -> int | None:
+    """How many synchronising CUDA calls one call of `fn` makes (sync-debug mode's
+    warnings); None on CPU."""
+    if device.type != "cuda":
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize(device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int, warmup: int,
+                 microbatch_size: int, split: tuple[int, ...]) -> dict:
+    """`steps` measured rounds after `warmup` (see the module docstring); raw and summary
+    figures in a dict (`overhead_lines` renders it)."""
+    from integration.nanotron.harness import microbatch
+    from benchmarks.training import sync, to_device
+    from pipeschedule import compile_schedule
+    from pipeschedule.runtime import InProcessPipeline
+
+    stages = LlamaStages(cfg, split, device, dtype)
+    batches = [to_device(microbatch(cfg, microbatch_size, i, 99), device) for i in range(m)]
+    inputs = [{"input_ids": b["input_ids"]} for b in batches]
+    targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
+    params = [p for s in range(pp) for p in stages.parameters(s)]
+    schedule = compile_schedule("1f1b", pp=pp, microbatches=m)
+    pipeline = InProcessPipeline(schedule, stages, device=device)
+    measuring_every = InProcessPipeline(schedule, stages, device=device, measure_stash="every")
+    order = compute_order(schedule)
+    instructions = sum(len(p) for p in schedule.programs)
+    last = pp - 1
+
+    def fused():
+        for i in range(m):
+            x = inputs[i]
+            for s in range(pp):
+                x = stages.forward(s, i, x, targets[i] if s == last else None)
+            (x / m).backward()
+
+    def ordered():
+        held, grads = {}, {}
+        for op, s, mb in order:
+            if op == "F":
+                x = inputs[mb] if s == 0 else held[s - 1, mb][1].detach().requires_grad_()
+                held[s, mb] = (x, stages.forward(s, mb, x, targets[mb] if s == last else None))
+                continue
+            x, y = held.pop((s, mb))
+            if s == last:
+                (y / m).backward()
+            else:
+                torch.autograd.backward(y, grads.pop((s, mb)))
+            if s > 0:
+                grads[s - 1, mb] = x.grad
+
+    def executor():
+        pipeline.step(inputs, targets)
+
+    def executor_every():
+        measuring_every.step(inputs, targets)
+
+    variants = {"fused": fused, "ordered": ordered, "executor": executor, "executor_every": executor_every}
+
+    def zero_grads():
+        for p in params:
+            p.grad = None
+
+    runs = {key: {"step": [], "host": []} for key in variants}
+    keys = list(variants)
+    for r in range(warmup + steps):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            zero_grads()
+            sync(device)
+            start = time.perf_counter()
+            variants[key]()
+            issued = time.perf_counter()
+            sync(device)
+            if r >= warmup:
+                runs[key]["step"].append(time.perf_counter() - start)
+                runs[key]["host"].append(issued - start)
+    for key, fn in variants.items():
+        zero_grads()
+        runs[key]["syncs"] = syncs(fn, device)
+        zero_grads()
+        runs[key]["profile"] = gpu_busy(fn, device)
+    zero_grads()
+    median = {key: statistics.median(run["step"]) for key, run in runs.items()}
+    paired = statistics.median(e - o for e, o in zip(runs["executor"]["step"], runs["ordered"]["step"]))
+    pipe = median["executor"]
+    return {
+        "schedule": "1f1b", "pp": pp, "microbatches": m, "microbatch_size": microbatch_size,
+        "instructions": instructions, "compute_calls": len(order), "steps": steps,
+        "median_s": median, "min_s": {key: min(run["step"]) for key, run in runs.items()},
+        "pure_compute_s": median["ordered"], "executor_step_s": pipe,
+        "overhead_s": paired, "overhead_fraction": paired / pipe,
+        "overhead_us_per_instruction": paired / instructions * 1e6,
+        "runs": runs,
+        "executor_host_times_last_step": {key: sum(getattr(e.times, key) for e in pipeline.executors)
+                                          for key in ("compute_s", "transport_s", "wait_s", "total_s")},
+    }
+
+
+def overhead_lines(results: list[dict]) -> list[str]:
+    """The markdown section of `benchmarks.gpu` for `run_overhead`'s results (one per
+    micro-batch size)."""
+    lines = [f"## Executor overhead (in-process, one GPU, 1f1b, m={results[0]['microbatches']})", "",
+             "Baseline: the same forward and backward calls in the same order from a plain loop (`ordered`); "
+             "overhead: the median over rounds of executor minus baseline in the same round, against the "
+             "executor's median step (benchmarks/gpu_overhead.py).", "",
+             "| micro-batch size | baseline ms | through the executor ms | overhead | per instruction us | "
+             "min to min |", "|---|---|---|---|---|---|"]
+    for o in results:
+        minima = o.get("min_s")
+        min_to_min = (f"{(minima['executor'] - minima['ordered']) / minima['executor']:+.2%}" if minima else "-")
+        lines.append(f"| {o.get('microbatch_size', 1)} | {o['pure_compute_s'] * 1e3:.2f} | "
+                     f"{o['executor_step_s'] * 1e3:.2f} | {o['overhead_fraction']:+.2%} | "
+                     f"{o['overhead_us_per_instruction']:.1f} | {min_to_min} |")
+    lines.append("")
+    for o in results:
+        if "median_s" not in o:  # a report from before the variants were split out
+            continue
+        lines += [f"Micro-batch size {o.get('microbatch_size', 1)}, {o['steps']} rounds, "
+                  f"{o['instructions']} instructions and {o['compute_calls']} forward/backward calls per step:", "",
+                  "| variant | median ms | min ms | max ms | host ms (median) | GPU busy ms | kernels | syncs |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for key, run in o["runs"].items():
+            prof = run.get("profile") or {}
+            busy = f"{prof['busy_ms']:.1f}" if "busy_ms" in prof else "-"
+            lines.append(f"| {key} | {o['median_s'][key] * 1e3:.1f} | {min(run['step']) * 1e3:.1f} | "
+                         f"{max(run['step']) * 1e3:.1f} | {statistics.median(run['host']) * 1e3:.1f} | {busy} | "
+                         f"{prof.get('kernels', '-')} | {run.get('syncs', '-')} |")
+        lines.append("")
+    lines += ["GPU busy: one profiled step, the union of kernel and copy intervals; syncs: synchronising CUDA calls "
+              "in one step (sync-debug mode).", ""]
+    return lines
+
+
+def main(argv=None) -> int:
+    """`python -m benchmarks.gpu_overhead`: this part alone, at `benchmarks.gpu`'s model
+    or a variant of it; prints the table and writes JSON to `--out` if given."""
+    import argparse
+    import dataclasses
+    import json
+    import sys
+    from pathlib import Path
+
+    from benchmarks.gpu import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL, WARMUP
+    from benchmarks.training import model_split, versions
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_overhead", description=main.__doc__.split(";")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model on whatever device is here")
+    parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {MODEL.layers})")
+    parser.add_argument("--microbatch-size", type=int, default=MICROBATCH_SIZE)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=15, help="measured rounds (each runs every variant once)")
+    parser.add_argument("--out", type=Path, default=None, help="write gpu_overhead[_LABEL].json here")
+    parser.add_argument("--label", default="", help="suffix of the JSON file name")
+    args = parser.parse_args(argv)
+    for name in ("layers", "microbatch_size", "microbatches", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    cfg = SMOKE_MODEL if args.smoke else MODEL
+    if args.layers is not None:
+        if args.layers < PP:
+            parser.error(f"--layers {args.layers}: at least one layer per stage (pp={PP})")
+        cfg = dataclasses.replace(cfg, layers=args.layers)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("benchmarks.gpu_overhead: no CUDA GPU here; --smoke runs on CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    result = run_overhead(cfg, device, dtype, pp=PP, m=args.microbatches, steps=args.steps,
+                          warmup=WARMUP, microbatch_size=args.microbatch_size, split=model_split(cfg, PP))
+    report = {"versions": versions(), "model": dataclasses.asdict(cfg), "microbatch_size": args.microbatch_size,
+              "dtype": str(dtype).replace("torch.", ""), "overhead": result}
+    print(f"model {cfg}, micro-batch size {args.microbatch_size}\n" + "\n".join(overhead_lines([result])))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"gpu_overhead{'_' + args.label if args.label else ''}.json"
+        (args.out / name).write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
