@@ -219,6 +219,9 @@ def render(report: dict, out_dir: Path | None) -> str:
              "benchmarks/results/gpu.json`). Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()),
              "", f"Model: {report['model']}, micro-batch size {MICROBATCH_SIZE}, {report['dtype']}, pp={PP} "
              "(four processes on one GPU, gloo, host-staged boundaries), AdamW after each step.", ""]
+    if report.get("measured_in"):  # parts measured in separate calls (the device's 10-minute limit per call)
+        lines += ["Measured in separate calls at the same commit, merged into gpu.json:", ""]
+        lines += [f"- {call}" for call in report["measured_in"]] + [""]
     if rows:
         table, checks["model_within_5pct"] = training.memory_table(rows)
         misses = checks["model_within_5pct"]["misses"]

@@ -280,7 +280,9 @@ def overhead_lines(results: list[dict]) -> list[str]:
                          f"{prof.get('kernels', '-')} | {run.get('syncs', '-')} |")
         lines.append("")
     lines += ["GPU busy: one profiled step, the union of kernel and copy intervals; syncs: synchronising CUDA calls "
-              "in one step (sync-debug mode).", ""]
+              "in one step (sync-debug mode). Where the host time comes near the GPU busy time the step is "
+              "host-bound: then a hiccup of the host lengthens the step (the max column), and the difference "
+              "of two medians carries such hiccups; the paired median removes what neighbouring steps share.", ""]
     return lines
 
 
