@@ -80,14 +80,6 @@ class Case:
     def nanotron_own(self) -> bool:
         return self.engine in NANOTRON_ENGINES
 
-    @property
-    def split_backward(self) -> bool:
-        """A schedule with W: the memory model holds a stash whole until W, while the
-        runtime keeps only what W needs after B (so the model over-counts where W waits
-        long: zb_h1's later ranks); its figures are shown, not checked."""
-        return self.engine.split(":")[0] in {engine for _, engine, _ in SPLIT_BACKWARD}
-
-
 def cases(schedules, microbatches) -> list[Case]:
     return [Case(label, engine, v, m) for m in microbatches for label, engine, v in schedules]
 
@@ -351,8 +343,7 @@ def worst_term(rank: dict, prediction: dict) -> str:
 
 def memory_table(rows: list[dict]) -> tuple[list[str], dict]:
     """Markdown lines (one per case and rank) and the check: the cases off by more than
-    FIT_TOLERANCE (`misses`) out of `compared` (ranks with an allocator figure; split-
-    backward schedules are shown, marked "(split, unchecked)", and not checked: `Case.split_backward`)."""
+    FIT_TOLERANCE (`misses`) out of `compared` (ranks with an allocator figure)."""
     compared: list = []
     lines = ["| schedule | m | rank | peak allocated GiB | predicted GiB | error | peak reserved GiB | "
              "ledger peak GiB | step s |", "|---|---|---|---|---|---|---|---|---|"]
@@ -363,15 +354,13 @@ def memory_table(rows: list[dict]) -> tuple[list[str], dict]:
             total = predicted_total(row["predicted"][r])
             measured = rank["peak_allocated"]
             error = None if measured is None else (total - measured) / measured
-            bound = Case(**case).split_backward
-            if not bound:
-                compared.append(error)
-            if error is not None and abs(error) > FIT_TOLERANCE and not bound:
+            compared.append(error)
+            if error is not None and abs(error) > FIT_TOLERANCE:
                 misses.append({"case": case["label"], "m": case["microbatches"], "rank": r, "error": error,
                                "term": worst_term(rank, row["predicted"][r])})
             lines.append(
                 f"| {case['label']} | {case['microbatches']} | {r} | {gib(measured)} | {gib(total)} | "
-                f"{'-' if error is None else f'{error:+.1%}'}{' (split, unchecked)' if bound else ''} | {gib(rank['peak_reserved'])} | "
+                f"{'-' if error is None else f'{error:+.1%}'} | {gib(rank['peak_reserved'])} | "
                 f"{gib(rank['ledger_peak'])} | {rank['seconds']:.3f} |")
     measured = [e for e in compared if e is not None]
     return lines, {"ok": not misses, "compared": len(measured), "misses": misses,

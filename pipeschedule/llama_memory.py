@@ -13,6 +13,8 @@ memory_probe.py). Pure arithmetic: no torch.
     stash per microbatch     what autograd saves during one microbatch's F on the rank
                              ([Note: what the integration Llama saves])
     stash peak               the simulator's peak of live stash on the rank under the schedule
+                             (with W: each stash shrinks at its B to what W keeps,
+                             `weight_stash`, as the ledger's `resize` does)
     p2p buffers peak         its peak of live boundary tensors (act_in, act_out, grad_out,
                              grad_in), each the packed boundary ([Note: packed boundary])
     working set (transient)  an estimate of the largest short-lived allocation (`working_set`;
@@ -184,6 +186,22 @@ def stage_stash(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: b
     return out
 
 
+def weight_stash(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool) -> int:
+    """Bytes a stage's stash keeps from its B to its W under a split backward ([Note:
+    split backward] in pipeschedule/runtime/split_backward.py): for each deferred linear,
+    its input and the gradient of its output, each storage once. Per decoder layer the
+    inputs are the normalised input (shared by q_proj and kv_proj), the attention output
+    (o_proj), the normalised residual (gate_up_proj) and silu(gate) * up (down_proj); the
+    output gradients are those of q, kv, o, gate_up and down. On the last stage the LM
+    head adds its input and its logits' gradient. Embedding and norms have no linear.
+    Checked against the ledger's `resized` of a zb_h1 run (tests/test_memory_calibration.py)."""
+    sb, h, f, e = setup.seq * setup.micro_batch, model.hidden, model.ffn, setup.act_bytes
+    q, kv = model.heads * model.head_dim, 2 * model.kv_heads * model.head_dim
+    layer = sb * e * (3 * h + f) + sb * e * (q + kv + h + 2 * f + h)
+    head = sb * e * (h + model.vocab) if last else 0
+    return layers * layer + head
+
+
 def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool) -> tuple[str, int]:
     """The largest short-lived allocation above what the ledger counts, whichever is larger:
 
@@ -260,8 +278,12 @@ def predict_ranks(model: ModelSpec, setup: TrainingSetup, split: Sequence[int], 
     stash, p2p = ledger_buffers(footprints)
     n = schedule.num_stages
     unit = ((1.0,) * n, (2.0,) * n, (0.0,) * n)
-    stash_run, p2p_run = simulate(schedule, CostModel(*unit, stash)), simulate(schedule, CostModel(*unit, p2p))
-    live_peaks = buffers_and_gradients_peak(schedule, footprints, {**stash, **p2p}, setup.param_bytes)
+    kept = (tuple(weight_stash(model, setup, fp.layers, last=fp.last) for fp in footprints)
+            if schedule.split_backward else None)
+    stash_run = simulate(schedule, CostModel(*unit, stash, weight_stash=kept))
+    p2p_run = simulate(schedule, CostModel(*unit, p2p))
+    live_peaks = buffers_and_gradients_peak(schedule, footprints, {**stash, **p2p}, setup.param_bytes,
+                                            weight_stash=kept)
     rows = rank_memory(footprints, schedule.placement, peak_stash=stash_run.peak_bytes, peak_p2p=p2p_run.peak_bytes,
                        peak_inflight=stash_run.peak_inflight, budget=float("inf"))
     out = []
@@ -285,7 +307,8 @@ def predict_ranks(model: ModelSpec, setup: TrainingSetup, split: Sequence[int], 
 
 
 def buffers_and_gradients_peak(schedule: Schedule, footprints: Sequence[StageFootprint],
-                               buffer_bytes: dict[str, tuple[int, ...]], param_bytes: int) -> list[float]:
+                               buffer_bytes: dict[str, tuple[int, ...]], param_bytes: int, *,
+                               weight_stash: Sequence[int] | None = None) -> list[float]:
     """Per rank, the most bytes of live buffers (stash and boundaries, as the ledger counts
     them) plus the gradients allocated so far, over one step under unit costs.
 
@@ -295,7 +318,7 @@ def buffers_and_gradients_peak(schedule: Schedule, footprints: Sequence[StageFoo
     forwards first: afab, a long interleaved warmup) the peak does not hold the gradients;
     adding the two peaks would over-count by the whole gradient size."""
     result = simulate(schedule, CostModel((1.0,) * schedule.num_stages, (2.0,) * schedule.num_stages,
-                                          (0.0,) * schedule.num_stages, buffer_bytes))
+                                          (0.0,) * schedule.num_stages, buffer_bytes, weight_stash=weight_stash))
     first_b: dict[int, float] = {}
     for event in result.events:
         if event.instr.op is Op.B and event.instr.stage not in first_b:
@@ -316,5 +339,6 @@ def buffers_and_gradients_peak(schedule: Schedule, footprints: Sequence[StageFoo
 
 __all__ = [
     "TERMS", "decoder_layer_stash", "embedding_stash", "head_stash", "ledger_buffers", "llama_footprints",
-    "packed_boundary_bytes", "parameter_tensors", "predict_ranks", "rmsnorm_stash", "stage_stash", "working_set",
+    "packed_boundary_bytes", "parameter_tensors", "predict_ranks", "rmsnorm_stash", "stage_stash", "weight_stash",
+    "working_set",
 ]

@@ -190,6 +190,10 @@ def run(schedule: Schedule, cost) -> Trace:
         for s in range(stages)
     ]
     free_bytes = dict(cost.buffer_bytes)
+    b_shrink = None  # per stage: bytes a B releases at its end, < 0 for growth ([Note: when bytes count])
+    if cost.weight_stash is not None and schedule.split_backward:
+        b_shrink = [whole - kept for whole, kept in zip(stash, cost.weight_stash)]
+        free_bytes["stash"] = cost.weight_stash
     latency, bandwidth = cost.latency, cost.bandwidth
     # Message time of SEND_F / SEND_B by stage. Infinite bandwidth adds exactly
     # `latency`, so exact (e.g. Fraction) costs stay exact.
@@ -288,6 +292,11 @@ def run(schedule: Schedule, cost) -> Trace:
                 t += spend
                 busy += spend
                 rank_ends[pc] = t
+                if b_shrink is not None and op is B and b_shrink[s]:
+                    live -= b_shrink[s]
+                    if live > peak:
+                        peak = live
+                    _point(mem_t, mem_v, t, live)
                 pc += 1
                 continue
             if op is OFFLOAD or op is RELOAD:  # asynchronous copies: [Note: host link]

@@ -28,6 +28,10 @@ produces it (memory is allocated before it is written) until its FREE:
   s-1 runs on the same rank;
 - RECV_F / RECV_B produce act_in / grad_out when their batch is posted (a receive
   buffer exists before the message lands).
+- In a schedule with W and a cost with `weight_stash`, B(s) resizes its stash at its
+  *end* to weight_stash[s] (autograd has freed what only B needed; W keeps its inputs
+  and output gradients until the FREE after it), as the runtime's ledger does
+  (`Ledger.resize`).
 Live bytes, and so the peak, therefore depend on program order only; time only places
 the points of the curve (except where OFFLOAD moves bytes, below).
 
@@ -62,12 +66,12 @@ from numbers import Real
 from typing import Any, Mapping, Sequence
 
 from pipeschedule.errors import FormatError, ParameterError
-from pipeschedule.ir import BUFFERS, COMPUTE_OPS, Schedule
+from pipeschedule.ir import BUFFERS, COMPUTE_OPS, Op, Schedule
 from pipeschedule.passes import lower
 from pipeschedule.simcore import Event, EventLog, run
 
 COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwidth", "offload_bandwidth",
-             "reload_bandwidth", "offload_slowdown")
+             "reload_bandwidth", "offload_slowdown", "weight_stash")
 
 
 def _number(value: Any) -> bool:
@@ -99,6 +103,11 @@ class CostModel:
     offload_bandwidth / reload_bandwidth: bytes per time unit of a rank's copies to and
     from host memory (math.inf: free); offload_slowdown: how much slower compute runs
     while a copy does, as a fraction (0: not at all). See [Note: host link].
+    weight_stash: per stage, the bytes a stash holds from the end of its B to its FREE
+    in a schedule with W (what W still needs: the deferred matmuls' inputs and output
+    gradients, as the runtime's ledger counts them from B on; more than the stash where
+    W keeps the act_in or output gradients outweigh what B frees). None (the default):
+    the stash stays as it is until its FREE. Not combined with OFFLOAD.
     `forward` fixes the number of stages; any other per-stage field may be given as one
     number meaning "the same on every stage". Exact numbers (Fraction) stay exact.
     """
@@ -112,6 +121,7 @@ class CostModel:
     offload_bandwidth: float = math.inf
     reload_bandwidth: float = math.inf
     offload_slowdown: float = 0.0
+    weight_stash: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         stages = len(self.forward) if isinstance(self.forward, (list, tuple)) else None
@@ -137,6 +147,9 @@ class CostModel:
                 raise ParameterError(f"cost {key!r} must be a number > 0 (math.inf for free copies), got {value!r}")
         if not _number(self.offload_slowdown) or not 0 <= self.offload_slowdown < math.inf:
             raise ParameterError(f"cost 'offload_slowdown' must be a finite number >= 0, got {self.offload_slowdown!r}")
+        if self.weight_stash is not None:
+            object.__setattr__(self, "weight_stash", _per_stage("weight_stash", self.weight_stash, stages,
+                                                                source="'forward'"))
 
     @property
     def num_stages(self) -> int:
@@ -194,7 +207,13 @@ class CostModel:
         slowdown = obj.get("offload_slowdown", 0.0)
         if not _number(slowdown) or not 0 <= slowdown < math.inf:
             raise FormatError(f"cost 'offload_slowdown' must be a finite number >= 0, got {slowdown!r}")
-        return CostModel(latency=latency, bandwidth=bandwidth, offload_slowdown=slowdown, **values)
+        kept = obj.get("weight_stash")
+        if kept is not None:
+            values["weight_stash"] = _per_stage("weight_stash", kept, stages, FormatError)
+        try:
+            return CostModel(latency=latency, bandwidth=bandwidth, offload_slowdown=slowdown, **values)
+        except ParameterError as err:
+            raise FormatError(str(err)) from None
 
     def to_dict(self) -> dict[str, Any]:
         """The inverse of `from_dict` (infinite bandwidth is written as null)."""
@@ -208,7 +227,7 @@ class CostModel:
             "offload_bandwidth": None if self.offload_bandwidth == math.inf else self.offload_bandwidth,
             "reload_bandwidth": None if self.reload_bandwidth == math.inf else self.reload_bandwidth,
             "offload_slowdown": self.offload_slowdown,
-        }
+        } | ({} if self.weight_stash is None else {"weight_stash": list(self.weight_stash)})
 
 
 def load_cost(path: str, schedule: Schedule) -> CostModel:
@@ -289,6 +308,10 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
             f"the cost model has {cost.num_stages} stages but the schedule has "
             f"pp*virtual = {schedule.pp}*{schedule.virtual} = {schedule.num_stages}"
         )
+    if cost.weight_stash is not None and schedule.split_backward and any(
+            i.op is Op.OFFLOAD for program in schedule.programs for i in program):
+        raise ParameterError("cost 'weight_stash' (a stash that shrinks at its B) is not modelled together with "
+                             "OFFLOAD; leave one of them out")
     trace = run(schedule, cost)
     step_time = max(trace.finish, default=0)
     total = sum(trace.busy)

@@ -423,3 +423,73 @@ def test_matches_reference(family_params, data):
     for rank, curve in enumerate(result.memory):
         assert curve[-1][1] == 0
         assert max(b for _, b in curve) == result.peak_bytes[rank]
+
+
+# -- a stash that shrinks at B (weight_stash) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("name,virtual", [("zb_h1", 1), ("zbv", 2), ("v_half", 2), ("v_min", 2)])
+@pytest.mark.parametrize("m", [1, 4, 9])
+def test_weight_stash_replays_the_ledgers_resize(name, virtual, m):
+    """Stash only: bytes from F's start, down to weight_stash at B's end, gone at the
+    FREE after W; every rank's peak equals the runtime tests' replay of a ledger whose
+    stashes were resized at B (test_runtime_common.replay_high_water)."""
+    from test_runtime_common import replay_high_water
+
+    schedule = lower(generate(name, pp=4, microbatches=m, virtual=virtual))
+    n = schedule.num_stages
+    whole, kept = tuple(10 * (s + 1) for s in range(n)), tuple(3 * (s + 1) + s % 2 for s in range(n))
+    sizes = {(kind, s, mb): (whole[s] if kind == "stash" else 0) for kind in BUFFERS for s in range(n) for mb in range(m)}
+    resized = {("stash", s, mb): kept[s] for s in range(n) for mb in range(m)}
+    unit = ((1.0,) * n, (1.0,) * n, (1.0,) * n)
+    result = simulate(schedule, CostModel(*unit, {"stash": whole}, weight_stash=kept))
+    assert list(result.peak_bytes) == [replay_high_water(schedule, r, sizes, resized) for r in range(schedule.pp)]
+    assert all(curve[-1][1] == 0 for curve in result.memory)
+    held_whole = simulate(schedule, CostModel(*unit, {"stash": whole}))
+    assert all(a <= b for a, b in zip(result.peak_bytes, held_whole.peak_bytes))
+    assert result.step_time == held_whole.step_time  # memory only
+
+
+def test_weight_stash_changes_nothing_without_w_or_when_it_is_the_whole_stash():
+    one = lower(generate("1f1b", pp=4, microbatches=6))
+    unit = ((1.0,) * 4, (2.0,) * 4, (0.0,) * 4)
+    plain = simulate(one, CostModel(*unit, {"stash": (5,) * 4}))
+    assert simulate(one, CostModel(*unit, {"stash": (5,) * 4}, weight_stash=(1,) * 4)).memory == plain.memory
+    zb = lower(generate("zb_h1", pp=4, microbatches=6))
+    unit = ((1.0,) * 4, (1.0,) * 4, (1.0,) * 4)
+    whole = simulate(zb, CostModel(*unit, {"stash": (5,) * 4}))
+    same = simulate(zb, CostModel(*unit, {"stash": (5,) * 4}, weight_stash=(5,) * 4))
+    assert same.peak_bytes == whole.peak_bytes and same.step_time == whole.step_time
+
+
+def test_weight_stash_is_checked_and_round_trips():
+    schedule = lower(generate("zb_h1", pp=2, microbatches=2))
+    with pytest.raises(ParameterError, match=r"'weight_stash'.*>= 0"):
+        CostModel((1.0,) * 2, (1.0,) * 2, (1.0,) * 2, {"stash": (8, 8)}, weight_stash=(2, -9))
+    with pytest.raises(FormatError, match="weight_stash"):
+        CostModel.from_dict({"buffer_bytes": {"stash": 4}, "weight_stash": [1, -1]}, schedule)
+    with pytest.raises(FormatError, match="weight_stash"):
+        CostModel.from_dict({"buffer_bytes": {"stash": 4}, "weight_stash": [1, 2, 3]}, schedule)
+    cost = CostModel.from_dict({"buffer_bytes": {"stash": 4}, "weight_stash": 3}, schedule)
+    assert cost.weight_stash == (3, 3)
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict())), schedule) == cost
+    assert "weight_stash" not in CostModel.default(schedule).to_dict()
+
+
+def test_a_weight_stash_larger_than_the_stash_raises_the_peak_after_b():
+    """W may keep more than F stashed (the act_in, the output gradients): the stash grows
+    at B's end, and the peak sees it."""
+    schedule = lower(generate("zb_h1", pp=2, microbatches=1))
+    unit = ((1.0,) * 2, (1.0,) * 2, (1.0,) * 2)
+    result = simulate(schedule, CostModel(*unit, {"stash": (0, 0)}, weight_stash=(7, 5)))
+    assert result.peak_bytes == (7, 5)
+    assert all(curve[-1][1] == 0 for curve in result.memory)
+
+
+def test_weight_stash_with_offload_is_refused():
+    from pipeschedule.offload import OffloadPolicy, add_offload
+
+    schedule = add_offload(lower(generate("zb_h1", pp=2, microbatches=4)), OffloadPolicy(fraction=1.0, lead=0))
+    cost = CostModel((1.0,) * 2, (1.0,) * 2, (1.0,) * 2, {"stash": (4, 4)}, weight_stash=(1, 1))
+    with pytest.raises(ParameterError, match="not modelled together with OFFLOAD"):
+        simulate(schedule, cost)

@@ -311,6 +311,9 @@ CALIBRATION_BF16_CASES = (  # pp=2, bf16 on CPU: a stage without decoder layers 
     (2, ProbeRun("ps_1f1b", 4, (1, 3))),
     (2, ProbeRun("capped_1f1b:cap=1", 4, (4, 0))),
 )
+CALIBRATION_SPLIT_CASES = (  # split backward (B, then W): the stash shrinks at B to what W keeps
+    (4, ProbeRun("zb_h1", 8, (1, 1, 1, 1))),
+)
 CALIBRATION_MICROBATCH_SIZE = 2
 
 
