@@ -165,7 +165,9 @@ def plot_release(curves: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None, with_split: bool = False) -> dict:
+def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None, split: str | None = None) -> dict:
+    """split: None (pipeschedule's F/B engines), "also" (and the split-backward ones) or
+    "only" (the split-backward ones alone)."""
     """Every measurement, raw: what `render` turns into tables, checks and plots."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -195,7 +197,8 @@ def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None
                 torch.cuda.empty_cache()
     if "memory" not in skip:
         t = time.perf_counter()
-        case_list = cases(OURS + (SPLIT_BACKWARD if with_split else ()), (4,) if smoke else MICROBATCHES)
+        schedules = {None: OURS, "also": OURS + SPLIT_BACKWARD, "only": SPLIT_BACKWARD}[split]
+        case_list = cases(schedules, (4,) if smoke else MICROBATCHES)
         rows, report["skipped"] = training.run_cases(
             cfg, case_list, pp=PP, mode="shared", microbatch_size=MICROBATCH_SIZE, warmup=WARMUP, steps=steps,
             trace_labels=TRACE_LABELS, timeout=300 if smoke else 480)
@@ -290,8 +293,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="folder for the results (default benchmarks/results/)")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: memory,overhead,calibration")
     parser.add_argument("--commit", default=None, help="the commit measured (recorded in the results)")
-    parser.add_argument("--split-backward", action="store_true",
-                        help="also run zb_h1, zbv, v_half and v_min (split backward; V-shape placements)")
+    parser.add_argument("--split-backward", nargs="?", const="also", choices=("also", "only"), default=None,
+                        help="also (or only: --split-backward only) run zb_h1, zbv, v_half and v_min (split backward; "
+                        "V-shape placements)")
     parser.add_argument("--render", type=Path, default=None, metavar="GPU_JSON",
                         help="measure nothing: re-render the tables and plots of a saved gpu.json")
     args = parser.parse_args(argv)
@@ -311,7 +315,7 @@ def main(argv=None) -> int:
             print("benchmarks.gpu: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
             return 2
         report = measure(SMOKE_MODEL if args.smoke else MODEL, smoke=args.smoke, skip=skip, commit=args.commit,
-                         with_split=args.split_backward)
+                         split=args.split_backward)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         if args.render is None:
