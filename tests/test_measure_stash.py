@@ -132,3 +132,11 @@ def test_unknown_measure_stash_is_refused_with_the_accepted_values():
     world = InProcessWorld(1)
     with pytest.raises(ValueError, match=r"measure_stash='sometimes': accepted values are 'first', 'every'"):
         Executor(schedule, 0, ModuleStages([nn.Linear(2, 2)], loss_fn), world.transport(0), measure_stash="sometimes")
+
+
+def test_signature_separates_strides_and_refuses_tensors_without_strides():
+    x = torch.zeros(4, 6)
+    assert signature_of((x.t(), None)) != signature_of((x.t().contiguous(), None))
+    nested = torch.nested.nested_tensor([torch.zeros(2, 3), torch.zeros(4, 3)])
+    with pytest.raises(RuntimeError):
+        signature_of((nested, None))

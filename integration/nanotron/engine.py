@@ -90,6 +90,7 @@ from pipeschedule.generators.one_f_one_b import default_cap
 from pipeschedule.generators.v_shape import v_placement
 from pipeschedule.ir import Instr, Op, Schedule
 from pipeschedule.runtime import DistTransport, Executor, HostStagedTransport, RemoteOutput
+from pipeschedule.runtime.ledger import signature_of
 
 _engines_built: dict[tuple[int, ...], itertools.count] = {}  # pp group -> engine counter (store prefixes)
 
@@ -372,12 +373,16 @@ class _ModelStages:
         self.cached.clear()
         self.model = self.blocks = self.batch = None
 
-    def micro_batch(self, mb: int) -> dict:
-        """Microbatch mb of the data loader, read lazily and dropped after its last local F."""
+    def peek(self, mb: int) -> dict:
+        """Microbatch mb of the data loader, read lazily; `micro_batch` without using it up."""
         while self.fetched <= mb:
             self.cached[self.fetched] = next(self.batch)
             self.fetched += 1
-        found = self.cached[mb]
+        return self.cached[mb]
+
+    def micro_batch(self, mb: int) -> dict:
+        """Microbatch mb of the data loader, read lazily and dropped after its last local F."""
+        found = self.peek(mb)
         self.calls_left[mb] -= 1
         if self.calls_left[mb] == 0:
             del self.cached[mb]
@@ -433,6 +438,11 @@ class _NanotronExecutor(Executor):
 
     def end(self) -> None:
         self._ddp = self._accumulator = None
+
+    def _input_signature(self, i: Instr, x, target):
+        """The stages read the data loader's microbatch themselves (the executor is given
+        None inputs), so its tensors' shapes join the signature of the stash measurement."""
+        return signature_of((x, target, self.stages.peek(i.mb)))
 
     def _backward(self, i: Instr) -> None:
         contexts = []

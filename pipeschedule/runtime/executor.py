@@ -248,8 +248,13 @@ class Executor:
         target = self._targets[i.mb] if i.stage == self.last_stage and self._targets is not None else None
         weights = WeightGrads() if self.split else None
         holders = [] if self.offloads else None
-        signature = (i.stage, signature_of((x, target)))
-        stash_bytes = None if self.measure_stash == "every" or holders is not None else self._stash_bytes.get(signature)
+        signature = None
+        if self.measure_stash == "first" and holders is None:
+            try:
+                signature = (i.stage, self._input_signature(i, x, target))
+            except (RuntimeError, TypeError):  # inputs without plain sizes and strides (nested tensors): measure
+                signature = None
+        stash_bytes = None if signature is None else self._stash_bytes.get(signature)
         with (contextlib.nullcontext({}) if stash_bytes is not None else
               saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target)), holders,
                              ("stash", i.stage, i.mb))) as saved:
@@ -258,12 +263,19 @@ class Executor:
                 y = self.stages.forward(i.stage, i.mb, x, target)
             self.times.compute_s += time.perf_counter() - start
         if stash_bytes is None:
-            stash_bytes = self._stash_bytes[signature] = sum(saved.values())
+            stash_bytes = sum(saved.values())
+            if signature is not None:
+                self._stash_bytes[signature] = stash_bytes
         if weights is not None:
             weights.close_forward()
             self._report_split(i.stage, weights)
         root, meta = self._emit_output(i, y, x)
         self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta, weights, holders), stash_bytes)
+
+    def _input_signature(self, i: Instr, x, target):
+        """What F(i)'s saved tensors may depend on besides the values ([Note: what the
+        ledger counts]); a subclass whose stages read other inputs adds them."""
+        return signature_of((x, target))
 
     def _load_input(self, i: Instr):
         if i.stage == 0:

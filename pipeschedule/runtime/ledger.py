@@ -165,15 +165,17 @@ def storage_ptrs(values) -> set[int]:
 
 
 def signature_of(values) -> tuple:
-    """What the tensors a stage saves can depend on, apart from the values: shape, dtype,
-    device and requires_grad of each tensor in `values` (nested lists, tuples, dicts, in
-    order), other leaves as themselves (by type where unhashable), and grad mode."""
+    """What the tensors a stage saves can depend on, apart from the values: shape, strides,
+    dtype, layout, device and requires_grad of each tensor in `values` (nested lists,
+    tuples, dicts, in order), other leaves as themselves (by type where unhashable), and
+    grad mode. Raises RuntimeError for a tensor without strides (a nested tensor)."""
     out: list = [torch.is_grad_enabled()]
     stack = [values]
     while stack:
         value = stack.pop()
         if isinstance(value, torch.Tensor):
-            out.append((tuple(value.shape), value.dtype, value.device, value.requires_grad))
+            out.append((tuple(value.shape), value.stride(), value.dtype, value.layout, value.device,
+                        value.requires_grad))
         elif isinstance(value, (list, tuple)):
             out.append(len(value))
             stack.extend(reversed(value))
