@@ -31,7 +31,9 @@ produces it (memory is allocated before it is written) until its FREE:
 - In a schedule with W and a cost with `weight_stash`, B(s) resizes its stash at its
   *end* to weight_stash[s] (autograd has freed what only B needed; W keeps its inputs
   and output gradients until the FREE after it), as the runtime's ledger does
-  (`Ledger.resize`).
+  (`Ledger.resize`). The ledger resizes before it adds B's grad_in, while here grad_in
+  counts from B's start, so the simulated peak can exceed the ledger's by at most one
+  grad_in (or local grad_out) per rank: during B the allocator holds both.
 Live bytes, and so the peak, therefore depend on program order only; time only places
 the points of the curve (except where OFFLOAD moves bytes, below).
 
@@ -308,10 +310,11 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
             f"the cost model has {cost.num_stages} stages but the schedule has "
             f"pp*virtual = {schedule.pp}*{schedule.virtual} = {schedule.num_stages}"
         )
-    if cost.weight_stash is not None and schedule.split_backward and any(
-            i.op is Op.OFFLOAD for program in schedule.programs for i in program):
-        raise ParameterError("cost 'weight_stash' (a stash that shrinks at its B) is not modelled together with "
-                             "OFFLOAD; leave one of them out")
+    if cost.weight_stash is not None and schedule.split_backward:
+        moved = next(((r, i) for r, program in enumerate(schedule.programs) for i in program if i.op is Op.OFFLOAD), None)
+        if moved is not None:
+            raise ParameterError(f"cost 'weight_stash' (a stash resized at its B) is not modelled together with "
+                                 f"OFFLOAD (rank {moved[0]} runs {moved[1]}); leave one of them out")
     trace = run(schedule, cost)
     step_time = max(trace.finish, default=0)
     total = sum(trace.busy)

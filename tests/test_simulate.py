@@ -493,3 +493,21 @@ def test_weight_stash_with_offload_is_refused():
     cost = CostModel((1.0,) * 2, (1.0,) * 2, (1.0,) * 2, {"stash": (4, 4)}, weight_stash=(1, 1))
     with pytest.raises(ParameterError, match="not modelled together with OFFLOAD"):
         simulate(schedule, cost)
+
+
+@pytest.mark.parametrize("name,virtual", [("zb_h1", 1), ("zbv", 2)])
+def test_weight_stash_with_boundaries_exceeds_the_ledger_by_at_most_one_gradient(name, virtual):
+    """The ledger resizes the stash before it adds B's grad_in; the simulator counts
+    grad_in from B's start and resizes at B's end ([Note: when bytes count])."""
+    from test_runtime_common import replay_high_water
+
+    schedule = lower(generate(name, pp=2, microbatches=3, virtual=virtual))
+    n = schedule.num_stages
+    sizes_by_kind = {"stash": 10, "act_in": 3, "act_out": 3, "grad_out": 5, "grad_in": 5}
+    sizes = {(kind, s, mb): size for kind, size in sizes_by_kind.items() for s in range(n) for mb in range(3)}
+    resized = {("stash", s, mb): 2 for s in range(n) for mb in range(3)}
+    unit = ((1.0,) * n, (1.0,) * n, (1.0,) * n)
+    result = simulate(schedule, CostModel(*unit, {k: (v,) * n for k, v in sizes_by_kind.items()}, weight_stash=(2,) * n))
+    for rank in range(schedule.pp):
+        ledger = replay_high_water(schedule, rank, sizes, resized)
+        assert ledger <= result.peak_bytes[rank] <= ledger + sizes_by_kind["grad_in"], (rank, ledger, result.peak_bytes)
