@@ -46,44 +46,9 @@ import warnings
 
 import torch
 
-from integration.nanotron.llama import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
+from integration.nanotron.llama import ModelConfig
+from integration.nanotron.plain_stages import LlamaStages
 
-
-
-class LlamaStages:
-    """`Stages` over llama.py's blocks as plain modules (no nanotron `PipelineBlock`):
-    stage 0 embeds, the last stage ends with the final norm, the head and the loss; the
-    boundary is the hidden states."""
-
-    def __init__(self, cfg: ModelConfig, split: tuple[int, ...], device, dtype):
-        self.cfg, self.split = cfg, split
-        index = 1
-        self.layers = []
-        for count in split:
-            self.layers.append(torch.nn.ModuleList(
-                DecoderLayer(cfg, index + i).to(device=device, dtype=dtype) for i in range(count)))
-            index += count
-        self.embedding = TokenEmbedding(cfg, 0).to(device=device, dtype=dtype)
-        self.norm = FinalNorm(cfg, index).to(device=device, dtype=dtype)
-        self.head = LMHead(cfg, index + 1).to(device=device, dtype=dtype)
-        self.loss = Loss(cfg, index + 2)
-
-    def forward(self, stage: int, mb: int, act_in, target):
-        x = self.embedding(act_in["input_ids"], None)["input_embeds"] if stage == 0 else act_in
-        for layer in self.layers[stage]:
-            x = layer(x, None)["hidden_states"]
-        if stage < len(self.split) - 1:
-            return x
-        logits = self.head(self.norm(x)["hidden_states"])["logits"]
-        return self.loss(logits, target["label_ids"], target["label_mask"])["loss"]
-
-    def parameters(self, stage: int):
-        modules = list(self.layers[stage])
-        if stage == 0:
-            modules.append(self.embedding)
-        if stage == len(self.split) - 1:
-            modules += [self.norm, self.head]
-        return [p for module in modules for p in module.parameters()]
 
 
 def compute_order(schedule) -> list[tuple[str, int, int]]:
@@ -227,6 +192,8 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
             if r >= warmup:
                 runs[key]["step"].append(time.perf_counter() - start)
                 runs[key]["host"].append(issued - start)
+    host_times = {key: sum(getattr(e.times, key) for e in pipeline.executors)  # before the profiled steps
+                  for key in ("compute_s", "transport_s", "wait_s", "total_s")}
     for key, fn in variants.items():
         zero_grads()
         runs[key]["syncs"] = syncs(fn, device)
@@ -244,8 +211,7 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
         "overhead_s": paired, "overhead_fraction": paired / pipe,
         "overhead_us_per_instruction": paired / instructions * 1e6,
         "runs": runs,
-        "executor_host_times_last_step": {key: sum(getattr(e.times, key) for e in pipeline.executors)
-                                          for key in ("compute_s", "transport_s", "wait_s", "total_s")},
+        "executor_host_times_last_step": host_times,
     }
 
 

@@ -42,7 +42,7 @@ import torch
 
 from benchmarks import training
 from benchmarks.gpu import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL
-from benchmarks.gpu_overhead import LlamaStages
+from integration.nanotron.plain_stages import LlamaStages
 from benchmarks.training import model_split, sync, to_device
 
 RESULTS = Path(__file__).parent / "results"

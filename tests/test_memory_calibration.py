@@ -227,3 +227,30 @@ def test_cuda_counts_the_flash_kernels_rng_state():
     assert [g["stash per microbatch"] - c["stash per microbatch"] for c, g in zip(cpu, cuda)] == [32, 32]
     with pytest.raises(ValueError, match="'tpu'"):
         predict(CFG, device="tpu", **kwargs)
+
+
+@pytest.mark.parametrize("name,split", [("zb_h1", (2, 2, 2, 2)), ("zb_h1", (3, 0, 2, 3)), ("zbv", (1, 1, 2, 1, 1, 1, 0, 1))])
+def test_weight_stash_equals_the_ledgers_resize_to_the_byte(name, split):
+    """What W keeps of each stash after B (`llama_memory.weight_stash`) against the
+    ledger's `resized` of a real in-process run of the integration Llama's blocks, fp32,
+    stages with and without decoder layers."""
+    from integration.nanotron.harness import microbatch
+    from integration.nanotron.llama import ModelConfig
+    from integration.nanotron.plain_stages import LlamaStages
+    from pipeschedule import compile_schedule
+    from pipeschedule.llama_memory import weight_stash
+    from pipeschedule.runtime import InProcessPipeline
+
+    cfg = ModelConfig(hidden=64, layers=sum(split), heads=4, kv_heads=2, ffn=96, vocab=200, seq=32)
+    schedule = compile_schedule(name, pp=4, microbatches=3)
+    stages = LlamaStages(cfg, split, "cpu", torch.float32)
+    batches = [microbatch(cfg, B, i, 5) for i in range(3)]
+    pipeline = InProcessPipeline(schedule, stages)
+    pipeline.step([{"input_ids": b["input_ids"]} for b in batches],
+                  [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches])
+    setup = training_setup(cfg, microbatch_size=B, dtype_bytes=4, optimizer="adamw")
+    last = len(split) - 1
+    expected = [weight_stash(model_spec(cfg), setup, layers, last=s == last) for s, layers in enumerate(split)]
+    resized = {key: size for e in pipeline.executors for key, size in e.ledger.resized.items()}
+    assert resized and {key[1] for key in resized} == set(range(len(split)))
+    assert all(size == expected[stage] for (_, stage, _), size in resized.items()), (resized, expected)
