@@ -25,8 +25,9 @@ that `pipeschedule simulate --cost` reads.
    GPU (`InProcessPipeline`, the same blocks as plain modules): step time through the
    executor against the same forward and backward calls, in the same order, from a plain
    loop; the difference is the runtime's overhead. Beside them: one backward per
-   microbatch through all stages (no boundaries), the executor without the ledger's
-   hooks, and each variant's GPU busy time and synchronisations.
+   microbatch through all stages (no boundaries), the executor measuring every stash
+   with the ledger's hooks (`measure_stash="every"`), and each variant's GPU busy time
+   and synchronisations.
 3. Calibration. One decoder layer, the embedding and the head+loss timed with CUDA
    events (forward; full backward; input-gradient-only backward, so that
    weight = full - input for split-backward schedules); per stage, summed into cost
@@ -166,9 +167,9 @@ def plot_release(curves: dict, path: Path) -> None:
 
 
 def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None, split: str | None = None) -> dict:
-    """split: None (pipeschedule's F/B engines), "also" (and the split-backward ones) or
-    "only" (the split-backward ones alone)."""
-    """Every measurement, raw: what `render` turns into tables, checks and plots."""
+    """Every measurement, raw: what `render` turns into tables, checks and plots. split:
+    None (pipeschedule's F/B engines), "also" (and the split-backward ones) or "only"
+    (the split-backward ones alone)."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     steps = 1 if smoke else STEPS
@@ -205,6 +206,15 @@ def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None
         report["memory"] = [{k: v for k, v in row.items() if k != "predicted"} for row in rows]
         print(f"[memory] {time.perf_counter() - t:.1f} s; skipped: {report['skipped']}", flush=True)
     return report
+
+
+def _weight_stash(cfg: ModelConfig, split: tuple[int, ...], dtype_bytes: int) -> list[int]:
+    """Per stage, the bytes a stash keeps from B to W (`llama_memory.weight_stash`)."""
+    from integration.nanotron.memory_probe import model_spec, training_setup
+    from pipeschedule.llama_memory import weight_stash
+
+    setup = training_setup(cfg, microbatch_size=MICROBATCH_SIZE, dtype_bytes=dtype_bytes, optimizer="adamw")
+    return [weight_stash(model_spec(cfg), setup, layers, last=s == len(split) - 1) for s, layers in enumerate(split)]
 
 
 def render(report: dict, out_dir: Path | None) -> str:
@@ -261,7 +271,8 @@ def render(report: dict, out_dir: Path | None) -> str:
                     merged.setdefault(kind, {}).update(per_stage)
             split = model_split(cfg, PP * v)
             costs[v] = stage_costs(calibration, split, merged, split_backward=False)
-            split_costs[v] = stage_costs(calibration, split, merged, split_backward=True)
+            split_costs[v] = stage_costs(calibration, split, merged, split_backward=True,
+                                         weight_stash=_weight_stash(cfg, split, dtype_bytes))
         sims = simulate_cases(cfg, costs, [Case(**r["case"]) for r in rows], pp=PP, microbatch_size=MICROBATCH_SIZE)
         lines += [f"## Simulated pp={PP} on {PP} such GPUs (calibrated costs; p2p latency {P2P_LATENCY_MS} ms and "
                   f"{P2P_GBPS:g} GB/s assumed)", "", "| schedule | m | step ms | bubble | tokens/s/GPU |",
@@ -303,6 +314,9 @@ def main(argv=None) -> int:
     unknown = skip - {"memory", "overhead", "calibration"}
     if unknown:
         parser.error(f"--skip {args.skip!r}: unknown parts {sorted(unknown)}; accepted: memory, overhead, calibration")
+    if args.split_backward == "only" and args.out is None and args.render is None and not args.smoke:
+        parser.error("--split-backward only measures part of the report: give --out DIR (benchmarks/results/gpu.json "
+                     "holds the full run; the split-only one is kept as gpu_split.*)")
     out_dir = args.out if args.out is not None else (None if args.smoke else RESULTS)
     if args.render is not None:
         try:
