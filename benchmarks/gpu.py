@@ -69,8 +69,6 @@ from benchmarks.training import (
     gib,
     model_split,
     predicted_total,
-    sync,
-    to_device,
 )
 from benchmarks.gpu_overhead import overhead_lines, run_overhead
 from integration.nanotron.llama import ModelConfig

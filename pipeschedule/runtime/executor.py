@@ -253,7 +253,7 @@ class Executor:
             try:
                 signature = (i.stage, self._input_signature(i, x, target))
             except (RuntimeError, TypeError):  # inputs without plain sizes and strides (nested tensors): measure
-                signature = None
+                pass
         stash_bytes = None if signature is None else self._stash_bytes.get(signature)
         with (contextlib.nullcontext({}) if stash_bytes is not None else
               saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target)), holders,
