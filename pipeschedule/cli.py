@@ -1,7 +1,7 @@
 """The `pipeschedule` command.
 
     pipeschedule compile NAME --pp P --microbatches M [--virtual V] [--cap C|C0,C1,..] --json PATH
-                              [--offload fraction=F[,lead=L][,ranks=..]|auto[,budget=B]] [--host-bandwidth GB/s]
+                              [--offload fraction=F[,lead=L][,ranks=..]|auto[,budget=B]][,stream=MiB]] [--host-bandwidth GB/s]
     pipeschedule verify PATH                  exit 0 valid, 1 invalid, 2 unusable input
     pipeschedule simulate NAME|--schedule PATH [...] [--cost PATH] [--json] [--trace PATH] [--png PATH]
     pipeschedule show NAME ...                ASCII timeline
@@ -78,7 +78,8 @@ def _load_any(path: str):
 
 def _offload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", metavar="SPEC", default=None,
-                        help="move stashes to host memory: fraction=F[,lead=L][,ranks=R0/R1..] or auto[,budget=0.03]")
+                        help="move stashes to host memory: fraction=F[,lead=L][,ranks=R0/R1..] or auto[,budget=0.03]; "
+                             "add ,stream=MiB to stream them in chunks of that size")
     parser.add_argument("--host-bandwidth", metavar="GB/s", type=float, default=None,
                         help="host link per direction, GB/s; cost times are read as ms (default: infinite)")
 
@@ -198,6 +199,7 @@ def cmd_simulate(args) -> int:
         from pipeschedule.simulate import _is_lowered
 
         schedule, choice = _offloaded(args, schedule if _is_lowered(schedule) else lower(schedule), cost)
+        cost = choice.policy.cost(cost)  # with its streaming, if any
     result = simulate(schedule, cost)
     if args.trace:
         from pipeschedule.render import chrome_trace

@@ -19,6 +19,12 @@ import math
 # copy has landed and the host copy is released, kept only so that a later use of the
 # buffer knows when it became usable.
 OUT, HOST, IN, BACK = "out", "host", "in", "back"
+# States of a streamed stash ([Note: streamed offload] in simulate.py), whose entry also
+# holds its pieces (entry[4]: each piece's latest copy entry, last saved last) and the
+# index of the next piece to reload (entry[5]). STREAMED: its pieces are going out or on
+# the host; RELOADING: the RELOAD has issued the window; GONE: its B consumed and
+# released every piece (a stash kept for W ends as BACK instead).
+STREAMED, RELOADING, GONE = "streamed", "reloading", "gone"
 
 # Which buffers of its own (stage, mb) each compute op reads ([Note: buffers] in ir.py).
 USES = {"F": ("act_in",), "B": ("act_in", "stash", "grad_out"), "W": ("stash",)}
@@ -28,10 +34,12 @@ class HostLink:
     """One rank's copies to and from host memory, queued per direction in program order."""
 
     __slots__ = ("out_bandwidth", "in_bandwidth", "slowdown", "out_free", "in_free", "pending", "moved",
-                 "host", "peak_host", "seq", "mem_t", "mem_v", "point", "waited")
+                 "host", "peak_host", "seq", "mem_t", "mem_v", "point", "waited", "chunk", "window")
 
-    def __init__(self, out_bandwidth, in_bandwidth, slowdown, mem_t: list, mem_v: list, point) -> None:
+    def __init__(self, out_bandwidth, in_bandwidth, slowdown, mem_t: list, mem_v: list, point,
+                 chunk=None, window: int = 2) -> None:
         self.out_bandwidth, self.in_bandwidth, self.slowdown = out_bandwidth, in_bandwidth, slowdown
+        self.chunk, self.window = chunk, window  # streamed offload: bytes per piece, pieces reloaded ahead
         self.out_free = self.in_free = 0  # when the device->host / host->device queue is next idle
         self.pending: list = []  # heap of (completion time, seq, entry) of copies not yet landed
         self.moved: dict = {}  # (buf, stage, mb) -> [state, time, bytes, cancelled]
@@ -70,6 +78,8 @@ class HostLink:
         holds the bytes from now, the device until the copy lands."""
         live = self.drain(t, live)
         before = self.moved.get(key)
+        if before is not None and before[0] is STREAMED:  # its pieces left during its F
+            return live, before[1]
         landed = before[1] if before is not None and before[0] is IN else t  # a reload still landing
         done = max(t, self.out_free, landed) + self._copy_time(nbytes, self.out_bandwidth)
         self.out_free = done
@@ -86,6 +96,8 @@ class HostLink:
         host->device queue is free and the offload it undoes has landed."""
         live = self.drain(t, live)
         before = self.moved.get(key)
+        if before is not None and before[0] is STREAMED:
+            return self._reload_window(before, t, live, peak)
         landed = before[1] if before is not None and before[0] is OUT else t
         done = max(t, self.in_free, landed) + self._copy_time(nbytes, self.in_bandwidth)
         self.in_free = done
@@ -107,17 +119,30 @@ class HostLink:
             return live, nbytes
         state = entry[0]
         entry[3] = True
+        if len(entry) > 4 and state is not BACK:  # streamed: what each piece still holds
+            device = 0
+            for piece in entry[4]:
+                piece[3] = True
+                if piece[0] is not BACK and piece[0] is not GONE:
+                    self.host -= piece[2]
+                if piece[0] is not HOST and piece[0] is not GONE:
+                    device += piece[2]
+            return live, device
         if state is not BACK:
             self.host -= entry[2]
         return live, (0 if state is HOST else nbytes)
 
     def ready(self, op, stage, mb, t):
         """When compute `op` of (stage, mb) may start: not before any RELOAD of a buffer
-        it reads has landed."""
+        it reads has landed (of a streamed stash, the piece it consumes first)."""
         moved = self.moved
         for buf in USES[op]:
             entry = moved.get((buf, stage, mb))
-            if entry is not None and (entry[0] is IN or entry[0] is BACK) and entry[1] > t:
+            if entry is None:
+                continue
+            if entry[0] is RELOADING:  # streamed: not before the first piece it consumes
+                entry = entry[4][-1]
+            if (entry[0] is IN or entry[0] is BACK) and entry[1] > t:
                 t = entry[1]
         return t
 
@@ -135,6 +160,93 @@ class HostLink:
             return spend
         busy = max(self.out_free, self.in_free) - t
         return spend + self.slowdown * min(spend, busy) if busy > 0 else spend
+
+    # -- streamed stashes ([Note: streamed offload] in simulate.py) ----------------------------
+
+    def _pieces(self, nbytes) -> list:
+        count = max(1, math.ceil(nbytes / self.chunk))
+        if isinstance(nbytes, int):
+            return [nbytes * (j + 1) // count - nbytes * j // count for j in range(count)]
+        return [nbytes / count] * count
+
+    def _add(self, t, live, nbytes, peak):
+        live = self.drain(t, live) + nbytes
+        self.point(self.mem_t, self.mem_v, t, live)
+        return live, (live if live > peak else peak)
+
+    def stream_out(self, key, nbytes, t, spend, live, peak):
+        """F of a stash that streams out, starting at `t` for `spend`: piece j of n is
+        produced over the j-th n-th of the F, counts on the device from the start of it,
+        is copied when it ends and leaves the device when its copy lands. Returns (live,
+        peak, the F's time with the slowdown of the copies running beside it)."""
+        sizes = self._pieces(nbytes)
+        pieces, at, produced = [], t, t
+        for size in sizes:
+            live, peak = self._add(at, live, size, peak)
+            produced += spend * size / nbytes if nbytes else spend / len(sizes)
+            done = max(produced, self.out_free) + self._copy_time(size, self.out_bandwidth)
+            self.out_free = done
+            self.host += size
+            piece = [OUT, done, size, False]
+            self._push(piece)
+            pieces.append(piece)
+            at = produced
+        if self.host > self.peak_host:
+            self.peak_host = self.host
+        self.moved[key] = [STREAMED, self.out_free, nbytes, False, pieces, len(pieces) - 1]
+        return live, peak, self.stretch(t, spend)
+
+    def _reload_one(self, entry, t, live, peak):
+        """Issues the copy back of the entry's next piece at `t` (its device bytes count
+        from now; the copy waits for the queue and for the piece's own offload)."""
+        index = entry[5]
+        entry[5] -= 1
+        before = entry[4][index]
+        size = before[2]
+        landed = before[1] if before[0] is OUT else t
+        done = max(t, self.in_free, landed) + self._copy_time(size, self.in_bandwidth)
+        self.in_free = done
+        piece = [IN, done, size, False]
+        entry[4][index] = piece
+        self._push(piece)
+        live, peak = self._add(t, live, size, peak)
+        return live, peak, done
+
+    def _reload_window(self, entry, t, live, peak):
+        """A streamed RELOAD at `t`: the last `window` pieces start back."""
+        done = t
+        while entry[5] >= 0 and len(entry[4]) - 1 - entry[5] < self.window:
+            live, peak, done = self._reload_one(entry, t, live, peak)
+        entry[0] = RELOADING
+        return self.drain(t, live), peak, done
+
+    def stream_b(self, key, t, spend, live, peak, keep: bool):
+        """B of a streamed stash from `t`: it consumes the pieces last saved first, each
+        for its share of `spend`, starting on one only once it has landed; starting on a
+        piece issues the reload of the piece `window` further down. A consumed piece is
+        released when its share ends, unless `keep` (W still needs the stash: it stays
+        whole until its FREE). Returns (live, peak, the B's end)."""
+        entry = self.moved.get(key)
+        if entry is None or len(entry) < 5 or entry[0] is BACK or entry[0] is GONE:  # not streamed (any more)
+            return live, peak, t + spend
+        if entry[0] is STREAMED:  # no RELOAD before it: the window starts at the B
+            live, peak, _ = self._reload_window(entry, t, live, peak)
+        pieces, nbytes = entry[4], entry[2]
+        clock = t
+        for index in range(len(pieces) - 1, -1, -1):
+            while entry[5] >= index:  # not issued yet (only when the window cannot cover it)
+                live, peak, _ = self._reload_one(entry, clock, live, peak)
+            piece = pieces[index]
+            start = piece[1] if piece[1] > clock else clock
+            while entry[5] >= 0 and entry[5] >= index - self.window:
+                live, peak, _ = self._reload_one(entry, start, live, peak)
+            clock = start + (spend * piece[2] / nbytes if nbytes else spend / len(pieces))
+            if not keep:
+                live = self.drain(clock, live) - piece[2]
+                piece[0] = GONE
+                self.point(self.mem_t, self.mem_v, clock, live)
+        entry[0], entry[1] = (BACK if keep else GONE), clock
+        return self.drain(clock, live), peak, clock
 
     def finish(self, live):
         """Lands everything still in flight (after the program's end)."""

@@ -64,14 +64,19 @@ class OffloadPolicy:
 
     fraction: of each chosen rank's stashes, in [0, 1]; one number, or one per rank.
     ranks: the ranks that offload (None: all). lead: computes between a RELOAD and the B
-    that needs it, >= 0; one number, or one per rank.
+    that needs it, >= 0; one number, or one per rank. chunk: bytes per piece when the
+    stashes stream ([Note: streamed offload] in simulate.py; the runtime's
+    `offload_chunk`), None: each moves whole. Streaming changes how the copies run, not
+    the instructions: `add_offload` places the same OFFLOAD / RELOAD either way.
     """
 
     fraction: float | tuple[float, ...] = 1.0
     ranks: tuple[int, ...] | None = None
     lead: int | tuple[int, ...] = 1
+    chunk: float | None = None
 
     def __post_init__(self) -> None:
+        _check_chunk(self.chunk)
         fraction = tuple(self.fraction) if isinstance(self.fraction, (list, tuple)) else self.fraction
         if not (_fraction(fraction) or (isinstance(fraction, tuple) and fraction and all(map(_fraction, fraction)))):
             raise ParameterError(f"offload fraction must be a number in [0, 1] or one per rank, got {self.fraction!r}")
@@ -102,7 +107,26 @@ class OffloadPolicy:
         parts = [f"fraction={join(self.fraction)}", f"lead={join(self.lead)}"]
         if self.ranks is not None:
             parts.append("ranks=" + "/".join(map(str, self.ranks)))
+        if self.chunk is not None:
+            parts.append(f"stream={self.chunk / MIB:g}")
         return ",".join(parts)
+
+    def cost(self, cost):
+        """`cost` with this policy's streaming (its chunk) in force."""
+        return streamed(cost, self.chunk)
+
+
+MIB = 2**20
+
+
+def _check_chunk(chunk) -> None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 0 < chunk < math.inf):
+        raise ParameterError(f"offload chunk must be a number of bytes > 0 (None: whole stashes), got {chunk!r}")
+
+
+def streamed(cost, chunk):
+    """`cost` with `offload_chunk=chunk` (unchanged when chunk is None)."""
+    return cost if chunk is None else replace(cost, offload_chunk=chunk)
 
 
 @dataclass(frozen=True)
@@ -113,8 +137,10 @@ class AutoOffload:
     budget: float = DEFAULT_BUDGET
     ranks: tuple[int, ...] | None = None
     leads: tuple[int, ...] = DEFAULT_LEADS
+    chunk: float | None = None
 
     def __post_init__(self) -> None:
+        _check_chunk(self.chunk)
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not 0 <= self.budget < math.inf:
             raise ParameterError(f"offload budget must be a finite number >= 0 (0.03 = 3% slower at most), got {self.budget!r}")
         OffloadPolicy(ranks=self.ranks)  # same checks
@@ -224,7 +250,9 @@ class OffloadChoice:
 
     @property
     def slowdown(self) -> float:
-        return self.step_time / self.base_step_time - 1 if self.base_step_time else 0.0
+        """step_time / base_step_time - 1; a rounding residue (|x| < 1e-12) reads 0."""
+        value = self.step_time / self.base_step_time - 1 if self.base_step_time else 0.0
+        return 0.0 if abs(value) < 1e-12 else value
 
     def to_dict(self) -> dict:
         return {
@@ -259,7 +287,7 @@ def evaluate_offload(schedule: Schedule, cost, policy: OffloadPolicy, base=None)
         schedule = lower(schedule)
     base = base or simulate(schedule, cost)
     moved = add_offload(schedule, policy)
-    result = simulate(moved, cost)
+    result = simulate(moved, policy.cost(cost))
     return OffloadChoice(policy, moved, base.step_time, result.step_time, base.peak_bytes, result.peak_bytes,
                          result.peak_host_bytes, offload_counts(moved), 2)
 
@@ -291,6 +319,7 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
         raise ParameterError(f"offload ranks {bad} are not ranks of the schedule (0..{pp - 1})")
     base = simulate(schedule, cost)
     limit = base.step_time * (1 + auto.budget)
+    trial_cost = streamed(cost, auto.chunk)
     sizes = [len(stash_waits(p)) for p in schedule.programs]
     fractions, leads = [0.0] * pp, [0] * pp
     runs = 1
@@ -302,7 +331,7 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
             for count in counts:
                 trial_f, trial_l = list(fractions), list(leads)
                 trial_f[rank], trial_l[rank] = count / n, lead
-                result = simulate(add_offload(schedule, OffloadPolicy(tuple(trial_f), None, tuple(trial_l))), cost)
+                result = simulate(add_offload(schedule, OffloadPolicy(tuple(trial_f), None, tuple(trial_l))), trial_cost)
                 runs += 1
                 if result.step_time > limit:
                     break
@@ -310,7 +339,7 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
                     best = min(best, (result.peak_bytes[rank], result.step_time, -count, lead))
         if best[2]:
             fractions[rank], leads[rank] = -best[2] / n, best[3]
-    policy = OffloadPolicy(tuple(fractions), None, tuple(leads))
+    policy = OffloadPolicy(tuple(fractions), None, tuple(leads), auto.chunk)
     choice = evaluate_offload(schedule, cost, policy, base)
     return replace(choice, simulations=runs + 1)
 
@@ -319,10 +348,12 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
 
 
 def parse_offload(text: str) -> OffloadPolicy | AutoOffload:
-    """`--offload` values: `fraction=F[,lead=L][,ranks=R0/R1..]` (F and L may be one per
-    rank, F0/F1/..) or `auto[,budget=B][,ranks=..]`. Raises ParameterError naming the
-    part that is wrong and what is accepted."""
-    accepted = "accepted: fraction=F[,lead=L][,ranks=R0/R1..] with F in [0, 1] (or F0/F1/.. per rank), or auto[,budget=B][,ranks=..]"
+    """`--offload` values: `fraction=F[,lead=L][,ranks=R0/R1..][,stream=MiB]` (F and L may
+    be one per rank, F0/F1/..) or `auto[,budget=B][,ranks=..][,stream=MiB]`; stream= sets
+    the chunk of streamed stashes in MiB. Raises ParameterError naming the part that is
+    wrong and what is accepted."""
+    accepted = ("accepted: fraction=F[,lead=L][,ranks=R0/R1..][,stream=MiB] with F in [0, 1] (or F0/F1/.. per rank), "
+                "or auto[,budget=B][,ranks=..][,stream=MiB]")
     if not isinstance(text, str) or not text.strip():
         raise ParameterError(f"--offload needs a value, got {text!r}; {accepted}")
     parts = [p.strip() for p in text.split(",")]
@@ -330,7 +361,7 @@ def parse_offload(text: str) -> OffloadPolicy | AutoOffload:
     if auto:
         parts = parts[1:]
     values: dict[str, str] = {}
-    allowed = ("budget", "ranks") if auto else ("fraction", "lead", "ranks")
+    allowed = ("budget", "ranks", "stream") if auto else ("fraction", "lead", "ranks", "stream")
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or key not in allowed or key in values or not value:
@@ -349,16 +380,22 @@ def parse_offload(text: str) -> OffloadPolicy | AutoOffload:
 
     ranks = numbers("ranks", int) if "ranks" in values else None
     try:
+        chunk = None
+        if "stream" in values:
+            mib = numbers("stream", float)
+            if len(mib) != 1 or not mib[0] > 0:
+                raise ParameterError(f"stream takes one number of MiB > 0 (the chunk), got {values['stream']!r}")
+            chunk = mib[0] * MIB
         if auto:
             budget = numbers("budget", float) if "budget" in values else (DEFAULT_BUDGET,)
             if len(budget) != 1:
                 raise ParameterError(f"budget takes one number, got {values['budget']!r}")
-            return AutoOffload(budget=budget[0], ranks=ranks)
+            return AutoOffload(budget=budget[0], ranks=ranks, chunk=chunk)
         if "fraction" not in values:
             raise ParameterError("fraction= is missing")
         fraction = numbers("fraction", float)
         lead = numbers("lead", int) if "lead" in values else (1,)
-        return OffloadPolicy(fraction[0] if len(fraction) == 1 else fraction, ranks, lead[0] if len(lead) == 1 else lead)
+        return OffloadPolicy(fraction[0] if len(fraction) == 1 else fraction, ranks, lead[0] if len(lead) == 1 else lead, chunk)
     except ParameterError as err:
         if str(err).startswith("--offload"):
             raise
@@ -382,5 +419,5 @@ def host_bandwidth(gpu: str | None, given: float | None) -> float | None:
 
 __all__ = [
     "AutoOffload", "HOST_LINKS", "OffloadChoice", "OffloadPolicy", "add_offload", "choose_offload",
-    "evaluate_offload", "host_bandwidth", "offload_counts", "parse_offload", "stash_waits",
+    "evaluate_offload", "host_bandwidth", "offload_counts", "parse_offload", "stash_waits", "streamed",
 ]

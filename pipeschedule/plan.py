@@ -310,7 +310,7 @@ def offload_report(planner: _Planner, candidate: Candidate) -> dict:
         choice = evaluate_offload(schedule, both, config.offload)
     stash_cost = replace(planner.cost(candidate.split, stash, sb), offload_bandwidth=config.host_bandwidth,
                          reload_bandwidth=config.host_bandwidth)
-    before, after = simulate(schedule, stash_cost), simulate(choice.schedule, stash_cost)
+    before, after = simulate(schedule, stash_cost), simulate(choice.schedule, choice.policy.cost(stash_cost))
     tightest = candidate.peak.rank
     return {
         "policy": choice.policy.text(), "offloaded": [list(c) for c in choice.counts],
@@ -320,7 +320,7 @@ def offload_report(planner: _Planner, candidate: Candidate) -> dict:
         "activations": [float(x) for x in before.peak_bytes], "activations_offload": [float(x) for x in after.peak_bytes],
         "host_bytes": [float(x) for x in after.peak_host_bytes], "tightest_rank": tightest,
         "saved_on_tightest": float(before.peak_bytes[tightest] - after.peak_bytes[tightest]),
-        "simulations": choice.simulations,
+        "simulations": choice.simulations, "chunk": choice.policy.chunk,
     }
 
 

@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--p2p-bandwidth", type=float, default=25.0, help="GB/s between stages (default 25)")
     gpu.add_argument("--p2p-latency", type=float, default=20.0, help="microseconds per message (default 20)")
     gpu.add_argument("--offload", metavar="SPEC", default=None,
-                     help="report what host offload adds to the recommendation: fraction=F[,lead=L][,ranks=..] or auto[,budget=0.03]")
+                     help="report what host offload adds to the recommendation: fraction=F[,lead=L][,ranks=..] or "
+                          "auto[,budget=0.03]; add ,stream=MiB to stream stashes in chunks of that size")
     gpu.add_argument("--host-bandwidth", metavar="GB/s", type=float, default=None,
                      help="host link per direction (default: the preset's, gh200 450, h200 55.4)")
     search = parser.add_argument_group("search and output")

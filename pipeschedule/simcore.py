@@ -208,9 +208,12 @@ def run(schedule: Schedule, cost) -> Trace:
     programs = schedule.programs
     ends = [[None] * len(p) for p in programs]
     memory = [([0], [0]) for _ in range(pp)]
-    links = [HostLink(cost.offload_bandwidth, cost.reload_bandwidth, cost.offload_slowdown, *memory[r], _point)
+    links = [HostLink(cost.offload_bandwidth, cost.reload_bandwidth, cost.offload_slowdown, *memory[r], _point,
+                      cost.offload_chunk, cost.reload_window) for r in range(pp)]
+    streamed = [_streamed(p) if cost.offload_chunk is not None else None for p in programs]
+    split = schedule.split_backward
+    fixed = [(programs[r], len(programs[r]), ends[r], *memory[r], links[r], links[r].moved, streamed[r])
              for r in range(pp)]
-    fixed = [(programs[r], len(programs[r]), ends[r], *memory[r], links[r], links[r].moved) for r in range(pp)]
     # per rank: pc, clock, live bytes, peak bytes, in flight, peak in flight, busy time
     state = [(0, 0, 0, 0, 0, 0, 0)] * pp
     parked = [None] * pp  # per rank: (waiting ops, end so far, first pc) of its parked batch
@@ -222,7 +225,7 @@ def run(schedule: Schedule, cost) -> Trace:
     stack = list(range(pp - 1, -1, -1))
     while stack:
         r = stack.pop()
-        program, n, rank_ends, mem_t, mem_v, link, moved = fixed[r]
+        program, n, rank_ends, mem_t, mem_v, link, moved, streams = fixed[r]
         pc, t, live, peak, inflight, peak_inflight, busy = state[r]
         if parked[r] is not None:  # resumed: every partner of the parked batch has posted
             ops, batch_end, _ = parked[r]
@@ -255,6 +258,7 @@ def run(schedule: Schedule, cost) -> Trace:
                 continue
             if op is F or op is B or op is W:
                 s = instr.stage
+                stream = streams and (s, instr.mb) in streams and op is not W  # [Note: streamed offload]
                 if op is F:
                     grow, spend = f_alloc[s], fcost[s]
                     inflight += 1
@@ -265,6 +269,8 @@ def run(schedule: Schedule, cost) -> Trace:
                     inflight -= 1
                 else:
                     grow, spend = 0, wcost[s]
+                if stream and op is F:
+                    grow -= stash[s]  # its pieces count as they are produced
                 if moved:  # wait for reloads of what it reads; land finished copies
                     ready = link.ready(op.value, s, instr.mb, t)
                     if ready != t:
@@ -289,7 +295,15 @@ def run(schedule: Schedule, cost) -> Trace:
                     else:
                         mem_t.append(t)
                         mem_v.append(live)
-                t += spend
+                if stream:
+                    key = ("stash", s, instr.mb)
+                    if op is F:
+                        live, peak, spend = link.stream_out(key, stash[s], t, spend, live, peak)
+                        t += spend
+                    else:
+                        live, peak, t = link.stream_b(key, t, spend, live, peak, split)
+                else:
+                    t += spend
                 busy += spend
                 rank_ends[pc] = t
                 if b_shrink is not None and op is B and b_shrink[s]:
@@ -390,6 +404,18 @@ def run(schedule: Schedule, cost) -> Trace:
     _, finish, _, peaks, _, peak_inflights, busy = zip(*state)
     return Trace(list(finish), list(busy), list(peak_inflights), list(peaks), memory, ends,
                  [link.peak_host for link in links], [link.waited for link in links])
+
+
+def _streamed(program) -> set | None:
+    """The (stage, mb) whose stash streams ([Note: streamed offload]): those with an
+    OFFLOAD of the stash before their B. None when there are none."""
+    found, done = set(), set()
+    for i in program:
+        if i.op is Op.B:
+            done.add((i.stage, i.mb))
+        elif i.op is Op.OFFLOAD and i.buf == "stash" and (i.stage, i.mb) not in done:
+            found.add((i.stage, i.mb))
+    return found or None
 
 
 def _deadlock(schedule: Schedule, stuck, pcs, parked) -> ScheduleError:

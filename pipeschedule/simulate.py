@@ -55,6 +55,29 @@ stream beside bf16 matmuls cost them 2%).
   one that is never waited for) does not count.
 With offload the device peak depends on time as well as on program order; `peak_host_bytes`
 reports the most bytes each rank held on the host.
+
+[Note: streamed offload] With `offload_chunk` set, a stash offloaded before its B (an
+OFFLOAD between its F and its B) streams, as the runtime does with `offload_chunk`
+([Note: streamed offload] in runtime/host_offload.py): it moves in n = ceil(stash /
+chunk) equal pieces, copied out while F saves them and back while B consumes them.
+- F: piece j is produced over the j-th n-th of the F; it counts on the device from the
+  start of that part, its copy starts at the end of it (or once the device->host queue
+  is free), and the device releases it when the copy lands. The OFFLOAD after the F
+  issues nothing more; it ends when the last piece lands.
+- RELOAD issues the copies back of the last `reload_window` pieces (backward consumes
+  what forward saved last first), each counted on the device from then.
+- B starts once the piece it consumes first has landed (as a B waits for a whole
+  RELOAD), then consumes the pieces last saved first, each for its share of the B's
+  time (its share of the bytes). It starts on a later piece only once that piece has
+  landed (a wait lengthens the B; busy time does not count it), and starting on a piece issues the
+  copy back of the piece `reload_window` further down. Without W a piece leaves the
+  device when its share ends (autograd releases saved tensors node by node), so the FREE
+  after the B releases nothing more; with W every piece stays until the stash's FREE.
+  A B without a RELOAD before it issues the window at its own start.
+- The slowdown applies over the copies queued when a compute starts; a streamed F
+  counts its own pieces' copies too.
+With one piece per stash (a chunk at least every stash) and no slowdown, a streamed
+schedule simulates exactly as the whole-stash one: same step time and peaks.
 """
 
 from __future__ import annotations
@@ -73,7 +96,7 @@ from pipeschedule.passes import lower
 from pipeschedule.simcore import Event, EventLog, run
 
 COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwidth", "offload_bandwidth",
-             "reload_bandwidth", "offload_slowdown", "weight_stash")
+             "reload_bandwidth", "offload_slowdown", "weight_stash", "offload_chunk", "reload_window")
 
 
 def _number(value: Any) -> bool:
@@ -110,6 +133,9 @@ class CostModel:
     gradients, as the runtime's ledger counts them from B on; more than the stash where
     W keeps the act_in or output gradients outweigh what B frees). None (the default):
     the stash stays as it is until its FREE. Not combined with OFFLOAD.
+    offload_chunk: bytes per piece when stashes stream to and from the host ([Note:
+    streamed offload]); None (the default): a stash moves whole. reload_window: pieces a
+    streamed RELOAD issues ahead of the B that consumes them, >= 1.
     `forward` fixes the number of stages; any other per-stage field may be given as one
     number meaning "the same on every stage". Exact numbers (Fraction) stay exact.
     """
@@ -124,6 +150,8 @@ class CostModel:
     reload_bandwidth: float = math.inf
     offload_slowdown: float = 0.0
     weight_stash: tuple[float, ...] | None = None
+    offload_chunk: float | None = None
+    reload_window: int = 2
 
     def __post_init__(self) -> None:
         stages = len(self.forward) if isinstance(self.forward, (list, tuple)) else None
@@ -152,6 +180,7 @@ class CostModel:
         if self.weight_stash is not None:
             object.__setattr__(self, "weight_stash", _per_stage("weight_stash", self.weight_stash, stages,
                                                                 source="'forward'"))
+        _check_stream(self.offload_chunk, self.reload_window, ParameterError)
 
     @property
     def num_stages(self) -> int:
@@ -212,6 +241,8 @@ class CostModel:
         kept = obj.get("weight_stash")
         if kept is not None:
             values["weight_stash"] = _per_stage("weight_stash", kept, stages, FormatError)
+        values["offload_chunk"], values["reload_window"] = obj.get("offload_chunk"), obj.get("reload_window", 2)
+        _check_stream(values["offload_chunk"], values["reload_window"], FormatError)
         try:
             return CostModel(latency=latency, bandwidth=bandwidth, offload_slowdown=slowdown, **values)
         except ParameterError as err:
@@ -229,7 +260,15 @@ class CostModel:
             "offload_bandwidth": None if self.offload_bandwidth == math.inf else self.offload_bandwidth,
             "reload_bandwidth": None if self.reload_bandwidth == math.inf else self.reload_bandwidth,
             "offload_slowdown": self.offload_slowdown,
-        } | ({} if self.weight_stash is None else {"weight_stash": list(self.weight_stash)})
+        } | ({} if self.weight_stash is None else {"weight_stash": list(self.weight_stash)}) | (
+            {} if self.offload_chunk is None else {"offload_chunk": self.offload_chunk, "reload_window": self.reload_window})
+
+
+def _check_stream(chunk, window, error) -> None:
+    if chunk is not None and (not _number(chunk) or not 0 < chunk < math.inf):
+        raise error(f"cost 'offload_chunk' must be a number of bytes > 0 (or null: whole stashes), got {chunk!r}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise error(f"cost 'reload_window' must be an integer >= 1 (pieces), got {window!r}")
 
 
 def load_cost(path: str, schedule: Schedule) -> CostModel:

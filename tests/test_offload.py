@@ -1,13 +1,15 @@
 """Host offload (issue 9): the verifier's liveness with OFFLOAD / RELOAD, the simulator's
 host link, the `add_offload` pass, the `choose_offload` search and the CLI flags."""
 
+import math
 from dataclasses import replace
+from fractions import Fraction
 
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from pipeschedule.cli import main
-from pipeschedule.errors import ParameterError, ScheduleError
+from pipeschedule.errors import FormatError, ParameterError, ScheduleError
 from pipeschedule.generators import FAMILIES, generate
 from pipeschedule.ir import Instr, Op, make_instr
 from pipeschedule.offload import (
@@ -298,6 +300,10 @@ def test_parse_offload():
     assert parse_offload("auto") == AutoOffload()
     assert parse_offload("auto,budget=0.05,ranks=0") == AutoOffload(0.05, (0,))
     assert parse_offload(OffloadPolicy((1.0, 0.5), (0, 1), 2).text()) == OffloadPolicy((1.0, 0.5), (0, 1), 2)
+    assert parse_offload("fraction=1,stream=256") == OffloadPolicy(1.0, None, 1, 256 * 2**20)
+    assert parse_offload("auto,stream=0.5") == AutoOffload(chunk=2**19)
+    streamed_policy = OffloadPolicy((1.0, 0.5), None, 0, 64 * 2**20)
+    assert parse_offload(streamed_policy.text()) == streamed_policy
 
 
 @pytest.mark.parametrize("spec,words", [
@@ -309,6 +315,9 @@ def test_parse_offload():
     ("lead=1", ["fraction= is missing"]),
     ("auto,budget=-1", ["budget", "-1"]),
     ("auto,fraction=1", ["cannot read 'fraction=1'"]),
+    ("fraction=1,stream=0", ["stream", "MiB > 0", "'0'"]),
+    ("auto,stream=x", ["stream='x'", "a number"]),
+    ("auto,stream=1/2", ["stream takes one number", "'1/2'"]),
 ])
 def test_bad_offload_specs(spec, words):
     with pytest.raises(ParameterError) as info:
@@ -352,3 +361,120 @@ def test_plan_reports_offload(capsys):
     out = capsys.readouterr().out
     assert out.startswith(plain.split("Hint:")[0].split("Recommended:")[0])
     assert "host link 450 GB/s per direction" in out and "(the tightest) at a predicted slowdown of" in out
+
+
+# -- streamed offload ([Note: streamed offload] in simulate.py) -----------------------------------
+
+
+def test_a_streamed_stash_piece_by_piece():
+    """One stash of 300 bytes in 3 pieces through a link of 100 bytes per time unit,
+    F and B 3 time units each (1 per piece), window 2: every point worked out by hand."""
+    from pipeschedule.hostlink import GONE, HostLink
+    from pipeschedule.simcore import _point
+
+    times, values = [0], [0]
+    link = HostLink(100, 100, 0.0, times, values, _point, chunk=100, window=2)
+    key = ("stash", 0, 0)
+    # F from 0 to 3: piece j counts from j-1, is copied from j (1 unit) and leaves at j+1
+    live, peak, spend = link.stream_out(key, 300, 0, 3, 0, 0)
+    assert (peak, spend) == (200, 3) and link.peak_host == 300
+    live, done = link.offload(key, 300, 3, live)
+    assert done == 4  # the OFFLOAD ends when the last piece lands
+    live = link.drain(10, live)
+    assert live == 0 and (times, values) == ([0, 1, 2, 3, 4], [100, 200, 200, 100, 0])
+    # RELOAD at 10: pieces 3 and 2 come back (land at 11 and 12); B from 10 starts on
+    # piece 3 at 11 (a 1-unit wait), which issues piece 1 (lands 13, after piece 2)
+    live, peak, done = link.reload(key, 300, 10, live, 0)
+    assert (live, done) == (200, 12)
+    live, peak, end = link.stream_b(key, 10, 3, live, peak, keep=False)
+    assert (live, peak, end) == (0, 300, 14)
+    assert (times[5:], values[5:]) == ([10, 11, 12, 13, 14], [200, 300, 200, 100, 0])
+    assert link.host == 0 and link.free(key, 300, 14, live) == (0, 0)  # B released it all
+    assert link.moved == {} and GONE == "gone"
+
+
+def test_a_streamed_stash_kept_for_w_stays_until_its_free():
+    from pipeschedule.hostlink import HostLink
+    from pipeschedule.simcore import _point
+
+    times, values = [0], [0]
+    link = HostLink(100, 100, 0.0, times, values, _point, chunk=100, window=1)
+    key = ("stash", 0, 0)
+    live, peak, _ = link.stream_out(key, 300, 0, 3, 0, 0)
+    live, peak, end = link.stream_b(key, 10, 3, link.drain(10, live), peak, keep=True)  # no RELOAD: at the B
+    # window 1: piece 3 lands at 11, piece 2 issued then lands 12, piece 1 lands 13
+    assert (live, end) == (300, 14)
+    assert link.ready("W", 0, 0, 12) == 14  # W waits for the whole stash
+    assert link.free(key, 300, 20, live) == (300, 300)
+
+
+def stream_cases():
+    return offload_cases().flatmap(lambda case: st.tuples(
+        st.just(case), st.sampled_from([1, 3, 7]), st.integers(1, 3),
+        st.sampled_from([Fraction(1, 2), Fraction(3), None])))
+
+
+def fraction_cost(schedule, stash, bandwidth, **extra):
+    base = CostModel.default(schedule)
+    return CostModel(tuple(map(Fraction, base.forward)), tuple(map(Fraction, base.backward)),
+                     tuple(map(Fraction, base.weight)), {"stash": stash, "act_out": 1, "grad_in": 1}, latency=Fraction(1, 10),
+                     offload_bandwidth=bandwidth or math.inf, reload_bandwidth=bandwidth or math.inf, **extra)
+
+
+@settings(max_examples=120, deadline=None)
+@given(stream_cases())
+def test_streaming_in_one_piece_is_the_whole_stash_and_a_free_link_costs_nothing(case):
+    (family, params, policy), stash, window, bandwidth = case
+    try:
+        schedule = lowered(family, **params)
+    except ParameterError:
+        assume(False)
+    moved = add_offload(schedule, policy)
+    cost = fraction_cost(schedule, stash, bandwidth)
+    whole = simulate(moved, cost)
+    one = simulate(moved, replace(cost, offload_chunk=stash, reload_window=window))
+    assert (one.step_time, one.peak_bytes, one.busy) == (whole.step_time, whole.peak_bytes, whole.busy)
+    # in pieces of one byte: over a free link, no time at all, and never more than whole
+    pieces = simulate(moved, replace(cost, offload_chunk=1, reload_window=window))
+    if bandwidth is None:
+        base = simulate(schedule, cost)
+        assert pieces.step_time == base.step_time and pieces.busy == base.busy
+        assert all(p <= w for p, w in zip(pieces.peak_bytes, whole.peak_bytes))
+    # nothing leaks: every rank ends with nothing on the device or the host
+    assert all(curve[-1][1] == 0 for curve in pieces.memory)
+    assert pieces.busy == whole.busy  # waits for pieces are not work
+
+
+def test_streamed_offload_reaches_the_gh200_target():
+    """Issue 9's target, in simulation with GH200's link: stage 0's peak stash at most one
+    microbatch's, for at most 3% step time, with a 2% compute slowdown during copies."""
+    schedule = lowered("1f1b", pp=4, microbatches=16)
+    cost = replace(claim_cost(450), offload_slowdown=0.02)
+    choice = choose_offload(schedule, cost, AutoOffload(0.03, chunk=STASH // LAYERS))  # one layer's stash
+    verify(choice.schedule)
+    assert choice.peak_before[0] == 4 * STASH
+    assert choice.peak_after[0] <= STASH and choice.slowdown <= 0.03
+    assert choice.peak_after[0] == 3 * STASH // 8 and choice.slowdown == pytest.approx(0.0223, abs=1e-4)
+    assert choice.policy.chunk == STASH // LAYERS and "stream=272" in choice.policy.text()
+    # whole stashes cannot: two stashes at best within the budget (the test above)
+    whole = choose_offload(schedule, cost, 0.03)
+    assert whole.peak_after[0] >= 2 * STASH
+    # and on the H200's PCIe link streaming does not help either: copies outlast compute
+    pcie = choose_offload(schedule, replace(claim_cost(55.4), offload_slowdown=0.02), AutoOffload(0.03, chunk=STASH // LAYERS))
+    assert pcie.peak_after == pcie.peak_before
+
+
+def test_stream_cost_fields_round_trip_and_refuse_bad_values():
+    s = generate("1f1b", pp=2, microbatches=2)
+    cost = CostModel.from_dict({"offload_chunk": 1024, "reload_window": 3}, s)
+    assert (cost.offload_chunk, cost.reload_window) == (1024, 3)
+    assert CostModel.from_dict(cost.to_dict(), s) == cost
+    assert "offload_chunk" not in CostModel.default(s).to_dict()
+    with pytest.raises(ParameterError, match="offload_chunk.*0"):
+        replace(cost, offload_chunk=0)
+    with pytest.raises(ParameterError, match="reload_window.*0"):
+        replace(cost, reload_window=0)
+    with pytest.raises(FormatError, match="reload_window.*'2'"):
+        CostModel.from_dict({"reload_window": "2"}, s)
+    with pytest.raises(ParameterError, match="chunk.*-1"):
+        OffloadPolicy(chunk=-1)
