@@ -170,6 +170,18 @@ def stash_waits(program: Sequence) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
+def streamed_stashes(program: Sequence) -> frozenset:
+    """The (stage, mb) of a program whose stash streams when offload is streamed ([Note:
+    streamed offload] in simulate.py): those with an OFFLOAD of the stash before their B."""
+    found, done = set(), set()
+    for i in program:
+        if i.op is B:
+            done.add((i.stage, i.mb))
+        elif i.op is OFFLOAD and i.buf == "stash" and (i.stage, i.mb) not in done:
+            found.add((i.stage, i.mb))
+    return frozenset(found)
+
+
 def add_offload(schedule: Schedule, policy: OffloadPolicy | None = None) -> Schedule:
     """Adds OFFLOAD / RELOAD of the stash for `policy` ([Note: offload placement]).
     Input: a lowered schedule (a compute-only one is lowered first) without OFFLOAD.
@@ -420,4 +432,5 @@ def host_bandwidth(gpu: str | None, given: float | None) -> float | None:
 __all__ = [
     "AutoOffload", "HOST_LINKS", "OffloadChoice", "OffloadPolicy", "add_offload", "choose_offload",
     "evaluate_offload", "host_bandwidth", "offload_counts", "parse_offload", "stash_waits", "streamed",
+    "streamed_stashes",
 ]

@@ -210,7 +210,12 @@ def run(schedule: Schedule, cost) -> Trace:
     memory = [([0], [0]) for _ in range(pp)]
     links = [HostLink(cost.offload_bandwidth, cost.reload_bandwidth, cost.offload_slowdown, *memory[r], _point,
                       cost.offload_chunk, cost.reload_window) for r in range(pp)]
-    streamed = [_streamed(p) if cost.offload_chunk is not None else None for p in programs]
+    if cost.offload_chunk is not None:
+        from pipeschedule.offload import streamed_stashes
+
+        streamed = [streamed_stashes(p) or None for p in programs]
+    else:
+        streamed = [None] * pp
     split = schedule.split_backward
     fixed = [(programs[r], len(programs[r]), ends[r], *memory[r], links[r], links[r].moved, streamed[r])
              for r in range(pp)]
@@ -404,18 +409,6 @@ def run(schedule: Schedule, cost) -> Trace:
     _, finish, _, peaks, _, peak_inflights, busy = zip(*state)
     return Trace(list(finish), list(busy), list(peak_inflights), list(peaks), memory, ends,
                  [link.peak_host for link in links], [link.waited for link in links])
-
-
-def _streamed(program) -> set | None:
-    """The (stage, mb) whose stash streams ([Note: streamed offload]): those with an
-    OFFLOAD of the stash before their B. None when there are none."""
-    found, done = set(), set()
-    for i in program:
-        if i.op is Op.B:
-            done.add((i.stage, i.mb))
-        elif i.op is Op.OFFLOAD and i.buf == "stash" and (i.stage, i.mb) not in done:
-            found.add((i.stage, i.mb))
-    return found or None
 
 
 def _deadlock(schedule: Schedule, stuck, pcs, parked) -> ScheduleError:

@@ -99,13 +99,16 @@ def offload_worker(rank: int, world: int, store) -> dict:
         offloaded = with_offload(plain)
         inputs, targets = make_data(plain.num_stages, m)
         row = {}
-        runs = [("plain", plain, False), ("offload+pool", offloaded, True), ("offload", offloaded, False)]
+        runs = [("plain", plain, False, None), ("offload+pool", offloaded, True, None), ("offload", offloaded, False, None),
+                # streamed ([Note: streamed offload]): every storage its own chunk, and a few per chunk
+                ("stream", offloaded, True, 1), ("stream 512", with_offload(plain, lead=0), False, 512)]
         module = offload_pass()
         if module is not None:
-            runs.append(("pass", module.add_offload(plain, module.OffloadPolicy(fraction=1.0, lead=1)), True))
-        for label, schedule, pool in runs:
+            runs.append(("pass", module.add_offload(plain, module.OffloadPolicy(fraction=1.0, lead=1)), True, None))
+        for label, schedule, pool, chunk in runs:
             chunks = make_chunks(schedule.num_stages)
-            executor = Executor(schedule, rank, ModuleStages(chunks, loss_fn), transport, timeout=30, pool=pool)
+            executor = Executor(schedule, rank, ModuleStages(chunks, loss_fn), transport, timeout=30, pool=pool,
+                                offload_chunk=chunk)
             outputs = executor.step(inputs, targets)
             ledger = executor.ledger
             row[label] = {
@@ -138,7 +141,7 @@ def test_offload_is_bitwise_exact_on_every_family(offload_runs):
         schedule = family(pp, name, kwargs, 2 * pp + 1)
         ref = ranks[0][label]
         last = schedule.placement[-1]
-        for run in ("plain", "offload+pool", "offload", "pass"):
+        for run in ("plain", "offload+pool", "offload", "stream", "stream 512", "pass"):
             if run not in ref:
                 continue  # no offload pass yet
             assert _equal(ranks[last][label][run]["losses"], ref["ref_losses"]), (label, run)
@@ -152,7 +155,7 @@ def test_every_stash_moved_whole_and_everything_was_released(offload_runs):
     for name, kwargs in FAMILIES:
         label = f"{name}{kwargs}"
         for rank in range(pp):
-            for run in ("offload+pool", "offload"):
+            for run in ("offload+pool", "offload", "stream", "stream 512"):
                 row = ranks[rank][label][run]
                 assert row["left"] == (0, 0, 0), (label, run, rank)
                 assert row["sizes"] and row["moved"] == row["sizes"], (label, run, rank)  # all of each stash moved
@@ -340,3 +343,73 @@ def _full_policy(module):
                 except TypeError:
                     continue
     return {"fraction": 1.0}
+
+
+# -- streamed offload ([Note: streamed offload]) --------------------------------------------------
+
+
+def test_a_streamed_stash_chunk_by_chunk():
+    """One stash streamed by hand on CPU: every storage its own chunk, a window of one."""
+    import gc
+
+    key = ("stash", 0, 0)
+    ledger = Ledger()
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 3))
+    x = torch.randn(5, 4, requires_grad=True)
+    holders: list = []
+    exclude = {p.untyped_storage().data_ptr() for p in layer.parameters()} | {x.untyped_storage().data_ptr()}
+    offloader = Offloader(torch.device("cpu"), ledger, chunk=1, window=1)
+    stream = offloader.stream(key)
+    with saved_storages(exclude, holders, key, stream.add) as saved:
+        y = layer(x)
+    stash = sum(saved.values())
+    ledger.add(key, stash, hosted=stream.end_forward())
+    # each chunk was copied when it filled: nothing of the stash is left on the device
+    assert len(stream.chunks) == len(saved) >= 2 and all(c.state == "host" for c in stream.chunks)
+    assert all(ref().tensor is None for ref in holders)
+    assert (ledger.live["stash"], ledger.host["stash"], ledger.high["stash"]) == (0, stash, 0)
+    offloader.offload(key, holders, "OFFLOAD")
+    with pytest.raises(RuntimeScheduleError, match=r"while it is offloaded to host memory"):
+        y.sum().backward(retain_graph=True)
+    offloader.reload(key, "RELOAD")  # the window: the last chunk only
+    last, first = stream.chunks[-1], stream.chunks[0]
+    assert last.state == "in" and first.state == "host" and ledger.live["stash"] == last.nbytes
+    holder = next(ref() for ref in holders if ref() is not None and ref().chunk is first)
+    assert holder.get() is not None and first.state == "in"  # unpacked out of turn: fetched at once
+    del holder
+    y.sum().backward()
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 3))
+    twin.load_state_dict(layer.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    twin(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(layer.parameters(), twin.parameters()))
+    del y
+    gc.collect()
+    # every chunk came back, and autograd released each one as it went: nothing is left
+    assert all(c.state == "in" for c in stream.chunks) and all(c.alive == 0 for c in stream.chunks)
+    assert (ledger.live["stash"], ledger.host["stash"]) == (0, 0)
+    assert offloader.copied_to_host == offloader.copied_to_device == stash
+
+
+def test_streamed_ledger_holds_less_than_one_stash():
+    """1F1B at pp=2: rank 0 holds two stashes without offload, at least one with whole-stash
+    offload, and under one when streamed (stage 0 saves three storages; a window of one
+    chunk holds two of them at most)."""
+    def run(schedule, chunk):
+        modules = make_chunks(2)
+        pipeline = InProcessPipeline(schedule, ModuleStages(modules, loss_fn), offload_chunk=chunk, reload_window=1)
+        pipeline.step(*make_data(2, 6))
+        return pipeline.executors, grads(modules, range(2))
+
+    plain = compile_schedule("1f1b", pp=2, microbatches=6)
+    offloaded = with_offload(plain, lead=0, ranks=(0,))
+    (base, plain_grads), (whole, _), (streamed, streamed_grads) = run(plain, None), run(offloaded, None), run(offloaded, 1)
+    stash = base[0].ledger.sizes["stash", 0, 0]
+    assert base[0].ledger.high["stash"] == 2 * stash
+    assert whole[0].ledger.high["stash"] >= stash
+    assert 0 < streamed[0].ledger.high["stash"] < stash
+    assert streamed[0].ledger.moved == {("stash", 0, mb): stash for mb in range(6)}
+    assert streamed[0].ledger.live_total == streamed[0].ledger.host_total == 0
+    assert plain_grads.keys() == streamed_grads.keys()
+    assert all(torch.equal(plain_grads[k], streamed_grads[k]) for k in plain_grads)

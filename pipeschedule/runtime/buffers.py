@@ -59,11 +59,11 @@ class BufferTable:
                 f"{i} needs {buf} of (stage {i.stage}, mb {i.mb}), which is not held (never produced, or already freed)"
             ) from None
 
-    def add(self, key: Key, value, nbytes: int) -> None:
+    def add(self, key: Key, value, nbytes: int, hosted: int = 0) -> None:
         if key in self.held:
             raise RuntimeScheduleError(f"{key[0]} of (stage {key[1]}, mb {key[2]}) produced twice")
         self.held[key] = value
-        self.ledger.add(key, nbytes)
+        self.ledger.add(key, nbytes, hosted)
 
     def resize(self, key: Key, nbytes: int) -> None:
         """A held buffer now holds `nbytes` (the stash after B of a split backward)."""

@@ -56,6 +56,7 @@ from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
 from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.offload import streamed_stashes
 from pipeschedule.runtime.host_offload import Offloader
 from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, signature_of, storage_ptrs
 from pipeschedule.runtime.pool import BufferPool
@@ -83,13 +84,17 @@ class Executor:
     and input signature in a step, and charges later ones of the same signature the same
     bytes; "every" measures every F (for stages whose saved tensors vary with the data,
     not only with the input shapes). See [Note: what the ledger counts] in ledger.
+    `offload_chunk`: bytes; a stash the program offloads before its B streams to host
+    memory in chunks of this size while F saves it, and back `reload_window` chunks ahead
+    while B consumes it ([Note: streamed offload] in stream_offload). None (the default):
+    each moves whole at its OFFLOAD and RELOAD ([Note: host offload]).
     """
 
     def __init__(
         self, schedule: Schedule, rank: int, stages: Stages, transport: Transport, *,
         device: str | torch.device = "cpu", timeout: float = 300.0,
         shapes: Mapping[int, TensorMeta] | None = None, history: int = 6, pool: bool = True,
-        measure_stash: str = "first",
+        measure_stash: str = "first", offload_chunk: int | None = None, reload_window: int = 2,
     ):
         if measure_stash not in MEASURE_STASH:
             raise ValueError(f"measure_stash={measure_stash!r}: accepted values are {', '.join(map(repr, MEASURE_STASH))}")
@@ -111,7 +116,8 @@ class Executor:
         self.split_report: dict[int, SplitReport] = {}
         self.pool = BufferPool(schedule, rank, self.device) if pool else None
         self.offloads = any(i.op is Op.OFFLOAD for i in self.program)  # F packs saved tensors in holders
-        self.offloader = Offloader(self.device, self.ledger)
+        self.offloader = Offloader(self.device, self.ledger, offload_chunk, reload_window)
+        self._streamed = streamed_stashes(self.program) if offload_chunk is not None else frozenset()
         self._dispatch = {
             Op.F: self._forward, Op.B: self._backward, Op.W: self._weight, Op.FREE: self._free,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
@@ -255,9 +261,11 @@ class Executor:
             except (RuntimeError, TypeError):  # inputs without plain sizes and strides (nested tensors): measure
                 pass
         stash_bytes = None if signature is None else self._stash_bytes.get(signature)
+        key = ("stash", i.stage, i.mb)
+        stream = self.offloader.stream(key) if (i.stage, i.mb) in self._streamed else None
         with (contextlib.nullcontext({}) if stash_bytes is not None else
-              saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target)), holders,
-                             ("stash", i.stage, i.mb))) as saved:
+              saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target)), holders, key,
+                             stream.add if stream is not None else None)) as saved:
             start = time.perf_counter()
             with weights.deferring() if weights is not None else contextlib.nullcontext():
                 y = self.stages.forward(i.stage, i.mb, x, target)
@@ -270,7 +278,11 @@ class Executor:
             weights.close_forward()
             self._report_split(i.stage, weights)
         root, meta = self._emit_output(i, y, x)
-        self.buffers.add(("stash", i.stage, i.mb), Stash(root, meta, weights, holders), stash_bytes)
+        landed = 0
+        if stream is not None:  # its storages, counted as it copied them ([Note: streamed offload])
+            landed = stream.end_forward()
+            stash_bytes = sum(chunk.nbytes for chunk in stream.chunks)
+        self.buffers.add(key, Stash(root, meta, weights, holders), stash_bytes, hosted=landed)
 
     def _input_signature(self, i: Instr, x, target):
         """What F(i)'s saved tensors may depend on besides the values ([Note: what the

@@ -55,6 +55,7 @@ from collections import defaultdict
 import torch
 
 from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.runtime.stream_offload import StreamedStash, pending_done
 
 Key = tuple  # ("stash", stage, mb)
 
@@ -63,14 +64,18 @@ class SavedTensor:
     """What the pack hook returns for one saved tensor of a stash that may move: the
     device tensor, or None while offloaded, and how to rebuild it over a new storage."""
 
-    __slots__ = ("tensor", "layout", "key", "__weakref__")
+    __slots__ = ("tensor", "layout", "key", "chunk", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, key: Key | None):
         self.tensor: torch.Tensor | None = tensor
         self.layout = None  # (dtype, storage offset, size, stride) while offloaded
         self.key = key
+        self.chunk = None  # its stream_offload.Chunk when the stash streams
 
     def get(self) -> torch.Tensor:
+        chunk = self.chunk
+        if chunk is not None and not chunk.waited and chunk.stream.reloaded:
+            chunk.stream.consume(chunk)  # [Note: streamed offload]
         if self.tensor is None:
             stage, mb = (self.key or (None, "?", "?"))[1:]
             raise RuntimeScheduleError(
@@ -116,11 +121,12 @@ class _Group:
     """One storage of a stash on its way: the holders over it, the leaves whose `.data`
     is over it (with their layouts), and its host copy."""
 
-    __slots__ = ("holders", "leaves", "nbytes", "device", "host")
+    __slots__ = ("holders", "leaves", "nbytes", "device", "host", "chunk")
 
-    def __init__(self, holders: list[SavedTensor], nbytes: int, device: torch.Tensor, host: torch.Tensor):
+    def __init__(self, holders: list[SavedTensor], nbytes: int, device: torch.Tensor, host: torch.Tensor | None):
         self.holders, self.nbytes, self.device, self.host = holders, nbytes, device, host
         self.leaves: list[tuple[torch.Tensor, tuple]] = []
+        self.chunk = None  # its Chunk when the stash streams
 
 
 class _Moving:
@@ -139,13 +145,20 @@ class _Moving:
 class Offloader:
     """OFFLOAD / RELOAD of stashes for one executor ([Note: host offload])."""
 
-    def __init__(self, device: torch.device, ledger):
+    def __init__(self, device: torch.device, ledger, chunk: int | None = None, window: int = 2):
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, or None to move stashes whole")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"reload_window={window!r}: give a number of chunks >= 1")
         self.device, self.ledger = device, ledger
+        self.chunk, self.window = chunk, window  # streamed offload ([Note: streamed offload])
         self.cuda = device.type == "cuda"
         self.host_pool = HostPool(pinned=self.cuda)
         self._side = None  # the side stream, made at the first offload
         self.moving: dict[Key, _Moving] = {}
         self._pending: list[_Moving] = []  # offloads or reloads whose `done` has not been seen
+        self.streams: dict[Key, StreamedStash] = {}  # stashes that stream, from their F to their FREE
+        self.chunks_pending: list = []  # their chunks with a copy in flight, in side-stream order
         self.copied_to_host = self.copied_to_device = 0  # bytes, over the executor's life
 
     @property
@@ -160,6 +173,12 @@ class Offloader:
         """OFFLOAD of the stash `key`, whose holders are `holders` (weak references).
         `leaves` are tensors whose own reference would keep a moved storage alive (the
         split backward's private input leaves): their `.data` is emptied and restored."""
+        stream = self.streams.get(key)
+        if stream is not None:
+            if stream.offloaded:
+                raise RuntimeScheduleError(f"{where}: the stash of (stage {key[1]}, mb {key[2]}) is already offloaded")
+            stream.offload(where, leaves)
+            return
         earlier = self.moving.get(key)
         if earlier is not None and not earlier.reloaded:
             raise RuntimeScheduleError(f"{where}: the stash of (stage {key[1]}, mb {key[2]}) is already offloaded")
@@ -208,6 +227,11 @@ class Offloader:
 
     def reload(self, key: Key, where: str) -> None:
         """RELOAD of the stash `key`."""
+        stream = self.streams.get(key)
+        if stream is not None and stream.offloaded and not stream.reloaded:
+            self.poll()
+            stream.reload()
+            return
         moving = self.moving.get(key)
         if moving is None or moving.reloaded:
             state = "already reloaded" if moving is not None else "not offloaded"
@@ -245,6 +269,10 @@ class Offloader:
     def ready(self, key: Key, where: str) -> None:
         """Before B or W of `key`: raises if its stash is offloaded and not reloaded;
         otherwise makes the compute stream wait for the reload's copy."""
+        stream = self.streams.get(key)
+        if stream is not None:
+            stream.check_reloaded(where)  # its chunks are waited for one by one, at their first unpack
+            return
         moving = self.moving.get(key)
         if moving is None:
             return
@@ -263,10 +291,20 @@ class Offloader:
         if moving is not None and not self._is_pending(moving):
             self._return_host(moving)
 
+    def stream(self, key: Key) -> StreamedStash:
+        """The streamed stash `key`, made at its F ([Note: streamed offload])."""
+        if key in self.streams:
+            raise RuntimeScheduleError(f"the stash of (stage {key[1]}, mb {key[2]}) is produced twice in one step")
+        stream = self.streams[key] = StreamedStash(self, key)
+        return stream
+
     # -- completion --------------------------------------------------------------------
 
     def poll(self) -> None:
         """Handles every copy whose `done` event has completed (never waits)."""
+        chunks = self.chunks_pending
+        while chunks and pending_done(chunks[0], wait=False):  # the side stream runs them in order
+            chunks.pop(0)
         if not self._pending:
             return
         still = []
@@ -277,6 +315,10 @@ class Offloader:
 
     def finish(self) -> None:
         """Waits for every copy in flight (the end of a step) and handles it."""
+        for chunk in self.chunks_pending:
+            pending_done(chunk, wait=True)
+        self.chunks_pending = []
+        self.streams.clear()
         for moving in self._pending:
             self._complete(moving, wait=True)
         self._pending = []

@@ -94,13 +94,20 @@ class Ledger:
     def host_total(self) -> int:
         return sum(self.host.values())
 
-    def add(self, key: Key, nbytes: int) -> None:
+    def add(self, key: Key, nbytes: int, hosted: int = 0) -> None:
+        """A buffer of `nbytes` produced; `hosted` of them already in host memory (a
+        streamed stash whose chunks landed during its F)."""
         kind = key[0]
-        self._held[key] = nbytes
+        hosted = min(hosted, nbytes)
+        self._held[key] = nbytes - hosted
         self.sizes[key] = nbytes
-        self.live[kind] += nbytes
+        self.live[kind] += nbytes - hosted
         self.high[kind] = max(self.high[kind], self.live[kind])
         self.high_total = max(self.high_total, self.live_total)
+        if hosted:
+            self._held[key] += hosted
+            self.live[kind] += hosted
+            self.to_host(key, hosted)
 
     def resize(self, key: Key, nbytes: int) -> None:
         kind = key[0]
@@ -124,14 +131,30 @@ class Ledger:
         self.high_host[kind] = max(self.high_host[kind], self.host[kind])
         self.high_host_total = max(self.high_host_total, self.host_total)
 
-    def to_device(self, key: Key) -> None:
-        """What `to_host` moved of a buffer is on the device again (its RELOAD)."""
-        kind, nbytes = key[0], self._hosted.pop(key, 0)
+    def to_device(self, key: Key, nbytes: int | None = None) -> None:
+        """What `to_host` moved of a buffer is on the device again (its RELOAD), or
+        `nbytes` of it (a chunk of a streamed stash)."""
+        kind = key[0]
+        if nbytes is None or nbytes >= self._hosted.get(key, 0):
+            nbytes = self._hosted.pop(key, 0)
+        else:
+            self._hosted[key] -= nbytes
         self.host[kind] -= nbytes
         self._held[key] += nbytes
         self.live[kind] += nbytes
         self.high[kind] = max(self.high[kind], self.live[kind])
         self.high_total = max(self.high_total, self.live_total)
+
+    def held_bytes(self, key: Key) -> int:
+        """Device bytes counted for a held buffer (0 if not held)."""
+        return self._held.get(key, 0)
+
+    def drop(self, key: Key, nbytes: int) -> None:
+        """`nbytes` of a held buffer left the device before its FREE (a consumed chunk
+        of a streamed stash)."""
+        nbytes = min(nbytes, self._held[key])
+        self._held[key] -= nbytes
+        self.live[key[0]] -= nbytes
 
     def record(self, pc: int, instr: Instr) -> None:
         self.trace.append((pc, instr, dict(self.live)))
@@ -192,7 +215,7 @@ def signature_of(values) -> tuple:
 
 
 @contextmanager
-def saved_storages(exclude: set[int], holders: list | None = None, key=None) -> Iterator[dict[int, int]]:
+def saved_storages(exclude: set[int], holders: list | None = None, key=None, on_pack=None) -> Iterator[dict[int, int]]:
     """Collects {storage data_ptr: storage nbytes} of what autograd saves in the block,
     leaving out storages in `exclude` ([Note: what the ledger counts]). With `holders`
     (a list), each saved tensor that is counted is packed in a `SavedTensor` holder for
@@ -212,6 +235,8 @@ def saved_storages(exclude: set[int], holders: list | None = None, key=None) -> 
         if holders is not None and counted and alias.layout is torch.strided and ptr != 0:
             holder = SavedTensor(alias, key)
             holders.append(weakref.ref(holder))
+            if on_pack is not None:
+                on_pack(holder)  # a streamed stash ([Note: streamed offload])
             return holder
         return alias
 

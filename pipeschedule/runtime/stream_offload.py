@@ -1,0 +1,310 @@
+"""Streamed offload: a stash copied to host memory while its F saves it, and back while
+its B consumes it, in chunks (`Executor(offload_chunk=bytes)`).
+
+[Note: streamed offload] Moving a stash whole ([Note: host offload] in host_offload)
+holds all of it on the device at two moments: until its copy out lands after the F,
+and from its RELOAD through its B. On a rank that must hold one stash at most, both
+moments matter: 1F1B's first stage runs F(j) while stash j is still in flight and the
+one B(i) needs must already be back. Streaming removes both, with the same
+instructions (OFFLOAD right after the F, RELOAD before the B) and the same exactness.
+
+    F        every saved tensor the stash counts gets a holder as before; the holder
+             also joins the stash's current chunk, grouped by storage. When a chunk's
+             storages reach `chunk` bytes (and at the end of the F), the chunk is
+             copied to pinned host buffers on the side stream, after an event recorded
+             on the compute stream at that point. When its `done` event has completed
+             (polled at each pack and each instruction, never waited for), the holders
+             drop their device tensors, so the device memory returns as soon as the
+             forward itself no longer uses it. A storage saved again while its chunk is
+             still in flight joins that group; once landed, its address may be reused
+             by a new storage, so a later save at that address starts a new group. The
+             stash's bytes are therefore counted here, as the sum of the groups (the
+             ledger's count by address would merge a reused address with the storage
+             it replaced); a storage saved again after its chunk landed is copied and
+             counted twice (correct, a little more host traffic).
+    OFFLOAD  marks the stash as offloaded (nothing left to copy but a last chunk).
+    RELOAD   issues the copies back of the last `window` chunks (backward consumes what
+             forward saved last first): device storages allocated on the compute
+             stream, filled on the side stream, holders rebuilt over them at once.
+    B        autograd unpacks each saved tensor through its holder. The first unpack of
+             a chunk makes the compute stream wait for that chunk's copy (no host wait)
+             and issues the copy back of the chunk `window` further down; a chunk not
+             issued yet (unpacked out of order) is issued on the spot. The chunks keep
+             no reference to the rebuilt tensors, so autograd frees each as soon as the
+             node that used it has run.
+    FREE     drops what is left; host buffers still in flight return when done.
+
+A chunk whose copy out has not landed when the RELOAD comes keeps its device tensors and
+copies nothing back. The ledger moves each chunk's bytes to the host when it lands and
+back when its reload is issued, and drops them when the last holder of a reloaded chunk
+is gone, so `high_total` counts what the device holds per chunk. On CPU the copies are
+made at once, which is what the tests use for exactness.
+
+In a split-backward schedule the W part's private input leaves keep their storages
+through `.data`; their storages move at the OFFLOAD (right after the F), as in the whole
+case, and W's saved tensors come back with the rest during B and stay with W's records.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from pipeschedule.runtime.errors import RuntimeScheduleError
+
+
+class Chunk:
+    """Storages of a streamed stash copied together. state: "filling" (being saved),
+    "out" (copy out issued), "host" (landed; device storages dropped), "kept" (reloaded
+    before its copy out landed: its device storages stay), "in" (copy back issued)."""
+
+    __slots__ = ("stream", "index", "groups", "nbytes", "state", "out_done", "in_done", "waited", "alive")
+
+    def __init__(self, stream: StreamedStash, index: int):
+        self.stream, self.index = stream, index
+        self.groups: list = []  # host_offload._Group
+        self.nbytes = 0
+        self.state = "filling"
+        self.out_done = self.in_done = None  # CUDA events while pending
+        self.waited = False  # the compute stream waits for in_done (first unpack)
+        self.alive = 0  # rebuilt holders not yet freed by autograd
+
+
+class StreamedStash:
+    """One stash that streams ([Note: streamed offload]): its chunks in save order."""
+
+    def __init__(self, offloader, key: tuple):
+        self.offloader, self.key = offloader, key
+        self.chunks: list[Chunk] = [Chunk(self, 0)]
+        self.in_flight: dict[int, object] = {}  # storage data_ptr -> _Group, while its device storage is held
+        self.every: dict[int, object] = {}  # data_ptr -> _Group, for the split backward's leaves at OFFLOAD
+        self.next = -1  # highest chunk index not yet issued back (-1: none left)
+        self.offloaded = self.reloaded = self.in_ledger = False
+        self.landed = 0  # bytes landed before the ledger knew the stash (during its F)
+        self.where = ""
+        self.refs: list = []  # weak references with callbacks to rebuilt holders
+
+    # -- during F ---------------------------------------------------------------------
+
+    def add(self, holder) -> None:
+        """The pack hook made `holder` for a tensor of this stash."""
+        from pipeschedule.runtime.host_offload import _bytes_of, _Group
+
+        offloader = self.offloader
+        storage = holder.tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        holder.chunk = None
+        group = self.in_flight.get(ptr)
+        if group is not None:
+            group.holders.append(holder)
+            holder.chunk = group.chunk
+        else:
+            chunk = self.chunks[-1]
+            group = _Group([holder], storage.nbytes(), _bytes_of(storage, offloader.device), None)
+            group.chunk = chunk
+            holder.chunk = chunk
+            chunk.groups.append(group)
+            chunk.nbytes += group.nbytes
+            self.in_flight[ptr] = self.every[ptr] = group
+            if chunk.nbytes >= offloader.chunk:
+                self.flush()
+        offloader.poll()
+
+    def flush(self) -> None:
+        """Copies the filling chunk out (if it has anything) and starts a new one."""
+        chunk = self.chunks[-1] if self.chunks else None
+        if chunk is None or chunk.state != "filling" or not chunk.groups:
+            return
+        offloader = self.offloader
+        if offloader.cuda:
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(offloader.device))
+            offloader.side.wait_event(produced)
+            with torch.cuda.stream(offloader.side):
+                for group in chunk.groups:
+                    group.host = offloader.host_pool.take(group.nbytes)
+                    group.host.copy_(group.device, non_blocking=True)
+            chunk.out_done = torch.cuda.Event()
+            chunk.out_done.record(offloader.side)
+        else:
+            for group in chunk.groups:
+                group.host = offloader.host_pool.take(group.nbytes)
+                group.host.copy_(group.device)
+        offloader.copied_to_host += chunk.nbytes
+        chunk.state = "out"
+        self.chunks.append(Chunk(self, len(self.chunks)))
+        if chunk.out_done is None:
+            self.landed_out(chunk)
+        else:
+            offloader.chunks_pending.append(chunk)
+
+    def end_forward(self) -> int:
+        """After the F: the last chunk goes. Returns the bytes that landed during the F,
+        which the ledger counts on the host from the start (`Ledger.add(hosted=)`)."""
+        self.flush()
+        if self.chunks and not self.chunks[-1].groups:
+            self.chunks.pop()
+        self.next = len(self.chunks) - 1
+        self.in_ledger = True
+        landed, self.landed = self.landed, 0
+        return landed
+
+    def landed_out(self, chunk: Chunk) -> None:
+        """A chunk's copy out has completed."""
+        chunk.out_done = None
+        if chunk.state == "kept":  # reloaded meanwhile: the holders keep the device storages
+            for group in chunk.groups:
+                group.device = None
+            self._return_host(chunk)
+            return
+        for group in chunk.groups:
+            for holder in group.holders:
+                t = holder.tensor
+                if t is not None:
+                    holder.layout = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+                    holder.tensor = None
+            if self.in_flight.get(group.device.data_ptr()) is group:
+                del self.in_flight[group.device.data_ptr()]
+            group.device = None
+        chunk.state = "host"
+        if self.in_ledger:
+            self._to_host(chunk.nbytes)
+        else:
+            self.landed += chunk.nbytes
+
+    def _to_host(self, nbytes: int) -> None:
+        # at most what the ledger holds: a storage copied twice (see F above) counts once
+        ledger = self.offloader.ledger
+        ledger.to_host(self.key, min(nbytes, ledger.held_bytes(self.key)))
+
+    def offload(self, where: str, leaves) -> None:
+        """OFFLOAD: the split backward's leaves over the stash's storages let go of them."""
+        self.offloaded, self.where = True, where
+        self.flush()
+        for leaf in leaves:
+            group = self.every.get(leaf.untyped_storage().data_ptr())
+            if group is not None and leaf.layout is torch.strided:
+                group.leaves.append((leaf, (leaf.dtype, leaf.storage_offset(), tuple(leaf.shape), leaf.stride())))
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=self.offloader.device)
+        self.every = {}
+
+    # -- RELOAD and B ------------------------------------------------------------------
+
+    def reload(self) -> None:
+        """RELOAD: the last `window` chunks start back."""
+        self.reloaded = True
+        for chunk in self.chunks:
+            if chunk.state == "out":  # its copy out is still running: nothing needs to come back
+                chunk.state = "kept"
+                self._restore_leaves(chunk)
+                for group in chunk.groups:
+                    group.holders = []  # autograd alone keeps them
+        issued = 0
+        while self.next >= 0 and issued < self.offloader.window:
+            issued += self._issue_next()
+
+    def _issue_next(self) -> int:
+        chunk = self.chunks[self.next]
+        self.next -= 1
+        if chunk.state != "host":
+            return 0
+        self.issue(chunk)
+        return 1
+
+    def issue(self, chunk: Chunk) -> None:
+        """The copy back of one landed chunk; its holders are rebuilt over the new storages."""
+        offloader = self.offloader
+        targets = [torch.empty(group.nbytes, dtype=torch.uint8, device=offloader.device) for group in chunk.groups]
+        if offloader.cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(offloader.device))
+            offloader.side.wait_event(ready)
+            with torch.cuda.stream(offloader.side):
+                for group, target in zip(chunk.groups, targets):
+                    target.copy_(group.host, non_blocking=True)
+            chunk.in_done = torch.cuda.Event()
+            chunk.in_done.record(offloader.side)
+        else:
+            for group, target in zip(chunk.groups, targets):
+                target.copy_(group.host)
+        chunk.state = "in"
+        offloader.copied_to_device += chunk.nbytes
+        if self.in_ledger:
+            offloader.ledger.to_device(self.key, chunk.nbytes)
+        for group, target in zip(chunk.groups, targets):
+            for holder in group.holders:
+                chunk.alive += 1
+                self.refs.append(weakref.ref(holder, self._holder_gone(chunk)))
+            offloader._rebuild(group, target)
+            group.holders = []  # autograd alone keeps the rebuilt tensors alive
+        if chunk.in_done is None:
+            self._return_host(chunk)
+        else:
+            offloader.chunks_pending.append(chunk)
+
+    def _holder_gone(self, chunk: Chunk):
+        def gone(_ref, chunk=chunk, stream=self):
+            chunk.alive -= 1
+            if chunk.alive == 0 and stream.in_ledger and stream.key in stream.offloader.streams:
+                stream.offloader.ledger.drop(stream.key, chunk.nbytes)
+        return gone
+
+    def consume(self, chunk: Chunk) -> None:
+        """The first unpack of a tensor of `chunk` (during B or W)."""
+        if chunk.state == "host":  # unpacked before its turn: fetch it now
+            self.issue(chunk)
+        if chunk.waited:
+            return
+        chunk.waited = True
+        if chunk.in_done is not None:
+            torch.cuda.current_stream(self.offloader.device).wait_event(chunk.in_done)
+        while self.next >= 0 and self.next >= chunk.index - self.offloader.window:
+            self._issue_next()
+
+    def landed_in(self, chunk: Chunk) -> None:
+        chunk.in_done = None
+        self._return_host(chunk)
+
+    def _restore_leaves(self, chunk: Chunk) -> None:
+        for group in chunk.groups:
+            for leaf, (dtype, offset, size, stride) in group.leaves:
+                leaf.data = torch.empty(0, dtype=dtype, device=self.offloader.device).set_(
+                    group.device.untyped_storage(), offset, size, stride)
+            group.leaves = []
+
+    def _return_host(self, chunk: Chunk) -> None:
+        for group in chunk.groups:
+            if group.host is not None:
+                self.offloader.host_pool.give(group.host)
+                group.host = None
+
+    def release(self) -> None:
+        """FREE: host buffers not in flight go back to the pool."""
+        for chunk in self.chunks:
+            if chunk.out_done is None and chunk.in_done is None:
+                self._return_host(chunk)
+
+    def check_reloaded(self, where: str) -> None:
+        if self.offloaded and not self.reloaded:
+            stage, mb = self.key[1:]
+            raise RuntimeScheduleError(
+                f"{where} uses the stash of (stage {stage}, mb {mb}), which is offloaded to host memory "
+                f"({self.where}) and not reloaded: the schedule needs a RELOAD of it before {where}")
+
+
+def pending_done(chunk: Chunk, wait: bool) -> bool:
+    """Handles a chunk's pending copy if its event has completed (or after waiting)."""
+    for name in ("out_done", "in_done"):
+        event = getattr(chunk, name)
+        if event is None:
+            continue
+        if wait:
+            event.synchronize()
+        elif not event.query():
+            return False
+        if name == "out_done":
+            chunk.stream.landed_out(chunk)
+        else:
+            chunk.stream.landed_in(chunk)
+    return True
