@@ -21,7 +21,13 @@ Before each step the peak statistics are reset, so peaks are the step's own.
    all stages; the simulator's is four GPUs': compare slowdowns, not times.
 2. The buffer pool: 1f1b without offload at m = 8, 32, 128, pool on and off: reserved
    memory per stage (`torch.cuda.max_memory_reserved` of each rank's process, and the
-   reserved memory after the step) and the pool's allocation count.
+   reserved memory after the step) and the pool's allocation count. Beside them
+   (part "nanotron"), nanotron's own 1F1B engine at the same m on the same model, split
+   and micro-batch size, through `benchmarks.training.run_cases` ('shared' mode: four
+   processes on the GPU, boundaries through `HostStagedP2P`, [Note: host-staged P2P]),
+   which also runs an AdamW step after each training step. The check says whether each
+   grows with m: some stage's peak reserved rising more than `GROWTH_MIB` from the
+   smallest m to the largest.
 
 Writes benchmarks/results/offload.json (raw) and offload.md (tables); prints the tables last.
 """
@@ -53,6 +59,10 @@ LEAD = 1
 WARMUP, STEPS = 1, 3
 H200_HOST_GBPS = 55.4  # pinned copies each way, measured on the H200 lent here (issue 9)
 COPY_SLOWDOWN = 0.02  # matmuls beside a 1 GiB device-to-host copy: 28.4 ms against 27.8 ms (issue 9)
+NANOTRON_LABEL = "nanotron 1f1b"
+# Twice the widest spread over m = 8..128 of pipeschedule's peak reserved per stage, pool on
+# or off, on the H200 (32 MiB; benchmarks/results/offload.md): a rise beyond it is growth.
+GROWTH_MIB = 64
 
 
 def offload_pass():
@@ -191,6 +201,17 @@ def plan_cases(smoke: bool, skip: set[str]) -> list[dict]:
     return cases
 
 
+def measure_nanotron(cfg, *, smoke: bool) -> tuple[list[list[dict]], list[dict]]:
+    """nanotron's own 1F1B at POOL_MS (part 2): rows shaped as the pool part's (one dict
+    per rank), and the cases `run_cases` left out with the reason."""
+    case_list = [training.Case(NANOTRON_LABEL, "1f1b", 1, m) for m in ((4, 8) if smoke else POOL_MS)]
+    rows, skipped = training.run_cases(cfg, case_list, pp=PP, mode="shared", microbatch_size=MICROBATCH_SIZE,
+                                       warmup=WARMUP, steps=1 if smoke else STEPS, timeout=300 if smoke else 1500)
+    keys = ("peak_allocated", "peak_reserved", "reserved_after", "seconds", "all_seconds")
+    return [[{"part": "nanotron", "m": row["case"]["microbatches"], "rank": r, **{k: rank[k] for k in keys}}
+             for r, rank in enumerate(row["ranks"])] for row in rows], skipped
+
+
 def predictions(cfg, calibration: dict, fractions_rows: list[list[dict]], m: int) -> list[dict] | None:
     """Per fraction, the simulator's stage-0 device peak fall and slowdown (None where
     the offload pass or the simulator's host link is missing)."""
@@ -250,6 +271,10 @@ def measure(cfg, *, smoke: bool, skip: set[str], commit: str | None) -> dict:
     rows = [[ranks[r][k] for r in range(PP)] for k in range(len(cases))]
     report["fractions"] = [row for row in rows if row[0]["part"] == "fractions"]
     report["pool"] = [row for row in rows if row[0]["part"] == "pool"]
+    if "nanotron" not in skip:
+        t = time.perf_counter()
+        report["nanotron"], report["nanotron_skipped"] = measure_nanotron(cfg, smoke=smoke)
+        print(f"[nanotron] {time.perf_counter() - t:.1f} s; skipped: {report['nanotron_skipped']}", flush=True)
     if report["fractions"]:
         report["predictions"] = predictions(cfg, report["calibration_ms"], report["fractions"],
                                             report["fractions"][0][0]["m"])
@@ -286,18 +311,27 @@ def render(report: dict, out_dir: Path | None) -> str:
                 line += f" {_mb(p['predicted_fall'])} | {p['slowdown']:+.1%} |"
             lines.append(line)
         lines.append("")
-    pool_rows = report.get("pool", [])
+    pool_rows = report.get("pool", []) + report.get("nanotron", [])
     if pool_rows:
-        lines += ["## Reserved memory per stage with and without the buffer pool (1f1b, no offload)", "",
-                  "MiB: peak reserved during the step / reserved after it; allocations: the pool's buffers.", "",
-                  "| m | pool | " + " | ".join(f"stage {r} reserved" for r in range(PP)) + " | pool allocations | step s |",
-                  "|" + "---|" * (PP + 4)]
-        for row in pool_rows:
+        about_nanotron = (f" {NANOTRON_LABEL}: nanotron's own engine on the same model (boundaries through "
+                          "`HostStagedP2P`), with an AdamW step after each step, so its levels include optimizer "
+                          "state: compare how each engine's memory changes with m, not the levels."
+                          if report.get("nanotron") else "")
+        lines += ["## Reserved memory per stage with and without the buffer pool, and nanotron's 1F1B (no offload)",
+                  "", "MiB: peak reserved during the step / reserved after it; allocations: the pool's buffers."
+                  + about_nanotron, "",
+                  "| engine | m | pool | " + " | ".join(f"stage {r} reserved" for r in range(PP))
+                  + " | pool allocations | step s |", "|" + "---|" * (PP + 5)]
+        for row in sorted(pool_rows, key=lambda row: row[0]["m"]):  # stable: pool on, off, nanotron's
+            nanotron = row[0]["part"] == "nanotron"
             cells = " | ".join(f"{_mb(r['peak_reserved'])} / {_mb(r['reserved_after'])}" for r in row)
-            allocations = "-" if row[0]["pool_allocations"] is None else str([r["pool_allocations"] for r in row])
-            lines.append(f"| {row[0]['m']} | {'on' if row[0]['pool'] else 'off'} | {cells} | {allocations} | "
+            allocations = "-" if row[0].get("pool_allocations") is None else str([r["pool_allocations"] for r in row])
+            lines.append(f"| {NANOTRON_LABEL if nanotron else 'pipeschedule 1f1b'} | {row[0]['m']} | "
+                         f"{'-' if nanotron else 'on' if row[0]['pool'] else 'off'} | {cells} | {allocations} | "
                          f"{statistics.median(r['seconds'] for r in row):.3f} |")
         lines.append("")
+        lines += [f"- {NANOTRON_LABEL} at m={s['case']['microbatches']} not run: {s['why']}"
+                  for s in report.get("nanotron_skipped", [])]
         lines += _pool_check(pool_rows)
     text = "\n".join(lines) + "\n"
     if out_dir is not None:
@@ -306,16 +340,26 @@ def render(report: dict, out_dir: Path | None) -> str:
 
 
 def _pool_check(pool_rows) -> list[str]:
-    """Whether reserved memory per stage is flat over m with the pool, and grows without."""
+    """Per engine (pipeschedule's 1f1b with the pool on and off, nanotron's 1f1b): how
+    much peak reserved memory per stage varies over m, and whether it grows with m (some
+    stage rising more than GROWTH_MIB from the smallest m to the largest)."""
+    groups = (("pool on", lambda row: row[0]["part"] == "pool" and row[0]["pool"]),
+              ("pool off", lambda row: row[0]["part"] == "pool" and not row[0]["pool"]),
+              (NANOTRON_LABEL, lambda row: row[0]["part"] == "nanotron"))
     out = []
-    for pool in (True, False):
-        rows = [row for row in pool_rows if row[0]["pool"] == pool]
+    for name, member in groups:
+        rows = sorted((row for row in pool_rows if member(row)), key=lambda row: row[0]["m"])
         if len(rows) < 2 or rows[0][0]["peak_reserved"] is None:
             continue
         spread = [max(row[r]["peak_reserved"] for row in rows) - min(row[r]["peak_reserved"] for row in rows)
                   for r in range(PP)]
-        out.append(f"- pool {'on' if pool else 'off'}: peak reserved varies over m by "
-                   + ", ".join(f"stage {r} {_mb(s)} MiB" for r, s in enumerate(spread)))
+        rise = [rows[-1][r]["peak_reserved"] - rows[0][r]["peak_reserved"] for r in range(PP)]
+        worst = max(range(PP), key=lambda r: rise[r])
+        span = f"from m={rows[0][0]['m']} to m={rows[-1][0]['m']}"
+        verdict = (f"grows with m (stage {worst} +{_mb(rise[worst])} MiB {span})" if rise[worst] > GROWTH_MIB * 2**20
+                   else f"flat (no stage rises more than {GROWTH_MIB} MiB {span})")
+        out.append(f"- {name}: peak reserved varies over m by "
+                   + ", ".join(f"stage {r} {_mb(s)} MiB" for r, s in enumerate(spread)) + f"; {verdict}")
     return out + [""] if out else []
 
 
@@ -324,12 +368,12 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model, one step per case, CPU allowed; writes "
                         "nothing unless --out is given")
     parser.add_argument("--out", type=Path, default=None, help="folder for the results (default benchmarks/results/)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: fractions,pool")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: fractions,pool,nanotron")
     parser.add_argument("--commit", default=None, help="the commit measured (recorded in the results)")
     args = parser.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
-    if skip - {"fractions", "pool"}:
-        parser.error(f"--skip {args.skip!r}: accepted parts are fractions, pool")
+    if skip - {"fractions", "pool", "nanotron"}:
+        parser.error(f"--skip {args.skip!r}: accepted parts are fractions, pool, nanotron")
     if not args.smoke and not torch.cuda.is_available():
         print("benchmarks.offload: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
         return 2

@@ -9,7 +9,8 @@ A `Case` is one engine (a `pp_engine` value: nanotron's own `1f1b` / `afab`, or 
 pipeschedule's) at m microbatches. Each case runs `warmup + steps` training steps
 (`engine.train_batch_iter`, then an AdamW step and `zero_grad(set_to_none=True)`).
 Before each step the peak statistics are reset, so `peak_allocated` / `peak_reserved`
-are that step's own peaks (`torch.cuda.max_memory_*` of the rank's process). Beside
+are that step's own peaks (`torch.cuda.max_memory_*` of the rank's process), and
+`reserved_after` is what the allocator still reserves once the step has ended. Beside
 them: parameter, optimizer-state and gradient bytes, and for pipeschedule's engines the
 runtime ledger's peak of live buffers; and, for every case, the memory model's
 prediction (`integration.nanotron.memory_probe.predict`).
@@ -202,6 +203,7 @@ def measure_case(case: Case, cfg: ModelConfig, *, pp: int, context, p2p, pp_rank
             "seconds": seconds, "allocated_before": before,
             "peak_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "peak_reserved": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
+            "reserved_after": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
             "ledger_peak": ledger.high_total if ledger is not None else None,
             "ledger_peak_by_kind": dict(ledger.high) if ledger is not None else None,
             "grad_bytes": tensor_bytes(p.grad for p in model.parameters()),
@@ -223,7 +225,7 @@ def measure_case(case: Case, cfg: ModelConfig, *, pp: int, context, p2p, pp_rank
     measured = record["steps"][warmup:]
     record["seconds"] = statistics.median(e["seconds"] for e in measured)
     record["all_seconds"] = [e["seconds"] for e in measured]
-    for key in ("peak_allocated", "peak_reserved", "ledger_peak", "grad_bytes"):
+    for key in ("peak_allocated", "peak_reserved", "reserved_after", "ledger_peak", "grad_bytes"):
         values = [e[key] for e in measured if e[key] is not None]
         record[key] = max(values) if values else None
     del engine, model, optimizer
@@ -239,7 +241,7 @@ def worker(rank: int, world_size: int, mode: str, cfg: ModelConfig, case_list: l
     GPU, else CPU), 'multi' (rank r on cuda:r)."""
     import nanotron.distributed as nanotron_dist
 
-    from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
+    from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context, host_staged_p2p
 
     if torch.cuda.is_available():
         device = torch.device("cuda", rank if mode == "multi" else 0)
@@ -253,6 +255,8 @@ def worker(rank: int, world_size: int, mode: str, cfg: ModelConfig, case_list: l
         from nanotron.parallel.pipeline_parallel.p2p import P2P
 
         p2p = P2P(context.pp_pg, device=device)  # nanotron's own, over NCCL
+    elif device.type == "cuda":
+        p2p = host_staged_p2p(context.pp_pg, device)  # nanotron's engines on a shared GPU: [Note: host-staged P2P]
     else:
         p2p = cpu_p2p(context.pp_pg)  # pipeschedule's engines do not use it; nanotron's do on CPU
     smallest_m = min(c.microbatches for c in case_list)

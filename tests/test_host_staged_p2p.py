@@ -40,7 +40,8 @@ def exchange(rank, world_size, device):
     from integration.nanotron.cpu import CpuP2P, HostStagedP2P, cpu_parallel_context
 
     if device == "cuda":
-        torch.cuda.set_device(0)  # both ranks share the GPU
+        device = torch.device("cuda", 0)  # both ranks share the GPU
+        torch.cuda.set_device(device)
     context = cpu_parallel_context(pp=2)
     staged = HostStagedP2P(context.pp_pg, device=device)
     theirs = CpuP2P(context.pp_pg, device="cpu")

@@ -1,4 +1,5 @@
-"""nanotron's process groups and point-to-point layer on CPU, over gloo.
+"""nanotron's process groups and point-to-point layer on CPU, over gloo; and the same
+layer for ranks that share one GPU over gloo (`HostStagedP2P`, [Note: host-staged P2P]).
 
 [Note: nanotron on CPU] Four things in nanotron 0.4 stop its pipeline engine from
 running on a CPU-only torch with gloo; none of them is in the engine itself:
@@ -57,6 +58,8 @@ import nanotron.distributed as nanotron_dist  # noqa: E402
 from nanotron.parallel.context import ParallelContext  # noqa: E402
 from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous  # noqa: E402
 
+HOST = torch.device("cpu")  # where every tensor handed to gloo lives
+
 
 def cpu_parallel_context(*, tp: int = 1, pp: int = 1, dp: int = 1, expert: int = 1) -> ParallelContext:
     """A real nanotron `ParallelContext` over the current gloo world; see [Note: nanotron on CPU].
@@ -114,12 +117,10 @@ class CpuP2P(P2P):
             raise ValueError("Tried sending tensor to itself")
         peer = nanotron_dist.get_global_rank(group=self.pg, group_rank=to_rank)
         for tensor in tensors:
-            buffer = tensor if tensor.is_contiguous() else view_as_contiguous(tensor)
-            buffer = torch.view_as_real(buffer) if buffer.is_complex() else buffer
             messages = (
-                P2PTensorMetaData.to_first_metadata(tensor=tensor, device=self.device),
-                P2PTensorMetaData.to_second_metadata(tensor=tensor, device=self.device),
-                buffer,
+                P2PTensorMetaData.to_first_metadata(tensor=tensor, device=HOST),
+                P2PTensorMetaData.to_second_metadata(tensor=tensor, device=HOST),
+                self._data_message(tensor),
             )
             for message in messages:
                 work = torch_dist.isend(message, dst=peer, group=self.pg, tag=tag)
@@ -128,6 +129,12 @@ class CpuP2P(P2P):
                 self._posted.put((work, message, tensor))
         self._start_completer()
         return []  # completion is the completer thread's job (see class docstring)
+
+    def _data_message(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What nanotron's `isend_tensors` sends for `tensor`: the tensor if contiguous,
+        else its whole storage; complex viewed as real."""
+        buffer = tensor if tensor.is_contiguous() else view_as_contiguous(tensor)
+        return torch.view_as_real(buffer) if buffer.is_complex() else buffer
 
     def pending_sends(self) -> int:
         with self._done:
@@ -162,6 +169,70 @@ class CpuP2P(P2P):
             raise RuntimeError(f"a posted send failed: {self._failure}") from self._failure
 
 
+class HostStagedP2P(CpuP2P):
+    """`CpuP2P` for ranks whose tensors live on a GPU while their pipeline group is gloo.
+
+    [Note: host-staged P2P] The one-GPU benchmarks run pp=4 as four processes sharing one
+    GPU. NCCL refuses two ranks of a communicator on one device, so their group is gloo;
+    and gloo carries only CPU tensors, so nanotron's P2P, which hands gloo the device
+    tensor it sends and receives into buffers on its device, fails there. This class
+    keeps nanotron's wire format and puts host memory (pinned on a GPU) between the
+    device and gloo:
+
+    - send: the metadata describes the device tensor, as nanotron's does; the data
+      message is a host copy of what nanotron would send. The copy is blocking, since
+      gloo's thread may read it as soon as it is posted. As in `CpuP2P` the send is only
+      posted, and the completer keeps the device tensor until it is received, as NCCL
+      keeps a sent tensor until the kernel reading it has run.
+    - receive (`irecv_tensors`, which nanotron's `recv_tensors` calls): the metadata
+      into the host buffers; the data into a host buffer shaped like nanotron's receive
+      buffer; then a copy into that buffer, made on `device` by nanotron's own
+      `create_empty_storage` and viewed by its `reshape`. The tensor returned is
+      therefore the one nanotron's receive would return (dtype, shape, stride, storage
+      size and offset, requires_grad), on `device`, and complete: no work is left to wait on.
+
+    nanotron's engines reach the wire only through `send_tensors` / `recv_tensors` (the
+    batch state's `SendActivation`, `RecvActivation`, `SendGrad`, `RecvGrad`).
+    `BatchTensorSendRecvState`, which a `PipelineBlock` fills only when no engine is
+    attached (under an engine its `flush()` has nothing to do), builds its own operations
+    on `device` and is not staged. With device "cpu" the staging is a plain copy, which is
+    how it is tested.
+    """
+
+    def __init__(self, pg, device: torch.device | str):
+        super().__init__(pg, device=device)
+        # P2P.__init__ puts the metadata buffers on `device`; gloo needs them on the host.
+        # (nanotron's _recv_meta regrows second_metadata on `device` only for a tensor of
+        # more than 512 dimensions.)
+        self.first_metadata = torch.empty_like(self.first_metadata, device=HOST)
+        self.second_metadata = torch.empty_like(self.second_metadata, device=HOST)
+        self._pinned = self.device.type == "cuda"
+
+    def _data_message(self, tensor: torch.Tensor) -> torch.Tensor:
+        data = super()._data_message(tensor).detach()
+        return torch.empty(data.shape, dtype=data.dtype, pin_memory=self._pinned).copy_(data)
+
+    def irecv_tensors(self, num_tensors: int, from_rank: int, tag: int = 0):
+        if from_rank == nanotron_dist.get_rank(self.pg):
+            raise ValueError("Tried receiving tensor from itself")
+        peer = nanotron_dist.get_global_rank(group=self.pg, group_rank=from_rank)
+        received = []
+        for _ in range(num_tensors):
+            meta = self._recv_meta(from_rank=from_rank, tag=tag)
+            buffer = meta.create_empty_storage(self.device)  # what nanotron receives into
+            staged = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=self._pinned)
+            torch_dist.recv(staged, src=peer, group=self.pg, tag=tag)
+            buffer.detach().copy_(staged)  # detached: buffer may be a view of a leaf that requires grad
+            received.append(meta.reshape(buffer=buffer))
+        return received, []
+
+
 def cpu_p2p(pp_pg) -> CpuP2P:
     """nanotron's P2P on the pipeline group, with CPU buffers and posted sends."""
     return CpuP2P(pp_pg, device="cpu")
+
+
+def host_staged_p2p(pp_pg, device: torch.device | str) -> HostStagedP2P:
+    """nanotron's P2P on a gloo pipeline group for tensors on `device` (a GPU that several
+    ranks share), staged through host memory; see [Note: host-staged P2P]."""
+    return HostStagedP2P(pp_pg, device=device)
