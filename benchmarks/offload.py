@@ -11,7 +11,8 @@ Before each step the peak statistics are reset, so peaks are the step's own.
 
 1. Offload fractions: 1f1b at m=8 with rank 0 (stage 0) offloading a fraction 0, 0.25,
    0.5, 0.75, 1.0 of its stashes (`pipeschedule.offload.add_offload`, lead 1; the longest
-   waits first), the other ranks none. Per fraction: stage 0's peak allocated memory,
+   waits first), the other ranks none; and 0.25, 0.5, 1.0 streamed in 64 MiB chunks
+   (`Executor(offload_chunk=)`, [Note: streamed offload]). Per fraction: stage 0's peak allocated memory,
    its ledger peaks (device stash, host) and the step time (median). Beside them, where
    `pipeschedule.offload` and the simulator's host link exist, the simulator's predicted
    fall in stage 0's peak and its slowdown, from costs calibrated here (one decoder
@@ -53,6 +54,8 @@ from benchmarks.training import model_split, sync, to_device
 
 RESULTS = Path(__file__).parent / "results"
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+STREAM_FRACTIONS = (0.25, 0.5, 1.0)  # streamed ([Note: streamed offload]) in chunks of:
+STREAM_CHUNK, SMOKE_CHUNK = 64 * 2**20, 4096
 OFFLOAD_M = 8
 POOL_MS = (8, 32, 128)
 LEAD = 1
@@ -170,7 +173,8 @@ def worker(rank: int, world: int, store, cfg, plan: list[dict], steps: int) -> l
     out = []
     for case in plan:
         schedule = Schedule.from_json(case["schedule"])
-        executor = Executor(schedule, rank, stages, transport, device=device, pool=case["pool"], timeout=600)
+        executor = Executor(schedule, rank, stages, transport, device=device, pool=case["pool"], timeout=600,
+                            offload_chunk=case.get("chunk"))
         row = _run(executor, stages, cfg, schedule.microbatches, device, rank, steps)
         out.append({**{k: v for k, v in case.items() if k != "schedule"}, "rank": rank, **row})
         del executor
@@ -189,9 +193,10 @@ def plan_cases(smoke: bool, skip: set[str]) -> list[dict]:
     cases = []
     if "fractions" not in skip:
         base = compile_schedule("1f1b", pp=PP, microbatches=4 if smoke else OFFLOAD_M)
-        for f in FRACTIONS:
+        streamed = [(f, SMOKE_CHUNK if smoke else STREAM_CHUNK) for f in STREAM_FRACTIONS]
+        for f, chunk in [(f, None) for f in FRACTIONS] + streamed:
             schedule = offload_schedule(base, f) if f > 0 else base
-            cases.append({"part": "fractions", "fraction": f, "pool": True, "m": base.microbatches,
+            cases.append({"part": "fractions", "fraction": f, "chunk": chunk, "pool": True, "m": base.microbatches,
                           "schedule": schedule.to_json()})
     if "pool" not in skip:
         for m in ((4, 8) if smoke else POOL_MS):
@@ -235,9 +240,10 @@ def predictions(cfg, calibration: dict, fractions_rows: list[list[dict]], m: int
     base = compile_schedule("1f1b", pp=PP, microbatches=m)
     model = CostModel.from_dict(cost, base)
     out = []
-    for f in FRACTIONS:
-        choice = module.evaluate_offload(base, model, module.OffloadPolicy(fraction=f, ranks=(0,), lead=LEAD))
-        out.append({"fraction": f, "peak_before": choice.peak_before[0], "peak_after": choice.peak_after[0],
+    for row in fractions_rows:
+        f, chunk = row[0]["fraction"], row[0].get("chunk")
+        choice = module.evaluate_offload(base, model, module.OffloadPolicy(fraction=f, ranks=(0,), lead=LEAD, chunk=chunk))
+        out.append({"fraction": f, "chunk": chunk, "peak_before": choice.peak_before[0], "peak_after": choice.peak_after[0],
                     "predicted_fall": choice.peak_before[0] - choice.peak_after[0], "slowdown": choice.slowdown,
                     "step_ms": choice.step_time, "base_step_ms": choice.base_step_time})
     return out
@@ -298,13 +304,16 @@ def render(report: dict, out_dir: Path | None) -> str:
         lines += [f"## Stage 0 offloading a fraction of its stashes (1f1b, m={m}, lead {report['lead']})", ""]
         if predicted is None:
             lines += ["The simulator's predictions are left out: `pipeschedule.offload.evaluate_offload` is missing.", ""]
-        head = ("| fraction | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB | step s | slowdown |"
-                + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
+        lines += ["stream: whole stashes, or streamed in chunks of that many MiB ([Note: streamed offload]).", ""]
+        head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB | step s | "
+                "slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for k, row in enumerate(fractions):
             r0 = row[0]
             fall = None if r0["peak_allocated"] is None else base["peak_allocated"] - r0["peak_allocated"]
-            line = (f"| {r0['fraction']:.2f} | {_mb(r0['peak_allocated'])} | {_mb(fall)} | {_mb(r0['ledger_stash_peak'])} | "
+            chunk = r0.get("chunk")
+            line = (f"| {r0['fraction']:.2f} | {'whole' if chunk is None else f'{chunk / 2**20:g}'} | "
+                    f"{_mb(r0['peak_allocated'])} | {_mb(fall)} | {_mb(r0['ledger_stash_peak'])} | "
                     f"{_mb(r0['ledger_host_peak'])} | {r0['seconds']:.3f} | {r0['seconds'] / base['seconds'] - 1:+.1%} |")
             if predicted:
                 p = predicted[k]

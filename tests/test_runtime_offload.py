@@ -413,3 +413,31 @@ def test_streamed_ledger_holds_less_than_one_stash():
     assert streamed[0].ledger.live_total == streamed[0].ledger.host_total == 0
     assert plain_grads.keys() == streamed_grads.keys()
     assert all(torch.equal(plain_grads[k], streamed_grads[k]) for k in plain_grads)
+
+
+def test_a_storage_saved_again_after_its_chunk_landed_is_copied_once():
+    """A tensor saved twice in one F (as rotary tables are by every layer) joins the group
+    its first save made, found through a weak reference to its storage; a storage that was
+    freed meanwhile, whose address a new one reuses, starts a new group."""
+    key = ("stash", 0, 0)
+    ledger = Ledger()
+    x = torch.randn(5, 4, requires_grad=True)
+    table = torch.randn(5, 4)
+    holders: list = []
+    offloader = Offloader(torch.device("cpu"), ledger, chunk=1, window=1)
+    stream = offloader.stream(key)
+    with saved_storages({x.untyped_storage().data_ptr()}, holders, key, stream.add) as saved:
+        h = torch.tanh(x * table)  # saves table, then tanh's output
+        y = (h * table).sum()  # saves h and table again, after table's chunk has landed
+    ledger.add(key, sum(saved.values()), hosted=stream.end_forward())
+    groups = [g for c in stream.chunks for g in c.groups]
+    assert len(groups) == 2 == len(saved)  # table once, h once
+    assert sum(g.nbytes for g in groups) == sum(saved.values()) == ledger.host["stash"]
+    table_group = next(g for g in groups if len(g.holders) == 2)
+    assert all(holder.tensor is None for holder in table_group.holders)
+    offloader.offload(key, holders, "OFFLOAD")
+    offloader.reload(key, "RELOAD")
+    y.backward()
+    x2 = x.detach().clone().requires_grad_()
+    (torch.tanh(x2 * table) * table).sum().backward()
+    assert torch.equal(x.grad, x2.grad)

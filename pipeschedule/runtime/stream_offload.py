@@ -15,13 +15,13 @@ instructions (OFFLOAD right after the F, RELOAD before the B) and the same exact
              on the compute stream at that point. When its `done` event has completed
              (polled at each pack and each instruction, never waited for), the holders
              drop their device tensors, so the device memory returns as soon as the
-             forward itself no longer uses it. A storage saved again while its chunk is
-             still in flight joins that group; once landed, its address may be reused
-             by a new storage, so a later save at that address starts a new group. The
-             stash's bytes are therefore counted here, as the sum of the groups (the
-             ledger's count by address would merge a reused address with the storage
-             it replaced); a storage saved again after its chunk landed is copied and
-             counted twice (correct, a little more host traffic).
+             forward itself no longer uses it. A storage saved again (rotary tables,
+             masks, a residual saved by several nodes) joins its group: while the
+             chunk is in flight by address, once landed only if a weak reference to
+             the storage says it is still alive, since a freed storage's address may
+             be reused by a new one, which starts a new group. The stash's bytes are
+             therefore counted here, as the sum of the groups (the ledger's count by
+             address would merge a reused address with the storage it replaced).
     OFFLOAD  marks the stash as offloaded (nothing left to copy but a last chunk).
     RELOAD   issues the copies back of the last `window` chunks (backward consumes what
              forward saved last first): device storages allocated on the compute
@@ -50,6 +50,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from pipeschedule.runtime.errors import RuntimeScheduleError
 
@@ -78,6 +79,8 @@ class StreamedStash:
         self.offloader, self.key = offloader, key
         self.chunks: list[Chunk] = [Chunk(self, 0)]
         self.in_flight: dict[int, object] = {}  # storage data_ptr -> _Group, while its device storage is held
+        self.landed_at: dict[int, tuple] = {}  # data_ptr -> (StorageWeakRef, _Group) of landed groups, during F
+        self.forwarding = True
         self.every: dict[int, object] = {}  # data_ptr -> _Group, for the split backward's leaves at OFFLOAD
         self.next = -1  # highest chunk index not yet issued back (-1: none left)
         self.offloaded = self.reloaded = self.in_ledger = False
@@ -96,6 +99,15 @@ class StreamedStash:
         ptr = storage.data_ptr()
         holder.chunk = None
         group = self.in_flight.get(ptr)
+        if group is None and ptr in self.landed_at:
+            weak, landed = self.landed_at[ptr]
+            if not weak.expired():  # the same storage, still alive: its host copy serves
+                t = holder.tensor
+                holder.layout = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+                holder.tensor = None
+                group = landed
+            else:  # freed; a new storage at the same address
+                del self.landed_at[ptr]
         if group is not None:
             group.holders.append(holder)
             holder.chunk = group.chunk
@@ -146,6 +158,7 @@ class StreamedStash:
         if self.chunks and not self.chunks[-1].groups:
             self.chunks.pop()
         self.next = len(self.chunks) - 1
+        self.forwarding, self.landed_at = False, {}
         self.in_ledger = True
         landed, self.landed = self.landed, 0
         return landed
@@ -164,8 +177,11 @@ class StreamedStash:
                 if t is not None:
                     holder.layout = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
                     holder.tensor = None
-            if self.in_flight.get(group.device.data_ptr()) is group:
-                del self.in_flight[group.device.data_ptr()]
+            ptr = group.device.data_ptr()
+            if self.in_flight.get(ptr) is group:
+                del self.in_flight[ptr]
+                if self.forwarding:  # saved again later in this F: found by its weak reference
+                    self.landed_at[ptr] = (StorageWeakRef(group.device.untyped_storage()), group)
             group.device = None
         chunk.state = "host"
         if self.in_ledger:
