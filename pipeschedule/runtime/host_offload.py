@@ -284,6 +284,12 @@ class Offloader:
         if moving.reload_done is not None:
             torch.cuda.current_stream(self.device).wait_event(moving.reload_done)
 
+    def settle(self, key: Key) -> None:
+        """After the B of `key`: see `StreamedStash.settle`."""
+        stream = self.streams.get(key)
+        if stream is not None:
+            stream.settle()
+
     def forget(self, key: Key) -> None:
         """At the stash's FREE: drops what is left of its offload (the ledger releases
         both sides itself). Host buffers still being copied return once done."""

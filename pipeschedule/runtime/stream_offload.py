@@ -31,7 +31,9 @@ instructions (OFFLOAD right after the F, RELOAD before the B) and the same exact
              and issues the copy back of the chunk `window` further down; a chunk not
              issued yet (unpacked out of order) is issued on the spot. The chunks keep
              no reference to the rebuilt tensors, so autograd frees each as soon as the
-             node that used it has run.
+             node that used it has run. After the B the compute stream also waits for
+             any chunk autograd never unpacked (`settle`): its blocks, freed with the
+             graph, must not be reused before the side stream has written them.
     FREE     drops what is left; host buffers still in flight return when done.
 
 A chunk whose copy out has not landed when the RELOAD comes keeps its device tensors and
@@ -277,6 +279,15 @@ class StreamedStash:
             torch.cuda.current_stream(self.offloader.device).wait_event(chunk.in_done)
         while self.next >= 0 and self.next >= chunk.index - self.offloader.window:
             self._issue_next()
+
+    def settle(self) -> None:
+        """After the B: the compute stream waits for every copy back it has not waited
+        for (chunks autograd never unpacked), so that their device blocks, freed with the
+        graph, are reused only after the side stream has written them."""
+        for chunk in self.chunks:
+            if chunk.in_done is not None and not chunk.waited:
+                torch.cuda.current_stream(self.offloader.device).wait_event(chunk.in_done)
+                chunk.waited = True
 
     def landed_in(self, chunk: Chunk) -> None:
         chunk.in_done = None
