@@ -49,6 +49,8 @@ STRINGS = {
     "ps_afab:split=20/20/20/20": EngineSpec("ps_afab", split=(20, 20, 20, 20)),
     "1f1b": EngineSpec("1f1b"),
     "afab": EngineSpec("afab"),
+    "capped_1f1b:cap=2,offload=0,stream=256": EngineSpec("capped_1f1b", cap=2, offload=(0,), stream=256),
+    "ps_1f1b:stream=64,lead=0,offload=0/1": EngineSpec("ps_1f1b", offload=(0, 1), lead=0, stream=64),
 }
 
 MAPPINGS = [
@@ -59,6 +61,7 @@ MAPPINGS = [
     ({"name": "capped_1f1b", "split": "19/21/21/19"}, EngineSpec("capped_1f1b", split=(19, 21, 21, 19))),
     ({"name": "interleaved_1f1b", "virtual": 2, "cap": 4}, EngineSpec("interleaved_1f1b", cap=4, virtual=2)),
     ({"name": "1f1b"}, EngineSpec("1f1b")),
+    ({"name": "zbv", "offload": [0], "stream": 128}, EngineSpec("zbv", offload=(0,), stream=128)),
 ]
 
 BAD = [
@@ -76,6 +79,11 @@ BAD = [
     ("capped_1f1b:", "nothing after ':'"),
     ("capped_1f1b:cap", "expected KEY=VALUE"),
     ({"cap": 2}, "needs a 'name' key"),
+    ("ps_1f1b:stream=64", "stream applies to offloaded stashes: give offload=RANKS too"),
+    ("ps_1f1b:offload=0/0", "offload must list distinct ranks >= 0"),
+    ("ps_1f1b:offload=0,stream=0", "stream must be an integer >= 1 (MiB per chunk), got '0'"),
+    ("ps_1f1b:offload=0,lead=-1", "lead must be an integer >= 0"),
+    ("1f1b:offload=0", "nanotron's own '1f1b' takes no parameters"),
 ]
 
 
@@ -226,6 +234,7 @@ def test_check_against_the_run():
         ("capped_1f1b:cap=4/3/2/1", 2, None, "cap lists 4 ranks but pp = 2"),
         ("capped_1f1b:split=40/40", 4, 80, "split lists 2 stages but pp * virtual = 4 * 1 = 4"),
         ("capped_1f1b:split=19/21/21/18", 4, 80, "19+21+21+18 = 79 decoder layers but the model has 80"),
+        ("ps_1f1b:offload=0/4", 4, None, "offload names rank 4 but pp = 4"),
     ):
         with pytest.raises(ParameterError, match=reason.replace("+", r"\+").replace("*", r"\*")):
             parse_engine(value).check_against(pp=pp, num_layers=layers)

@@ -31,7 +31,9 @@ from pipeschedule.errors import ParameterError
 
 SMALL = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
 EIGHT = ModelConfig(hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
-OURS = ("ps_1f1b", "ps_afab", "capped_1f1b:cap=1", "capped_1f1b:cap=2")
+OURS = ("ps_1f1b", "ps_afab", "capped_1f1b:cap=1", "capped_1f1b:cap=2",
+        # host offload from the YAML: rank 0 streamed (one 1 MiB chunk per stash here), ranks 0 and 1 whole
+        "ps_1f1b:offload=0,stream=1", "capped_1f1b:cap=2,offload=0/1,lead=0")
 
 
 def microbatch_counts(pp: int) -> list[int]:
@@ -153,6 +155,23 @@ def test_engine_parameters_and_checks():
         InterleavedOneFOneBEngine(EngineSpec("interleaved_1f1b", split=(2, 2))).check(pp=2, num_layers=4)
     with pytest.raises(ValueError, match="runs 'capped_1f1b'"):
         CappedOneFOneBEngine(EngineSpec("ps_1f1b"))
+
+
+def test_offload_from_the_yaml_value():
+    """`offload=0,stream=64`: rank 0's program gets OFFLOAD / RELOAD of every stash that
+    waits more than `lead` computes, the others none, the runner streams 64 MiB chunks;
+    the evaluation schedule drops them."""
+    from pipeschedule.ir import Op
+
+    engine = CappedOneFOneBEngine(parse_engine("capped_1f1b:cap=4,offload=0,stream=64"))
+    assert engine.spec.offload_chunk == 64 * 2**20
+    schedule = engine.compile(pp=4, microbatches=8)
+    counts = [sum(i.op is Op.OFFLOAD for i in program) for program in schedule.programs]
+    assert counts == [8, 0, 0, 0]  # every stash of rank 0 waits 3 to 6 computes, more than lead 1
+    assert all(sum(i.op is Op.RELOAD for i in p) == c for p, c in zip(schedule.programs, counts))
+    assert not any(i.op in (Op.OFFLOAD, Op.RELOAD) for p in forward_only(schedule).programs for i in p)
+    with pytest.raises(ParameterError, match="offload names rank 4 but pp = 4"):
+        PsOneFOneBEngine(parse_engine("ps_1f1b:offload=4")).check(pp=4)
 
 
 def test_forward_only_keeps_the_forward_half():

@@ -1,6 +1,7 @@
 """Host offload (issue 9): the verifier's liveness with OFFLOAD / RELOAD, the simulator's
 host link, the `add_offload` pass, the `choose_offload` search and the CLI flags."""
 
+import json
 import math
 from dataclasses import replace
 from fractions import Fraction
@@ -361,6 +362,9 @@ def test_plan_reports_offload(capsys):
     out = capsys.readouterr().out
     assert out.startswith(plain.split("Hint:")[0].split("Recommended:")[0])
     assert "host link 450 GB/s per direction" in out and "(the tightest) at a predicted slowdown of" in out
+    assert main(argv + ["--offload", "auto,stream=64", "--json"]) in (0, 1)
+    streamed = json.loads(capsys.readouterr().out)["offload"]
+    assert streamed["chunk"] == 64 * 2**20 and "stream=64" in streamed["policy"]
 
 
 # -- streamed offload ([Note: streamed offload] in simulate.py) -----------------------------------

@@ -89,8 +89,10 @@ from pipeschedule.generators import family_virtual
 from pipeschedule.generators.one_f_one_b import default_cap
 from pipeschedule.generators.v_shape import v_placement
 from pipeschedule.ir import Instr, Op, Schedule
+from pipeschedule.offload import add_offload
 from pipeschedule.runtime import DistTransport, Executor, HostStagedTransport, RemoteOutput
 from pipeschedule.runtime.ledger import signature_of
+from pipeschedule.verify import verify
 
 _engines_built: dict[tuple[int, ...], itertools.count] = {}  # pp group -> engine counter (store prefixes)
 
@@ -128,8 +130,14 @@ class PipescheduleEngine(PipelineEngine):
         self.spec.check_against(pp=pp, num_layers=num_layers)
 
     def compile(self, *, pp: int, microbatches: int) -> Schedule:
-        """The lowered, verified schedule this engine runs for (pp, m)."""
-        return compile_schedule(self.family, pp=pp, microbatches=microbatches, virtual=self.virtual, cap=self.cap(pp))
+        """The lowered, verified schedule this engine runs for (pp, m), with the spec's
+        OFFLOAD / RELOAD when it has `offload`."""
+        schedule = compile_schedule(self.family, pp=pp, microbatches=microbatches, virtual=self.virtual, cap=self.cap(pp))
+        policy = self.spec.offload_policy()
+        if policy is not None:
+            schedule = add_offload(schedule, policy)
+            verify(schedule)
+        return schedule
 
     # -- nanotron's interface ----------------------------------------------------------
 
@@ -159,7 +167,8 @@ class PipescheduleEngine(PipelineEngine):
             schedule = self.compile(pp=pp, microbatches=m)
             if not train:
                 schedule = forward_only(schedule)
-            self._runners[key] = _Runner(schedule, self._transport_for(pg), _device_of(model), self.spec.split)
+            self._runners[key] = _Runner(schedule, self._transport_for(pg), _device_of(model), self.spec.split,
+                                         offload_chunk=self.spec.offload_chunk)
         return self._runners[key]
 
     def training_ledger(self):
@@ -314,12 +323,14 @@ def _device_of(model) -> torch.device:
 class _Runner:
     """The executor of one (pg, m, train|eval) and what its steps share."""
 
-    def __init__(self, schedule: Schedule, transport: DistTransport, device: torch.device, split=None):
+    def __init__(self, schedule: Schedule, transport: DistTransport, device: torch.device, split=None,
+                 offload_chunk: int | None = None):
         self.schedule, self.transport, self.split = schedule, transport, split
         self.rank = transport.rank
         self.layouts: dict[int, Layout] = {}  # producing stage -> boundary layout
         self.stages = _ModelStages(self)
-        self.executor = _NanotronExecutor(schedule, self.rank, self.stages, transport, device=device)
+        self.executor = _NanotronExecutor(schedule, self.rank, self.stages, transport, device=device,
+                                          offload_chunk=offload_chunk)
         backwards = [pc for pc, i in enumerate(self.executor.program) if i.op is Op.B]
         self.last_backward = self.executor.program[backwards[-1]] if backwards else None
         # [Note: gradient sync]: DDP syncs inside the last B only when that B is the last

@@ -32,9 +32,17 @@ its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
     split    decoder layers per stage, pp * virtual integers >= 0 in stage order (2pp for
              the V-shape engines); the embedding sits on stage 0, the final norm, LM
              head and loss on the last
+    offload  ranks (`0` or `0/1`) whose stashes all go to host memory between their F
+             and their B (`pipeschedule.offload.add_offload`, fraction 1; stashes whose
+             wait is at most `lead` computes stay)
+    lead     computes between a RELOAD and the B that needs it, integer >= 0 (default 1;
+             needs offload)
+    stream   MiB: stream the offloaded stashes in chunks of this size while F saves them
+             and B consumes them, instead of moving each whole ([Note: streamed offload]
+             in pipeschedule/runtime/stream_offload.py); integer >= 1, needs offload
 
 Saving writes the canonical string form (`EngineSpec.to_string()`): keys in the order
-virtual, cap, split, defaults left out.
+virtual, cap, split, offload, lead, stream, defaults left out.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from pipeschedule.generators import family_virtual
 
 from integration.nanotron.registry import ENGINES, NANOTRON_ENGINES, accepted_summary
 
-PARAM_ORDER = ("virtual", "cap", "split")
+PARAM_ORDER = ("virtual", "cap", "split", "offload", "lead", "stream")
 
 
 @dataclass(frozen=True)
@@ -56,13 +64,17 @@ class EngineSpec:
 
     `cap` is None (the engine's default), an int, or a tuple with one int per rank;
     `virtual` is None except for interleaved engines; `split` is None (nanotron's
-    cost-balanced split) or decoder layers per stage.
+    cost-balanced split) or decoder layers per stage; `offload` None or the ranks that
+    offload their stashes, `lead` and `stream` (MiB) None (defaults) or integers.
     """
 
     name: str
     cap: int | tuple[int, ...] | None = None
     virtual: int | None = None
     split: tuple[int, ...] | None = None
+    offload: tuple[int, ...] | None = None
+    lead: int | None = None
+    stream: int | None = None
 
     @property
     def is_nanotron_builtin(self) -> bool:
@@ -84,12 +96,31 @@ class EngineSpec:
         parts = [f"{key}={_format_value(value)}" for key, value in self.params().items()]
         return self.name + (":" + ",".join(parts) if parts else "")
 
+    def offload_policy(self):
+        """The `pipeschedule.offload.OffloadPolicy` of `offload` / `lead` (None: no offload)."""
+        if self.offload is None:
+            return None
+        from pipeschedule.offload import OffloadPolicy
+
+        return OffloadPolicy(1.0, self.offload, 1 if self.lead is None else self.lead)
+
+    @property
+    def offload_chunk(self) -> int | None:
+        """Bytes per chunk of streamed offload (None: stashes move whole)."""
+        return None if self.stream is None else self.stream * 2**20
+
     def check_against(self, *, pp: int, num_layers: int | None = None) -> None:
-        """Check the parameters that depend on the run: cap list and split lengths, split sum.
+        """Check the parameters that depend on the run: cap list and split lengths, split
+        sum, offload ranks.
 
         Engines call this once they know pp (config load does not: dacite builds
         `pp_engine` before the rest of `parallelism`).
         """
+        if self.offload is not None and max(self.offload) >= pp:
+            raise ParameterError(
+                f"pp_engine {self.to_string()!r}: offload names rank {max(self.offload)} but pp = {pp} "
+                f"(ranks 0..{pp - 1})"
+            )
         virtual = 1 if self.is_nanotron_builtin else family_virtual(self.family, self.virtual)
         if isinstance(self.cap, tuple) and len(self.cap) != pp:
             raise ParameterError(
@@ -143,6 +174,9 @@ def parse_engine(value: Any) -> EngineSpec:
     if missing:
         raise _error(value, f"{name} needs {missing[0]}=N")
     values = {key: _convert(value, key, raw[key]) for key in raw}
+    loose = [key for key in ("lead", "stream") if key in values and "offload" not in values]
+    if loose:
+        raise _error(value, f"{loose[0]} applies to offloaded stashes: give offload=RANKS too (e.g. offload=0)")
     return EngineSpec(name, **values)
 
 
@@ -191,7 +225,18 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
         if number < 1:
             raise _error(value, f"virtual must be an integer >= 1, got {raw!r}")
         return number
+    if key in ("lead", "stream"):
+        number = _integer(value, key, raw)
+        least = 0 if key == "lead" else 1
+        if number < least:
+            what = "computes" if key == "lead" else "MiB per chunk"
+            raise _error(value, f"{key} must be an integer >= {least} ({what}), got {raw!r}")
+        return number
     items = _integers(value, key, raw)
+    if key == "offload":
+        if any(r < 0 for r in items) or len(set(items)) != len(items):
+            raise _error(value, f"offload must list distinct ranks >= 0 (0 or 0/1), got {raw!r}")
+        return tuple(items)
     if key == "cap":
         if any(c < 1 for c in items):
             raise _error(value, f"cap must be an integer >= 1 (or one per rank, as 4/3/2/1), got {raw!r}")
