@@ -42,7 +42,7 @@ class HostLink:
         self.chunk, self.window = chunk, window  # streamed offload: bytes per piece, pieces reloaded ahead
         self.out_free = self.in_free = 0  # when the device->host / host->device queue is next idle
         self.pending: list = []  # heap of (completion time, seq, entry) of copies not yet landed
-        self.moved: dict = {}  # (buf, stage, mb) -> [state, time, bytes, cancelled]
+        self.moved: dict = {}  # (buf, stage, mb) -> [state, time, bytes, cancelled] (+ [pieces, next] if streamed)
         self.host = self.peak_host = 0
         self.seq = 0
         self.mem_t, self.mem_v = mem_t, mem_v  # the rank's device memory curve
@@ -178,14 +178,20 @@ class HostLink:
         """F of a stash that streams out, starting at `t` for `spend`: piece j of n is
         produced over the j-th n-th of the F, counts on the device from the start of it,
         is copied when it ends and leaves the device when its copy lands. Returns (live,
-        peak, the F's time with the slowdown of the copies running beside it)."""
+        peak, the F's time): stretched as any compute by the copies already queued, then
+        by its own pieces' copies over the part of the F they run beside and the earlier
+        ones do not (the pieces keep the pace of the first stretch)."""
+        spend = self.stretch(t, spend)
+        lo, hi = max(self.out_free, self.in_free, t), t + spend  # [t, lo]: counted by the stretch
         sizes = self._pieces(nbytes)
-        pieces, at, produced = [], t, t
+        pieces, at, produced, beside = [], t, t, 0
         for size in sizes:
             live, peak = self._add(at, live, size, peak)
             produced += spend * size / nbytes if nbytes else spend / len(sizes)
-            done = max(produced, self.out_free) + self._copy_time(size, self.out_bandwidth)
-            self.out_free = done
+            start = max(produced, self.out_free)
+            done = self.out_free = start + self._copy_time(size, self.out_bandwidth)
+            if min(done, hi) > max(start, lo):  # the queue runs the pieces one after another
+                beside += min(done, hi) - max(start, lo)
             self.host += size
             piece = [OUT, done, size, False]
             self._push(piece)
@@ -194,7 +200,7 @@ class HostLink:
         if self.host > self.peak_host:
             self.peak_host = self.host
         self.moved[key] = [STREAMED, self.out_free, nbytes, False, pieces, len(pieces) - 1]
-        return live, peak, self.stretch(t, spend)
+        return live, peak, spend + self.slowdown * beside if beside else spend
 
     def _reload_one(self, entry, t, live, peak):
         """Issues the copy back of the entry's next piece at `t` (its device bytes count

@@ -108,7 +108,7 @@ class OffloadPolicy:
         if self.ranks is not None:
             parts.append("ranks=" + "/".join(map(str, self.ranks)))
         if self.chunk is not None:
-            parts.append(f"stream={self.chunk / MIB:g}")
+            parts.append(f"stream={self.chunk / MIB:.15g}")
         return ",".join(parts)
 
     def cost(self, cost):

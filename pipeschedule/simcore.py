@@ -281,7 +281,8 @@ def run(schedule: Schedule, cost) -> Trace:
                     if ready != t:
                         link.waited[pc] = t = ready
                     live = link.drain(t, live)
-                    spend = link.stretch(t, spend)
+                    if not (stream and op is F):  # a streamed F is stretched once, with its own copies
+                        spend = link.stretch(t, spend)
                 if grow:
                     live += grow
                     if live > peak:

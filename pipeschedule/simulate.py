@@ -72,12 +72,19 @@ chunk) equal pieces, copied out while F saves them and back while B consumes the
   landed (a wait lengthens the B; busy time does not count it), and starting on a piece issues the
   copy back of the piece `reload_window` further down. Without W a piece leaves the
   device when its share ends (autograd releases saved tensors node by node), so the FREE
-  after the B releases nothing more; with W every piece stays until the stash's FREE.
-  A B without a RELOAD before it issues the window at its own start.
-- The slowdown applies over the copies queued when a compute starts; a streamed F
-  counts its own pieces' copies too.
+  after the B releases nothing more; with W every piece stays until the stash's FREE
+  (an upper bound: the runtime keeps only what W needs). A B without a RELOAD before it
+  (which the verifier rejects) issues the window at its own start.
+- An OFFLOAD after the B (between B and W) moves what is left whole, as without
+  streaming.
+- The slowdown applies over the copies queued when a compute starts; a streamed F is
+  also slowed over the part of it that its own pieces' copies run beside (and earlier
+  copies do not), its pieces keeping the pace set by the earlier copies alone.
 With one piece per stash (a chunk at least every stash) and no slowdown, a streamed
-schedule simulates exactly as the whole-stash one: same step time and peaks.
+schedule simulates exactly as the whole-stash one: same step time and peaks. Where the
+runtime differs ([Note: streamed offload] in runtime/stream_offload.py): its chunks are
+whole storages (a storage larger than the chunk is one larger chunk), and a chunk still
+being copied out when its RELOAD comes stays on the device instead of coming back.
 """
 
 from __future__ import annotations
@@ -261,7 +268,8 @@ class CostModel:
             "reload_bandwidth": None if self.reload_bandwidth == math.inf else self.reload_bandwidth,
             "offload_slowdown": self.offload_slowdown,
         } | ({} if self.weight_stash is None else {"weight_stash": list(self.weight_stash)}) | (
-            {} if self.offload_chunk is None else {"offload_chunk": self.offload_chunk, "reload_window": self.reload_window})
+            {} if self.offload_chunk is None and self.reload_window == 2
+            else {"offload_chunk": self.offload_chunk, "reload_window": self.reload_window})
 
 
 def _check_stream(chunk, window, error) -> None:

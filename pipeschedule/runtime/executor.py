@@ -327,7 +327,6 @@ class Executor:
         start = time.perf_counter()
         if stash.root.requires_grad:
             _backward_from(stash.root, grad)
-        self.offloader.settle(("stash", s, mb))
         self.times.compute_s += time.perf_counter() - start
         if stash.weights is not None:  # from here the stash holds W's part only
             held = stash.weights.held_bytes(self._persistent_storages(s))

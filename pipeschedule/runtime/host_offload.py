@@ -10,7 +10,8 @@ its unpack hook returns the holder's current device tensor. The stash keeps weak
 references to its holders, so a holder whose graph was freed (after B) is simply gone.
 
     OFFLOAD   the live holders' storages, each once (views share it), are copied whole to
-              host buffers taken from a `HostPool`. On CUDA: the side stream waits on an
+              host buffers taken from a `HostPool`. On CUDA: the side stream (`side_out`;
+              copies back run on a second one, `side_in`) waits on an
               event recorded on the compute stream (so the copy follows the compute that
               produced the tensors), copies with non_blocking into pinned buffers, and
               records `done`. The holders drop their device tensors at once (a use now
@@ -50,6 +51,7 @@ its device memory returns only once that other buffer is freed too.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -74,7 +76,7 @@ class SavedTensor:
 
     def get(self) -> torch.Tensor:
         chunk = self.chunk
-        if chunk is not None and not chunk.waited and chunk.stream.reloaded:
+        if chunk is not None and not chunk.consumed and chunk.stream.reloaded:
             chunk.stream.consume(chunk)  # [Note: streamed offload]
         if self.tensor is None:
             stage, mb = (self.key or (None, "?", "?"))[1:]
@@ -146,26 +148,38 @@ class Offloader:
     """OFFLOAD / RELOAD of stashes for one executor ([Note: host offload])."""
 
     def __init__(self, device: torch.device, ledger, chunk: int | None = None, window: int = 2):
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, or None to move stashes whole")
+        if chunk is not None:
+            if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 1 <= chunk < math.inf:
+                raise ValueError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, or None to move stashes whole")
+            chunk = math.ceil(chunk)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"reload_window={window!r}: give a number of chunks >= 1")
         self.device, self.ledger = device, ledger
         self.chunk, self.window = chunk, window  # streamed offload ([Note: streamed offload])
         self.cuda = device.type == "cuda"
         self.host_pool = HostPool(pinned=self.cuda)
-        self._side = None  # the side stream, made at the first offload
+        self._side_out = self._side_in = None  # the side streams, made at first use
         self.moving: dict[Key, _Moving] = {}
         self._pending: list[_Moving] = []  # offloads or reloads whose `done` has not been seen
         self.streams: dict[Key, StreamedStash] = {}  # stashes that stream, from their F to their FREE
-        self.chunks_pending: list = []  # their chunks with a copy in flight, in side-stream order
+        self.chunks_out: list = []  # their chunks with a copy out in flight, in side_out's order
+        self.chunks_in: list = []  # and with a copy back in flight, in side_in's order
         self.copied_to_host = self.copied_to_device = 0  # bytes, over the executor's life
 
     @property
-    def side(self) -> torch.cuda.Stream:
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=self.device)
-        return self._side
+    def side_out(self) -> torch.cuda.Stream:
+        """The side stream of copies to the host (made at the first offload)."""
+        if self._side_out is None:
+            self._side_out = torch.cuda.Stream(device=self.device)
+        return self._side_out
+
+    @property
+    def side_in(self) -> torch.cuda.Stream:
+        """The side stream of copies back to the device: a second stream, so that a copy
+        in never queues behind copies out (the link carries both directions at once)."""
+        if self._side_in is None:
+            self._side_in = torch.cuda.Stream(device=self.device)
+        return self._side_in
 
     # -- the instructions -------------------------------------------------------------
 
@@ -175,10 +189,13 @@ class Offloader:
         split backward's private input leaves): their `.data` is emptied and restored."""
         stream = self.streams.get(key)
         if stream is not None:
-            if stream.offloaded:
+            if stream.offloaded and not stream.reloaded:
                 raise RuntimeScheduleError(f"{where}: the stash of (stage {key[1]}, mb {key[2]}) is already offloaded")
-            stream.offload(where, leaves)
-            return
+            if not stream.offloaded:
+                stream.offload(where, leaves)
+                return
+            # back for its B and offloaded again (between B and W): what W keeps moves whole
+            self.streams.pop(key).release()
         earlier = self.moving.get(key)
         if earlier is not None and not earlier.reloaded:
             raise RuntimeScheduleError(f"{where}: the stash of (stage {key[1]}, mb {key[2]}) is already offloaded")
@@ -192,13 +209,13 @@ class Offloader:
         if self.cuda:
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(self.device))
-            self.side.wait_event(produced)
+            self.side_out.wait_event(produced)
         for storage, group_holders in by_storage.values():
             nbytes = storage.nbytes()
             device_bytes = _bytes_of(storage, self.device)
             host = self.host_pool.take(nbytes)
             if self.cuda:
-                with torch.cuda.stream(self.side):
+                with torch.cuda.stream(self.side_out):
                     host.copy_(device_bytes, non_blocking=True)
             else:
                 host.copy_(device_bytes)
@@ -217,7 +234,7 @@ class Offloader:
         done = None
         if self.cuda:
             done = torch.cuda.Event()
-            done.record(self.side)
+            done.record(self.side_out)
         moving = _Moving(key, groups, done, where)
         self.moving[key] = moving
         if done is None:
@@ -248,12 +265,12 @@ class Offloader:
         targets = [torch.empty(group.nbytes, dtype=torch.uint8, device=self.device) for group in moving.groups]
         if self.cuda:  # the new blocks belong to the compute stream; the side stream writes them after this point
             ready.record(torch.cuda.current_stream(self.device))
-            self.side.wait_event(ready)
-            with torch.cuda.stream(self.side):
+            self.side_in.wait_event(ready)
+            with torch.cuda.stream(self.side_in):
                 for group, target in zip(moving.groups, targets):
                     target.copy_(group.host, non_blocking=True)
             moving.reload_done = torch.cuda.Event()
-            moving.reload_done.record(self.side)
+            moving.reload_done.record(self.side_in)
         else:
             for group, target in zip(moving.groups, targets):
                 target.copy_(group.host)
@@ -284,15 +301,12 @@ class Offloader:
         if moving.reload_done is not None:
             torch.cuda.current_stream(self.device).wait_event(moving.reload_done)
 
-    def settle(self, key: Key) -> None:
-        """After the B of `key`: see `StreamedStash.settle`."""
-        stream = self.streams.get(key)
-        if stream is not None:
-            stream.settle()
-
     def forget(self, key: Key) -> None:
         """At the stash's FREE: drops what is left of its offload (the ledger releases
         both sides itself). Host buffers still being copied return once done."""
+        stream = self.streams.pop(key, None)
+        if stream is not None:
+            stream.release()
         moving = self.moving.pop(key, None)
         if moving is not None and not self._is_pending(moving):
             self._return_host(moving)
@@ -308,9 +322,9 @@ class Offloader:
 
     def poll(self) -> None:
         """Handles every copy whose `done` event has completed (never waits)."""
-        chunks = self.chunks_pending
-        while chunks and pending_done(chunks[0], wait=False):  # the side stream runs them in order
-            chunks.pop(0)
+        for chunks in (self.chunks_out, self.chunks_in):
+            while chunks and pending_done(chunks[0], wait=False):  # each side stream runs its copies in order
+                chunks.pop(0)
         if not self._pending:
             return
         still = []
@@ -321,9 +335,11 @@ class Offloader:
 
     def finish(self) -> None:
         """Waits for every copy in flight (the end of a step) and handles it."""
-        for chunk in self.chunks_pending:
+        for chunk in self.chunks_out + self.chunks_in:
             pending_done(chunk, wait=True)
-        self.chunks_pending = []
+        self.chunks_out, self.chunks_in = [], []
+        for stream in self.streams.values():  # normally none: each FREE forgets its stash
+            stream.release()
         self.streams.clear()
         for moving in self._pending:
             self._complete(moving, wait=True)

@@ -31,16 +31,30 @@ instructions (OFFLOAD right after the F, RELOAD before the B) and the same exact
              and issues the copy back of the chunk `window` further down; a chunk not
              issued yet (unpacked out of order) is issued on the spot. The chunks keep
              no reference to the rebuilt tensors, so autograd frees each as soon as the
-             node that used it has run. After the B the compute stream also waits for
-             any chunk autograd never unpacked (`settle`): its blocks, freed with the
-             graph, must not be reused before the side stream has written them.
-    FREE     drops what is left; host buffers still in flight return when done.
+             node that used it has run. A holder freed before any unpack of its chunk
+             (a saved tensor autograd never reads, a branch that died during F) makes
+             the compute stream wait for the chunk's copy from its weakref callback,
+             before its block returns to the allocator: the block must not be reused
+             before the side stream has written it.
+    FREE     drops what is left: host buffers return to the pool (those still in flight
+             once their copy is done). An OFFLOAD between B and W (split backward)
+             moves what W keeps whole, through the whole-stash path.
+
+Copies out run on one side stream (`side_out`), copies back on another (`side_in`), so
+that a B's reloads never queue behind an F's copies out (the simulator has one queue
+per direction, [Note: host link] in simulate.py).
 
 A chunk whose copy out has not landed when the RELOAD comes keeps its device tensors and
-copies nothing back. The ledger moves each chunk's bytes to the host when it lands and
-back when its reload is issued, and drops them when the last holder of a reloaded chunk
-is gone, so `high_total` counts what the device holds per chunk. On CPU the copies are
-made at once, which is what the tests use for exactness.
+copies nothing back ("kept"; the simulator instead waits for the copy out and copies
+back). The ledger moves each chunk's bytes to the host when it lands and back when its
+reload is issued, and drops them when the last holder of a reloaded chunk is gone, so
+`high_total` counts what the device holds per chunk (a kept chunk stays counted until
+the FREE). On CPU the copies are made at once, which is what the tests use for
+exactness; the GPU test (tests/test_runtime_offload.py) drives the events.
+
+A chunk here is whole storages until it reaches `chunk` bytes, so one large storage is
+one chunk larger than `chunk`; the simulator cuts a stash into equal pieces of at most
+`chunk` bytes. Its predictions assume storages well under a chunk.
 
 In a split-backward schedule the W part's private input leaves keep their storages
 through `.data`; their storages move at the OFFLOAD (right after the F), as in the whole
@@ -62,7 +76,7 @@ class Chunk:
     "out" (copy out issued), "host" (landed; device storages dropped), "kept" (reloaded
     before its copy out landed: its device storages stay), "in" (copy back issued)."""
 
-    __slots__ = ("stream", "index", "groups", "nbytes", "state", "out_done", "in_done", "waited", "alive")
+    __slots__ = ("stream", "index", "groups", "nbytes", "state", "out_done", "in_done", "synced", "consumed", "alive")
 
     def __init__(self, stream: StreamedStash, index: int):
         self.stream, self.index = stream, index
@@ -70,7 +84,8 @@ class Chunk:
         self.nbytes = 0
         self.state = "filling"
         self.out_done = self.in_done = None  # CUDA events while pending
-        self.waited = False  # the compute stream waits for in_done (first unpack)
+        self.synced = False  # the compute stream waits for in_done (first unpack, or a holder gone before)
+        self.consumed = False  # its first unpack has moved the window on
         self.alive = 0  # rebuilt holders not yet freed by autograd
 
 
@@ -134,13 +149,13 @@ class StreamedStash:
         if offloader.cuda:
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(offloader.device))
-            offloader.side.wait_event(produced)
-            with torch.cuda.stream(offloader.side):
+            offloader.side_out.wait_event(produced)
+            with torch.cuda.stream(offloader.side_out):
                 for group in chunk.groups:
                     group.host = offloader.host_pool.take(group.nbytes)
                     group.host.copy_(group.device, non_blocking=True)
             chunk.out_done = torch.cuda.Event()
-            chunk.out_done.record(offloader.side)
+            chunk.out_done.record(offloader.side_out)
         else:
             for group in chunk.groups:
                 group.host = offloader.host_pool.take(group.nbytes)
@@ -151,7 +166,7 @@ class StreamedStash:
         if chunk.out_done is None:
             self.landed_out(chunk)
         else:
-            offloader.chunks_pending.append(chunk)
+            offloader.chunks_out.append(chunk)
 
     def end_forward(self) -> int:
         """After the F: the last chunk goes. Returns the bytes that landed during the F,
@@ -237,12 +252,12 @@ class StreamedStash:
         if offloader.cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(offloader.device))
-            offloader.side.wait_event(ready)
-            with torch.cuda.stream(offloader.side):
+            offloader.side_in.wait_event(ready)
+            with torch.cuda.stream(offloader.side_in):
                 for group, target in zip(chunk.groups, targets):
                     target.copy_(group.host, non_blocking=True)
             chunk.in_done = torch.cuda.Event()
-            chunk.in_done.record(offloader.side)
+            chunk.in_done.record(offloader.side_in)
         else:
             for group, target in zip(chunk.groups, targets):
                 target.copy_(group.host)
@@ -259,12 +274,19 @@ class StreamedStash:
         if chunk.in_done is None:
             self._return_host(chunk)
         else:
-            offloader.chunks_pending.append(chunk)
+            offloader.chunks_in.append(chunk)
 
     def _holder_gone(self, chunk: Chunk):
+        """The callback when a rebuilt holder of `chunk` is freed (by autograd, or with
+        the graph). Its block returns to the compute stream's pool now, so the compute
+        stream must wait for the copy that writes it before anything reuses it; the last
+        one gone takes the chunk's bytes off the ledger, if the stash is still held."""
         def gone(_ref, chunk=chunk, stream=self):
             chunk.alive -= 1
-            if chunk.alive == 0 and stream.in_ledger and stream.key in stream.offloader.streams:
+            if not chunk.synced and chunk.in_done is not None:
+                torch.cuda.current_stream(stream.offloader.device).wait_event(chunk.in_done)
+                chunk.synced = True
+            if chunk.alive == 0 and stream.in_ledger and stream.offloader.streams.get(stream.key) is stream:
                 stream.offloader.ledger.drop(stream.key, chunk.nbytes)
         return gone
 
@@ -272,22 +294,13 @@ class StreamedStash:
         """The first unpack of a tensor of `chunk` (during B or W)."""
         if chunk.state == "host":  # unpacked before its turn: fetch it now
             self.issue(chunk)
-        if chunk.waited:
-            return
-        chunk.waited = True
-        if chunk.in_done is not None:
-            torch.cuda.current_stream(self.offloader.device).wait_event(chunk.in_done)
+        if not chunk.synced:
+            chunk.synced = True
+            if chunk.in_done is not None:
+                torch.cuda.current_stream(self.offloader.device).wait_event(chunk.in_done)
+        chunk.consumed = True
         while self.next >= 0 and self.next >= chunk.index - self.offloader.window:
             self._issue_next()
-
-    def settle(self) -> None:
-        """After the B: the compute stream waits for every copy back it has not waited
-        for (chunks autograd never unpacked), so that their device blocks, freed with the
-        graph, are reused only after the side stream has written them."""
-        for chunk in self.chunks:
-            if chunk.in_done is not None and not chunk.waited:
-                torch.cuda.current_stream(self.offloader.device).wait_event(chunk.in_done)
-                chunk.waited = True
 
     def landed_in(self, chunk: Chunk) -> None:
         chunk.in_done = None
@@ -307,7 +320,9 @@ class StreamedStash:
                 group.host = None
 
     def release(self) -> None:
-        """FREE: host buffers not in flight go back to the pool."""
+        """FREE (or a whole OFFLOAD after the B): host buffers not in flight go back to
+        the pool (those of chunks never brought back too); the others when their copy is
+        done (`pending_done`)."""
         for chunk in self.chunks:
             if chunk.out_done is None and chunk.in_done is None:
                 self._return_host(chunk)
