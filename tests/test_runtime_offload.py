@@ -445,15 +445,16 @@ def test_a_storage_saved_again_after_its_chunk_landed_is_copied_once():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (side stream, events, pinned memory)")
 def test_streamed_offload_on_cuda_is_bitwise_exact():
-    """On a GPU the copies run on the side stream: every stash of 1F1B (pp=2, in one
-    process) offloaded whole or streamed (each storage its own chunk, windows 1 and 2;
-    1 MiB chunks), reloaded right before its B or one compute earlier; the gradients
-    equal those without offload bit for bit, and the ledger ends empty."""
+    """On a GPU the copies run on the side streams: every stash of 1F1B and zb_h1 (pp=2,
+    in one process; stages with a saved tensor backward never reads) offloaded whole or
+    streamed (each storage its own chunk, windows 1 and 2; 1 MiB chunks), reloaded right
+    before its B or one compute earlier; the gradients equal those without offload bit
+    for bit, and the ledger ends empty."""
     device = torch.device("cuda")
 
     def stages():
         torch.manual_seed(0)
-        return [torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024),
+        return [torch.nn.Sequential(torch.nn.Linear(1024, 4096), _Unread(), torch.nn.GELU(), torch.nn.Linear(4096, 1024),
                                     torch.nn.GELU()).to(device) for _ in range(2)]
 
     generator = torch.Generator().manual_seed(1)
@@ -469,14 +470,15 @@ def test_streamed_offload_on_cuda_is_bitwise_exact():
         assert all(e.ledger.live_total == e.ledger.host_total == 0 for e in pipeline.executors)
         return {f"{s}.{name}": p.grad for s, m in enumerate(modules) for name, p in m.named_parameters()}
 
-    plain = compile_schedule("1f1b", pp=2, microbatches=6)
-    expected = run(plain)
-    for lead in (0, 1):
-        schedule = with_offload(plain, lead=lead)
-        for args in ({}, {"offload_chunk": 1, "reload_window": 1}, {"offload_chunk": 1, "reload_window": 2},
-                     {"offload_chunk": 2**20}):
-            got = run(schedule, **args)
-            assert all(torch.equal(got[k], expected[k]) for k in expected), (lead, args)
+    for name in ("1f1b", "zb_h1"):  # zb_h1: split backward, W keeps the linear inputs
+        plain = compile_schedule(name, pp=2, microbatches=6)
+        expected = run(plain)
+        for lead in (0, 1):
+            schedule = with_offload(plain, lead=lead)
+            for args in ({}, {"offload_chunk": 1, "reload_window": 1}, {"offload_chunk": 1, "reload_window": 2},
+                         {"offload_chunk": 2**20}):
+                got = run(schedule, **args)
+                assert all(torch.equal(got[k], expected[k]) for k in expected), (name, lead, args)
 
 
 class _SavedUnread(torch.autograd.Function):
