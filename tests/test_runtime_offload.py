@@ -202,6 +202,16 @@ def test_ledger_moves_each_stash_to_the_host_and_back():
     assert pipeline.executors[0].offloader.copied_to_host == pipeline.executors[0].offloader.copied_to_device > 0
 
 
+def _assert_matches_a_twin(layer, x):
+    """`layer`'s and `x`'s gradients equal those of a copy of the layer run without hooks."""
+    twin = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 3))
+    twin.load_state_dict(layer.state_dict())
+    x2 = x.detach().clone().requires_grad_()
+    twin(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(layer.parameters(), twin.parameters()))
+
+
 def test_offloaded_tensors_leave_the_device_and_come_back_as_new_storages():
     ledger = Ledger()
     ledger.add(("stash", 0, 0), 0)
@@ -224,12 +234,7 @@ def test_offloaded_tensors_leave_the_device_and_come_back_as_new_storages():
     assert all(h.tensor is not None for h in live) and ledger.host["stash"] == 0
     assert all(torch.equal(h.tensor, v) for h, v in zip(live, values))  # the bytes came back
     y.sum().backward()
-    twin = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 3))
-    twin.load_state_dict(layer.state_dict())
-    x2 = x.detach().clone().requires_grad_()
-    twin(x2).sum().backward()
-    assert torch.equal(x.grad, x2.grad)
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(layer.parameters(), twin.parameters()))
+    _assert_matches_a_twin(layer, x)
 
 
 # -- a use without RELOAD: a clear error on every rank --------------------------------------
@@ -378,12 +383,7 @@ def test_a_streamed_stash_chunk_by_chunk():
     assert holder.get() is not None and first.state == "in"  # unpacked out of turn: fetched at once
     del holder
     y.sum().backward()
-    twin = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.Linear(6, 3))
-    twin.load_state_dict(layer.state_dict())
-    x2 = x.detach().clone().requires_grad_()
-    twin(x2).sum().backward()
-    assert torch.equal(x.grad, x2.grad)
-    assert all(torch.equal(p.grad, q.grad) for p, q in zip(layer.parameters(), twin.parameters()))
+    _assert_matches_a_twin(layer, x)
     del y
     gc.collect()
     # every chunk came back, and autograd released each one as it went: nothing is left

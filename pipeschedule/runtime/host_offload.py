@@ -57,7 +57,7 @@ from collections import defaultdict
 import torch
 
 from pipeschedule.runtime.errors import RuntimeScheduleError
-from pipeschedule.runtime.stream_offload import StreamedStash, pending_done
+from pipeschedule.runtime.stream_offload import StreamedStash, completed, pending_done
 
 Key = tuple  # ("stash", stage, mb)
 
@@ -205,36 +205,20 @@ class Offloader:
             if holder is not None and holder.tensor is not None:
                 storage = holder.tensor.untyped_storage()
                 by_storage.setdefault(storage.data_ptr(), (storage, []))[1].append(holder)
-        groups = []
-        if self.cuda:
-            produced = torch.cuda.Event()
-            produced.record(torch.cuda.current_stream(self.device))
-            self.side_out.wait_event(produced)
-        for storage, group_holders in by_storage.values():
-            nbytes = storage.nbytes()
-            device_bytes = _bytes_of(storage, self.device)
-            host = self.host_pool.take(nbytes)
-            if self.cuda:
-                with torch.cuda.stream(self.side_out):
-                    host.copy_(device_bytes, non_blocking=True)
-            else:
-                host.copy_(device_bytes)
-            for holder in group_holders:
+        groups = [_Group(group_holders, storage.nbytes(), _bytes_of(storage, self.device), None)
+                  for storage, group_holders in by_storage.values()]
+        done = self.copy_out(groups)
+        for group in groups:
+            for holder in group.holders:
                 t = holder.tensor
                 holder.layout = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
                 holder.tensor = None
-            groups.append(_Group(group_holders, nbytes, device_bytes, host))
-            self.copied_to_host += nbytes
         by_ptr = {group.device.data_ptr(): group for group in groups}
         for leaf in leaves:
             group = by_ptr.get(leaf.untyped_storage().data_ptr())
             if group is not None and leaf.layout is torch.strided:
                 group.leaves.append((leaf, (leaf.dtype, leaf.storage_offset(), tuple(leaf.shape), leaf.stride())))
                 leaf.data = torch.empty(0, dtype=leaf.dtype, device=self.device)
-        done = None
-        if self.cuda:
-            done = torch.cuda.Event()
-            done.record(self.side_out)
         moving = _Moving(key, groups, done, where)
         self.moving[key] = moving
         if done is None:
@@ -259,24 +243,9 @@ class Offloader:
             for group in moving.groups:
                 self._rebuild(group, group.device)
             return  # the host buffers return when the offload's `done` is seen (poll)
-        ready = None
-        if self.cuda:
-            ready = torch.cuda.Event()
-        targets = [torch.empty(group.nbytes, dtype=torch.uint8, device=self.device) for group in moving.groups]
-        if self.cuda:  # the new blocks belong to the compute stream; the side stream writes them after this point
-            ready.record(torch.cuda.current_stream(self.device))
-            self.side_in.wait_event(ready)
-            with torch.cuda.stream(self.side_in):
-                for group, target in zip(moving.groups, targets):
-                    target.copy_(group.host, non_blocking=True)
-            moving.reload_done = torch.cuda.Event()
-            moving.reload_done.record(self.side_in)
-        else:
-            for group, target in zip(moving.groups, targets):
-                target.copy_(group.host)
+        targets, moving.reload_done = self.copy_in(moving.groups)
         for group, target in zip(moving.groups, targets):
             self._rebuild(group, target)
-            self.copied_to_device += group.nbytes
         self.ledger.to_device(key)
         if moving.reload_done is None:
             self._return_host(moving)
@@ -310,6 +279,49 @@ class Offloader:
         moving = self.moving.pop(key, None)
         if moving is not None and not self._is_pending(moving):
             self._return_host(moving)
+
+    # -- the copies (both paths) ---------------------------------------------------------
+
+    def copy_out(self, groups: list) -> torch.cuda.Event | None:
+        """Copies each group's device storage into a host buffer from the pool: on CUDA on
+        `side_out`, after what the compute stream has queued so far (returns the copies'
+        `done` event); on CPU at once (returns None)."""
+        for group in groups:
+            group.host = self.host_pool.take(group.nbytes)
+            self.copied_to_host += group.nbytes
+        if not self.cuda:
+            for group in groups:
+                group.host.copy_(group.device)
+            return None
+        produced = torch.cuda.Event()
+        produced.record(torch.cuda.current_stream(self.device))
+        self.side_out.wait_event(produced)
+        with torch.cuda.stream(self.side_out):
+            for group in groups:
+                group.host.copy_(group.device, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.side_out)
+        return done
+
+    def copy_in(self, groups: list) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """New device storages for the groups, filled from their host copies: (storages,
+        `done` event, None on CPU). The blocks are allocated on the compute stream (they
+        belong to it); on CUDA `side_in` writes them after that point."""
+        targets = [torch.empty(group.nbytes, dtype=torch.uint8, device=self.device) for group in groups]
+        self.copied_to_device += sum(group.nbytes for group in groups)
+        if not self.cuda:
+            for group, target in zip(groups, targets):
+                target.copy_(group.host)
+            return targets, None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        self.side_in.wait_event(ready)
+        with torch.cuda.stream(self.side_in):
+            for group, target in zip(groups, targets):
+                target.copy_(group.host, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self.side_in)
+        return targets, done
 
     def stream(self, key: Key) -> StreamedStash:
         """The streamed stash `key`, made at its F ([Note: streamed offload])."""
@@ -351,9 +363,7 @@ class Offloader:
             event = getattr(moving, name)
             if event is None:
                 continue
-            if wait:
-                event.synchronize()
-            elif not event.query():
+            if not completed(event, wait):
                 return False
             setattr(moving, name, None)
             if name == "offload_done":

@@ -146,21 +146,7 @@ class StreamedStash:
         if chunk is None or chunk.state != "filling" or not chunk.groups:
             return
         offloader = self.offloader
-        if offloader.cuda:
-            produced = torch.cuda.Event()
-            produced.record(torch.cuda.current_stream(offloader.device))
-            offloader.side_out.wait_event(produced)
-            with torch.cuda.stream(offloader.side_out):
-                for group in chunk.groups:
-                    group.host = offloader.host_pool.take(group.nbytes)
-                    group.host.copy_(group.device, non_blocking=True)
-            chunk.out_done = torch.cuda.Event()
-            chunk.out_done.record(offloader.side_out)
-        else:
-            for group in chunk.groups:
-                group.host = offloader.host_pool.take(group.nbytes)
-                group.host.copy_(group.device)
-        offloader.copied_to_host += chunk.nbytes
+        chunk.out_done = offloader.copy_out(chunk.groups)
         chunk.state = "out"
         self.chunks.append(Chunk(self, len(self.chunks)))
         if chunk.out_done is None:
@@ -248,21 +234,8 @@ class StreamedStash:
     def issue(self, chunk: Chunk) -> None:
         """The copy back of one landed chunk; its holders are rebuilt over the new storages."""
         offloader = self.offloader
-        targets = [torch.empty(group.nbytes, dtype=torch.uint8, device=offloader.device) for group in chunk.groups]
-        if offloader.cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(offloader.device))
-            offloader.side_in.wait_event(ready)
-            with torch.cuda.stream(offloader.side_in):
-                for group, target in zip(chunk.groups, targets):
-                    target.copy_(group.host, non_blocking=True)
-            chunk.in_done = torch.cuda.Event()
-            chunk.in_done.record(offloader.side_in)
-        else:
-            for group, target in zip(chunk.groups, targets):
-                target.copy_(group.host)
+        targets, chunk.in_done = offloader.copy_in(chunk.groups)
         chunk.state = "in"
-        offloader.copied_to_device += chunk.nbytes
         if self.in_ledger:
             offloader.ledger.to_device(self.key, chunk.nbytes)
         for group, target in zip(chunk.groups, targets):
@@ -337,16 +310,20 @@ class StreamedStash:
 
 def pending_done(chunk: Chunk, wait: bool) -> bool:
     """Handles a chunk's pending copy if its event has completed (or after waiting)."""
-    for name in ("out_done", "in_done"):
-        event = getattr(chunk, name)
-        if event is None:
-            continue
-        if wait:
-            event.synchronize()
-        elif not event.query():
+    if chunk.out_done is not None:
+        if not completed(chunk.out_done, wait):
             return False
-        if name == "out_done":
-            chunk.stream.landed_out(chunk)
-        else:
-            chunk.stream.landed_in(chunk)
+        chunk.stream.landed_out(chunk)
+    if chunk.in_done is not None:
+        if not completed(chunk.in_done, wait):
+            return False
+        chunk.stream.landed_in(chunk)
     return True
+
+
+def completed(event, wait: bool) -> bool:
+    """Whether a copy's event has completed; with `wait`, after waiting for it."""
+    if wait:
+        event.synchronize()
+        return True
+    return event.query()
