@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings, strategies as st
 from pipeschedule.cli import main
 from pipeschedule.errors import FormatError, ParameterError, ScheduleError
 from pipeschedule.generators import FAMILIES, generate
-from pipeschedule.ir import Instr, Op, make_instr
+from pipeschedule.ir import Instr, Op
 from pipeschedule.offload import (
     AutoOffload,
     OffloadPolicy,
