@@ -556,3 +556,85 @@ def test_offload_between_b_and_w_of_a_streamed_stash():
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert executor.ledger.live_total == executor.ledger.host_total == 0
     assert executor.offloader.copied_to_host > sum(executor.ledger.sizes[k] for k in executor.ledger.sizes if k[0] == "stash")
+
+
+# -- copies that land late: the CUDA paths on CPU -------------------------------------------------
+
+
+class _LateEvent:
+    """Stands in for a CUDA event on CPU: the copy was made at once, but the event reports
+    it complete only after `after` queries (or a synchronize), so the offloader's
+    bookkeeping runs as it does while a side stream is still copying."""
+
+    def __init__(self, after: int):
+        self.left = after
+
+    def query(self) -> bool:
+        if self.left <= 0:
+            return True
+        self.left -= 1
+        return False
+
+    def synchronize(self) -> None:
+        self.left = 0
+
+
+class _LateOffloader(Offloader):
+    """`Offloader` whose copies out land `late[0]` queries late and copies back `late[1]`;
+    counts the compute stream's waits."""
+
+    def __init__(self, *args, late: tuple[int, int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.late, self.waits = late, 0
+
+    def copy_out(self, groups):
+        super().copy_out(groups)
+        return _LateEvent(self.late[0])
+
+    def copy_in(self, groups):
+        targets, _ = super().copy_in(groups)
+        return targets, _LateEvent(self.late[1])
+
+    def compute_waits(self, event) -> None:
+        self.waits += 1
+
+
+@pytest.mark.parametrize("name, kwargs", [("1f1b", {}), ("zb_h1", {}), ("interleaved_1f1b", {"virtual": 2})])
+def test_offload_with_copies_landing_late(name, kwargs):
+    """Whole and streamed offload (one storage a chunk, windows 1 and 2) with copies that
+    land at once, copies back that land 40 queries late (B waits on their events), and
+    copies out that land 40 queries late (holders keep their device tensors until then,
+    and a RELOAD that comes first keeps them: "kept"); the gradients are exact, the
+    ledger and the host pool end as they began."""
+    plain = compile_schedule(name, pp=2, microbatches=5, **kwargs)
+    schedule = with_offload(plain, lead=1)
+
+    def run(s, late=None, **args):
+        chunks = make_chunks(s.num_stages)
+        pipeline = InProcessPipeline(s, ModuleStages(chunks, loss_fn), **args)
+        if late is not None:
+            for e in pipeline.executors:
+                e.offloader = _LateOffloader(e.device, e.ledger, args.get("offload_chunk"), args.get("reload_window", 2),
+                                             late=late)
+        pipeline.step(*make_data(s.num_stages, 5))
+        return pipeline.executors, grads(chunks, range(s.num_stages))
+
+    _, expected = run(plain)
+    for late in ((0, 0), (0, 40), (40, 0)):
+        for args in ({}, {"offload_chunk": 1, "reload_window": 1}, {"offload_chunk": 1, "reload_window": 2}):
+            executors, got = run(schedule, late, **args)
+            assert all(torch.equal(got[k], expected[k]) for k in expected), (late, args)
+            moved = stashed = waits = 0
+            for e in executors:
+                pool = e.offloader.host_pool
+                assert e.ledger.live_total == e.ledger.host_total == 0, (late, args)
+                assert sum(len(v) for v in pool.free.values()) == pool.allocations, (late, args)  # all returned
+                moved += sum(e.ledger.moved.values())
+                stashed += sum(v for k, v in e.ledger.sizes.items() if k[0] == "stash")
+                waits += e.offloader.waits
+            if late == (0, 40):
+                assert waits > 0, args  # B waited on copies back still running
+            if late[0] == 0:
+                assert moved == stashed, (late, args)  # every copy out landed before its RELOAD
+            else:
+                assert moved < stashed, (late, args)  # some were reloaded while still being copied out: kept

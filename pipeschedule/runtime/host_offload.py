@@ -268,7 +268,7 @@ class Offloader:
                 f"({moving.where}) and not reloaded: the schedule needs a RELOAD of it before {where}"
             )
         if moving.reload_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(moving.reload_done)
+            self.compute_waits(moving.reload_done)
 
     def forget(self, key: Key) -> None:
         """At the stash's FREE: drops what is left of its offload (the ledger releases
@@ -302,6 +302,11 @@ class Offloader:
         done = torch.cuda.Event()
         done.record(self.side_out)
         return done
+
+    def compute_waits(self, event) -> None:
+        """The compute stream (the current one of the calling thread) waits for `event`;
+        the host does not."""
+        torch.cuda.current_stream(self.device).wait_event(event)
 
     def copy_in(self, groups: list) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """New device storages for the groups, filled from their host copies: (storages,

@@ -257,7 +257,7 @@ class StreamedStash:
         def gone(_ref, chunk=chunk, stream=self):
             chunk.alive -= 1
             if not chunk.synced and chunk.in_done is not None:
-                torch.cuda.current_stream(stream.offloader.device).wait_event(chunk.in_done)
+                stream.offloader.compute_waits(chunk.in_done)
                 chunk.synced = True
             if chunk.alive == 0 and stream.in_ledger and stream.offloader.streams.get(stream.key) is stream:
                 stream.offloader.ledger.drop(stream.key, chunk.nbytes)
@@ -270,7 +270,7 @@ class StreamedStash:
         if not chunk.synced:
             chunk.synced = True
             if chunk.in_done is not None:
-                torch.cuda.current_stream(self.offloader.device).wait_event(chunk.in_done)
+                self.offloader.compute_waits(chunk.in_done)
         chunk.consumed = True
         while self.next >= 0 and self.next >= chunk.index - self.offloader.window:
             self._issue_next()
