@@ -297,6 +297,8 @@ def render(report: dict, out_dir: Path | None) -> str:
              + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
              f"Model: {report['model']}, micro-batch size {report['microbatch_size']}, {report['dtype']}, pp={PP} "
              "(four processes on one GPU, gloo, host-staged boundaries), pipeschedule's Executor, no optimizer.", ""]
+    if report.get("measured_in"):
+        lines += [f"Measured in {report['measured_in']}.", ""]
     fractions, predicted = report.get("fractions", []), report.get("predictions")
     if fractions:
         m = fractions[0][0]["m"]
