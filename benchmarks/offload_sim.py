@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
