@@ -29,6 +29,9 @@ Before each step the peak statistics are reset, so peaks are the step's own.
    which also runs an AdamW step after each training step. The check says whether each
    grows with m: some stage's peak reserved rising more than `GROWTH_MIB` from the
    smallest m to the largest.
+3. Offload selected in the `pp_engine` value (`ps_1f1b:offload=0[,stream=64]`), run
+   through nanotron's engine interface (part "engine"): stage 0's peak allocated memory
+   and step time.
 
 Writes benchmarks/results/offload.json (raw) and offload.md (tables); prints the tables last.
 """
@@ -206,6 +209,23 @@ def plan_cases(smoke: bool, skip: set[str]) -> list[dict]:
     return cases
 
 
+ENGINE_CASES = (("ps_1f1b", "ps_1f1b"), ("offload=0", "ps_1f1b:offload=0"),
+                ("offload=0,stream=64", "ps_1f1b:offload=0,stream=64"))
+
+
+def measure_engines(cfg, *, smoke: bool) -> tuple[list[dict], list[dict]]:
+    """Part 3: offload selected in the `pp_engine` value, through nanotron's engine interface
+    (`benchmarks.training.run_cases`, with an AdamW step): pipeschedule's 1F1B at m=8
+    plain, with rank 0 offloading every stash whole, and streamed in 64 MiB chunks."""
+    m = 4 if smoke else OFFLOAD_M
+    case_list = [training.Case(label, engine, 1, m) for label, engine in ENGINE_CASES]
+    rows, skipped = training.run_cases(cfg, case_list, pp=PP, mode="shared", microbatch_size=MICROBATCH_SIZE,
+                                       warmup=WARMUP, steps=1 if smoke else STEPS, timeout=300 if smoke else 900)
+    keys = ("peak_allocated", "peak_reserved", "seconds", "ledger_peak")
+    return [{"label": row["case"]["label"], "engine": row["case"]["engine"], "m": m,
+             "ranks": [{k: rank[k] for k in keys} for rank in row["ranks"]]} for row in rows], skipped
+
+
 def measure_nanotron(cfg, *, smoke: bool) -> tuple[list[list[dict]], list[dict]]:
     """nanotron's own 1F1B at POOL_MS (part 2): rows shaped as the pool part's (one dict
     per rank), and the cases `run_cases` left out with the reason."""
@@ -281,6 +301,10 @@ def measure(cfg, *, smoke: bool, skip: set[str], commit: str | None) -> dict:
         t = time.perf_counter()
         report["nanotron"], report["nanotron_skipped"] = measure_nanotron(cfg, smoke=smoke)
         print(f"[nanotron] {time.perf_counter() - t:.1f} s; skipped: {report['nanotron_skipped']}", flush=True)
+    if "engine" not in skip:
+        t = time.perf_counter()
+        report["engine"], report["engine_skipped"] = measure_engines(cfg, smoke=smoke)
+        print(f"[engine] {time.perf_counter() - t:.1f} s; skipped: {report['engine_skipped']}", flush=True)
     if report["fractions"]:
         report["predictions"] = predictions(cfg, report["calibration_ms"], report["fractions"],
                                             report["fractions"][0][0]["m"])
@@ -344,6 +368,20 @@ def render(report: dict, out_dir: Path | None) -> str:
         lines += [f"- {NANOTRON_LABEL} at m={s['case']['microbatches']} not run: {s['why']}"
                   for s in report.get("nanotron_skipped", [])]
         lines += _pool_check(pool_rows)
+    engine_rows = report.get("engine", [])
+    if engine_rows:
+        base = engine_rows[0]["ranks"][0]
+        lines += [f"## Offload chosen in `pp_engine`, through nanotron's engine interface (1f1b, m={engine_rows[0]['m']})",
+                  "", "Stage 0 (rank 0) offloads; an AdamW step follows each step.", "",
+                  "| pp_engine | stage 0 peak allocated MiB | fall MiB | step s | slowdown |", "|---|---|---|---|---|"]
+        for row in engine_rows:
+            r0 = row["ranks"][0]
+            fall = None if r0["peak_allocated"] is None else base["peak_allocated"] - r0["peak_allocated"]
+            seconds = statistics.median(r["seconds"] for r in row["ranks"])
+            base_seconds = statistics.median(r["seconds"] for r in engine_rows[0]["ranks"])
+            lines.append(f"| `{row['engine']}` | {_mb(r0['peak_allocated'])} | {_mb(fall)} | {seconds:.3f} | "
+                         f"{seconds / base_seconds - 1:+.1%} |")
+        lines += [f"- `{s['case']['engine']}` not run: {s['why']}" for s in report.get("engine_skipped", [])] + [""]
     text = "\n".join(lines) + "\n"
     if out_dir is not None:
         (out_dir / "offload.md").write_text(text)
@@ -379,12 +417,12 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model, one step per case, CPU allowed; writes "
                         "nothing unless --out is given")
     parser.add_argument("--out", type=Path, default=None, help="folder for the results (default benchmarks/results/)")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: fractions,pool,nanotron")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: fractions,pool,nanotron,engine")
     parser.add_argument("--commit", default=None, help="the commit measured (recorded in the results)")
     args = parser.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
-    if skip - {"fractions", "pool", "nanotron"}:
-        parser.error(f"--skip {args.skip!r}: accepted parts are fractions, pool, nanotron")
+    if skip - {"fractions", "pool", "nanotron", "engine"}:
+        parser.error(f"--skip {args.skip!r}: accepted parts are fractions, pool, nanotron, engine")
     if not args.smoke and not torch.cuda.is_available():
         print("benchmarks.offload: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
         return 2
