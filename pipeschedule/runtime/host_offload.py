@@ -74,6 +74,11 @@ class SavedTensor:
         self.key = key
         self.chunk = None  # its stream_offload.Chunk when the stash streams
 
+    def drop(self) -> None:
+        """Lets go of the device tensor, keeping its layout to rebuild it (`tensor_over`)."""
+        if self.tensor is not None:
+            self.layout, self.tensor = layout_of(self.tensor), None
+
     def get(self) -> torch.Tensor:
         chunk = self.chunk
         if chunk is not None and not chunk.consumed and chunk.stream.reloaded:
@@ -90,6 +95,17 @@ class SavedTensor:
 def unpack(value):
     """The unpack hook: a holder's current device tensor, anything else as packed."""
     return value.get() if type(value) is SavedTensor else value
+
+
+def layout_of(t: torch.Tensor) -> tuple:
+    """(dtype, storage offset, size, stride): what places a tensor over a storage."""
+    return t.dtype, t.storage_offset(), tuple(t.shape), t.stride()
+
+
+def tensor_over(storage: torch.UntypedStorage, layout: tuple, device: torch.device) -> torch.Tensor:
+    """A tensor of `layout` (`layout_of`) over `storage`."""
+    dtype, offset, size, stride = layout
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -129,6 +145,17 @@ class _Group:
         self.holders, self.nbytes, self.device, self.host = holders, nbytes, device, host
         self.leaves: list[tuple[torch.Tensor, tuple]] = []
         self.chunk = None  # its Chunk when the stash streams
+
+    def hold_leaf(self, leaf: torch.Tensor, device: torch.device) -> None:
+        """Empties `leaf`'s `.data` (a split backward's input leaf over this storage, which
+        would keep it alive); `restore_leaves` puts it back over the storage it gets."""
+        self.leaves.append((leaf, layout_of(leaf)))
+        leaf.data = torch.empty(0, dtype=leaf.dtype, device=device)
+
+    def restore_leaves(self, storage: torch.UntypedStorage, device: torch.device) -> None:
+        for leaf, layout in self.leaves:
+            leaf.data = tensor_over(storage, layout, device)
+        self.leaves = []
 
 
 class _Moving:
@@ -210,15 +237,12 @@ class Offloader:
         done = self.copy_out(groups)
         for group in groups:
             for holder in group.holders:
-                t = holder.tensor
-                holder.layout = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
-                holder.tensor = None
+                holder.drop()
         by_ptr = {group.device.data_ptr(): group for group in groups}
         for leaf in leaves:
             group = by_ptr.get(leaf.untyped_storage().data_ptr())
             if group is not None and leaf.layout is torch.strided:
-                group.leaves.append((leaf, (leaf.dtype, leaf.storage_offset(), tuple(leaf.shape), leaf.stride())))
-                leaf.data = torch.empty(0, dtype=leaf.dtype, device=self.device)
+                group.hold_leaf(leaf, self.device)
         moving = _Moving(key, groups, done, where)
         self.moving[key] = moving
         if done is None:
@@ -396,12 +420,8 @@ class Offloader:
     def _rebuild(self, group: _Group, storage_bytes: torch.Tensor) -> None:
         storage = storage_bytes.untyped_storage()
         for holder in group.holders:
-            dtype, offset, size, stride = holder.layout
-            holder.tensor = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
-            holder.layout = None
-        for leaf, (dtype, offset, size, stride) in group.leaves:
-            leaf.data = torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, size, stride)
-        group.leaves = []
+            holder.tensor, holder.layout = tensor_over(storage, holder.layout, self.device), None
+        group.restore_leaves(storage, self.device)
         group.device = None
 
     def _return_host(self, moving: _Moving) -> None:

@@ -119,9 +119,7 @@ class StreamedStash:
         if group is None and ptr in self.landed_at:
             weak, landed = self.landed_at[ptr]
             if not weak.expired():  # the same storage, still alive: its host copy serves
-                t = holder.tensor
-                holder.layout = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
-                holder.tensor = None
+                holder.drop()
                 group = landed
             else:  # freed; a new storage at the same address
                 del self.landed_at[ptr]
@@ -176,10 +174,7 @@ class StreamedStash:
             return
         for group in chunk.groups:
             for holder in group.holders:
-                t = holder.tensor
-                if t is not None:
-                    holder.layout = (t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
-                    holder.tensor = None
+                holder.drop()
             ptr = group.device.data_ptr()
             if self.in_flight.get(ptr) is group:
                 del self.in_flight[ptr]
@@ -188,14 +183,9 @@ class StreamedStash:
             group.device = None
         chunk.state = "host"
         if self.in_ledger:
-            self._to_host(chunk.nbytes)
+            self.offloader.ledger.to_host(self.key, chunk.nbytes)
         else:
             self.landed += chunk.nbytes
-
-    def _to_host(self, nbytes: int) -> None:
-        # at most what the ledger holds: a storage copied twice (see F above) counts once
-        ledger = self.offloader.ledger
-        ledger.to_host(self.key, min(nbytes, ledger.held_bytes(self.key)))
 
     def offload(self, where: str, leaves) -> None:
         """OFFLOAD: the split backward's leaves over the stash's storages let go of them."""
@@ -204,8 +194,7 @@ class StreamedStash:
         for leaf in leaves:
             group = self.every.get(leaf.untyped_storage().data_ptr())
             if group is not None and leaf.layout is torch.strided:
-                group.leaves.append((leaf, (leaf.dtype, leaf.storage_offset(), tuple(leaf.shape), leaf.stride())))
-                leaf.data = torch.empty(0, dtype=leaf.dtype, device=self.offloader.device)
+                group.hold_leaf(leaf, self.offloader.device)
         self.every = {}
 
     # -- RELOAD and B ------------------------------------------------------------------
@@ -216,7 +205,8 @@ class StreamedStash:
         for chunk in self.chunks:
             if chunk.state == "out":  # its copy out is still running: nothing needs to come back
                 chunk.state = "kept"
-                self._restore_leaves(chunk)
+                for group in chunk.groups:
+                    group.restore_leaves(group.device.untyped_storage(), self.offloader.device)
                 for group in chunk.groups:
                     group.holders = []  # autograd alone keeps them
         issued = 0
@@ -278,13 +268,6 @@ class StreamedStash:
     def landed_in(self, chunk: Chunk) -> None:
         chunk.in_done = None
         self._return_host(chunk)
-
-    def _restore_leaves(self, chunk: Chunk) -> None:
-        for group in chunk.groups:
-            for leaf, (dtype, offset, size, stride) in group.leaves:
-                leaf.data = torch.empty(0, dtype=dtype, device=self.offloader.device).set_(
-                    group.device.untyped_storage(), offset, size, stride)
-            group.leaves = []
 
     def _return_host(self, chunk: Chunk) -> None:
         for group in chunk.groups:
