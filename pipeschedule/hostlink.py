@@ -98,17 +98,20 @@ class HostLink:
         before = self.moved.get(key)
         if before is not None and before[0] is STREAMED:
             return self._reload_window(before, t, live, peak)
-        landed = before[1] if before is not None and before[0] is OUT else t
-        done = max(t, self.in_free, landed) + self._copy_time(nbytes, self.in_bandwidth)
-        self.in_free = done
-        live += nbytes
-        if live > peak:
-            peak = live
-        self.point(self.mem_t, self.mem_v, t, live)
-        entry = [IN, done, nbytes, False]
+        entry, live, peak = self._copy_in(before, nbytes, t, live, peak)
         self.moved[key] = entry
+        return self.drain(t, live), peak, entry[1]
+
+    def _copy_in(self, before, nbytes, t, live, peak):
+        """A copy back of `nbytes` issued at `t`, as (its entry, live, peak): the device
+        bytes count from now; the copy starts when the host->device queue is free and
+        the offload it undoes (`before`, if still OUT) has landed."""
+        landed = before[1] if before is not None and before[0] is OUT else t
+        done = self.in_free = max(t, self.in_free, landed) + self._copy_time(nbytes, self.in_bandwidth)
+        entry = [IN, done, nbytes, False]
         self._push(entry)
-        return self.drain(t, live), peak, done
+        live, peak = self._add(t, live, nbytes, peak)
+        return entry, live, peak
 
     def free(self, key, nbytes, t, live):
         """FREE at `t`: releases whichever copies exist; returns (live after the drain,
@@ -187,7 +190,7 @@ class HostLink:
         pieces, at, produced, beside = [], t, t, 0
         for size in sizes:
             live, peak = self._add(at, live, size, peak)
-            produced += spend * size / nbytes if nbytes else spend / len(sizes)
+            produced += _share(spend, size, nbytes, len(sizes))
             start = max(produced, self.out_free)
             done = self.out_free = start + self._copy_time(size, self.out_bandwidth)
             if min(done, hi) > max(start, lo):  # the queue runs the pieces one after another
@@ -208,15 +211,8 @@ class HostLink:
         index = entry[5]
         entry[5] -= 1
         before = entry[4][index]
-        size = before[2]
-        landed = before[1] if before[0] is OUT else t
-        done = max(t, self.in_free, landed) + self._copy_time(size, self.in_bandwidth)
-        self.in_free = done
-        piece = [IN, done, size, False]
-        entry[4][index] = piece
-        self._push(piece)
-        live, peak = self._add(t, live, size, peak)
-        return live, peak, done
+        entry[4][index], live, peak = self._copy_in(before, before[2], t, live, peak)
+        return live, peak, entry[4][index][1]
 
     def _reload_window(self, entry, t, live, peak):
         """A streamed RELOAD at `t`: the last `window` pieces start back."""
@@ -246,7 +242,7 @@ class HostLink:
             start = piece[1] if piece[1] > clock else clock
             while entry[5] >= 0 and entry[5] >= index - self.window:
                 live, peak, _ = self._reload_one(entry, start, live, peak)
-            clock = start + (spend * piece[2] / nbytes if nbytes else spend / len(pieces))
+            clock = start + _share(spend, piece[2], nbytes, len(pieces))
             if not keep:
                 live = self.drain(clock, live) - piece[2]
                 piece[0] = GONE
@@ -257,3 +253,9 @@ class HostLink:
     def finish(self, live):
         """Lands everything still in flight (after the program's end)."""
         return self.drain(math.inf, live)
+
+
+def _share(spend, size, nbytes, count):
+    """The part of a compute's `spend` that works on a piece of `size` of its stash's
+    `nbytes` (an equal share of `count` pieces when the stash is empty)."""
+    return spend * size / nbytes if nbytes else spend / count
