@@ -105,9 +105,7 @@ class Ledger:
         self.high[kind] = max(self.high[kind], self.live[kind])
         self.high_total = max(self.high_total, self.live_total)
         if hosted:
-            self._held[key] += hosted
-            self.live[kind] += hosted
-            self.to_host(key, hosted)
+            self._count_on_host(key, hosted)
 
     def resize(self, key: Key, nbytes: int) -> None:
         kind = key[0]
@@ -122,9 +120,12 @@ class Ledger:
 
     def to_host(self, key: Key, nbytes: int) -> None:
         """`nbytes` of a held buffer now live in host memory (its offload completed)."""
-        kind = key[0]
         self._held[key] -= nbytes
-        self.live[kind] -= nbytes
+        self.live[key[0]] -= nbytes
+        self._count_on_host(key, nbytes)
+
+    def _count_on_host(self, key: Key, nbytes: int) -> None:
+        kind = key[0]
         self._hosted[key] = self._hosted.get(key, 0) + nbytes
         self.moved[key] = self.moved.get(key, 0) + nbytes
         self.host[kind] += nbytes
@@ -144,10 +145,6 @@ class Ledger:
         self.live[kind] += nbytes
         self.high[kind] = max(self.high[kind], self.live[kind])
         self.high_total = max(self.high_total, self.live_total)
-
-    def held_bytes(self, key: Key) -> int:
-        """Device bytes counted for a held buffer (0 if not held)."""
-        return self._held.get(key, 0)
 
     def drop(self, key: Key, nbytes: int) -> None:
         """`nbytes` of a held buffer left the device before its FREE (a consumed chunk
