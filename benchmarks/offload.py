@@ -213,14 +213,19 @@ ENGINE_CASES = (("ps_1f1b", "ps_1f1b"), ("offload=0", "ps_1f1b:offload=0"),
                 ("offload=0,stream=64", "ps_1f1b:offload=0,stream=64"))
 
 
+def _run_shared(cfg, case_list, smoke: bool):
+    """`training.run_cases` of the cases through nanotron's engine interface, four processes
+    on the one GPU, this benchmark's micro-batch size and steps: (rows, skipped)."""
+    return training.run_cases(cfg, case_list, pp=PP, mode="shared", microbatch_size=MICROBATCH_SIZE,
+                              warmup=WARMUP, steps=1 if smoke else STEPS, timeout=300 if smoke else 1500)
+
+
 def measure_engines(cfg, *, smoke: bool) -> tuple[list[dict], list[dict]]:
     """Part 3: offload selected in the `pp_engine` value, through nanotron's engine interface
     (`benchmarks.training.run_cases`, with an AdamW step): pipeschedule's 1F1B at m=8
     plain, with rank 0 offloading every stash whole, and streamed in 64 MiB chunks."""
     m = 4 if smoke else OFFLOAD_M
-    case_list = [training.Case(label, engine, 1, m) for label, engine in ENGINE_CASES]
-    rows, skipped = training.run_cases(cfg, case_list, pp=PP, mode="shared", microbatch_size=MICROBATCH_SIZE,
-                                       warmup=WARMUP, steps=1 if smoke else STEPS, timeout=300 if smoke else 900)
+    rows, skipped = _run_shared(cfg, [training.Case(label, engine, 1, m) for label, engine in ENGINE_CASES], smoke)
     keys = ("peak_allocated", "peak_reserved", "seconds", "ledger_peak")
     return [{"label": row["case"]["label"], "engine": row["case"]["engine"], "m": m,
              "ranks": [{k: rank[k] for k in keys} for rank in row["ranks"]]} for row in rows], skipped
@@ -230,8 +235,7 @@ def measure_nanotron(cfg, *, smoke: bool) -> tuple[list[list[dict]], list[dict]]
     """nanotron's own 1F1B at POOL_MS (part 2): rows shaped as the pool part's (one dict
     per rank), and the cases `run_cases` left out with the reason."""
     case_list = [training.Case(NANOTRON_LABEL, "1f1b", 1, m) for m in ((4, 8) if smoke else POOL_MS)]
-    rows, skipped = training.run_cases(cfg, case_list, pp=PP, mode="shared", microbatch_size=MICROBATCH_SIZE,
-                                       warmup=WARMUP, steps=1 if smoke else STEPS, timeout=300 if smoke else 1500)
+    rows, skipped = _run_shared(cfg, case_list, smoke)
     keys = ("peak_allocated", "peak_reserved", "reserved_after", "seconds", "all_seconds")
     return [[{"part": "nanotron", "m": row["case"]["microbatches"], "rank": r, **{k: rank[k] for k in keys}}
              for r, rank in enumerate(row["ranks"])] for row in rows], skipped
