@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from integration.nanotron.errors import EngineRuntimeError
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -58,7 +60,7 @@ class Layout:
     def of(tensors: list[torch.Tensor]) -> Layout:
         grad_dtypes = {t.dtype for t in tensors if t.requires_grad}
         if len(grad_dtypes) > 1:
-            raise ValueError(
+            raise EngineRuntimeError(
                 f"a stage boundary carries tensors requiring grad of several dtypes {sorted(map(str, grad_dtypes))}; "
                 "the packed boundary needs one ([Note: packed boundary])"
             )
@@ -77,7 +79,7 @@ class Layout:
 
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         if Layout.of(tensors) != self:
-            raise ValueError(
+            raise EngineRuntimeError(
                 f"this microbatch's boundary tensors {Layout.of(tensors).describe()} differ from the first "
                 f"microbatch's {self.describe()}; every microbatch must send the same shapes"
             )
@@ -95,7 +97,7 @@ class Layout:
 
     def unpack(self, packed: torch.Tensor) -> list[torch.Tensor]:
         if packed.dtype != self.dtype or packed.numel() != self.numel:
-            raise ValueError(f"received {packed.dtype}[{packed.numel()}] for boundary {self.describe()}")
+            raise EngineRuntimeError(f"received {packed.dtype}[{packed.numel()}] for boundary {self.describe()}")
         out = []
         for e in self.entries:
             piece = packed[e.offset: e.offset + e.length]
@@ -122,7 +124,7 @@ class Layout:
             tensors.append(meta.requires_grad_(grad == "1") if meta.is_floating_point() else meta)
         layout = Layout.of(tensors)
         if layout.dtype != getattr(torch, head):
-            raise ValueError(f"layout {text!r} decodes to pack dtype {layout.dtype}")
+            raise EngineRuntimeError(f"layout {text!r} decodes to pack dtype {layout.dtype}")
         return layout
 
     def describe(self) -> str:

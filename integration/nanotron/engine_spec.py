@@ -32,6 +32,11 @@ its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
     split    decoder layers per stage, pp * virtual integers >= 0 in stage order (2pp for
              the V-shape engines); the embedding sits on stage 0, the final norm, LM
              head and loss on the last
+    recompute  activation recomputation: `full` (every decoder layer keeps only its input
+             and recomputes its forward in B), `N` (the first N decoder layers of every
+             stage) or `N0/N1/...` (per stage), or `selective` (nanotron's own
+             recomputation of the attention core, `CoreAttention.checkpoint_attention`);
+             integration/nanotron/recompute.py
     offload  ranks (`0` or `0/1`) whose stashes all go to host memory between their F
              and their B (`pipeschedule.offload.add_offload`, fraction 1; stashes whose
              wait is at most `lead` computes stay)
@@ -42,7 +47,7 @@ its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
              in pipeschedule/runtime/stream_offload.py); integer >= 1, needs offload
 
 Saving writes the canonical string form (`EngineSpec.to_string()`): keys in the order
-virtual, cap, split, offload, lead, stream, defaults left out.
+virtual, cap, split, recompute, offload, lead, stream, defaults left out.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from pipeschedule.generators import family_virtual
 
 from integration.nanotron.registry import ENGINES, NANOTRON_ENGINES, accepted_summary
 
-PARAM_ORDER = ("virtual", "cap", "split", "offload", "lead", "stream")
+PARAM_ORDER = ("virtual", "cap", "split", "recompute", "offload", "lead", "stream")
+RECOMPUTE_MODES = ("full", "selective")
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,9 @@ class EngineSpec:
 
     `cap` is None (the engine's default), an int, or a tuple with one int per rank;
     `virtual` is None except for interleaved engines; `split` is None (nanotron's
-    cost-balanced split) or decoder layers per stage; `offload` None or the ranks that
+    cost-balanced split) or decoder layers per stage; `recompute` None, "full",
+    "selective", or decoder layers recomputed per stage (an int for every stage, or one
+    per stage); `offload` None or the ranks that
     offload their stashes, `lead` and `stream` (MiB) None (defaults) or integers.
     """
 
@@ -72,6 +80,7 @@ class EngineSpec:
     cap: int | tuple[int, ...] | None = None
     virtual: int | None = None
     split: tuple[int, ...] | None = None
+    recompute: str | int | tuple[int, ...] | None = None
     offload: tuple[int, ...] | None = None
     lead: int | None = None
     stream: int | None = None
@@ -109,7 +118,7 @@ class EngineSpec:
         """Bytes per chunk of streamed offload (None: stashes move whole)."""
         return None if self.stream is None else self.stream * 2**20
 
-    def check_against(self, *, pp: int, num_layers: int | None = None) -> None:
+    def check_against(self, *, pp: int, num_layers: int | None = None, virtual: int | None = None) -> None:
         """Check the parameters that depend on the run: cap list and split lengths, split
         sum, offload ranks.
 
@@ -121,7 +130,14 @@ class EngineSpec:
                 f"pp_engine {self.to_string()!r}: offload names rank {max(self.offload)} but pp = {pp} "
                 f"(ranks 0..{pp - 1})"
             )
-        virtual = 1 if self.is_nanotron_builtin else family_virtual(self.family, self.virtual)
+        if virtual is None:
+            virtual = 1 if self.is_nanotron_builtin else family_virtual(self.family, self.virtual)
+        if isinstance(self.recompute, tuple) and len(self.recompute) != pp * virtual:
+            raise ParameterError(
+                f"pp_engine {self.to_string()!r}: recompute lists {len(self.recompute)} stages but "
+                f"pp * virtual = {pp} * {virtual} = {pp * virtual}; give one count per stage, one integer for "
+                f"every stage, full or selective"
+            )
         if isinstance(self.cap, tuple) and len(self.cap) != pp:
             raise ParameterError(
                 f"pp_engine {self.to_string()!r}: cap lists {len(self.cap)} ranks but pp = {pp}; "
@@ -232,6 +248,14 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
             what = "computes" if key == "lead" else "MiB per chunk"
             raise _error(value, f"{key} must be an integer >= {least} ({what}), got {raw!r}")
         return number
+    if key == "recompute":
+        if isinstance(raw, str) and raw.strip() in RECOMPUTE_MODES:
+            return raw.strip()
+        items = _integers(value, key, raw)
+        if any(n < 0 for n in items):
+            raise _error(value, f"recompute must be full, selective, or decoder layers per stage (integers >= 0), "
+                                f"got {raw!r}")
+        return items[0] if len(items) == 1 else tuple(items)
     items = _integers(value, key, raw)
     if key == "offload":
         if any(r < 0 for r in items) or len(set(items)) != len(items):

@@ -353,7 +353,7 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
     from integration.nanotron.stash import StashMeter
 
     engines = {"1f1b": OneForwardOneBackwardPipelineEngine, "afab": AllForwardAllBackwardPipelineEngine}
-    placement = run.placement
+    placement, split = run.placement, run.split
     if run.engine not in engines and run.engine != "loop":
         from integration.nanotron.engine_spec import parse_engine
         from integration.nanotron.registry import build_engine
@@ -362,11 +362,13 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
         engines[run.engine] = lambda: build_engine(spec)
         if placement is None:
             placement = build_engine(spec).placement(job.pp)  # V shapes: the engine's placement
+        if split is None:
+            split = spec.split  # what nanotron's build_model does under [Note: build hook]
     if run.engine == "loop" and job.pp != 1:
         raise ValueError("the 'loop' reference runs at pp=1 only")
 
     leftover = _clear_shared_state()  # [Note: nanotron's shared deques]
-    block_ranks = llama_block_ranks(job.model, job.pp, split=run.split, placement=placement)
+    block_ranks = llama_block_ranks(job.model, job.pp, split=split, placement=placement)
     model = build_llama(job.model, p2p, block_ranks)
     meter = StashMeter.for_model(model) if run.measure_stash else None
     model.stash_meter = meter

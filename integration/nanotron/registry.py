@@ -45,34 +45,36 @@ class EngineEntry:
 # Every pipeschedule engine also takes these: host offload of stashes ([Note: pp_engine
 # syntax] in engine_spec.py).
 OFFLOAD_PARAMS = ("offload", "lead", "stream")
+# ... and layer recompute (integration/nanotron/recompute.py).
+COMMON_PARAMS = ("recompute",) + OFFLOAD_PARAMS
 
 ENGINES: dict[str, EngineEntry] = {
-    "ps_afab": EngineEntry("afab", ("split",) + OFFLOAD_PARAMS, (), "integration.nanotron.engine:PsAfabEngine",
+    "ps_afab": EngineEntry("afab", ("split",) + COMMON_PARAMS, (), "integration.nanotron.engine:PsAfabEngine",
                            "ps_afab[:split=A/B/...]"),
-    "ps_1f1b": EngineEntry("1f1b", ("split",) + OFFLOAD_PARAMS, (), "integration.nanotron.engine:PsOneFOneBEngine",
+    "ps_1f1b": EngineEntry("1f1b", ("split",) + COMMON_PARAMS, (), "integration.nanotron.engine:PsOneFOneBEngine",
                            "ps_1f1b[:split=A/B/...]"),
     "capped_1f1b": EngineEntry(
-        "capped_1f1b", ("cap", "split") + OFFLOAD_PARAMS, (), "integration.nanotron.engine:CappedOneFOneBEngine",
+        "capped_1f1b", ("cap", "split") + COMMON_PARAMS, (), "integration.nanotron.engine:CappedOneFOneBEngine",
         "capped_1f1b[:cap=N|N0/N1/...,split=A/B/...]",
     ),
     "interleaved_1f1b": EngineEntry(
-        "interleaved_1f1b", ("virtual", "cap", "split") + OFFLOAD_PARAMS, ("virtual",),
+        "interleaved_1f1b", ("virtual", "cap", "split") + COMMON_PARAMS, ("virtual",),
         "integration.nanotron.engine:InterleavedOneFOneBEngine", "interleaved_1f1b:virtual=V[,cap=N,split=A/B/...]",
     ),
     "zb_h1": EngineEntry(
-        "zb_h1", ("cap", "split") + OFFLOAD_PARAMS, (), "integration.nanotron.engine:ZeroBubbleH1Engine",
+        "zb_h1", ("cap", "split") + COMMON_PARAMS, (), "integration.nanotron.engine:ZeroBubbleH1Engine",
         "zb_h1[:cap=N,split=A/B/...]",
     ),
     "zbv": EngineEntry(
-        "zbv", ("cap", "split") + OFFLOAD_PARAMS, (), "integration.nanotron.engine:ZeroBubbleVEngine",
+        "zbv", ("cap", "split") + COMMON_PARAMS, (), "integration.nanotron.engine:ZeroBubbleVEngine",
         "zbv[:cap=N,split=A/B/...]",
     ),
     "v_half": EngineEntry(
-        "v_half", ("cap", "split") + OFFLOAD_PARAMS, (), "integration.nanotron.engine:VHalfEngine",
+        "v_half", ("cap", "split") + COMMON_PARAMS, (), "integration.nanotron.engine:VHalfEngine",
         "v_half[:cap=N,split=A/B/...]",
     ),
     "v_min": EngineEntry(
-        "v_min", ("cap", "split") + OFFLOAD_PARAMS, (), "integration.nanotron.engine:VMinEngine",
+        "v_min", ("cap", "split") + COMMON_PARAMS, (), "integration.nanotron.engine:VMinEngine",
         "v_min[:cap=N,split=A/B/...]",
     ),
 }
@@ -83,7 +85,8 @@ def accepted_summary() -> str:
     ours = "; ".join(entry.usage for entry in ENGINES.values())
     return (
         f"{', '.join(NANOTRON_ENGINES)} (nanotron's own engines, no parameters); {ours} "
-        "(pipeschedule, each also taking offload=R0/R1..[,lead=L][,stream=MiB]); "
+        "(pipeschedule, each also taking recompute=full|selective|N|N0/N1.. and "
+        "offload=R0/R1..[,lead=L][,stream=MiB]); "
         "or the mapping form {name: capped_1f1b, cap: 2}"
     )
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterable
 
 import torch
 
@@ -54,6 +53,7 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.pipeline_parallel.state import PipelineBatchState
 
 from integration.nanotron.boundary import Layout
+from integration.nanotron.errors import EngineRuntimeError
 
 FAKE_RANK = -1  # the rank of a masked block: matches no process, so misuse fails loudly
 
@@ -87,7 +87,7 @@ class StageCall(PipelineBatchState):
 
     def register_recv_activation(self, from_rank, p2p):
         if from_rank != self.sender_rank or not self.inbox:
-            raise RuntimeError(
+            raise EngineRuntimeError(
                 f"stage {self.stage}, microbatch {self.mb}: a block of stage {self.consumer_stage} asks for a "
                 f"tensor from rank {from_rank}, but this stage receives "
                 + (f"{len(self.layout.entries)} tensor(s) {self.layout.describe()} from rank {self.sender_rank}"
@@ -99,11 +99,11 @@ class StageCall(PipelineBatchState):
         self.activations_buffer.append(tensor)
 
     def register_recv_grad(self, from_rank, p2p):
-        raise RuntimeError(f"stage {self.stage}, microbatch {self.mb}: backward reached one of nanotron's send "
+        raise EngineRuntimeError(f"stage {self.stage}, microbatch {self.mb}: backward reached one of nanotron's send "
                            "roots; the executor back-propagates from the packed stage output only")
 
     def run_communication(self, send_only_activation: bool = False):
-        raise RuntimeError(f"stage {self.stage}, microbatch {self.mb}: nanotron asked for communication outside "
+        raise EngineRuntimeError(f"stage {self.stage}, microbatch {self.mb}: nanotron asked for communication outside "
                            "pipeschedule's program (run_communication)")
 
     def new_micro_batch_forward(self):
@@ -119,7 +119,7 @@ class StageCall(PipelineBatchState):
         one received tensor goes into its slice of act_in.grad."""
         candidates = [e for e, t in self.given if e.requires_grad and tuple(grad.shape) == e.shape]
         if len({(e.offset) for e in candidates}) != 1:
-            raise NotImplementedError(
+            raise EngineRuntimeError(
                 f"stage {self.stage}: cannot tell which of the received tensors {self.layout.describe()} a gradient "
                 f"of shape {list(grad.shape)} belongs to (nanotron's receive function does not say); a boundary "
                 "may carry one tensor requiring grad per shape"
@@ -135,80 +135,13 @@ class StageCall(PipelineBatchState):
     def finish_forward(self) -> list[torch.Tensor]:
         """The kept sends, in order; checks every received tensor was consumed."""
         if self.inbox:
-            raise RuntimeError(
+            raise EngineRuntimeError(
                 f"stage {self.stage}, microbatch {self.mb}: {len(self.inbox)} of the received tensors "
                 f"{self.layout.describe()} were never used by a block of the stage"
             )
         out, self.outbox = self.outbox, []
         self.activations_buffer.clear()
         return out
-
-
-def block_stages(blocks: Iterable[PipelineBlock], placement: tuple[int, ...], *,
-                 candidates: Iterable[list[int] | None] = ()) -> dict[int, int]:
-    """Stage of each block (by id), checked against the schedule's placement.
-
-    Consecutive blocks on one rank form a stage, in forward order, as long as no two
-    consecutive stages share a rank. Where they do (the turn of a V-shape placement:
-    stages pp-1 and pp both on rank pp-1), the ranks cannot tell where one stage ends, so
-    the first of `candidates` (a stage per block, such as the split the model was built
-    with) that is non-decreasing, uses every stage and puts each block on its rank
-    decides.
-    """
-    blocks = list(blocks)
-    ranks = [block.rank for block in blocks]
-    stages = len(placement)
-    if any(placement[s] == placement[s + 1] for s in range(stages - 1)):
-        for candidate in candidates:
-            if candidate is not None and _fits(candidate, ranks, placement):
-                return {id(block): s for block, s in zip(blocks, candidate)}
-    runs: list[int] = []
-    stage_of: dict[int, int] = {}
-    for block in blocks:
-        if not runs or block.rank != runs[-1]:
-            runs.append(block.rank)
-        stage_of[id(block)] = len(runs) - 1
-    if tuple(runs) != tuple(placement):
-        raise ValueError(
-            f"the model's blocks form {len(runs)} stage(s) on ranks {runs} (consecutive blocks on one rank are one "
-            f"stage), but the schedule has {len(placement)} stages on ranks {list(placement)}"
-            + (" and no split the engine knows divides the blocks of consecutive stages on one rank"
-               if len(runs) < len(placement) else "")
-            + ". Build the model for the engine's placement, e.g. llama_block_ranks(cfg, pp, split=spec.split, "
-            "placement=engine.placement(pp)); every stage needs at least one block"
-        )
-    return stage_of
-
-
-def _fits(candidate, ranks: list[int], placement) -> bool:
-    return (
-        len(candidate) == len(ranks)
-        and all(a <= b for a, b in zip(candidate, candidate[1:]))
-        and set(candidate) == set(range(len(placement)))
-        and all(placement[s] == rank for s, rank in zip(candidate, ranks))
-    )
-
-
-def split_block_stages(blocks: Iterable[PipelineBlock], split) -> list[int] | None:
-    """Stage of each block when stage s holds split[s] decoder layers: the decoder layers
-    are the blocks of the most frequent module builder; the blocks before the first one
-    go with stage 0, those after the last one with the last stage. None when the layers
-    counted are not sum(split)."""
-    blocks = list(blocks)
-    builders = [block.module_builder for block in blocks]
-    layer = max(set(builders), key=builders.count, default=None)
-    if builders.count(layer) != sum(split):
-        return None
-    owner = [s for s, count in enumerate(split) for _ in range(count)]
-    out, seen, stage = [], 0, 0
-    for builder in builders:
-        if builder is layer:
-            stage = owner[seen]
-            seen += 1
-        elif seen == len(owner):
-            stage = len(split) - 1
-        out.append(stage)
-    return out
 
 
 @contextlib.contextmanager
@@ -247,4 +180,4 @@ def consumer_tracking(blocks: list[PipelineBlock], stage_of: dict[int, int]):
             handle.remove()
 
 
-__all__ = ["FAKE_RANK", "StageCall", "block_stages", "consumer_tracking", "one_stage", "split_block_stages"]
+__all__ = ["FAKE_RANK", "StageCall", "consumer_tracking", "one_stage"]

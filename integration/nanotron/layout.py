@@ -1,0 +1,190 @@
+"""Which stage and rank each block of a nanotron model belongs to under an engine.
+
+[Note: model layout] nanotron's trainer builds the model with `build_model(model_builder,
+parallel_context, dtype)`: no `target_pp_ranks`, so every block goes to a rank by
+nanotron's cost split over pp ranks ([Note: nanotron's split] in split.py). What a
+`pp_engine` says of the layout must therefore be applied inside `build_model`
+(`integration.nanotron.hooks`), and checked by the engine when it first sees the
+model (`check_model`), since a user's script may still build it some other way.
+
+The layout of an engine for a model with blocks b_0 .. b_{n-1} (forward order, as
+nanotron lists its `PipelineBlock`s) is a stage per block, non-decreasing, every stage
+used, and the engine's placement (rank of each stage):
+
+    stages of the blocks   split=A/B/..  given: the decoder layers (the blocks of the most
+                           frequent module builder) in stage order, A on stage 0, B on
+                           stage 1, ...; blocks before the first layer (embedding) on
+                           stage 0, blocks after the last (norm, head, loss) on the last
+                           stage
+                           no split: nanotron's cost arithmetic over pp * virtual stages
+                           (`split.nanotron_block_stages`), i.e. exactly what
+                           `build_model(target_pp_ranks=placement)` does
+    rank of a stage        the engine's placement: 0..pp-1 (1F1B family), round robin
+                           over pp * virtual stages (interleaved), V shape (rank r runs
+                           stages r and 2pp-1-r: zbv, v_half, v_min)
+
+A layout that leaves a stage without blocks cannot run (the runtime has no empty stage);
+it is refused with the layers per stage that nanotron's arithmetic gave and a split
+that would work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from integration.nanotron.errors import LayoutError
+from integration.nanotron.split import nanotron_block_stages
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A stage per block and the rank of each stage (see [Note: model layout]).
+
+    `layer_blocks` marks the blocks that are decoder layers (counted by a split)."""
+
+    block_stages: tuple[int, ...]
+    placement: tuple[int, ...]
+    layer_blocks: tuple[bool, ...]
+
+    @property
+    def block_ranks(self) -> list[int]:
+        return [self.placement[s] for s in self.block_stages]
+
+    @property
+    def layers_per_stage(self) -> list[int]:
+        counts = [0] * len(self.placement)
+        for stage, is_layer in zip(self.block_stages, self.layer_blocks):
+            counts[stage] += is_layer
+        return counts
+
+    def describe(self) -> str:
+        split = "/".join(map(str, self.layers_per_stage))
+        return f"decoder layers per stage {split} on ranks {list(self.placement)}"
+
+
+def layer_mask(builders: Sequence[object], costs: Sequence[int]) -> list[bool]:
+    """Which blocks are decoder layers: those of the most frequent module builder; when
+    every builder occurs once (a one-layer model), the first block with a compute cost."""
+    if not builders:
+        return []
+    most = max(builders.count(b) for b in builders)
+    if most > 1:
+        layer = next(b for b in builders if builders.count(b) == most)
+    else:
+        layer = next((b for b, cost in zip(builders, costs) if cost > 0), None)
+    return [b is layer for b in builders]
+
+
+def engine_layout(builders: Sequence[object], costs: Sequence[int], *, placement: Sequence[int],
+                  split: Sequence[int] | None, engine: str) -> ModelLayout:
+    """The layout `engine` (its pp_engine string, for messages) wants for blocks whose
+    module builders and nanotron compute costs are given, in forward order."""
+    placement = tuple(placement)
+    stages = len(placement)
+    layers = layer_mask(builders, costs)
+    if split is not None:
+        if len(split) != stages:
+            raise LayoutError(
+                f"pp_engine {engine!r}: split lists {len(split)} stages but the engine runs {stages} "
+                f"(pp * virtual); give one layer count per stage"
+            )
+        if sum(layers) != sum(split):
+            raise LayoutError(
+                f"pp_engine {engine!r}: split places {'+'.join(map(str, split))} = {sum(split)} decoder layers "
+                f"but the model has {sum(layers)} (model.model_config.num_hidden_layers); make the split sum to "
+                f"{sum(layers)}"
+            )
+        owner = [s for s, count in enumerate(split) for _ in range(count)]
+        block_stages, seen = [], 0
+        for is_layer in layers:
+            if is_layer:
+                block_stages.append(owner[seen])
+                seen += 1
+            else:
+                block_stages.append(0 if seen == 0 else stages - 1)
+    else:
+        block_stages = nanotron_block_stages(list(costs), stages)
+    layout = ModelLayout(tuple(block_stages), placement, tuple(layers))
+    empty = [s for s, n in enumerate(_blocks_per_stage(layout)) if n == 0]
+    if empty:
+        hint = even_split(sum(layers), stages)
+        how = f"split={'/'.join(map(str, split))}" if split is not None else "nanotron's cost split"
+        raise LayoutError(
+            f"pp_engine {engine!r}: {how} leaves stage(s) {empty} of {stages} without any block "
+            f"({layout.describe()}); every stage needs at least one block. Give a split in pp_engine, "
+            f"e.g. split={'/'.join(map(str, hint))}"
+            + ("" if sum(layers) >= stages else f", or use fewer stages: the model has {sum(layers)} decoder layers")
+        )
+    return layout
+
+
+def even_split(layers: int, stages: int) -> list[int]:
+    """`layers` decoder layers over `stages` stages as evenly as possible, the first and
+    last stage (which also hold the embedding and the head) getting the smaller shares."""
+    base, extra = divmod(layers, stages)
+    counts = [base] * stages
+    middle = list(range(1, stages - 1)) + [0, stages - 1]  # extra layers go to middle stages first
+    for s in middle[:extra]:
+        counts[s] += 1
+    return counts
+
+
+def model_stages(found_ranks: Sequence[int], builders: Sequence[object], costs: Sequence[int], *,
+                 placement: Sequence[int], split: Sequence[int] | None, engine: str, hook: str = "") -> list[int]:
+    """The stage of each block of a built model, or a `LayoutError` if the model is not
+    laid out as the engine runs it (the engine's check at its first step).
+
+    With a split, the blocks must sit exactly where the split puts them. Without one,
+    any split is accepted whose runs of blocks on one rank are the placement's stages;
+    where two consecutive stages share a rank (the turn of a V) the ranks cannot tell
+    where one ends, and nanotron's cost arithmetic (what `build_model` applies) decides.
+    """
+    found_ranks, placement = list(found_ranks), tuple(placement)
+    if split is not None:
+        expected = engine_layout(builders, costs, placement=placement, split=split, engine=engine)
+        if found_ranks != expected.block_ranks:
+            raise _mismatch(found_ranks, expected, engine, hook)
+        return list(expected.block_stages)
+    runs, stages = [], []
+    for rank in found_ranks:
+        if not runs or rank != runs[-1]:
+            runs.append(rank)
+        stages.append(len(runs) - 1)
+    if tuple(runs) == placement:
+        return stages
+    expected = engine_layout(builders, costs, placement=placement, split=None, engine=engine)
+    if found_ranks == expected.block_ranks:
+        return list(expected.block_stages)
+    raise _mismatch(found_ranks, expected, engine, hook)
+
+
+def _mismatch(found_ranks: Sequence[int], expected: ModelLayout, engine: str, hook: str) -> LayoutError:
+    found = _describe_ranks(found_ranks, expected.layer_blocks)
+    return LayoutError(
+        f"pp_engine {engine!r} runs {len(expected.placement)} stages on ranks {list(expected.placement)} and "
+        f"expects {expected.describe()}, but the model it was given has {found}. nanotron builds the model before "
+        f"the engine runs: start training with `python -m integration.nanotron.train --config-file CONFIG`, or put "
+        f"`import integration.nanotron` before any other nanotron import in your launch script, so that nanotron's "
+        f"build_model applies pp_engine's split and placement" + (f" ({hook})" if hook else "")
+    )
+
+
+def _describe_ranks(ranks: Sequence[int], layers: Sequence[bool]) -> str:
+    runs: list[list[int]] = []  # [rank, layers] per run of consecutive blocks on one rank
+    for rank, is_layer in zip(ranks, layers):
+        if not runs or runs[-1][0] != rank:
+            runs.append([rank, 0])
+        runs[-1][1] += is_layer
+    return (f"decoder layers per run of blocks {'/'.join(str(n) for _, n in runs)} "
+            f"on ranks {[r for r, _ in runs]}")
+
+
+def _blocks_per_stage(layout: ModelLayout) -> list[int]:
+    counts = [0] * len(layout.placement)
+    for s in layout.block_stages:
+        counts[s] += 1
+    return counts
+
+
+__all__ = ["ModelLayout", "engine_layout", "even_split", "layer_mask", "model_stages"]

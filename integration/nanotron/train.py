@@ -1,0 +1,207 @@
+"""Train with nanotron's own trainer from a YAML file, with pipeschedule's engines available.
+
+    torchrun --nproc-per-node N -m integration.nanotron.train --config-file CONFIG [--record DIR]
+
+This is nanotron's `run_train.py` flow, plus the one import that teaches nanotron
+pipeschedule's engine names and layout ([Note: nanotron hooks]): nanotron's
+`DistributedTrainer` is built from the YAML, then trained. `parallelism.pp_engine`
+chooses the engine, nanotron's own (`1f1b`, `afab`) or ours
+(`capped_1f1b:cap=2`, `interleaved_1f1b:virtual=2`, `zb_h1`, ...).
+
+The backend: NCCL when every local rank has a GPU of its own (nanotron's own path); gloo
+otherwise, that is on a machine without a GPU or with several ranks per GPU
+([Note: nanotron over gloo]); `--backend` overrides. Without flash-attn installed, a
+pure-torch stand-in takes its place (`flash_attn_standin`).
+
+Data: with `data.dataset: null` (or no `data` section) each data-parallel replica reads a
+synthetic token stream: microbatch i of replica d is drawn from a generator seeded by
+(data seed, d, i), the same tensors whatever the engine, pp or placement, so runs with
+different engines see the same data (nanotron's own dummy generator seeds by pp rank,
+so its labels change with the rank of the loss). For Hugging Face datasets, run
+nanotron's own `run_train.py` with `import integration.nanotron` as its first line: the
+engines and the layout hook are the same.
+
+`--record DIR` writes, per rank, `DIR/rank{R}.pt`: each step's loss (on the loss rank),
+wall time and peak device memory (CUDA) or the engine's ledger peak (CPU), and the
+parameters after the last step by name, for comparisons between engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+import traceback
+
+import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engines and hooks)
+from integration.nanotron import flash_attn_standin
+from integration.nanotron.errors import PipescheduleError
+from integration.nanotron.step import pipeline_blocks
+
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m integration.nanotron.train",
+                                     description="nanotron's trainer from a YAML file, with pipeschedule's engines")
+    parser.add_argument("--config-file", required=True, help="nanotron YAML config")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto: NCCL with one GPU per local rank, else gloo")
+    parser.add_argument("--record", metavar="DIR", help="write per-rank losses, times, memory and final weights here")
+    return parser.parse_args(argv)
+
+
+def choose_backend(requested: str) -> str:
+    """NCCL when each local rank has its own GPU, gloo otherwise (or as requested)."""
+    import torch
+
+    if requested != "auto":
+        return requested
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks else "gloo"
+
+
+def synthetic_batches(trainer):
+    """The synthetic token stream of this replica, as nanotron's data loaders deliver it:
+    inputs on the model's input rank, labels on its output rank, `TensorPointer`s elsewhere."""
+    import torch
+    from nanotron import distributed as dist
+    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+
+    config, context = trainer.config, trainer.parallel_context
+    model = trainer.unwrapped_model
+    seed = config.data.seed if config.data is not None and config.data.seed is not None else 1234
+    batch, seq = config.tokens.micro_batch_size, config.tokens.sequence_length
+    vocab = trainer.model_config.vocab_size
+    dp_rank, pp_rank = dist.get_rank(context.dp_pg), dist.get_rank(context.pp_pg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for index in range(10**12):
+        generator = torch.Generator().manual_seed(stream_seed(seed, dp_rank, index))
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
+        full = {
+            "input_ids": tokens[:, :-1], "input_mask": torch.ones(batch, seq, dtype=torch.bool),
+            "label_ids": tokens[:, 1:], "label_mask": torch.ones(batch, seq, dtype=torch.bool),
+        }
+        yield {
+            key: value.contiguous().to(device)
+            if pp_rank == (model.input_pp_rank if key.startswith("input") else model.output_pp_rank)
+            else TensorPointer(group_rank=model.input_pp_rank if key.startswith("input") else model.output_pp_rank)
+            for key, value in full.items()
+        }
+
+
+def stream_seed(seed: int, replica: int, index: int) -> int:
+    """The generator seed of microbatch `index` of data-parallel replica `replica`."""
+    digest = hashlib.sha256(f"{seed}/{replica}/{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def make_trainer(config_file: str, record: str | None):
+    """nanotron's `DistributedTrainer` (recording each step when `record` is set)."""
+    import torch
+    from nanotron.trainer import DistributedTrainer
+
+    class RecordingTrainer(DistributedTrainer):
+        """nanotron's trainer; `training_step` also records loss, time and memory."""
+
+        records: list = []
+
+        def training_step(self, dataloader):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            outputs, loss_avg = super().training_step(dataloader)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+            self.records.append({
+                "step": self.iteration_step, "seconds": seconds,
+                "loss": None if loss_avg is None else float(loss_avg),
+                "peak_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+                "peak_reserved": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
+                "ledger": _ledger_summary(self.pipeline_engine),
+            })
+            return outputs, loss_avg
+
+    return (RecordingTrainer if record else DistributedTrainer)(config_file)
+
+
+def _ledger_summary(engine) -> dict | None:
+    ledger = engine.training_ledger() if hasattr(engine, "training_ledger") else None
+    if ledger is None:
+        return None
+    return {"peak_bytes": ledger.high_total, "stash_peak_bytes": ledger.high["stash"]}
+
+
+def _engine_name(engine) -> str:
+    spec = getattr(engine, "spec", None)
+    return spec.to_string() if spec is not None else type(engine).__name__
+
+
+def write_record(trainer, directory: str) -> None:
+    import torch
+    from nanotron import distributed as dist
+
+    os.makedirs(directory, exist_ok=True)
+    params = {name: p.detach().float().cpu().clone()
+              for name, p in trainer.unwrapped_model.get_named_params_with_correct_tied()}
+    context = trainer.parallel_context
+    torch.save({
+        "world_rank": dist.get_rank(context.world_pg), "pp_rank": dist.get_rank(context.pp_pg),
+        "dp_rank": dist.get_rank(context.dp_pg), "tp_rank": dist.get_rank(context.tp_pg),
+        "engine": _engine_name(trainer.config.parallelism.pp_engine), "steps": trainer.records, "params": params,
+        "block_ranks": [b.rank for b in pipeline_blocks(trainer.unwrapped_model)],
+    }, os.path.join(directory, f"rank{dist.get_rank(context.world_pg)}.pt"))
+
+
+def run(config_file: str, *, backend: str = "auto", record: str | None = None) -> None:
+    """Build nanotron's trainer from `config_file` and train (one process of the job)."""
+    flash_attn_standin.install()
+    if choose_backend(backend) == "gloo":
+        from integration.nanotron.gloo import use_gloo
+
+        use_gloo()
+    trainer = make_trainer(config_file, record)
+    trainer.train(synthetic_batches(trainer) if _synthetic(trainer.config) else _refuse_dataset(trainer.config))
+    if record:
+        write_record(trainer, record)
+
+
+def _synthetic(config) -> bool:
+    return config.data is None or config.data.dataset is None
+
+
+def _refuse_dataset(config):
+    raise PipescheduleError(
+        f"data.dataset is set ({config.data.dataset!r}); this launcher feeds synthetic data only. For Hugging Face "
+        "datasets run nanotron's own run_train.py with `import integration.nanotron` as its first line"
+    )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rank = os.environ.get("RANK", "?")
+    try:
+        run(args.config_file, backend=args.backend, record=args.record)
+    except PipescheduleError as err:
+        print(f"integration.nanotron.train rank {rank}: {err}", file=sys.stderr, flush=True)
+        _abort(2)
+    except Exception:  # noqa: BLE001  (any failure ends every rank, never a silent hang)
+        print(f"integration.nanotron.train rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _abort(1)
+    return 0
+
+
+def _abort(code: int) -> None:
+    """Leave at once: peers blocked in a collective are ended by torchrun when this
+    process exits with an error (its default --max-restarts 0 stops the whole job)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
