@@ -28,8 +28,12 @@ read from nanotron's call sites and flash-attn's documentation:
   meaning unbounded and causal meaning right = 0; a query row that sees no key gives zeros.
   Each sequence is one `torch.nn.functional.scaled_dot_product_attention` call (k, v
   repeated to q's heads), with `is_causal=True` or no mask where that is the same mask,
-  so on CUDA torch's fused kernels run and the scores are not materialised, as with
-  flash-attn; other masks are passed explicitly. Output dtype = input dtype.
+  so on CUDA torch's fused kernels can run and the scores are not materialised, as with
+  flash-attn; other masks are passed explicitly. Output dtype = input dtype. Memory: what
+  autograd keeps for backward holds k and v repeated to q's heads, (nheads_q - nheads_k)
+  * seqlen * headdim * 2 elements per layer more than flash-attn keeps (SDPA's own
+  `enable_gqa` would avoid it, but only its flash and math kernels take it on CUDA, and
+  the math kernel materialises the scores).
 - `flash_attn_with_kvcache` (nanotron's decoding path): k, v written into the caches in
   place at `cache_seqlens`, then attention of q over the first `cache_seqlens + seqlen_new`
   cached keys with the masks above; no backward, as in flash-attn.
