@@ -51,6 +51,10 @@ STRINGS = {
     "afab": EngineSpec("afab"),
     "capped_1f1b:cap=2,offload=0,stream=256": EngineSpec("capped_1f1b", cap=2, offload=(0,), stream=256),
     "ps_1f1b:stream=64,lead=0,offload=0/1": EngineSpec("ps_1f1b", offload=(0, 1), lead=0, stream=64),
+    "zb_h1:recompute=full": EngineSpec("zb_h1", recompute="full"),
+    "capped_1f1b:cap=2,recompute=2": EngineSpec("capped_1f1b", cap=2, recompute=2),
+    "v_half:recompute=1/0/0/1": EngineSpec("v_half", recompute=(1, 0, 0, 1)),
+    "ps_1f1b:recompute=selective": EngineSpec("ps_1f1b", recompute="selective"),
 }
 
 MAPPINGS = [
@@ -62,6 +66,7 @@ MAPPINGS = [
     ({"name": "interleaved_1f1b", "virtual": 2, "cap": 4}, EngineSpec("interleaved_1f1b", cap=4, virtual=2)),
     ({"name": "1f1b"}, EngineSpec("1f1b")),
     ({"name": "zbv", "offload": [0], "stream": 128}, EngineSpec("zbv", offload=(0,), stream=128)),
+    ({"name": "capped_1f1b", "recompute": [2, 1]}, EngineSpec("capped_1f1b", recompute=(2, 1))),
 ]
 
 BAD = [
@@ -84,6 +89,8 @@ BAD = [
     ("ps_1f1b:offload=0,stream=0", "stream must be an integer >= 1 (MiB per chunk), got '0'"),
     ("ps_1f1b:offload=0,lead=-1", "lead must be an integer >= 0"),
     ("1f1b:offload=0", "nanotron's own '1f1b' takes no parameters"),
+    ("capped_1f1b:recompute=some", "recompute must be full, selective, or decoder layers per stage"),
+    ("capped_1f1b:recompute=-1", "recompute must be full, selective, or decoder layers per stage"),
 ]
 
 
@@ -141,6 +148,18 @@ def test_nanotron_engines_keep_nanotron_classes(tmp_path):
 def test_python_construction_uses_the_same_parser():
     args = ParallelismArgs(dp=1, pp=4, tp=1, pp_engine="capped_1f1b:cap=2")
     assert args.pp_engine.spec == EngineSpec("capped_1f1b", cap=2)
+
+
+def test_python_mapping_form_builds_the_engine_and_saves(tmp_path):
+    """nanotron converts only a string given from Python; the hook converts the mapping
+    form too, so a config built in Python saves and loads back ([Note: nanotron hooks])."""
+    args = ParallelismArgs(dp=1, pp=4, tp=1, pp_engine={"name": "capped_1f1b", "cap": 3, "recompute": "full"})
+    assert args.pp_engine.spec == EngineSpec("capped_1f1b", cap=3, recompute="full")
+    config = get_config_from_file(write(tmp_path / "in.yaml", "1f1b"))
+    config.parallelism = args
+    config.save_as_yaml(str(tmp_path / "saved.yaml"))
+    assert "pp_engine: capped_1f1b:cap=3,recompute=full" in (tmp_path / "saved.yaml").read_text()
+    assert get_config_from_file(str(tmp_path / "saved.yaml")).parallelism.pp_engine.spec == args.pp_engine.spec
 
 
 # -- errors at load -----------------------------------------------------------------------

@@ -20,6 +20,14 @@ The repair, without touching any installed file:
    `nanotron.logging`), and rebind `nanotron.logging.LoggingArgs` (and the annotation
    that captured the placeholder) to the real class.
 
+[Note: nanotron 0.4 with NumPy 2] nanotron writes a checkpoint's tensor metadata with
+`str()` of its slice bounds and shapes, which are NumPy integers where they were computed
+with NumPy; under NumPy 2 `str(np.int64(64))` is "np.int64(64)", which nanotron's own
+loader cannot parse back (`int("np.int64(64)")`), so a checkpoint nanotron 0.4 saves
+cannot be loaded (resuming, `init_method: {path: ...}`). `TensorMetadata.to_str_dict`
+is wrapped to write plain integers, as under NumPy 1; a checkpoint already written with
+NumPy's spelling still needs to be saved again.
+
 It is applied only when the installed `nanotron.logging` is the cyclic 0.4 module:
 `nanotron.__version__ == "0.4"` *and* `nanotron/logging.py` is a plain module whose
 source contains the import above. GitHub main also says version 0.4 but ships
@@ -30,6 +38,7 @@ imports nanotron. Call it before anything else imports nanotron; importing
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -77,7 +86,36 @@ def import_nanotron() -> types.ModuleType:
     """
     if needs_logging_repair():
         _repair_logging_cycle()
-    return importlib.import_module("nanotron")
+    nanotron = importlib.import_module("nanotron")
+    _repair_metadata_integers()
+    return nanotron
+
+
+def _repair_metadata_integers() -> None:
+    """[Note: nanotron 0.4 with NumPy 2]: checkpoint metadata written with plain ints."""
+    try:
+        metadata = importlib.import_module("nanotron.serialize.metadata")
+        parameters = importlib.import_module("nanotron.parallel.parameters")
+    except ImportError:
+        return  # a nanotron without this module: nothing to repair
+    original = getattr(metadata.TensorMetadata, "to_str_dict", None)
+    if original is None or hasattr(original, "__pipeschedule_original__"):
+        return
+
+    def plain(bound):
+        return None if bound is None else int(bound)
+
+    def plain_slices(slices):
+        return tuple(slice(plain(s.start), plain(s.stop), plain(s.step)) for s in slices)
+
+    def to_str_dict(self):
+        pairs = tuple(parameters.SlicesPair(plain_slices(p.local_slices), plain_slices(p.global_slices))
+                      for p in self.local_global_slices_pairs)
+        return original(dataclasses.replace(self, local_global_slices_pairs=pairs,
+                                            unsharded_shape=tuple(int(n) for n in self.unsharded_shape)))
+
+    to_str_dict.__pipeschedule_original__ = original
+    metadata.TensorMetadata.to_str_dict = to_str_dict
 
 
 def _repair_logging_cycle() -> None:

@@ -251,7 +251,10 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
     if key == "recompute":
         if isinstance(raw, str) and raw.strip() in RECOMPUTE_MODES:
             return raw.strip()
-        items = _integers(value, key, raw)
+        try:
+            items = _integers(value, key, raw)
+        except ParameterError:
+            items = [-1]
         if any(n < 0 for n in items):
             raise _error(value, f"recompute must be full, selective, or decoder layers per stage (integers >= 0), "
                                 f"got {raw!r}")

@@ -38,6 +38,7 @@ import traceback
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engines and hooks)
 from integration.nanotron import flash_attn_standin
 from integration.nanotron.errors import PipescheduleError
+from integration.nanotron.gloo import use_gloo
 from integration.nanotron.step import pipeline_blocks
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -98,15 +99,16 @@ def stream_seed(seed: int, replica: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def make_trainer(config_file: str, record: str | None):
-    """nanotron's `DistributedTrainer` (recording each step when `record` is set)."""
+def make_trainer(config_file: str, record: bool = False):
+    """nanotron's `DistributedTrainer` (recording each step when `record`)."""
     import torch
     from nanotron.trainer import DistributedTrainer
 
     class RecordingTrainer(DistributedTrainer):
         """nanotron's trainer; `training_step` also records loss, time and memory."""
 
-        records: list = []
+        def post_init(self):
+            self.records = []
 
         def training_step(self, dataloader):
             if torch.cuda.is_available():
@@ -129,6 +131,52 @@ def make_trainer(config_file: str, record: str | None):
     return (RecordingTrainer if record else DistributedTrainer)(config_file)
 
 
+def record_of(trainer) -> dict:
+    """What `--record` writes for this rank: ranks, engine, per-step records, block ranks
+    and the parameters after the last step (fp32, CPU, by nanotron's tied-aware names)."""
+    from nanotron import distributed as dist
+
+    context = trainer.parallel_context
+    params = {name: p.detach().float().cpu().clone()
+              for name, p in trainer.unwrapped_model.get_named_params_with_correct_tied()}
+    return {
+        "world_rank": dist.get_rank(context.world_pg), "pp_rank": dist.get_rank(context.pp_pg),
+        "dp_rank": dist.get_rank(context.dp_pg), "tp_rank": dist.get_rank(context.tp_pg),
+        "engine": _engine_name(trainer.config.parallelism.pp_engine), "steps": list(trainer.records),
+        "params": params, "block_ranks": [b.rank for b in pipeline_blocks(trainer.unwrapped_model)],
+    }
+
+
+def prepare(backend: str = "auto") -> str:
+    """Set up this process for nanotron's trainer: the flash-attn stand-in where flash-attn
+    is missing, the gloo mode where the backend is gloo. Returns the backend."""
+    flash_attn_standin.install()
+    chosen = choose_backend(backend)
+    if chosen == "gloo":
+        use_gloo()
+    return chosen
+
+
+def train(config_file: str, *, record: bool = False):
+    """Build nanotron's trainer from `config_file` and train it; returns the trainer."""
+    trainer = make_trainer(config_file, record)
+    trainer.train(synthetic_batches(trainer) if _synthetic(trainer.config) else _refuse_dataset(trainer.config))
+    return trainer
+
+
+def run(config_file: str, *, backend: str = "auto", record: str | None = None) -> None:
+    """One process of the job: prepare, train, and write the record if asked."""
+    import torch
+    from nanotron import distributed as dist
+
+    prepare(backend)
+    trainer = train(config_file, record=record is not None)
+    if record:
+        os.makedirs(record, exist_ok=True)
+        rank = dist.get_rank(trainer.parallel_context.world_pg)
+        torch.save(record_of(trainer), os.path.join(record, f"rank{rank}.pt"))
+
+
 def _ledger_summary(engine) -> dict | None:
     ledger = engine.training_ledger() if hasattr(engine, "training_ledger") else None
     if ledger is None:
@@ -139,35 +187,6 @@ def _ledger_summary(engine) -> dict | None:
 def _engine_name(engine) -> str:
     spec = getattr(engine, "spec", None)
     return spec.to_string() if spec is not None else type(engine).__name__
-
-
-def write_record(trainer, directory: str) -> None:
-    import torch
-    from nanotron import distributed as dist
-
-    os.makedirs(directory, exist_ok=True)
-    params = {name: p.detach().float().cpu().clone()
-              for name, p in trainer.unwrapped_model.get_named_params_with_correct_tied()}
-    context = trainer.parallel_context
-    torch.save({
-        "world_rank": dist.get_rank(context.world_pg), "pp_rank": dist.get_rank(context.pp_pg),
-        "dp_rank": dist.get_rank(context.dp_pg), "tp_rank": dist.get_rank(context.tp_pg),
-        "engine": _engine_name(trainer.config.parallelism.pp_engine), "steps": trainer.records, "params": params,
-        "block_ranks": [b.rank for b in pipeline_blocks(trainer.unwrapped_model)],
-    }, os.path.join(directory, f"rank{dist.get_rank(context.world_pg)}.pt"))
-
-
-def run(config_file: str, *, backend: str = "auto", record: str | None = None) -> None:
-    """Build nanotron's trainer from `config_file` and train (one process of the job)."""
-    flash_attn_standin.install()
-    if choose_backend(backend) == "gloo":
-        from integration.nanotron.gloo import use_gloo
-
-        use_gloo()
-    trainer = make_trainer(config_file, record)
-    trainer.train(synthetic_batches(trainer) if _synthetic(trainer.config) else _refuse_dataset(trainer.config))
-    if record:
-        write_record(trainer, record)
 
 
 def _synthetic(config) -> bool:
@@ -196,8 +215,8 @@ def main(argv=None) -> int:
 
 
 def _abort(code: int) -> None:
-    """Leave at once: peers blocked in a collective are ended by torchrun when this
-    process exits with an error (its default --max-restarts 0 stops the whole job)."""
+    """Leave at once: torchrun (default --max-restarts 0) then ends the other ranks,
+    which may be blocked in a collective with this one."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
