@@ -10,77 +10,11 @@ final parameters. One spawn per job keeps the tests to seconds per training.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import torch
-import yaml
 
+from benchmarks.nanotron_config import TrainerConfig
 from integration.nanotron.harness import spawn
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """The knobs these tests turn; everything else is a small fixed nanotron config."""
-
-    engine: str = "1f1b"
-    pp: int = 2
-    dp: int = 1
-    tp: int = 1
-    layers: int = 4
-    microbatches: int = 4
-    steps: int = 2
-    zero_stage: int = 0
-    fp32_accumulation: bool = False
-    tie_embeddings: bool = False
-    dtype: str = "float32"
-    clip_grad: float | None = 1.0
-    hidden: int = 32
-    heads: int = 4
-    kv_heads: int = 2
-    vocab: int = 128
-    seq: int = 16
-    micro_batch_size: int = 2
-    seed: int = 42
-    save_initial_state: bool = False
-    init_from: str | None = None  # a checkpoint folder to load the initial weights from
-
-    @property
-    def world(self) -> int:
-        return self.pp * self.dp * self.tp
-
-    def yaml(self, checkpoints: str) -> str:
-        config = {
-            "general": {"project": "pipeschedule-test", "run": "trainer", "seed": self.seed, "ignore_sanity_checks": True},
-            "checkpoints": {"checkpoints_path": checkpoints, "checkpoint_interval": 10**6,
-                            "save_initial_state": self.save_initial_state},
-            "parallelism": {"dp": self.dp, "pp": self.pp, "tp": self.tp, "pp_engine": self.engine,
-                            "tp_mode": "ALL_REDUCE", "tp_linear_async_communication": False},
-            "model": {
-                "dtype": self.dtype, "make_vocab_size_divisible_by": 1,
-                "init_method": {"path": self.init_from} if self.init_from else {"std": 0.02},
-                "model_config": {
-                    "hidden_size": self.hidden, "intermediate_size": 2 * self.hidden,
-                    "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
-                    "num_hidden_layers": self.layers, "vocab_size": self.vocab,
-                    "max_position_embeddings": self.seq, "tie_word_embeddings": self.tie_embeddings,
-                },
-            },
-            "tokenizer": {"tokenizer_name_or_path": None},
-            "tokens": {"sequence_length": self.seq, "train_steps": self.steps, "micro_batch_size": self.micro_batch_size,
-                       "batch_accumulation_per_replica": self.microbatches},
-            "optimizer": {
-                "zero_stage": self.zero_stage, "weight_decay": 0.01, "clip_grad": self.clip_grad,
-                "accumulate_grad_in_fp32": self.fp32_accumulation, "adam_eps": 1e-8, "adam_beta1": 0.9,
-                "adam_beta2": 0.95, "torch_adam_is_fused": False,
-                "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_steps": 1, "lr_warmup_style": "linear",
-                                            "lr_decay_style": "cosine", "min_decay_lr": 1e-4},
-            },
-            "logging": {"log_level": "warning", "log_level_replica": "warning", "iteration_step_info_interval": 1},
-            "data": {"dataset": None, "seed": 1234},
-        }
-        text = yaml.safe_dump(config, sort_keys=False)
-        # pp_engine is written plain (its ':' is not followed by a space: one YAML scalar)
-        return text.replace(f"pp_engine: '{self.engine}'", f"pp_engine: {self.engine}")
 
 
 def train_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0) -> list[dict]:

@@ -22,8 +22,9 @@ nanotron's own `run_train.py` with `import integration.nanotron` as its first li
 engines and the layout hook are the same.
 
 `--record DIR` writes, per rank, `DIR/rank{R}.pt`: each step's loss (on the loss rank),
-wall time and peak device memory (CUDA) or the engine's ledger peak (CPU), and the
-parameters after the last step by name, for comparisons between engines.
+wall time, peak device memory (CUDA) and the engine's ledger peaks; with
+`--record-weights` also the parameters after the last step by name, for comparisons
+between engines.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config-file", required=True, help="nanotron YAML config")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: NCCL with one GPU per local rank, else gloo")
-    parser.add_argument("--record", metavar="DIR", help="write per-rank losses, times, memory and final weights here")
+    parser.add_argument("--record", metavar="DIR", help="write per-rank losses, step times and peak memory here")
+    parser.add_argument("--record-weights", action="store_true", help="with --record: also the weights after the last step")
     return parser.parse_args(argv)
 
 
@@ -131,14 +133,15 @@ def make_trainer(config_file: str, record: bool = False):
     return (RecordingTrainer if record else DistributedTrainer)(config_file)
 
 
-def record_of(trainer) -> dict:
+def record_of(trainer, *, weights: bool = True) -> dict:
     """What `--record` writes for this rank: ranks, engine, per-step records, block ranks
-    and the parameters after the last step (fp32, CPU, by nanotron's tied-aware names)."""
+    and (`weights`) the parameters after the last step (fp32, CPU, by nanotron's
+    tied-aware names)."""
     from nanotron import distributed as dist
 
     context = trainer.parallel_context
     params = {name: p.detach().float().cpu().clone()
-              for name, p in trainer.unwrapped_model.get_named_params_with_correct_tied()}
+              for name, p in trainer.unwrapped_model.get_named_params_with_correct_tied()} if weights else None
     return {
         "world_rank": dist.get_rank(context.world_pg), "pp_rank": dist.get_rank(context.pp_pg),
         "dp_rank": dist.get_rank(context.dp_pg), "tp_rank": dist.get_rank(context.tp_pg),
@@ -164,7 +167,7 @@ def train(config_file: str, *, record: bool = False):
     return trainer
 
 
-def run(config_file: str, *, backend: str = "auto", record: str | None = None) -> None:
+def run(config_file: str, *, backend: str = "auto", record: str | None = None, weights: bool = False) -> None:
     """One process of the job: prepare, train, and write the record if asked."""
     import torch
     from nanotron import distributed as dist
@@ -174,7 +177,7 @@ def run(config_file: str, *, backend: str = "auto", record: str | None = None) -
     if record:
         os.makedirs(record, exist_ok=True)
         rank = dist.get_rank(trainer.parallel_context.world_pg)
-        torch.save(record_of(trainer), os.path.join(record, f"rank{rank}.pt"))
+        torch.save(record_of(trainer, weights=weights), os.path.join(record, f"rank{rank}.pt"))
 
 
 def _ledger_summary(engine) -> dict | None:
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "?")
     try:
-        run(args.config_file, backend=args.backend, record=args.record)
+        run(args.config_file, backend=args.backend, record=args.record, weights=args.record_weights)
     except PipescheduleError as err:
         print(f"integration.nanotron.train rank {rank}: {err}", file=sys.stderr, flush=True)
         _abort(2)

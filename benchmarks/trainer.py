@@ -1,0 +1,177 @@
+"""nanotron's own trainer from a YAML file, nanotron's 1F1B against pipeschedule's engines (issue 15).
+
+    python -m benchmarks.trainer            # one CUDA GPU: pp=4 as four ranks on it (several minutes)
+    python -m benchmarks.trainer --smoke    # CPU, a tiny model: checks the plumbing, writes nothing
+
+Each run is the users' launch: `torchrun --nproc-per-node 4 -m integration.nanotron.train
+--config-file CONFIG --record DIR`, nanotron's `DistributedTrainer` on nanotron's
+`LlamaForTraining` (bf16, fp32 gradient accumulation, AdamW), the engine chosen in the
+YAML's `pp_engine` alone. Four ranks share the one GPU, so their group is gloo with
+boundaries staged through pinned host memory ([Note: nanotron over gloo]).
+
+Engines: nanotron's `1f1b`, `capped_1f1b:cap=2`, `interleaved_1f1b:virtual=2`, `zb_h1`,
+all on the same synthetic data. The first run saves its initial weights and every other
+run loads them ([Note: same initial weights] in tests/trainer_jobs.py), so losses are
+comparable step by step. The engines run in `ROUNDS` alternating rounds (A B C D A B C D),
+so a slow stretch of the shared machine does not fall on one engine only; step time is
+the median over the measured steps (after `WARMUP`) of every round, per-stage peak
+memory the largest over them (`torch.cuda.max_memory_allocated` / `_reserved` of each
+rank's process, reset before each step). Four processes on one GPU time-share it: the
+step time is that of one GPU running all four stages, not of a four-GPU pipeline.
+
+Writes benchmarks/results/trainer.json (raw) and trainer.md (tables); prints the tables last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks.nanotron_config import TrainerConfig
+from benchmarks.training import versions
+
+RESULTS = Path(__file__).parent / "results"
+ENGINES = ("1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1")
+PP, MICROBATCHES, STEPS, WARMUP, ROUNDS = 4, 8, 6, 2, 2
+MODEL = dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096, micro_batch_size=1)
+SMOKE = dict(hidden=32, heads=4, kv_heads=2, layers=8, vocab=128, seq=16, micro_batch_size=2)
+
+
+def config_for(engine: str, *, smoke: bool, init_from: str | None, save: bool, steps: int) -> TrainerConfig:
+    sizes = SMOKE if smoke else MODEL
+    return TrainerConfig(engine=engine, pp=PP, microbatches=MICROBATCHES, steps=steps,
+                         dtype="bfloat16", fp32_accumulation=True, save_initial_state=save, init_from=init_from,
+                         **sizes)
+
+
+def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list[dict]:
+    """One torchrun of the users' launcher; the four ranks' records."""
+    path = work / f"{name}.yaml"
+    path.write_text(config.yaml(str(work / f"checkpoints-{name}")))
+    record = work / f"record-{name}"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PP), "--master-port", str(port),
+               "-m", "integration.nanotron.train", "--config-file", str(path), "--record", str(record)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if result.returncode != 0:
+        raise RuntimeError(f"{config.engine}: torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}")
+    return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(PP)]
+
+
+def measure(*, smoke: bool, commit: str | None, rounds: int, steps: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="pipeschedule-trainer-"))
+    init = str(work / "checkpoints-init" / "0")
+    launch(config_for("1f1b", smoke=smoke, init_from=None, save=True, steps=1), work, "init", timeout=600)
+    runs: dict[str, list] = {engine: [] for engine in ENGINES}
+    for round_index in range(rounds):
+        for engine in ENGINES:
+            name = f"{engine.replace(':', '_').replace('=', '').replace(',', '_')}-{round_index}"
+            records = launch(config_for(engine, smoke=smoke, init_from=init, save=False, steps=steps), work, name,
+                             timeout=600)
+            runs[engine].append(records)
+            print(f"round {round_index} {engine}: {summarise([records])['step_s']:.3f} s/step", flush=True)
+    report = {"versions": versions(commit), "model": MODEL if not smoke else SMOKE, "pp": PP,
+              "microbatches": MICROBATCHES, "steps": steps, "warmup": WARMUP, "rounds": rounds,
+              "engines": {engine: summarise(rounds) for engine, rounds in runs.items()}}
+    return report
+
+
+def summarise(rounds: list[list[dict]]) -> dict:
+    """Per engine: losses per step of each round, median step time over the measured
+    steps, per-stage peaks (largest over measured steps and rounds)."""
+    losses, times = [], []
+    peak_alloc = [0] * PP
+    peak_reserved = [0] * PP
+    ledger_stash = [0] * PP
+    for records in rounds:
+        loss_rank = next(r for r in records if r["steps"][0]["loss"] is not None)
+        losses.append([s["loss"] for s in loss_rank["steps"]])
+        by_step = list(zip(*(r["steps"] for r in records)))
+        measured = by_step[WARMUP:] if len(by_step) > WARMUP else by_step
+        times += [max(s["seconds"] for s in step) for step in measured]
+        for record in records:
+            rank = record["pp_rank"]
+            for step in record["steps"][WARMUP:] or record["steps"]:
+                peak_alloc[rank] = max(peak_alloc[rank], step["peak_allocated"] or 0)
+                peak_reserved[rank] = max(peak_reserved[rank], step["peak_reserved"] or 0)
+                if step["ledger"]:
+                    ledger_stash[rank] = max(ledger_stash[rank], step["ledger"]["stash_peak_bytes"])
+    return {"losses": losses, "step_s": statistics.median(times), "step_s_all": times,
+            "peak_allocated": peak_alloc, "peak_reserved": peak_reserved, "ledger_stash": ledger_stash,
+            "block_ranks": rounds[0][0]["block_ranks"]}
+
+
+def render(report: dict) -> str:
+    gib = 2**30
+    ref = report["engines"]["1f1b"]
+    lines = [
+        f"# nanotron's trainer from a YAML file: nanotron's 1F1B against pipeschedule's engines "
+        f"({report['versions']['date']})", "",
+        "`python -m benchmarks.trainer`: nanotron's `DistributedTrainer` on its own `LlamaForTraining` "
+        f"(hidden {report['model']['hidden']}, {report['model']['layers']} layers, seq {report['model']['seq']}, "
+        f"micro-batch {report['model']['micro_batch_size']}, bf16, fp32 gradient accumulation, AdamW), pp={report['pp']} "
+        f"as four ranks on one GPU (gloo, boundaries staged through host memory), m={report['microbatches']}, "
+        f"{report['steps']} steps per run, the first {report['warmup']} not measured, {report['rounds']} alternating "
+        "rounds. Each run is `torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file CONFIG`, "
+        "the engine chosen by `pp_engine` alone; every run starts from the same saved weights.", "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
+        "| pp_engine | step time (median) | vs 1f1b | peak allocated per stage (GiB) | peak reserved per stage (GiB) "
+        "| ledger stash peak per stage (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for engine, row in report["engines"].items():
+        lines.append(
+            f"| `{engine}` | {row['step_s']:.3f} s | {row['step_s'] / ref['step_s']:.3f} | "
+            + " / ".join(f"{b / gib:.2f}" for b in row["peak_allocated"]) + " | "
+            + " / ".join(f"{b / gib:.2f}" for b in row["peak_reserved"]) + " | "
+            + (" / ".join(f"{b / 2**20:.0f}" for b in row["ledger_stash"]) if any(row["ledger_stash"]) else "-")
+            + " |")
+    lines += ["", "Losses per step (first round; every run starts from the same weights and data):", "",
+              "| pp_engine | " + " | ".join(f"step {i + 1}" for i in range(len(ref["losses"][0]))) + " | max |Δ| vs 1f1b |",
+              "|---|" + "---|" * (len(ref["losses"][0]) + 1)]
+    for engine, row in report["engines"].items():
+        gaps = [abs(a - b) for rnd in row["losses"] for a, b in zip(rnd, ref["losses"][0])]
+        lines.append(f"| `{engine}` | " + " | ".join(f"{x:.6f}" for x in row["losses"][0]) + f" | {max(gaps):.2e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.trainer", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
+    parser.add_argument("--commit", help="commit to record (the device machine's tree may lack git history)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where trainer.json and trainer.md go")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"alternating rounds (default {ROUNDS})")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps per run (default {STEPS})")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps <= WARMUP:
+        print(f"benchmarks.trainer: --rounds must be >= 1 and --steps > {WARMUP} (warm-up steps), got "
+              f"{args.rounds} and {args.steps}", file=sys.stderr)
+        return 2
+    if not args.smoke and not torch.cuda.is_available():
+        print("benchmarks.trainer: no CUDA GPU here; use --smoke on a CPU", file=sys.stderr)
+        return 2
+    report = measure(smoke=args.smoke, commit=args.commit, rounds=1 if args.smoke else args.rounds,
+                     steps=WARMUP + 1 if args.smoke else args.steps)
+    text = render(report)
+    if not args.smoke:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "trainer.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out / "trainer.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
