@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.nanotron_config import TrainerConfig
+from integration.nanotron.example import TrainerConfig
 from benchmarks.training import versions
 
 RESULTS = Path(__file__).parent / "results"

@@ -4,9 +4,10 @@ Compiles 1f1b, capped_1f1b (cap 2) and interleaved_1f1b (v=2) for pp=4 and 8
 microbatches, verifies each against every rule, simulates them under the default costs
 (a rank's share of the model: F=1, B=2) and prints their timelines and a table of bubble
 fraction and per-rank peak in-flight microbatches. Then, where torch and nanotron are
-installed (`pip install torch==2.13.0 -e '.[nanotron]'`), it trains a Llama-style
-nanotron model on CPU, pp=4 over 4 gloo processes, with nanotron's own 1F1B and with
-our capped_1f1b (cap 2): equal losses, and the first stage's stash halved.
+installed (`pip install torch==2.13.0 -e '.[nanotron]'`), nanotron's own trainer trains
+nanotron's own Llama from a YAML file on CPU, pp=4 over 4 gloo processes, with
+nanotron's 1F1B and with our capped_1f1b (cap 2): equal losses, and the first stage's
+stash halved.
 """
 
 from __future__ import annotations
@@ -64,5 +65,5 @@ def _training_demo() -> int:
         return 0
     from integration.nanotron.demo import run_training_demo  # repairs nanotron 0.4, registers our engines
 
-    print("\n== training: nanotron's own 1F1B against pipeschedule's capped_1f1b (cap 2)")
+    print("\n== training: nanotron's trainer and Llama, its own 1F1B against pipeschedule's capped_1f1b (cap 2)")
     return run_training_demo()

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from benchmarks.nanotron_config import TrainerConfig
+from integration.nanotron.example import TrainerConfig
 from integration.nanotron.harness import spawn
 
 

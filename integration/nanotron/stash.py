@@ -1,7 +1,7 @@
 """Measure what a rank keeps for backward, per microbatch, over one training step.
 
-`StashMeter` is attached to a model (`PipelinedLlama.stash_meter`); the model opens
-`meter.recording()` around each forward call, which installs
+`StashMeter` is attached to a model (`PipelinedLlama.stash_meter`, or `meter.attached(model)`
+for any model); `meter.recording()` is open around each forward call, which installs
 `torch.autograd.graph.saved_tensors_hooks`. Every tensor autograd saves passes through
 `_pack`; the meter counts the bytes of its *storage* once however many ops save views of
 it (de-duplicated by storage), attributes it to the microbatch whose forward saved it
@@ -81,6 +81,28 @@ class StashMeter:
         self._tick()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+
+    @contextlib.contextmanager
+    def attached(self, model: torch.nn.Module):
+        """Record around every call of `model` (one microbatch each, as nanotron's engines
+        and pipeschedule's call it) while open; for models that do not call `recording`
+        themselves, such as nanotron's own Llama."""
+        open_calls: list = []
+
+        def before(module, args):
+            context = self.recording()
+            context.__enter__()
+            open_calls.append(context)
+
+        def after(module, args, output):
+            open_calls.pop().__exit__(None, None, None)
+
+        handles = [model.register_forward_pre_hook(before), model.register_forward_hook(after)]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def track_stage_output(self, tensor: torch.Tensor, name: str = "") -> None:
         """Note a tensor this rank hands to another rank (by `name`, its input key there)."""

@@ -1,0 +1,140 @@
+"""A complete nanotron YAML config for nanotron's own Llama, written from a few knobs.
+
+    python -m integration.nanotron.example --pp 4 --engine capped_1f1b:cap=2 > config.yaml
+    torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file config.yaml
+
+`TrainerConfig(...).yaml(checkpoints)` is a nanotron 0.4 config for `LlamaForTraining`:
+synthetic data (`data.dataset: null`, which `integration.nanotron.train` feeds), AdamW
+with warmup and cosine decay, checkpoints under `checkpoints` (saved only at
+`save_initial_state`). The demo, the tests and the benchmarks write their configs with
+it; a user can start from its output and edit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, fields
+
+import yaml
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The knobs these tests turn; everything else is a small fixed nanotron config."""
+
+    engine: str = "1f1b"
+    pp: int = 2
+    dp: int = 1
+    tp: int = 1
+    layers: int = 4
+    microbatches: int = 4
+    steps: int = 2
+    zero_stage: int = 0
+    fp32_accumulation: bool = False
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    clip_grad: float | None = 1.0
+    hidden: int = 32
+    ffn: int | None = None  # MLP width; None: 2 * hidden
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 128
+    seq: int = 16
+    micro_batch_size: int = 2
+    seed: int = 42
+    save_initial_state: bool = False
+    init_from: str | None = None  # a checkpoint folder to load the initial weights from
+
+    def __post_init__(self) -> None:
+        for name in ("pp", "dp", "tp", "layers", "microbatches", "steps", "hidden", "heads", "kv_heads", "vocab",
+                     "seq", "micro_batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.zero_stage not in (0, 1):
+            raise ValueError(f"zero_stage must be 0 or 1 (nanotron 0.4), got {self.zero_stage!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.fp32_accumulation and self.dtype == "float32":
+            raise ValueError("fp32_accumulation needs a half-precision dtype (nanotron keeps fp32 copies of "
+                             "bfloat16 / float16 weights), got dtype float32")
+        if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
+            raise ValueError(f"hidden {self.hidden} must divide into heads {self.heads} of even size, and heads into "
+                             f"kv_heads {self.kv_heads}")
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def yaml(self, checkpoints: str) -> str:
+        """The config as nanotron's YAML (pp_engine written plain, as users write it)."""
+        config = {
+            "general": {"project": "pipeschedule-test", "run": "trainer", "seed": self.seed, "ignore_sanity_checks": True},
+            "checkpoints": {"checkpoints_path": checkpoints, "checkpoint_interval": 10**6,
+                            "save_initial_state": self.save_initial_state},
+            "parallelism": {"dp": self.dp, "pp": self.pp, "tp": self.tp, "pp_engine": self.engine,
+                            "tp_mode": "ALL_REDUCE", "tp_linear_async_communication": False},
+            "model": {
+                "dtype": self.dtype, "make_vocab_size_divisible_by": 1,
+                "init_method": {"path": self.init_from} if self.init_from else {"std": 0.02},
+                "model_config": {
+                    "hidden_size": self.hidden, "intermediate_size": self.ffn or 2 * self.hidden,
+                    "num_attention_heads": self.heads, "num_key_value_heads": self.kv_heads,
+                    "num_hidden_layers": self.layers, "vocab_size": self.vocab,
+                    "max_position_embeddings": self.seq, "tie_word_embeddings": self.tie_embeddings,
+                },
+            },
+            "tokenizer": {"tokenizer_name_or_path": None},
+            "tokens": {"sequence_length": self.seq, "train_steps": self.steps, "micro_batch_size": self.micro_batch_size,
+                       "batch_accumulation_per_replica": self.microbatches},
+            "optimizer": {
+                "zero_stage": self.zero_stage, "weight_decay": 0.01, "clip_grad": self.clip_grad,
+                "accumulate_grad_in_fp32": self.fp32_accumulation, "adam_eps": 1e-8, "adam_beta1": 0.9,
+                "adam_beta2": 0.95, "torch_adam_is_fused": False,
+                "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_steps": 1, "lr_warmup_style": "linear",
+                                            "lr_decay_style": "cosine", "min_decay_lr": 1e-4},
+            },
+            "logging": {"log_level": "warning", "log_level_replica": "warning", "iteration_step_info_interval": 1},
+            "data": {"dataset": None, "seed": 1234},
+        }
+        text = yaml.safe_dump(config, sort_keys=False)
+        # pp_engine is written plain (its ':' is not followed by a space: one YAML scalar)
+        return text.replace(f"pp_engine: '{self.engine}'", f"pp_engine: {self.engine}")
+
+
+def main(argv=None) -> int:
+    """Print a config (the fields of `TrainerConfig` as options) to standard output."""
+    parser = argparse.ArgumentParser(prog="python -m integration.nanotron.example",
+                                     description="print a nanotron YAML config for its own Llama")
+    parser.add_argument("--checkpoints", default="checkpoints", help="checkpoints_path (default: checkpoints)")
+    for field in fields(TrainerConfig):
+        if field.name in ("save_initial_state", "init_from"):
+            continue
+        kind = {"bool": _boolean, "int": int, "float": float, "str": str}.get(str(field.type).split(" |")[0], str)
+        parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default,
+                            help=f"(default: {field.default})")
+    args = vars(parser.parse_args(argv))
+    checkpoints = args.pop("checkpoints")
+    try:
+        config = TrainerConfig(**args)
+    except (TypeError, ValueError) as err:
+        print(f"integration.nanotron.example: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(config.yaml(checkpoints))
+    return 0
+
+
+def _boolean(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes"):
+        return True
+    if text.lower() in ("0", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+__all__ = ["TrainerConfig", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
