@@ -57,6 +57,8 @@ JOBS = {
                             ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "v_half")),
     "pp2-dp2-ddp": ({"dp": 2}, ("ps_1f1b", "interleaved_1f1b:virtual=2", "zb_h1")),
     "pp2-tp2": ({"tp": 2}, ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zbv")),
+    "pp2-tp2-sequence-parallel": ({"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_async": True},
+                                  ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2,recompute=1", "zb_h1")),
 }
 
 

@@ -10,6 +10,7 @@ final parameters. One spawn per job keeps the tests to seconds per training.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -45,6 +46,8 @@ def train_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0)
 def _child(rank: int, world: int, paths: list[str]) -> list[dict]:
     from integration.nanotron import train
 
+    # nanotron's asynchronous tensor-parallel linears refuse to run without it (as its docs say)
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     train.prepare("gloo")
     return [train.record_of(train.train(path, record=True)) for path in paths]
 

@@ -27,6 +27,8 @@ class TrainerConfig:
     pp: int = 2
     dp: int = 1
     tp: int = 1
+    tp_mode: str = "ALL_REDUCE"  # or REDUCE_SCATTER (sequence parallel)
+    tp_async: bool = False  # tp_linear_async_communication
     layers: int = 4
     microbatches: int = 4
     steps: int = 2
@@ -52,6 +54,8 @@ class TrainerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tp_mode not in ("ALL_REDUCE", "REDUCE_SCATTER"):
+            raise ValueError(f"tp_mode must be ALL_REDUCE or REDUCE_SCATTER, got {self.tp_mode!r}")
         if self.zero_stage not in (0, 1):
             raise ValueError(f"zero_stage must be 0 or 1 (nanotron 0.4), got {self.zero_stage!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -74,7 +78,7 @@ class TrainerConfig:
             "checkpoints": {"checkpoints_path": checkpoints, "checkpoint_interval": 10**6,
                             "save_initial_state": self.save_initial_state},
             "parallelism": {"dp": self.dp, "pp": self.pp, "tp": self.tp, "pp_engine": self.engine,
-                            "tp_mode": "ALL_REDUCE", "tp_linear_async_communication": False},
+                            "tp_mode": self.tp_mode, "tp_linear_async_communication": self.tp_async},
             "model": {
                 "dtype": self.dtype, "make_vocab_size_divisible_by": 1,
                 "init_method": {"path": self.init_from} if self.init_from else {"std": 0.02},
