@@ -10,7 +10,9 @@
   the semantics under which the verifier proves a schedule deadlock-free (rule 4).
 - Stage hand-off: when stages s and s+1 run on the same rank, F(s)'s output becomes
   act_in of s+1 (detached, requiring grad as the output did) and B(s+1)'s input
-  gradient becomes grad_out of s; no message is sent.
+  gradient becomes grad_out of s; no message is sent. Either way it is handed on as a
+  received tensor would be: contiguous, at the start of its storage ([Note: contiguous
+  boundaries]).
 - Output release: at FREE act_out (after its send completed) the output's storage is
   released by replacing its `.data` with an empty tensor, as Megatron's
   `deallocate_output_tensor` does; the tensor object and its grad_fn stay in the stash
@@ -38,6 +40,25 @@
 - Buffer pool: with `pool=True` (the default) receive and send buffers come from a
   `BufferPool` sized by the schedule ([Note: buffer pool] in pool); the stage output
   is then copied into its send buffer at F and its own storage released at once.
+
+[Note: contiguous boundaries] Every tensor that crosses a stage boundary, the output
+going forward and its gradient coming back, reaches the other stage contiguous and at
+the start of its own storage: that is what a receive produces, and a same-rank hand-off
+produces the same (`_handed`: the tensor itself when it already is, else a copy).
+Kernels take other paths for other strides (a transposed GEMM packs its operands
+differently), so when a same-rank hand-off kept a transposed output's strides and a
+receive did not, gradients differed in the last bits from one placement to another
+(2.8e-17 in a Linear's weight gradient, interleaved at pp 2 and 3). The other way out,
+carrying strides in the shape exchange and receiving with `torch.empty_strided`,
+matches the plain model in more cases but not in all: the gradient sent back has the
+layout autograd gives the input's `.grad` (its layout contract), not the one the
+consumer's backward made, so a consumer that reads its input through `.contiguous()`
+or a sum still differed (tried: a transposed output read that way), and outputs with
+gaps or overlaps need more. With contiguous boundaries every placement, schedule and
+pp computes the same bits whatever layouts the stages return: those of the single-
+process model whose stage outputs are made contiguous, which is the model itself when
+they already are (nanotron's packed boundaries are). An output that is already
+contiguous is handed on as it is, at no cost.
 """
 
 from __future__ import annotations
@@ -306,17 +327,17 @@ class Executor:
             root = y / self.schedule.microbatches
             self._losses[mb] = root.detach()
             return root, None
-        meta = TensorMeta.of(y)
-        if self.schedule.placement[s + 1] == self.rank:  # local hand-off
-            self.buffers.add(("act_in", s + 1, mb), y.detach().requires_grad_(y.requires_grad), y.nbytes)
-        else:
-            self.shapes.publish(s, y)
-            sent = y
-            if self.pool is not None and y.numel() > 0:  # [Note: buffer pool]
-                sent = self.pool.take("act_out", meta)
-                sent.copy_(y.detach())
-                _release(y, x)
-            self.buffers.add(("act_out", s, mb), sent, sent.nbytes)
+        if self.schedule.placement[s + 1] == self.rank:  # local hand-off ([Note: contiguous boundaries])
+            self.buffers.add(("act_in", s + 1, mb), _handed(y.detach()).requires_grad_(y.requires_grad), y.nbytes)
+            return y, None  # (no RECV_B: its gradient is handed off too)
+        meta = self.shapes.publish(s, y)
+        sent = y
+        if self.pool is not None and y.numel() > 0:  # [Note: buffer pool]
+            # a wrong shape is named at SEND_F, against the meta the receiver allocates
+            sent = self.pool.take("act_out", meta if meta.matches(y) else TensorMeta.of(y))
+            sent.copy_(y.detach())
+            _release(y, x)
+        self.buffers.add(("act_out", s, mb), sent, sent.nbytes)
         return y, meta
 
     def _backward(self, i: Instr) -> None:
@@ -335,9 +356,10 @@ class Executor:
             grad_in = x.grad if x.grad is not None else torch.zeros_like(x)  # zeros, not silence
             x.grad = None
             local = self.schedule.placement[s - 1] == self.rank
-            if not local and self.pool is not None and grad_in.numel() > 0:  # [Note: buffer pool]
-                sent = self.pool.take("grad_in", TensorMeta.of(grad_in))
-                grad_in = sent.copy_(grad_in)
+            if local:
+                grad_in = _handed(grad_in)  # [Note: contiguous boundaries]
+            elif self.pool is not None and grad_in.numel() > 0:  # [Note: buffer pool]
+                grad_in = self.pool.take("grad_in", self.shapes[s - 1]).copy_(grad_in)
             self.buffers.add(("grad_out", s - 1, mb) if local else ("grad_in", s, mb), grad_in, grad_in.nbytes)
 
     def _weight(self, i: Instr) -> None:
@@ -463,6 +485,14 @@ class Executor:
         if not located.remote:
             self.transport.abort(str(located))
         return located
+
+
+def _handed(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a receive would deliver it: contiguous, at the start of its storage
+    ([Note: contiguous boundaries]); itself when it already is."""
+    if tensor.is_contiguous() and tensor.storage_offset() == 0:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _release(output: torch.Tensor, act_in) -> None:
