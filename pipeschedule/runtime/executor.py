@@ -1,6 +1,10 @@
 """The executor: runs one rank's program of a lowered schedule, one instruction at a time.
 
 [Note: executor semantics]
+- First step: before its first instruction, every rank publishes the schedule it
+  runs and compares it with every other rank's; any difference stops every rank
+  with a `ScheduleMismatchError` ([Note: schedule agreement] in agreement). Later
+  steps skip this.
 - Dispatch: every op goes through one table (`self._dispatch`); an op without a
   handler raises.
 - Buffers: every buffer of [Note: buffers] lives in `self.buffers` (a `BufferTable`),
@@ -75,8 +79,9 @@ from torch.autograd.variable import Variable
 
 from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
 from pipeschedule.runtime.buffers import BufferTable, Stash
+from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.runtime.errors import RuntimeScheduleError, ScheduleMismatchError
 from pipeschedule.offload import streamed_stashes
 from pipeschedule.runtime.host_offload import Offloader
 from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, signature_of, storage_ptrs
@@ -129,6 +134,7 @@ class Executor:
         self.buffers = BufferTable(self.ledger)
         self.times = StepTimes()
         self.steps = 0  # completed steps
+        self._agreed = self._agreeing = False  # every rank runs this schedule ([Note: schedule agreement])
         self.shapes = Shapes(transport, shapes)
         self._history: deque[tuple[int, Instr]] = deque(maxlen=history)
         self._pc, self._waiting, self._broken = 0, None, False
@@ -157,7 +163,10 @@ class Executor:
         """One step as a generator: yields `Pending`s, returns the outputs (see `_outputs`)."""
         batch: list[tuple[int, Instr]] = []
         try:
-            self._begin(inputs, targets)
+            self._begin()
+            if not self._agreed:
+                yield from self._agree()
+            self._take(inputs, targets)
             for pc, instr in enumerate(self.program):
                 if instr.op in COMM_OPS:
                     batch.append((pc, instr))
@@ -178,22 +187,46 @@ class Executor:
                 raise
             raise wrapped from err
 
-    def _begin(self, inputs, targets) -> None:
+    def _begin(self) -> None:
         if self._broken:
             raise RuntimeScheduleError("this executor stopped with an error in an earlier step; build a new one")
+        self._pc = 0
+        self._losses: list[torch.Tensor | None] = [None] * self.schedule.microbatches
+        self._persistent: dict[int, set[int]] = {}
+        self._stash_bytes: dict[tuple, int] = {}  # (stage, input signature) -> stash bytes, this step
+        self._broken = True  # until the step completes; a failed or abandoned step leaves it set
+        self.ledger.begin_step()
+        self.times = StepTimes(start=time.perf_counter())
+
+    def _agree(self):
+        """Generator, at the first step: publishes this rank's schedule and waits for every
+        rank's; raises ScheduleMismatchError unless they are all the same ([Note: schedule
+        agreement])."""
+        self._agreeing = True
+        try:
+            agreement = Agreement(self.transport, self.shapes.namespace, self.rank, ScheduleSummary.of(self.schedule))
+            problem = agreement.wrong_world()
+            if problem is not None:
+                raise self.error(problem, error_type=ScheduleMismatchError, fields=("pp",))
+            if not agreement.ready():
+                yield agreement
+            found = agreement.mismatch()
+            if found is not None:
+                message, fields, ranks = found
+                raise self.error(message, error_type=ScheduleMismatchError, fields=fields, ranks=ranks)
+            self._agreed = True
+        finally:
+            self._agreeing = False
+
+    def _take(self, inputs, targets) -> None:
+        """Checks and keeps the step's inputs and targets."""
         m = self.schedule.microbatches
         for name, values in (("inputs", inputs), ("targets", targets)):
             if values is not None and len(values) != m:
                 raise RuntimeScheduleError(f"{len(values)} {name} given for {m} microbatches")
         if inputs is None and self.schedule.placement[0] == self.rank:
             raise RuntimeScheduleError("this rank runs stage 0 and needs inputs (one per microbatch)")
-        self._pc, self._inputs, self._targets = 0, inputs, targets
-        self._losses: list[torch.Tensor | None] = [None] * m
-        self._persistent: dict[int, set[int]] = {}
-        self._stash_bytes: dict[tuple, int] = {}  # (stage, input signature) -> stash bytes, this step
-        self._broken = True  # until the step completes; a failed or abandoned step leaves it set
-        self.ledger.begin_step()
-        self.times = StepTimes(start=time.perf_counter())
+        self._inputs, self._targets = inputs, targets
 
     def _handler(self, instr: Instr):
         handler = self._dispatch.get(instr.op)
@@ -455,18 +488,21 @@ class Executor:
 
     # -- errors ------------------------------------------------------------------------
 
-    def error(self, what: str, *, remote: bool = False) -> RuntimeScheduleError:
+    def error(self, what: str, *, remote: bool = False, error_type: type[RuntimeScheduleError] = RuntimeScheduleError,
+              **details) -> RuntimeScheduleError:
         """`what` located: rank, step, pc, the instruction or batch it is at, and the last
-        instructions it ran."""
+        instructions it ran; an `error_type` (a RuntimeScheduleError) with `details`."""
         here = f"rank {self.rank}, step {self.steps}, pc {self._pc}"
-        if self._waiting:
+        if self._agreeing:
+            here += " (comparing schedules, before its first instruction)"
+        elif self._waiting:
             here += f" (at batch {describe_batch(self._waiting)})"
         elif self._pc < len(self.program):
             here += f" ({self.program[self._pc]})"
         ran = ", ".join(f"pc {pc} {instr}" for pc, instr in self._history) or "nothing"
-        return RuntimeScheduleError(
+        return error_type(
             f"{here}: {what}\n  last instructions run: {ran}", rank=self.rank, step=self.steps, pc=self._pc,
-            instr=self.program[self._pc] if self._pc < len(self.program) else None, remote=remote,
+            instr=self.program[self._pc] if self._pc < len(self.program) else None, remote=remote, **details,
         )
 
     def stopped_by(self, message: str, local: str = "") -> RuntimeScheduleError:
