@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeschedule.errors import ParameterError
 from pipeschedule.generators import generate
 from pipeschedule.ir import Instr, Op, Schedule
 from pipeschedule.passes import lower
@@ -216,3 +217,10 @@ def test_step_checks_its_inputs():
         pipeline.step([torch.zeros(BATCH, width(0))], None)
     with pytest.raises(RuntimeScheduleError, match="runs stage 0 and needs inputs"):
         _pipeline(schedule)[0].step(None, None)
+
+
+def test_a_rank_outside_the_schedule_is_refused():
+    schedule = lower(generate("1f1b", pp=2, microbatches=2))
+    world = InProcessWorld(2)
+    with pytest.raises(ParameterError, match=r"rank 2 is not a rank of '1f1b' \(pp=2: ranks 0..1\)"):
+        Executor(schedule, 2, ModuleStages(make_chunks(2), loss_fn), world.transport(0))

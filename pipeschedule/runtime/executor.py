@@ -77,9 +77,10 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.autograd.variable import Variable
 
+from pipeschedule.errors import ParameterError
 from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
-from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
+from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
 from pipeschedule.runtime.errors import RuntimeScheduleError, ScheduleMismatchError
 from pipeschedule.offload import streamed_stashes
@@ -123,7 +124,9 @@ class Executor:
         measure_stash: str = "first", offload_chunk: int | None = None, reload_window: int = 2,
     ):
         if measure_stash not in MEASURE_STASH:
-            raise ValueError(f"measure_stash={measure_stash!r}: accepted values are {', '.join(map(repr, MEASURE_STASH))}")
+            raise ParameterError(f"measure_stash={measure_stash!r}: accepted values are {', '.join(map(repr, MEASURE_STASH))}")
+        if not 0 <= rank < schedule.pp:
+            raise ParameterError(f"rank {rank} is not a rank of {schedule.name!r} (pp={schedule.pp}: ranks 0..{schedule.pp - 1})")
         self.measure_stash = measure_stash
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = schedule.programs[rank]
