@@ -52,17 +52,18 @@ produces the same (`_handed`: the tensor itself when it already is, else a copy)
 Kernels take other paths for other strides (a transposed GEMM packs its operands
 differently), so when a same-rank hand-off kept a transposed output's strides and a
 receive did not, gradients differed in the last bits from one placement to another
-(2.8e-17 in a Linear's weight gradient, interleaved at pp 2 and 3). The other way out,
-carrying strides in the shape exchange and receiving with `torch.empty_strided`,
+(2.8e-17 in a Linear's weight gradient, reported for interleaved at pp 2 and 3; in
+tests/test_runtime_layout.py, pp=1 and zbv at pp=2 against the others). The other
+way out, carrying strides in the shape exchange and receiving with `torch.empty_strided`,
 matches the plain model in more cases but not in all: the gradient sent back has the
 layout autograd gives the input's `.grad` (its layout contract), not the one the
 consumer's backward made, so a consumer that reads its input through `.contiguous()`
 or a sum still differed (tried: a transposed output read that way), and outputs with
 gaps or overlaps need more. With contiguous boundaries every placement, schedule and
 pp computes the same bits whatever layouts the stages return: those of the single-
-process model whose stage outputs are made contiguous, which is the model itself when
-they already are (nanotron's packed boundaries are). An output that is already
-contiguous is handed on as it is, at no cost.
+process model whose stage outputs are made contiguous before the next stage reads them,
+which is the model itself when they already are (nanotron's packed boundaries are). An
+output that is already contiguous is handed on as it is, at no cost.
 """
 
 from __future__ import annotations
