@@ -14,9 +14,9 @@ in words and names the fields that differ ("m (5 vs 4)", "params.cap ([1, 1] vs
 [2, 2])", "placement ...", or, when only programs differ, the ranks whose programs
 do). The summary's digest covers the whole schedule (name, pp, virtual, m, placement,
 params and every rank's program, in the text form of its instructions), so every rank
-that runs the same schedule computes the same digest. It is paid once per executor (a
-few milliseconds at pp=4, m=32; about a second at pp=64, m=512, v=2) with one store
-write and world_size - 1 lookups; later steps pay nothing.
+that runs the same schedule computes the same digest. It is paid once per executor
+(the summary: 1 ms at pp=4, m=32; 0.1 s at pp=16, m=128, v=2; 1 s at pp=64, m=512,
+v=2) with one store write and world_size - 1 lookups; later steps pay nothing.
 
 Compared: what every rank must agree on for messages to pair, including where the
 schedule moves stashes to host memory (OFFLOAD and RELOAD are instructions). Not
