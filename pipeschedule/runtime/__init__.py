@@ -6,6 +6,7 @@ The only part of pipeschedule that imports torch. Pieces:
     stages      Stages protocol (what runs at F and B), ModuleStages adapter
     transport   DistTransport (torch.distributed), HostStagedTransport (ranks sharing a GPU)
     shapes      TensorMeta, the one-time exchange of boundary shapes
+    agreement   ScheduleSummary: every rank runs the same schedule, compared at the first step
     inprocess   InProcessPipeline: every rank in one process, stepped deterministically
     ledger      Ledger: live bytes per buffer kind (device and host), high-water marks, per-instruction trace
     host_offload  Offloader: OFFLOAD / RELOAD of stashes on a side stream, pinned host buffers
@@ -22,7 +23,8 @@ The only part of pipeschedule that imports torch. Pieces:
 """
 
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes
-from pipeschedule.runtime.errors import LaunchError, RuntimeScheduleError
+from pipeschedule.runtime.agreement import ScheduleSummary
+from pipeschedule.runtime.errors import LaunchError, RuntimeScheduleError, ScheduleMismatchError
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.executor import Executor
 from pipeschedule.runtime.inprocess import InProcessPipeline, InProcessTransport, InProcessWorld, run_in_process
@@ -37,6 +39,6 @@ from pipeschedule.runtime.transport import DistTransport, HostStagedTransport, P
 __all__ = [
     "BufferPool", "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline", "InProcessTransport",
     "HostPool", "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "Offloader", "P2P", "Pending", "RemoteOutput",
-    "RuntimeScheduleError", "SavedTensor", "Shapes", "SplitReport", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport",
-    "WeightGrads", "run_in_process",
+    "RuntimeScheduleError", "SavedTensor", "ScheduleMismatchError", "ScheduleSummary", "Shapes", "SplitReport", "Stages",
+    "Stash", "StepTimes", "TensorMeta", "Transport", "WeightGrads", "run_in_process",
 ]

@@ -23,6 +23,20 @@ class RuntimeScheduleError(PipescheduleError):
         self.remote = remote
 
 
+class ScheduleMismatchError(RuntimeScheduleError):
+    """The ranks of one transport run different schedules ([Note: schedule agreement]).
+
+    `fields` names what differs ("m", "params.cap", "placement", "programs", ...) and
+    `ranks` the ranks whose schedule differs from this rank's; the message quotes each
+    schedule in words.
+    """
+
+    def __init__(self, message, *, fields=(), ranks=(), **located):
+        super().__init__(message, **located)
+        self.fields = tuple(fields)
+        self.ranks = tuple(ranks)
+
+
 class LaunchError(PipescheduleError):
     """One or more ranks started by `launch.spawn` failed, or did not finish in time.
 

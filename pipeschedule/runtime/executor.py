@@ -1,6 +1,10 @@
 """The executor: runs one rank's program of a lowered schedule, one instruction at a time.
 
 [Note: executor semantics]
+- First step: before its first instruction, every rank publishes the schedule it
+  runs and compares it with every other rank's; any difference stops every rank
+  with a `ScheduleMismatchError` ([Note: schedule agreement] in agreement). Later
+  steps skip this.
 - Dispatch: every op goes through one table (`self._dispatch`); an op without a
   handler raises.
 - Buffers: every buffer of [Note: buffers] lives in `self.buffers` (a `BufferTable`),
@@ -10,7 +14,9 @@
   the semantics under which the verifier proves a schedule deadlock-free (rule 4).
 - Stage hand-off: when stages s and s+1 run on the same rank, F(s)'s output becomes
   act_in of s+1 (detached, requiring grad as the output did) and B(s+1)'s input
-  gradient becomes grad_out of s; no message is sent.
+  gradient becomes grad_out of s; no message is sent. Either way it is handed on as a
+  received tensor would be: contiguous, at the start of its storage ([Note: contiguous
+  boundaries]).
 - Output release: at FREE act_out (after its send completed) the output's storage is
   released by replacing its `.data` with an empty tensor, as Megatron's
   `deallocate_output_tensor` does; the tensor object and its grad_fn stay in the stash
@@ -38,6 +44,26 @@
 - Buffer pool: with `pool=True` (the default) receive and send buffers come from a
   `BufferPool` sized by the schedule ([Note: buffer pool] in pool); the stage output
   is then copied into its send buffer at F and its own storage released at once.
+
+[Note: contiguous boundaries] Every tensor that crosses a stage boundary, the output
+going forward and its gradient coming back, reaches the other stage contiguous and at
+the start of its own storage: that is what a receive produces, and a same-rank hand-off
+produces the same (`_handed`: the tensor itself when it already is, else a copy).
+Kernels take other paths for other strides (a transposed GEMM packs its operands
+differently), so when a same-rank hand-off kept a transposed output's strides and a
+receive did not, gradients differed in the last bits from one placement to another
+(2.8e-17 in a Linear's weight gradient, reported for interleaved at pp 2 and 3; in
+tests/test_runtime_layout.py, pp=1 and zbv at pp=2 against the others). The other
+way out, carrying strides in the shape exchange and receiving with `torch.empty_strided`,
+matches the plain model in more cases but not in all: the gradient sent back has the
+layout autograd gives the input's `.grad` (its layout contract), not the one the
+consumer's backward made, so a consumer that reads its input through `.contiguous()`
+or a sum still differed (tried: a transposed output read that way), and outputs with
+gaps or overlaps need more. With contiguous boundaries every placement, schedule and
+pp computes the same bits whatever layouts the stages return: those of the single-
+process model whose stage outputs are made contiguous before the next stage reads them,
+which is the model itself when they already are (nanotron's packed boundaries are). An
+output that is already contiguous is handed on as it is, at no cost.
 """
 
 from __future__ import annotations
@@ -52,10 +78,12 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.autograd.variable import Variable
 
+from pipeschedule.errors import ParameterError
 from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.runtime.errors import RuntimeScheduleError, ScheduleMismatchError
 from pipeschedule.offload import streamed_stashes
 from pipeschedule.runtime.host_offload import Offloader
 from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, signature_of, storage_ptrs
@@ -97,7 +125,9 @@ class Executor:
         measure_stash: str = "first", offload_chunk: int | None = None, reload_window: int = 2,
     ):
         if measure_stash not in MEASURE_STASH:
-            raise ValueError(f"measure_stash={measure_stash!r}: accepted values are {', '.join(map(repr, MEASURE_STASH))}")
+            raise ParameterError(f"measure_stash={measure_stash!r}: accepted values are {', '.join(map(repr, MEASURE_STASH))}")
+        if not 0 <= rank < schedule.pp:
+            raise ParameterError(f"rank {rank} is not a rank of {schedule.name!r} (pp={schedule.pp}: ranks 0..{schedule.pp - 1})")
         self.measure_stash = measure_stash
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = schedule.programs[rank]
@@ -108,6 +138,7 @@ class Executor:
         self.buffers = BufferTable(self.ledger)
         self.times = StepTimes()
         self.steps = 0  # completed steps
+        self._agreed = self._agreeing = False  # every rank runs this schedule ([Note: schedule agreement])
         self.shapes = Shapes(transport, shapes)
         self._history: deque[tuple[int, Instr]] = deque(maxlen=history)
         self._pc, self._waiting, self._broken = 0, None, False
@@ -136,7 +167,10 @@ class Executor:
         """One step as a generator: yields `Pending`s, returns the outputs (see `_outputs`)."""
         batch: list[tuple[int, Instr]] = []
         try:
-            self._begin(inputs, targets)
+            self._begin()
+            if not self._agreed:
+                yield from self._agree()
+            self._take(inputs, targets)
             for pc, instr in enumerate(self.program):
                 if instr.op in COMM_OPS:
                     batch.append((pc, instr))
@@ -157,22 +191,46 @@ class Executor:
                 raise
             raise wrapped from err
 
-    def _begin(self, inputs, targets) -> None:
+    def _begin(self) -> None:
         if self._broken:
             raise RuntimeScheduleError("this executor stopped with an error in an earlier step; build a new one")
+        self._pc = 0
+        self._losses: list[torch.Tensor | None] = [None] * self.schedule.microbatches
+        self._persistent: dict[int, set[int]] = {}
+        self._stash_bytes: dict[tuple, int] = {}  # (stage, input signature) -> stash bytes, this step
+        self._broken = True  # until the step completes; a failed or abandoned step leaves it set
+        self.ledger.begin_step()
+        self.times = StepTimes(start=time.perf_counter())
+
+    def _agree(self):
+        """Generator, at the first step: publishes this rank's schedule and waits for every
+        rank's; raises ScheduleMismatchError unless they are all the same ([Note: schedule
+        agreement])."""
+        self._agreeing = True
+        try:
+            agreement = Agreement(self.transport, self.shapes.namespace, self.rank, ScheduleSummary.of(self.schedule))
+            problem = agreement.wrong_world()
+            if problem is not None:
+                raise self.error(problem, error_type=ScheduleMismatchError, fields=("pp",))
+            if not agreement.ready():
+                yield agreement
+            found = agreement.mismatch()
+            if found is not None:
+                message, fields, ranks = found
+                raise self.error(message, error_type=ScheduleMismatchError, fields=fields, ranks=ranks)
+            self._agreed = True
+        finally:
+            self._agreeing = False
+
+    def _take(self, inputs, targets) -> None:
+        """Checks and keeps the step's inputs and targets."""
         m = self.schedule.microbatches
         for name, values in (("inputs", inputs), ("targets", targets)):
             if values is not None and len(values) != m:
                 raise RuntimeScheduleError(f"{len(values)} {name} given for {m} microbatches")
         if inputs is None and self.schedule.placement[0] == self.rank:
             raise RuntimeScheduleError("this rank runs stage 0 and needs inputs (one per microbatch)")
-        self._pc, self._inputs, self._targets = 0, inputs, targets
-        self._losses: list[torch.Tensor | None] = [None] * m
-        self._persistent: dict[int, set[int]] = {}
-        self._stash_bytes: dict[tuple, int] = {}  # (stage, input signature) -> stash bytes, this step
-        self._broken = True  # until the step completes; a failed or abandoned step leaves it set
-        self.ledger.begin_step()
-        self.times = StepTimes(start=time.perf_counter())
+        self._inputs, self._targets = inputs, targets
 
     def _handler(self, instr: Instr):
         handler = self._dispatch.get(instr.op)
@@ -306,17 +364,17 @@ class Executor:
             root = y / self.schedule.microbatches
             self._losses[mb] = root.detach()
             return root, None
-        meta = TensorMeta.of(y)
-        if self.schedule.placement[s + 1] == self.rank:  # local hand-off
-            self.buffers.add(("act_in", s + 1, mb), y.detach().requires_grad_(y.requires_grad), y.nbytes)
-        else:
-            self.shapes.publish(s, y)
-            sent = y
-            if self.pool is not None and y.numel() > 0:  # [Note: buffer pool]
-                sent = self.pool.take("act_out", meta)
-                sent.copy_(y.detach())
-                _release(y, x)
-            self.buffers.add(("act_out", s, mb), sent, sent.nbytes)
+        if self.schedule.placement[s + 1] == self.rank:  # local hand-off ([Note: contiguous boundaries])
+            self.buffers.add(("act_in", s + 1, mb), _handed(y.detach()).requires_grad_(y.requires_grad), y.nbytes)
+            return y, None  # (no RECV_B: its gradient is handed off too)
+        meta = self.shapes.publish(s, y)
+        sent = y
+        if self.pool is not None and y.numel() > 0:  # [Note: buffer pool]
+            # a wrong shape is named at SEND_F, against the meta the receiver allocates
+            sent = self.pool.take("act_out", meta if meta.matches(y) else TensorMeta.of(y))
+            sent.copy_(y.detach())
+            _release(y, x)
+        self.buffers.add(("act_out", s, mb), sent, sent.nbytes)
         return y, meta
 
     def _backward(self, i: Instr) -> None:
@@ -335,9 +393,10 @@ class Executor:
             grad_in = x.grad if x.grad is not None else torch.zeros_like(x)  # zeros, not silence
             x.grad = None
             local = self.schedule.placement[s - 1] == self.rank
-            if not local and self.pool is not None and grad_in.numel() > 0:  # [Note: buffer pool]
-                sent = self.pool.take("grad_in", TensorMeta.of(grad_in))
-                grad_in = sent.copy_(grad_in)
+            if local:
+                grad_in = _handed(grad_in)  # [Note: contiguous boundaries]
+            elif self.pool is not None and grad_in.numel() > 0:  # [Note: buffer pool]
+                grad_in = self.pool.take("grad_in", self.shapes[s - 1]).copy_(grad_in)
             self.buffers.add(("grad_out", s - 1, mb) if local else ("grad_in", s, mb), grad_in, grad_in.nbytes)
 
     def _weight(self, i: Instr) -> None:
@@ -433,18 +492,21 @@ class Executor:
 
     # -- errors ------------------------------------------------------------------------
 
-    def error(self, what: str, *, remote: bool = False) -> RuntimeScheduleError:
+    def error(self, what: str, *, remote: bool = False, error_type: type[RuntimeScheduleError] = RuntimeScheduleError,
+              **details) -> RuntimeScheduleError:
         """`what` located: rank, step, pc, the instruction or batch it is at, and the last
-        instructions it ran."""
+        instructions it ran; an `error_type` (a RuntimeScheduleError) with `details`."""
         here = f"rank {self.rank}, step {self.steps}, pc {self._pc}"
-        if self._waiting:
+        if self._agreeing:
+            here += " (comparing schedules, before its first instruction)"
+        elif self._waiting:
             here += f" (at batch {describe_batch(self._waiting)})"
         elif self._pc < len(self.program):
             here += f" ({self.program[self._pc]})"
         ran = ", ".join(f"pc {pc} {instr}" for pc, instr in self._history) or "nothing"
-        return RuntimeScheduleError(
+        return error_type(
             f"{here}: {what}\n  last instructions run: {ran}", rank=self.rank, step=self.steps, pc=self._pc,
-            instr=self.program[self._pc] if self._pc < len(self.program) else None, remote=remote,
+            instr=self.program[self._pc] if self._pc < len(self.program) else None, remote=remote, **details,
         )
 
     def stopped_by(self, message: str, local: str = "") -> RuntimeScheduleError:
@@ -463,6 +525,14 @@ class Executor:
         if not located.remote:
             self.transport.abort(str(located))
         return located
+
+
+def _handed(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a receive would deliver it: contiguous, at the start of its storage
+    ([Note: contiguous boundaries]); itself when it already is."""
+    if tensor.is_contiguous() and tensor.storage_offset() == 0:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _release(output: torch.Tensor, act_in) -> None:

@@ -56,6 +56,7 @@ from collections import defaultdict
 
 import torch
 
+from pipeschedule.errors import ParameterError
 from pipeschedule.runtime.errors import RuntimeScheduleError
 from pipeschedule.runtime.stream_offload import StreamedStash, completed, pending_done
 
@@ -177,10 +178,10 @@ class Offloader:
     def __init__(self, device: torch.device, ledger, chunk: int | None = None, window: int = 2):
         if chunk is not None:
             if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 1 <= chunk < math.inf:
-                raise ValueError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, or None to move stashes whole")
+                raise ParameterError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, or None to move stashes whole")
             chunk = math.ceil(chunk)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"reload_window={window!r}: give a number of chunks >= 1")
+            raise ParameterError(f"reload_window={window!r}: give a number of chunks >= 1")
         self.device, self.ledger = device, ledger
         self.chunk, self.window = chunk, window  # streamed offload ([Note: streamed offload])
         self.cuda = device.type == "cuda"

@@ -39,7 +39,7 @@ class TensorMeta:
         return TensorMeta(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
 
     def matches(self, tensor: torch.Tensor) -> bool:
-        return tuple(tensor.shape) == self.shape and tensor.dtype == self.dtype
+        return tensor.shape == self.shape and tensor.dtype == self.dtype
 
     def encode(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.')}|{','.join(map(str, self.shape))}|{int(self.requires_grad)}"
@@ -83,11 +83,14 @@ class Shapes:
     def __getitem__(self, stage: int) -> TensorMeta:
         return self.known[stage]
 
-    def publish(self, stage: int, output: torch.Tensor) -> None:
-        """At F of a stage whose output leaves the rank: the first one sets the shape."""
-        if stage not in self.known:
-            self.known[stage] = TensorMeta.of(output)
-            self.transport.publish(f"{self.namespace}meta/{stage}", self.known[stage].encode())
+    def publish(self, stage: int, output: torch.Tensor) -> TensorMeta:
+        """At F of a stage whose output leaves the rank: the first one sets the shape.
+        Returns the stage's meta."""
+        meta = self.known.get(stage)
+        if meta is None:
+            meta = self.known[stage] = TensorMeta.of(output)
+            self.transport.publish(f"{self.namespace}meta/{stage}", meta.encode())
+        return meta
 
     def learn(self, stage: int):
         """Generator: yields a `Pending` until stage's output shape is published, then records it."""

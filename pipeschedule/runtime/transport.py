@@ -24,6 +24,7 @@ at least every `ABORT_POLL_S` and stops with an error quoting it.
 
 from __future__ import annotations
 
+import abc
 import queue
 import threading
 import time
@@ -46,13 +47,13 @@ class P2P:
     instr: object = None
 
 
-class Pending:
+class Pending(abc.ABC):
     """A posted batch (or any other wait). `ready()` never blocks; `wait_for(s)` blocks
     up to s seconds and says whether it is ready; `finish()` raises what the transport
     reported and completes the batch (copy-backs)."""
 
-    def ready(self) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def ready(self) -> bool: ...
 
     def wait_for(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
@@ -68,7 +69,7 @@ class Pending:
         pass
 
 
-class Transport:
+class Transport(abc.ABC):
     """Base class; see the module docstring. `rank` and `world_size` are pipeline ranks."""
 
     rank: int
@@ -83,20 +84,25 @@ class Transport:
         self._executors += 1
         return f"x{self._executors - 1}/"
 
+    @abc.abstractmethod
     def post(self, ops: list[P2P]) -> Pending:
-        raise NotImplementedError
+        """Posts one batch of messages; never blocks."""
 
+    @abc.abstractmethod
     def publish(self, key: str, value: str) -> None:
-        raise NotImplementedError
+        """Sets one-time metadata `key` for every rank to read."""
 
+    @abc.abstractmethod
     def lookup(self, key: str) -> str | None:
-        raise NotImplementedError
+        """The metadata under `key`, or None while nobody has published it; never blocks."""
 
+    @abc.abstractmethod
     def abort(self, message: str) -> None:
-        raise NotImplementedError
+        """Tells every rank to stop, quoting `message` (the first message stays)."""
 
+    @abc.abstractmethod
     def aborted(self) -> str | None:
-        raise NotImplementedError
+        """The abort message, or None."""
 
 
 class _PolledWorks(Pending):
