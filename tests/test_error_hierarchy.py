@@ -59,3 +59,24 @@ def test_the_runtime_raises_only_pipeschedule_errors():
             if isinstance(raised, type) and issubclass(raised, BaseException) and not issubclass(raised, PipescheduleError):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: raise {name}")
     assert not found, "the runtime raises only PipescheduleError subclasses:\n" + "\n".join(found)
+
+
+ADAPTER = PACKAGE.parent / "integration" / "nanotron"
+SCAFFOLDING = {"harness.py", "llama.py", "memory_probe.py", "plain_stages.py", "demo.py"}  # tests' and benchmarks' helpers
+
+
+def test_the_nanotron_adapter_raises_only_pipeschedule_errors():
+    """What a user imports from integration/nanotron (its test and benchmark helpers aside)."""
+    import integration.nanotron  # noqa: F401  (repairs nanotron before its modules import)
+
+    found = []
+    for path in sorted(ADAPTER.glob("*.py")):
+        if path.name in SCAFFOLDING:
+            continue
+        module = importlib.import_module("integration.nanotron." + path.stem if path.stem != "__init__"
+                                         else "integration.nanotron")
+        for line, name in raised_names(path):
+            raised = getattr(module, name, getattr(builtins, name, None))
+            if isinstance(raised, type) and issubclass(raised, BaseException) and not issubclass(raised, PipescheduleError):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: raise {name}")
+    assert not found, "raise a PipescheduleError subclass (integration/nanotron/errors.py):\n" + "\n".join(found)

@@ -44,6 +44,14 @@ import importlib.util
 import sys
 import types
 
+from pipeschedule.errors import PipescheduleError
+
+
+class AdapterImportError(PipescheduleError, ImportError):
+    """Something the adapter imports cannot be set up: nanotron's repair, the flash-attn
+    stand-in, an engine's class path. (Defined here, the first module the adapter loads,
+    which imports nothing of the adapter; `integration.nanotron.errors` re-exports it.)"""
+
 BROKEN_VERSION = "0.4"
 CYCLIC_IMPORT = "from nanotron.config.config import LoggingArgs"
 _STAND_IN = "nanotron.config.config"
@@ -121,7 +129,7 @@ def _repair_metadata_integers() -> None:
 def _repair_logging_cycle() -> None:
     """Steps 1-3 of [Note: nanotron 0.4 import cycle]."""
     if _STAND_IN in sys.modules:
-        raise ImportError(
+        raise AdapterImportError(
             f"cannot repair nanotron {BROKEN_VERSION}'s import cycle: {_STAND_IN} is already in sys.modules "
             "but nanotron.logging is not; import integration.nanotron before anything imports nanotron"
         )

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as torch_dist
 
 from integration.nanotron._compat import import_nanotron
+from integration.nanotron.errors import EngineRuntimeError, ParameterError
 
 import_nanotron()
 
@@ -67,14 +68,14 @@ def cpu_parallel_context(*, tp: int = 1, pp: int = 1, dp: int = 1, expert: int =
     Collective: every rank of the world calls it with the same sizes.
     """
     if not torch_dist.is_initialized():
-        raise RuntimeError("initialise torch.distributed (gloo) before cpu_parallel_context()")
+        raise EngineRuntimeError("initialise torch.distributed (gloo) before cpu_parallel_context()")
     world_size = torch_dist.get_world_size()
     if tp * pp * dp * expert != world_size:
-        raise ValueError(f"tp * pp * dp * expert = {tp} * {pp} * {dp} * {expert} = {tp * pp * dp * expert}, "
+        raise ParameterError(f"tp * pp * dp * expert = {tp} * {pp} * {dp} * {expert} = {tp * pp * dp * expert}, "
                          f"but the world has {world_size} processes")
     for key, value in (("RANK", torch_dist.get_rank()), ("WORLD_SIZE", world_size)):
         if os.environ.get(key) != str(value):
-            raise RuntimeError(f"nanotron's group setup reads {key} from the environment: set {key}={value}")
+            raise EngineRuntimeError(f"nanotron's group setup reads {key} from the environment: set {key}={value}")
     context = ParallelContext.__new__(ParallelContext)
     # What ParallelContext.__init__ sets, minus set_device() and the NCCL assert.
     context.tensor_parallel_size = tp
@@ -114,7 +115,7 @@ class CpuP2P(P2P):
     def isend_tensors(self, tensors, to_rank: int, tag: int = 0):
         self._raise_failure()
         if to_rank == nanotron_dist.get_rank(self.pg):
-            raise ValueError("Tried sending tensor to itself")
+            raise ParameterError("Tried sending tensor to itself")
         peer = nanotron_dist.get_global_rank(group=self.pg, group_rank=to_rank)
         for tensor in tensors:
             messages = (
@@ -144,7 +145,7 @@ class CpuP2P(P2P):
         """Block until every posted send has been received; raise if one failed."""
         with self._done:
             if not self._done.wait_for(lambda: self._outstanding == 0, timeout=timeout):
-                raise TimeoutError(f"{self._outstanding} sends not received after {timeout} s")
+                raise EngineRuntimeError(f"{self._outstanding} sends not received after {timeout} s")
         self._raise_failure()
 
     def _start_completer(self) -> None:
@@ -166,7 +167,7 @@ class CpuP2P(P2P):
 
     def _raise_failure(self) -> None:
         if self._failure is not None:
-            raise RuntimeError(f"a posted send failed: {self._failure}") from self._failure
+            raise EngineRuntimeError(f"a posted send failed: {self._failure}") from self._failure
 
 
 class HostStagedP2P(CpuP2P):
@@ -214,7 +215,7 @@ class HostStagedP2P(CpuP2P):
 
     def irecv_tensors(self, num_tensors: int, from_rank: int, tag: int = 0):
         if from_rank == nanotron_dist.get_rank(self.pg):
-            raise ValueError("Tried receiving tensor from itself")
+            raise ParameterError("Tried receiving tensor from itself")
         peer = nanotron_dist.get_global_rank(group=self.pg, group_rank=from_rank)
         received = []
         for _ in range(num_tensors):

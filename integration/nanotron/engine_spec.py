@@ -274,7 +274,7 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
                 value, f"split must list decoder layers per stage (integers >= 0, at least one layer), got {raw!r}"
             )
         return tuple(items)
-    raise AssertionError(f"no converter for parameter {key!r}")  # registry and PARAM_ORDER disagree
+    raise ParameterError(f"no converter for parameter {key!r}: the registry and PARAM_ORDER disagree")
 
 
 def _integer(value: Any, key: str, raw: Any) -> int:

@@ -6,6 +6,7 @@ launcher can print it as one line on every rank and stop.
 
 from __future__ import annotations
 
+from integration.nanotron._compat import AdapterImportError
 from pipeschedule.errors import ParameterError, PipescheduleError
 
 
@@ -18,8 +19,17 @@ class UnsupportedConfigError(PipescheduleError, ValueError):
     """A nanotron setting this engine cannot run with (named in the message)."""
 
 
+class StandInError(PipescheduleError, ValueError):
+    """An argument the flash-attn stand-in refuses (flash-attn itself raises ValueError)."""
+
+
+class StandInUnsupported(PipescheduleError, NotImplementedError):
+    """A flash-attn feature the stand-in does not reproduce."""
+
+
 class EngineRuntimeError(PipescheduleError, RuntimeError):
     """The model or data did something during a step the engine cannot follow."""
 
 
-__all__ = ["EngineRuntimeError", "LayoutError", "ParameterError", "PipescheduleError", "UnsupportedConfigError"]
+__all__ = ["AdapterImportError", "EngineRuntimeError", "LayoutError", "ParameterError", "PipescheduleError", "StandInError",
+           "StandInUnsupported", "UnsupportedConfigError"]

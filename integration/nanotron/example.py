@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 
 import yaml
 
+from integration.nanotron.errors import ParameterError
+
 
 @dataclass(frozen=True)
 class TrainerConfig:
@@ -53,18 +55,18 @@ class TrainerConfig:
                      "seq", "micro_batch_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ParameterError(f"{name} must be an integer >= 1, got {value!r}")
         if self.tp_mode not in ("ALL_REDUCE", "REDUCE_SCATTER"):
-            raise ValueError(f"tp_mode must be ALL_REDUCE or REDUCE_SCATTER, got {self.tp_mode!r}")
+            raise ParameterError(f"tp_mode must be ALL_REDUCE or REDUCE_SCATTER, got {self.tp_mode!r}")
         if self.zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage must be 0 or 1 (nanotron 0.4), got {self.zero_stage!r}")
+            raise ParameterError(f"zero_stage must be 0 or 1 (nanotron 0.4), got {self.zero_stage!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ParameterError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.fp32_accumulation and self.dtype == "float32":
-            raise ValueError("fp32_accumulation needs a half-precision dtype (nanotron keeps fp32 copies of "
+            raise ParameterError("fp32_accumulation needs a half-precision dtype (nanotron keeps fp32 copies of "
                              "bfloat16 / float16 weights), got dtype float32")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
-            raise ValueError(f"hidden {self.hidden} must divide into heads {self.heads} of even size, and heads into "
+            raise ParameterError(f"hidden {self.hidden} must divide into heads {self.heads} of even size, and heads into "
                              f"kv_heads {self.kv_heads}")
 
     @property
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
     checkpoints = args.pop("checkpoints")
     try:
         config = TrainerConfig(**args)
-    except (TypeError, ValueError) as err:
+    except (TypeError, ParameterError) as err:
         print(f"integration.nanotron.example: {err}", file=sys.stderr)
         return 2
     sys.stdout.write(config.yaml(checkpoints))

@@ -85,6 +85,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from integration.nanotron.errors import AdapterImportError, StandInError, StandInUnsupported
+
 API_VERSION = "2.5.0"  # the flash-attn API copied; see [Note: flash-attn stand-in]
 MARK = "__pipeschedule_flash_attn_standin__"  # set on every module install() registers
 
@@ -122,7 +124,7 @@ def flash_attn_varlen_func(
     starts_q = _sequence_starts(name, "cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
     starts_k = _sequence_starts(name, "cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     if len(starts_q) != len(starts_k):
-        raise ValueError(f"{name}: cu_seqlens_q has {len(starts_q)} entries and cu_seqlens_k {len(starts_k)}; "
+        raise StandInError(f"{name}: cu_seqlens_q has {len(starts_q)} entries and cu_seqlens_k {len(starts_k)}; "
                          "both must have batch + 1")
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     pieces = [
@@ -170,20 +172,20 @@ def flash_attn_with_kvcache(
             block_table=(block_table, None), softcap=(softcap, 0.0), alibi_slopes=(alibi_slopes, None),
             return_softmax_lse=(return_softmax_lse, False))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
-        raise NotImplementedError(f"{name} has no backward (nor has flash-attn's); call it under torch.no_grad() "
+        raise StandInUnsupported(f"{name} has no backward (nor has flash-attn's); call it under torch.no_grad() "
                                   "or torch.inference_mode(), or use flash_attn_varlen_func for training")
     _check_qkv(name, q, k_cache, v_cache, batch_dims=1)
     if (k is None) != (v is None):
-        raise ValueError(f"{name}: pass both k and v or neither (got k={_describe(k)}, v={_describe(v)})")
+        raise StandInError(f"{name}: pass both k and v or neither (got k={_describe(k)}, v={_describe(v)})")
     batch, seqlen_cache = k_cache.shape[0], k_cache.shape[1]
     if q.shape[0] != batch:
-        raise ValueError(f"{name}: q has batch {q.shape[0]} but k_cache has {batch}; "
+        raise StandInError(f"{name}: q has batch {q.shape[0]} but k_cache has {batch}; "
                          "cache_batch_idx (which would allow this) is not supported")
     seqlen_new = 0
     if k is not None:
         _check_qkv(name, q, k, v, batch_dims=1)
         if k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:] or v.shape[2:] != v_cache.shape[2:]:
-            raise ValueError(f"{name}: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit k_cache "
+            raise StandInError(f"{name}: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit k_cache "
                              f"{tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)}; expected "
                              "(batch, seqlen_new, nheads_k, d)")
         seqlen_new = k.shape[1]
@@ -269,11 +271,11 @@ def layer_norm_fn(
             rowscale=(rowscale, None))
     features = x.shape[-1]
     if weight.shape != (features,):
-        raise ValueError(f"{name}: weight has shape {tuple(weight.shape)}; expected ({features},), x's last axis")
+        raise StandInError(f"{name}: weight has shape {tuple(weight.shape)}; expected ({features},), x's last axis")
     if bias is not None and bias.shape != (features,):
-        raise ValueError(f"{name}: bias has shape {tuple(bias.shape)}; expected ({features},) or None")
+        raise StandInError(f"{name}: bias has shape {tuple(bias.shape)}; expected ({features},) or None")
     if residual is not None and residual.shape != x.shape:
-        raise ValueError(f"{name}: residual has shape {tuple(residual.shape)}; expected x's {tuple(x.shape)}")
+        raise StandInError(f"{name}: residual has shape {tuple(residual.shape)}; expected x's {tuple(x.shape)}")
     compute = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     summed = x.to(compute) if residual is None else x.to(compute) + residual.to(compute)
     residual_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else x.dtype)
@@ -308,10 +310,10 @@ class RotaryEmbedding(torch.nn.Module):
                  pos_idx_in_fp32: bool = True, device=None):  # noqa: ARG002  (positions are always fp32)
         super().__init__()
         if scale_base is not None:
-            raise NotImplementedError(f"RotaryEmbedding: scale_base={scale_base!r} (XPos) is not supported; "
+            raise StandInUnsupported(f"RotaryEmbedding: scale_base={scale_base!r} (XPos) is not supported; "
                                       "only scale_base=None")
         if dim <= 0 or dim % 2:
-            raise ValueError(f"RotaryEmbedding: dim={dim}; expected a positive even number of rotated features")
+            raise StandInError(f"RotaryEmbedding: dim={dim}; expected a positive even number of rotated features")
         self.dim = dim
         self.base = float(base)
         self.interleaved = interleaved
@@ -327,11 +329,11 @@ class RotaryEmbedding(torch.nn.Module):
         (b, s, 2, hk, d), q (b, s, h, d). Returns the rotated qkv, or (q, kv)."""
         name = "RotaryEmbedding.forward"
         if qkv.shape[-1] < self.dim:
-            raise ValueError(f"{name}: head dim {qkv.shape[-1]} is smaller than the rotary dim {self.dim}")
+            raise StandInError(f"{name}: head dim {qkv.shape[-1]} is smaller than the rotary dim {self.dim}")
         cos, sin = self._cos_sin(qkv, seqlen_offset)
         if kv is not None:
             if qkv.dim() != 4 or kv.dim() != 5 or kv.shape[2] != 2 or kv.shape[:2] != qkv.shape[:2]:
-                raise ValueError(f"{name}: with kv, expected q (b, s, h, d) and kv (b, s, 2, hk, d); "
+                raise StandInError(f"{name}: with kv, expected q (b, s, h, d) and kv (b, s, 2, hk, d); "
                                  f"got q {tuple(qkv.shape)} and kv {tuple(kv.shape)}")
             keys = self._rotate(kv[:, :, 0], cos, sin)
             return self._rotate(qkv, cos, sin), torch.stack([keys, kv[:, :, 1]], dim=2)
@@ -341,7 +343,7 @@ class RotaryEmbedding(torch.nn.Module):
         if qkv.dim() == 4 and num_heads_q is not None and (qkv.shape[2] - num_heads_q) % 2 == 0:
             rotated = num_heads_q + (qkv.shape[2] - num_heads_q) // 2  # q heads, then k heads
             return torch.cat([self._rotate(qkv[:, :, :rotated], cos, sin), qkv[:, :, rotated:]], dim=2)
-        raise ValueError(f"{name}: qkv has shape {tuple(qkv.shape)}; expected (b, s, 3, h, d), or (b, s, hq + 2*hk, d) "
+        raise StandInError(f"{name}: qkv has shape {tuple(qkv.shape)}; expected (b, s, 3, h, d), or (b, s, hq + 2*hk, d) "
                          f"with num_heads_q (got {num_heads_q}), or q (b, s, h, d) with kv")
 
     def _cos_sin(self, x: torch.Tensor, seqlen_offset: Union[int, torch.Tensor]):
@@ -350,7 +352,7 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(seqlen, device=x.device, dtype=torch.float32)
         if isinstance(seqlen_offset, torch.Tensor):
             if seqlen_offset.shape != (x.shape[0],):
-                raise ValueError(f"RotaryEmbedding.forward: seqlen_offset has shape {tuple(seqlen_offset.shape)}; "
+                raise StandInError(f"RotaryEmbedding.forward: seqlen_offset has shape {tuple(seqlen_offset.shape)}; "
                                  f"expected an int or ({x.shape[0]},), one offset per sequence")
             positions = seqlen_offset.to(device=x.device, dtype=torch.float32)[:, None] + positions
         else:
@@ -379,7 +381,7 @@ class RotaryEmbedding(torch.nn.Module):
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:  # noqa: A002  (flash-attn's name)
     """`input[indices]` along the first axis; input has at least two axes."""
     if input.dim() < 2:
-        raise ValueError(f"index_first_axis: input has shape {tuple(input.shape)}; expected at least 2 axes")
+        raise StandInError(f"index_first_axis: input has shape {tuple(input.shape)}; expected at least 2 axes")
     return input.index_select(0, indices)
 
 
@@ -393,7 +395,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor):
     """(batch, seqlen, ...) with mask (batch, seqlen) -> (rows of the kept tokens, their
     indices in the flattened input, int32 cu_seqlens (batch + 1,), longest length as int)."""
     if attention_mask.shape != hidden_states.shape[:2]:
-        raise ValueError(f"unpad_input: attention_mask has shape {tuple(attention_mask.shape)}; expected "
+        raise StandInError(f"unpad_input: attention_mask has shape {tuple(attention_mask.shape)}; expected "
                          f"hidden_states' first two axes {tuple(hidden_states.shape[:2])}")
     lengths = attention_mask.sum(dim=-1, dtype=torch.int32)
     indices = torch.nonzero(attention_mask.flatten()).flatten()
@@ -418,7 +420,7 @@ def _refuse(function: str, **arguments) -> None:
         else:
             unsupported = value != supported
         if unsupported:
-            raise NotImplementedError(
+            raise StandInUnsupported(
                 f"{function}: {argument}={_describe(value)} is not supported by the flash-attn stand-in "
                 f"(integration.nanotron.flash_attn_standin); only {argument}={supported!r}"
             )
@@ -435,20 +437,20 @@ def _check_qkv(function: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     rank = 3 + batch_dims
     for label, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.dim() != rank:
-            raise ValueError(f"{function}: {label} has shape {tuple(tensor.shape)}; expected {rank} axes "
+            raise StandInError(f"{function}: {label} has shape {tuple(tensor.shape)}; expected {rank} axes "
                              f"({'batch, ' if batch_dims else ''}tokens, heads, head dim)")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        raise ValueError(f"{function}: q, k, v must share dtype and device; got {q.dtype}/{q.device}, "
+        raise StandInError(f"{function}: q, k, v must share dtype and device; got {q.dtype}/{q.device}, "
                          f"{k.dtype}/{k.device}, {v.dtype}/{v.device}")
     if not q.is_floating_point():
-        raise ValueError(f"{function}: q has dtype {q.dtype}; expected a floating-point dtype")
+        raise StandInError(f"{function}: q has dtype {q.dtype}; expected a floating-point dtype")
     if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"{function}: k {tuple(k.shape)} and v {tuple(v.shape)} differ before the head dim")
+        raise StandInError(f"{function}: k {tuple(k.shape)} and v {tuple(v.shape)} differ before the head dim")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{function}: q has head dim {q.shape[-1]} and k {k.shape[-1]}; they must be equal")
+        raise StandInError(f"{function}: q has head dim {q.shape[-1]} and k {k.shape[-1]}; they must be equal")
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"{function}: q has {heads} heads and k, v {kv_heads}; "
+        raise StandInError(f"{function}: q has {heads} heads and k, v {kv_heads}; "
                          "the number of q heads must be a multiple of the number of k/v heads")
 
 
@@ -457,9 +459,9 @@ def _window(function: str, window_size, causal: bool) -> tuple[int, int]:
     try:
         left, right = (int(bound) for bound in window_size)
     except (TypeError, ValueError):
-        raise ValueError(f"{function}: window_size={window_size!r}; expected a pair (left, right) of ints") from None
+        raise StandInError(f"{function}: window_size={window_size!r}; expected a pair (left, right) of ints") from None
     if left < -1 or right < -1:
-        raise ValueError(f"{function}: window_size={window_size!r}; each bound must be >= 0, or -1 for unbounded")
+        raise StandInError(f"{function}: window_size={window_size!r}; each bound must be >= 0, or -1 for unbounded")
     return left, (0 if causal else right)
 
 
@@ -467,16 +469,16 @@ def _sequence_starts(function: str, label: str, cu_seqlens: torch.Tensor, total:
     """cu_seqlens as a host list, checked: int32, 1-D, starts at 0, non-decreasing, within
     `total` rows, no sequence longer than `max_seqlen`."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-        raise ValueError(f"{function}: {label}={_describe(cu_seqlens)}; expected a 1-D torch.int32 tensor "
+        raise StandInError(f"{function}: {label}={_describe(cu_seqlens)}; expected a 1-D torch.int32 tensor "
                          "of batch + 1 cumulative lengths")
     starts = cu_seqlens.tolist()
     lengths = [end - start for start, end in zip(starts, starts[1:])]
     if len(starts) < 2 or starts[0] != 0 or min(lengths) < 0 or starts[-1] > total:  # (`or` stops at len < 2)
-        raise ValueError(f"{function}: {label}={starts}; expected 0 = c[0] <= c[1] <= ... <= c[-1] <= {total} "
+        raise StandInError(f"{function}: {label}={starts}; expected 0 = c[0] <= c[1] <= ... <= c[-1] <= {total} "
                          "(the number of rows), with at least one sequence")
     longest = max(lengths)
     if longest > int(max_seqlen):
-        raise ValueError(f"{function}: {label} holds a sequence of length {longest} > max_seqlen={int(max_seqlen)}")
+        raise StandInError(f"{function}: {label} holds a sequence of length {longest} > max_seqlen={int(max_seqlen)}")
     return starts
 
 
@@ -484,7 +486,7 @@ def _cache_lengths(function: str, cache_seqlens, batch: int, seqlen_cache: int, 
     """Valid entries of each cache before the new keys; the new keys must fit."""
     if cache_seqlens is None:
         if seqlen_new:
-            raise ValueError(f"{function}: k and v were given without cache_seqlens; say where to append them")
+            raise StandInError(f"{function}: k and v were given without cache_seqlens; say where to append them")
         lengths = [seqlen_cache] * batch
     elif isinstance(cache_seqlens, int):
         lengths = [cache_seqlens] * batch
@@ -492,11 +494,11 @@ def _cache_lengths(function: str, cache_seqlens, batch: int, seqlen_cache: int, 
             and not cache_seqlens.is_floating_point():
         lengths = cache_seqlens.tolist()
     else:
-        raise ValueError(f"{function}: cache_seqlens={_describe(cache_seqlens)}; expected an int or an integer "
+        raise StandInError(f"{function}: cache_seqlens={_describe(cache_seqlens)}; expected an int or an integer "
                          f"tensor of shape ({batch},)")
     for b, length in enumerate(lengths):
         if length < 0 or length + seqlen_new > seqlen_cache:
-            raise ValueError(f"{function}: sequence {b}: cache_seqlens {length} + {seqlen_new} new keys does not fit "
+            raise StandInError(f"{function}: sequence {b}: cache_seqlens {length} + {seqlen_new} new keys does not fit "
                              f"in a cache of {seqlen_cache} entries")
     return lengths
 
@@ -591,12 +593,12 @@ def _check_no_user_imported() -> None:
         if module is None:
             continue
         if getattr(getattr(module, "__spec__", None), "_initializing", False):
-            raise ImportError(f"flash-attn stand-in: install() was called while {name} is being imported; "
+            raise AdapterImportError(f"flash-attn stand-in: install() was called while {name} is being imported; "
                               f"call it before anything imports {name}")
         bound = getattr(module, attribute, None)
         if bound is stand_in:
             continue  # imported with this stand-in earlier (its sys.modules entries were removed since)
-        raise ImportError(
+        raise AdapterImportError(
             f"flash-attn stand-in: {name} is already imported, with {attribute} bound to "
             f"{getattr(bound, '__module__', '?')}.{getattr(bound, '__qualname__', repr(bound))}; the stand-in would "
             f"not reach it. Call install() before anything imports {name} (in a fresh process)"

@@ -16,6 +16,7 @@ import importlib
 from dataclasses import dataclass
 
 from integration.nanotron._compat import import_nanotron
+from integration.nanotron.errors import AdapterImportError
 
 import_nanotron()
 
@@ -95,14 +96,14 @@ def resolve(class_path: str) -> type:
     """Import "module:Class" and return the class; raises ImportError naming the path."""
     module_name, sep, attr = class_path.partition(":")
     if not sep or not module_name or not attr:
-        raise ImportError(f"engine class path {class_path!r} is not of the form 'module:Class'")
+        raise AdapterImportError(f"engine class path {class_path!r} is not of the form 'module:Class'")
     module = importlib.import_module(module_name)
     try:
         cls = getattr(module, attr)
     except AttributeError:
-        raise ImportError(f"engine class path {class_path!r}: module {module_name} has no {attr}") from None
+        raise AdapterImportError(f"engine class path {class_path!r}: module {module_name} has no {attr}") from None
     if not (isinstance(cls, type) and issubclass(cls, PipelineEngine)):
-        raise ImportError(f"engine class path {class_path!r} does not name a nanotron PipelineEngine subclass")
+        raise AdapterImportError(f"engine class path {class_path!r} does not name a nanotron PipelineEngine subclass")
     return cls
 
 
