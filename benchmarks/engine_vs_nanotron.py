@@ -1,0 +1,201 @@
+"""pipeschedule's engines against nanotron's own, side by side in one process tree (issue 19).
+
+    python -m benchmarks.engine_vs_nanotron            # one CUDA GPU: pp=4 as four ranks on it
+    python -m benchmarks.engine_vs_nanotron --smoke    # CPU, a tiny model: the plumbing; writes nothing
+
+One torchrun of four ranks per model size builds nanotron's `DistributedTrainer` from a
+YAML file (nanotron's `LlamaForTraining`, bf16, fp32 gradient accumulation, AdamW, gloo
+between the ranks sharing the GPU: [Note: nanotron over gloo]) and then times its
+`training_step` (the engine's `train_batch_iter`, the gradient sync, clipping and the
+optimizer step: the users' step) with one engine and then the other, on the same model,
+swapping `trainer.pipeline_engine` between steps. Pairs (nanotron's, ours):
+
+    1f1b  vs ps_1f1b              the same 1F1B order
+    1f1b  vs capped_1f1b:cap=pp   1F1B through the capped generator, cap not binding
+    afab  vs ps_afab              all forwards, then all backwards
+
+For each model size (`host-bound`: micro-batch 1, where the host issues kernels about as
+fast as the GPU runs them; `gpu-bound`: micro-batch 4) and m in (8, 32): `WARMUP` rounds,
+then `ROUNDS` measured rounds, each running both engines once, in the order A B then
+B A alternately (so drift falls on both). A step is timed on every rank from a barrier
+to the end of its CUDA work and a second barrier; the figure is the ratio of the medians
+and, the paired one, 1 + median over rounds of (ours - theirs) / theirs. Four ranks time-
+share one GPU: these are one GPU's step times for the whole pipeline.
+
+Writes benchmarks/results/engine_vs_nanotron.json and .md; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from integration.nanotron.example import TrainerConfig
+
+RESULTS = Path(__file__).parent / "results"
+PP = 4
+PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
+MICROBATCHES = (8, 32)
+WARMUP, ROUNDS = 2, 7
+SIZES = {
+    "host-bound": dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096,
+                       micro_batch_size=1),
+    "gpu-bound": dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096,
+                      micro_batch_size=4),
+}
+SMOKE = {"smoke": dict(hidden=32, heads=4, kv_heads=2, layers=8, vocab=128, seq=16, micro_batch_size=2)}
+
+
+def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup: int, rounds: int) -> None:
+    """Inside each torchrun rank: build the trainer once, time the pairs."""
+    import torch
+    from nanotron import distributed as dist
+    from nanotron.dataloader import sanity_check_dataloader
+    from nanotron.parallel.pipeline_parallel.engine import (
+        AllForwardAllBackwardPipelineEngine,
+        OneForwardOneBackwardPipelineEngine,
+    )
+
+    from integration.nanotron import train
+    from integration.nanotron.engine_spec import parse_engine
+    from integration.nanotron.registry import build_engine
+
+    train.prepare("auto")
+    trainer = train.make_trainer(config_path)
+    trainer.pipeline_engine = trainer.config.parallelism.pp_engine
+    data = sanity_check_dataloader(train.synthetic_batches(trainer), trainer.parallel_context, trainer.config)
+    world = trainer.parallel_context.world_pg
+    theirs = {"1f1b": OneForwardOneBackwardPipelineEngine(), "afab": AllForwardAllBackwardPipelineEngine()}
+
+    def engine(name):
+        return theirs[name] if name in theirs else build_engine(parse_engine(name))
+
+    def timed(which, m: int) -> float:
+        trainer.pipeline_engine = which
+        trainer.n_micro_batches_per_batch = which.nb_microbatches = m
+        dist.barrier(world)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.iteration_step += 1
+        trainer.training_step(dataloader=data)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dist.barrier(world)
+        return time.perf_counter() - start
+
+    rows = []
+    for m in microbatches:
+        for a_name, b_name in PAIRS:
+            a, b = engine(a_name), engine(b_name)  # each ours compiles once, at its first step
+            for _ in range(warmup):
+                timed(a, m), timed(b, m)
+            pairs = []
+            for round_index in range(rounds):
+                if round_index % 2 == 0:
+                    ta, tb = timed(a, m), timed(b, m)
+                else:
+                    tb, ta = timed(b, m), timed(a, m)
+                pairs.append((ta, tb))
+            rows.append({"m": m, "theirs": a_name, "ours": b_name, "pairs": pairs})
+    if dist.get_rank(world) == 0:
+        Path(out_path).write_text(json.dumps(rows))
+
+
+def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds, timeout: float) -> list[dict]:
+    config = TrainerConfig(engine="1f1b", pp=PP, microbatches=max(microbatches), steps=10**6, dtype="bfloat16",
+                           fp32_accumulation=True, **sizes)
+    path = work / f"{name}.yaml"
+    path.write_text(config.yaml(str(work / f"checkpoints-{name}")))
+    out = work / f"{name}.json"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PP), "--master-port", str(port),
+               "-m", "benchmarks.engine_vs_nanotron", "--rank-main", str(path), str(out),
+               ",".join(map(str, microbatches)), str(warmup), str(rounds)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if result.returncode != 0:
+        raise RuntimeError(f"{name}: torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}")
+    rows = json.loads(out.read_text())
+    for row in rows:
+        row["size"] = name
+        ta = [a for a, _ in row["pairs"]]
+        tb = [b for _, b in row["pairs"]]
+        row["theirs_median_s"], row["ours_median_s"] = statistics.median(ta), statistics.median(tb)
+        row["ratio_of_medians"] = row["ours_median_s"] / row["theirs_median_s"]
+        row["paired_ratio"] = 1 + statistics.median((b - a) / a for a, b in row["pairs"])
+        row["ours_faster_rounds"] = sum(b < a for a, b in row["pairs"])
+    return rows
+
+
+def render(report: dict) -> str:
+    lines = [f"# pipeschedule's engines against nanotron's, side by side ({report['versions']['date']})", "",
+             "`python -m benchmarks.engine_vs_nanotron`: nanotron's `DistributedTrainer.training_step` (engine, "
+             "gradient sync, clipping, AdamW) on nanotron's `LlamaForTraining` (hidden 2048, 16 layers, seq 4096, bf16, "
+             f"fp32 accumulation), pp={report['pp']} as four ranks on one GPU, the two engines alternating on the same "
+             f"model: {report['warmup']} warm-up rounds, then {report['rounds']} measured rounds (A B, then B A). "
+             "Paired: 1 + median over rounds of (ours - theirs) / theirs.", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
+             "| size | m | nanotron | ours | nanotron median | ours median | ratio of medians | paired ratio "
+             "| rounds ours faster |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        lines.append(f"| {row['size']} | {row['m']} | `{row['theirs']}` | `{row['ours']}` | "
+                     f"{row['theirs_median_s'] * 1e3:.1f} ms | {row['ours_median_s'] * 1e3:.1f} ms | "
+                     f"{row['ratio_of_medians']:.3f} | {row['paired_ratio']:.3f} | "
+                     f"{row['ours_faster_rounds']}/{len(row['pairs'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--rank-main"]:
+        config_path, out_path, ms, warmup, rounds = argv[1:6]
+        _rank_main(config_path, out_path, [int(m) for m in ms.split(",")], int(warmup), int(rounds))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_vs_nanotron", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--commit", help="commit to record (the device machine's tree may lack git history)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    import torch
+
+    from benchmarks.training import versions
+
+    if not args.smoke and not torch.cuda.is_available():
+        print("benchmarks.engine_vs_nanotron: no CUDA GPU here; use --smoke on a CPU", file=sys.stderr)
+        return 2
+    sizes = SMOKE if args.smoke else {k: SIZES[k] for k in args.sizes.split(",")}
+    unknown = set(args.sizes.split(",")) - set(SIZES)
+    if unknown and not args.smoke:
+        print(f"benchmarks.engine_vs_nanotron: unknown size {sorted(unknown)}; accepted: {', '.join(SIZES)}",
+              file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="pipeschedule-vs-"))
+    rows = []
+    for name, size in sizes.items():
+        rows += run_size(name, size, work, microbatches=MICROBATCHES, warmup=1 if args.smoke else WARMUP,
+                         rounds=2 if args.smoke else args.rounds, timeout=900)
+    report = {"versions": versions(args.commit), "pp": PP, "warmup": WARMUP, "rounds": args.rounds, "rows": rows}
+    text = render(report)
+    if not args.smoke:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "engine_vs_nanotron.json").write_text(json.dumps(report, indent=1) + "\n")
+        (args.out / "engine_vs_nanotron.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
