@@ -232,9 +232,12 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
             mask &= j >= i - left
         if right >= 0:
             mask &= j <= i + right
+    # (1, h, s, d): torch's fused CUDA kernels (flash, memory-efficient) take 4-D inputs
+    # only; given 3-D ones it falls back to the math kernel, which builds the s x s scores
     out = F.scaled_dot_product_attention(
-        rows.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=is_causal, scale=scale
-    ).transpose(0, 1)
+        rows.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+        is_causal=is_causal, scale=scale,
+    )[0].transpose(0, 1)
     if first == 0 and last == sq - 1:
         return out
     before = q.new_zeros((first, heads, v.shape[-1]))

@@ -29,6 +29,12 @@ each for a reason found in nanotron 0.4's code:
    is unchanged; the mode only rewrites device arguments. It costs one Python call per
    torch function, which matters only for speed, which the CPU is not for.
 
+5. Collectives nanotron calls through `nanotron.distributed` run under `torch.no_grad`:
+   gloo writes a result into its tensor with an in-place op autograd sees, and refuses
+   a leaf that requires grad (nanotron all-reduces its parameters in place when it
+   initialises them); NCCL's kernels are not seen by autograd. nanotron's own
+   tensor-parallel collectives run inside autograd functions, where grad is off anyway.
+
 nanotron's flash-attn imports are satisfied by `flash_attn_standin` when flash-attn is
 missing (it is on both machines); the launcher (`train.py`) installs it before nanotron's
 Llama is imported.
@@ -48,6 +54,7 @@ from integration.nanotron.errors import UnsupportedConfigError
 
 import_nanotron()
 
+import nanotron.distributed as nanotron_dist  # noqa: E402
 from nanotron.parallel.context import ParallelContext  # noqa: E402
 
 from integration.nanotron.cpu import CpuP2P, HostStagedP2P  # noqa: E402
@@ -64,11 +71,6 @@ class CudaToCpu(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
             kwargs = {**kwargs, "device": "cpu"}
-        if getattr(func, "__module__", "").startswith("torch.distributed"):
-            # c10d's in-place collectives refuse a leaf requiring grad once they are
-            # dispatched through a mode (nanotron all-reduces parameters at init)
-            with torch.no_grad():
-                return func(*args, **kwargs)
         if func in _MOVES and args:
             if func is torch.Tensor.cuda:
                 return args[0]
@@ -98,6 +100,8 @@ def use_gloo(*, timeout_s: float = 600.0) -> str:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _init_process_group(timeout_s)
     ParallelContext.set_device = _set_device
+    for name in COLLECTIVES:
+        setattr(nanotron_dist, name, _without_grad(getattr(nanotron_dist, name)))
     import nanotron.models.llama as nanotron_llama
 
     nanotron_llama.P2P = _gloo_p2p
@@ -125,6 +129,26 @@ def _init_process_group(timeout_s: float) -> None:
             f"the environment lacks {', '.join(missing)}: start the processes with torchrun "
             "(e.g. torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file CONFIG)")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "reduce")
+
+
+def _without_grad(collective):
+    """A collective of nanotron's namespace run under `torch.no_grad` ([Note: nanotron over
+    gloo], item 5); applied once."""
+    if getattr(collective, "__pipeschedule_no_grad__", False):
+        return collective
+
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return collective(*args, **kwargs)
+
+    run.__pipeschedule_no_grad__ = True
+    run.__name__ = run.__qualname__ = collective.__name__
+    run.__wrapped__ = collective
+    return run
 
 
 def _set_device(self) -> None:
