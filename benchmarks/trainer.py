@@ -61,13 +61,13 @@ def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PP), "--master-port", str(port),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.world), "--master-port", str(port),
                "-m", "integration.nanotron.train", "--config-file", str(path), "--record", str(record)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if result.returncode != 0:
         raise RuntimeError(f"{config.engine}: torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}")
-    return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(PP)]
+    return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(config.world)]
 
 
 def measure(*, smoke: bool, commit: str | None, rounds: int, steps: int, engines: tuple[str, ...] = ENGINES) -> dict:
