@@ -24,7 +24,8 @@ def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int | No
     `cost` (None: unit costs; a `CostModel`, or one (forward, backward, weight) time tuple
     per stage) is what the list-scheduled families order by and what lowering places the
     messages by; see `generators.generate`."""
-    schedule = lower(generate(name, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap, cost=cost))
+    order = generate(name, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap, cost=cost)
+    schedule = lower(order, cost)
     if check:
         verify(schedule)
     return schedule

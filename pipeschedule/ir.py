@@ -194,6 +194,11 @@ class Schedule:
 
     `params` holds the generator's parameters (for example `{"cap": [2, 2, 2, 1]}`);
     it is informational except `cap`, which the verifier enforces (rule 6).
+
+    `split_backward` is not given: it is found from the programs on construction (True
+    when some rank runs a W), so it is the same for every equal schedule. Nothing else is
+    ever stored on a schedule: whatever a function needs beyond these fields (the cost
+    a lowering times the order with, say) is one of its arguments.
     """
 
     name: str
@@ -203,6 +208,7 @@ class Schedule:
     placement: tuple[int, ...]
     programs: tuple[tuple[Instr, ...], ...]
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    split_backward: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -233,12 +239,13 @@ class Schedule:
                     raise FormatError(f"rank {rank}: {instr!r} is not an instruction")
                 if instr.op is W:
                     split = True
-        object.__setattr__(self, "_split_backward", split)
         if not isinstance(self.params, Mapping):
             raise FormatError(f"params must be an object, got {self.params!r}")
+        # The declared fields, normalised (a frozen dataclass sets them this way).
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "programs", programs)
         object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "split_backward", split)
 
     # -- structure ---------------------------------------------------------------------
 
@@ -276,11 +283,6 @@ class Schedule:
             out.append("grad_in")
         return tuple(out)
 
-    @property
-    def split_backward(self) -> bool:
-        """True when the schedule has W instructions (backward split in B and W)."""
-        return self._split_backward  # found once, on construction
-
     def caps(self) -> list[int] | None:
         """Per-rank in-flight caps from params, or None when uncapped."""
         cap = self.params.get("cap")
@@ -304,14 +306,13 @@ class Schedule:
         Only for programs that hold `self`'s own (already checked) instructions plus
         instructions a pass built itself with `make_instr`, as a tuple of tuples, and no
         new W (so `split_backward` carries over). Checking every instruction again cost
-        about 0.08 s per pass at pp=64, v=2, m=512. Caches kept in `self.__dict__`
-        (such as the verifier's channels) belong to the old programs and are not copied.
+        about 0.08 s per pass at pp=64, v=2, m=512. It sets exactly the declared fields.
         """
         twin = object.__new__(Schedule)
         twin.__dict__.update(
             name=self.name, pp=self.pp, virtual=self.virtual, microbatches=self.microbatches,
             placement=self.placement, programs=programs, params=dict(self.params),
-            _split_backward=self._split_backward,
+            split_backward=self.split_backward,
         )
         return twin
 

@@ -1,33 +1,35 @@
 """Lowering: compute order -> + SEND/RECV -> + FREE.
 
-Each pass is a pure function `Schedule -> Schedule`; `PASSES` lists them in order and
-`lower` applies them. Every pass keeps the relative order of the instructions it is
-given and only inserts new ones.
+Each pass is a pure function `(schedule, *, cost=None) -> Schedule` of its arguments
+alone; `PASSES` lists them in order and `lower` applies them. `cost` is what the compute
+order is timed with (None: unit costs; a `CostModel` or one (F, B, W) tuple per stage,
+as `generate` takes it: [Note: cost-aware timing]); only `add_communication` reads it.
+Every pass keeps the relative order of the instructions it is given and only inserts
+new ones.
 """
 
 from __future__ import annotations
 
-from pipeschedule.gcpause import gc_paused
-
 from bisect import bisect_left
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.generators.common import asap_of, message_times
+from pipeschedule.gcpause import gc_paused
+from pipeschedule.generators.common import asap, durations_of, stage_times
 from pipeschedule.ir import Instr, Op, Schedule, make_instr
 
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 
 
-def add_communication(schedule: Schedule) -> Schedule:
+def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
     """Adds SEND_F right after each F whose output leaves the rank, SEND_B right after
     each B whose input gradient leaves it, and the matching RECV_F / RECV_B early enough.
     Input: compute only. Output: compute + communication, deadlock-free under rule 4
     whenever the compute order itself is free of cycles.
 
     [Note: message placement] The compute order is first timed as soon as possible
-    (`asap`, under unit costs or the cost the schedule was generated for: [Note:
-    cost-aware timing] in generators/common.py). A message is sent right after its
+    (`asap`, under unit costs or `cost`: [Note: cost-aware timing] in
+    generators/common.py). A message is sent right after its
     producer, so the sender never waits to send. It is received right before the receiver's first compute that starts
     no earlier than min(the sender's next compute, the consumer): as late as possible
     (so its buffer lives no longer than needed; in 1F1B this is Megatron's pairing, a
@@ -43,7 +45,8 @@ def add_communication(schedule: Schedule) -> Schedule:
     a later message's receive is moved up to it, and within one gap messages go in the
     order they were produced.
     """
-    starts, stuck = asap_of(schedule)  # the generator's timing where it kept one
+    times = stage_times(cost, schedule.num_stages)  # None for None: unit costs
+    starts, stuck = asap(schedule.num_stages, schedule.programs, times)
     if stuck:
         rank = stuck[0]
         pc = starts[rank].index(None)
@@ -68,7 +71,8 @@ def add_communication(schedule: Schedule) -> Schedule:
     # channel src * pp + dst -> (the due gap of each receive, the receive's gap entry),
     # in send order (src and dst are both ranks, so the int names the pair)
     channels: dict[int, tuple[list[int], list[tuple]]] = {}
-    cost_f, cost_b = message_times(schedule)  # per stage
+    durations = durations_of(schedule.programs, schedule.num_stages, times)
+    cost_f, cost_b = durations.forward, durations.backward  # per stage
     inf = float("inf")
     for rank, program in enumerate(schedule.programs):
         rank_starts, rank_gaps = starts[rank], gaps[rank]
@@ -135,11 +139,12 @@ def add_communication(schedule: Schedule) -> Schedule:
     return schedule._with_trusted_programs(tuple(programs))
 
 
-def add_frees(schedule: Schedule) -> Schedule:
+def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
     """Adds one FREE per buffer right after its last use. When the last use is a
     communication instruction, the FREE goes after the whole run of communication it
     belongs to: that run is posted as one batch and completes as one, and a FREE inside
     it would split it. Input: compute + communication. Output: the full program.
+    Where a FREE goes depends on program order alone, so `cost` is not read.
     """
     split = schedule.split_backward
     last = schedule.num_stages - 1
@@ -176,8 +181,11 @@ PASSES = (add_communication, add_frees)
 
 
 @gc_paused
-def lower(schedule: Schedule) -> Schedule:
-    """Applies every pass of `PASSES` in order to a compute-only schedule."""
+def lower(schedule: Schedule, cost=None) -> Schedule:
+    """Applies every pass of `PASSES` in order to a compute-only schedule, the order timed
+    with `cost` (None: unit costs). A function of its arguments alone: equal schedules
+    lower to equal programs. Give the cost the order was generated with
+    (`generate(..., cost=c)`) to place the messages as `compile_schedule(..., cost=c)` does."""
     for lowering_pass in PASSES:
-        schedule = lowering_pass(schedule)
+        schedule = lowering_pass(schedule, cost=cost)
     return schedule

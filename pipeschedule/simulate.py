@@ -344,7 +344,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     """Simulate one step of a lowered schedule ([Note: simulated semantics]).
 
     A compute-only schedule (no communication and no FREE) is lowered first with
-    `passes.lower`. `cost` defaults to `CostModel.default(schedule)`. Raises ScheduleError(rule=
+    `passes.lower` under unit costs (`lower(schedule, cost)` first places the messages
+    by a cost instead). `cost` defaults to `CostModel.default(schedule)`. Raises ScheduleError(rule=
     "deadlock") when the programs cannot finish, ParameterError when the cost model
     does not have one entry per stage.
     """

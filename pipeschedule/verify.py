@@ -171,11 +171,8 @@ def _communication(schedule: Schedule):
     order and the receives in dst's order, each as (tensor, step, batch), a tensor named
     by its receiving instruction (RECV_x, stage, mb) and batch being the index of its
     step's batch; and the batches, every maximal run of communication instructions as
-    (rank, start, end), with per rank its batches in program order. A schedule is
-    immutable, so this is found once and kept on the schedule."""
-    cached = schedule.__dict__.get("_verify_communication")
-    if cached is not None:
-        return cached
+    (rank, start, end), with per rank its batches in program order. `verify` finds this
+    once and hands it to rules 3 and 4 (nothing is kept on the schedule)."""
     sends, recvs = {}, {}
     batches: list[tuple[int, int, int]] = []
     rank_batches: list[list[int]] = []
@@ -217,15 +214,14 @@ def _communication(schedule: Schedule):
             sends[rank, peer] = entries
         for peer, entries in from_peer.items():
             recvs[peer, rank] = entries
-    found = (sends, recvs, batches, rank_batches)
-    object.__setattr__(schedule, "_verify_communication", found)
-    return found
+    return sends, recvs, batches, rank_batches
 
 
-def check_matching(schedule: Schedule) -> None:
+def check_matching(schedule: Schedule, communication=None) -> None:
     """For each ordered pair of ranks, the k-th send from a to b and the k-th receive on b
-    from a carry the same tensor (NCCL matches by order alone)."""
-    sends, recvs, _, _ = _communication(schedule)
+    from a carry the same tensor (NCCL matches by order alone). `communication`:
+    `_communication(schedule)` where the caller has it already."""
+    sends, recvs, _, _ = communication or _communication(schedule)
     for src, dst in sorted(set(sends) | set(recvs)):
         out, into = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, ((sent, s_index, _), (wanted, r_index, _)) in enumerate(zip(out, into)):
@@ -253,11 +249,12 @@ def comm_batches(schedule: Schedule):
     return batches, rank_batches, partners
 
 
-def check_deadlock(schedule: Schedule) -> None:
+def check_deadlock(schedule: Schedule, communication=None) -> None:
     """Runs every program under rule 4's semantics: a batch is posted when its rank
     reaches it, and the rank moves past it once every partner batch is posted. Only the
-    batches matter: compute never blocks, so each rank walks its batches in order."""
-    sends, recvs, batches, rank_batches = _communication(schedule)
+    batches matter: compute never blocks, so each rank walks its batches in order.
+    `communication`: `_communication(schedule)` where the caller has it already."""
+    sends, recvs, batches, rank_batches = communication or _communication(schedule)
     # Per batch, the partner batch of each of its messages, a partner listed once per
     # message. Lists rather than `comm_batches`' sets: there are about as many batches as
     # messages (130k at pp=64, v=2, m=512), and building a set per batch took half of
@@ -486,18 +483,18 @@ RULES = (check_coverage, check_dependencies, check_matching, check_deadlock, che
 # -- the merged walk -------------------------------------------------------------------
 
 
-def _passes_walked_rules(schedule: Schedule) -> bool:
+def _passes_walked_rules(schedule: Schedule):
     """One walk per rank that answers whether check_coverage, check_dependencies and
-    check_liveness all pass, and collects what `_communication` collects (stored on the
-    schedule only when the walk succeeds).
+    check_liveness all pass: what `_communication(schedule)` returns when they do (it
+    collects the same on the way), None when any fails.
 
     [Note: merged walk] Each of those rules walks every instruction (717k at pp=64, v=2,
     m=512). Walking once, reading each instruction's fields once, and dropping the
     checks that the others imply (below) took about a fifth of `verify`'s time off.
     The rules name the first error by rule, then rank, then step, which one walk cannot
-    reproduce cheaply, so this walk never raises: any failed check returns False and
-    `verify` runs the separate rules, which raise the right error. False is therefore
-    always safe (only slower); True must come back only when each of the three rules
+    reproduce cheaply, so this walk never raises: any failed check returns None and
+    `verify` runs the separate rules, which raise the right error. None is therefore
+    always safe (only slower); tables must come back only when each of the three rules
     would pass. Checks left out because, when every check here passes, they cannot fail:
     - liveness "produced a second time": each buffer key has one producer, unique by
       coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
@@ -552,23 +549,23 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
         for index, i in enumerate(program):
             op, s, mb = i.op, i.stage, i.mb
             if s not in own or mb >= m:
-                return False
+                return None
             peer = i.peer
             key = (s, mb)
             if op is FREE:
                 if peer is not None:
-                    return False
+                    return None
                 states_of = states.get(i.buf)
                 if states_of is None:
-                    return False  # not a buffer name: let the rules decide what fails first
+                    return None  # not a buffer name: let the rules decide what fails first
                 state = states_of.get(key)
                 if state is None or (host < state < 0):
-                    return False
+                    return None
                 states_of[key] = ~index
                 frees += 1
             elif op is F:
                 if peer is not None or key in stash:  # second F
-                    return False
+                    return None
                 stash[key] = index
                 if s == 0:
                     act_in[key] = index
@@ -578,10 +575,10 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
                     act_in[(s + 1, mb)] = index
                 state = act_in.get(key)
                 if state is None or state < 0:
-                    return False
+                    return None
             elif op is B:
                 if peer is not None or key in b_done:
-                    return False
+                    return None
                 b_done.add(key)
                 if sends_bwd[s]:
                     grad_in[key] = index
@@ -589,42 +586,42 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
                     grad_out[(s - 1, mb)] = index
                 state = act_in.get(key)
                 if state is None or state < 0:
-                    return False
+                    return None
                 state = stash.get(key)
                 if state is None or state < 0:
-                    return False
+                    return None
                 if s < last:
                     state = grad_out.get(key)
                     if state is None or state < 0:
-                        return False
+                        return None
             elif op is W:
                 if peer is not None or key in w_done or key not in b_done:
-                    return False
+                    return None
                 w_done.add(key)
                 state = stash.get(key)
                 if state is None or state < 0:
-                    return False
+                    return None
             elif op is OFFLOAD or op is RELOAD:
                 if peer is not None:
-                    return False
+                    return None
                 states_of = states.get(i.buf)
                 if states_of is None:
-                    return False
+                    return None
                 state = states_of.get(key)
                 if op is OFFLOAD:
                     if state is None or state < 0:
-                        return False
+                        return None
                     states_of[key] = host - index
                 else:
                     if state is None or state > host:
-                        return False
+                        return None
                     states_of[key] = index
             else:  # SEND_F, RECV_F, SEND_B, RECV_B
                 # dependency: a remote neighbour stage, which is the peer (so the peer is
                 # in range and not this rank, as coverage wants)
                 other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
                 if not 0 <= other < S or placement[other] == rank or peer != placement[other]:
-                    return False
+                    return None
                 comm += 1
                 if index != run_end:  # a new batch, as in _communication
                     if run_end >= 0:
@@ -634,22 +631,22 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
                 run_end = index + 1
                 if op is SEND_F:
                     if key in sent_f:
-                        return False
+                        return None
                     sent_f.add(key)
                     state = act_out.get(key)
                     if state is None or state < 0:
-                        return False
+                        return None
                     entries = to_peer.get(peer)
                     if entries is None:
                         entries = to_peer[peer] = []
                     entries.append(((RECV_F, s + 1, mb), index, batch))
                 elif op is SEND_B:
                     if key in sent_b:
-                        return False
+                        return None
                     sent_b.add(key)
                     state = grad_in.get(key)
                     if state is None or state < 0:
-                        return False
+                        return None
                     entries = to_peer.get(peer)
                     if entries is None:
                         entries = to_peer[peer] = []
@@ -657,11 +654,11 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
                 else:
                     if op is RECV_F:
                         if key in act_in:  # second RECV_F
-                            return False
+                            return None
                         act_in[key] = index
                     else:
                         if key in grad_out:  # second RECV_B
-                            return False
+                            return None
                         grad_out[key] = index
                     entries = from_peer.get(peer)
                     if entries is None:
@@ -677,26 +674,25 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
         # The end-of-rank checks of the three rules, by their counts.
         fb = len(stash) + len(b_done)
         if fb + len(w_done) != n_ops * len(stages) * m:  # coverage: an F, B or W missing
-            return False
+            return None
         transfers = sum(schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
                         + schedule.recvs_backward(s) for s in stages)
         if fb + comm != (2 * len(stages) + transfers) * m:  # dependency: a send missing
-            return False
+            return None
         if len(act_in) + len(act_out) + len(stash) + len(grad_out) + len(grad_in) > frees:  # liveness: a leak
-            return False
-    if "_verify_communication" not in schedule.__dict__:
-        object.__setattr__(schedule, "_verify_communication", (sends, recvs, batches, rank_batches))
-    return True
+            return None
+    return sends, recvs, batches, rank_batches
 
 
 @gc_paused
 def verify(schedule: Schedule) -> None:
     """Raises ScheduleError at the first broken rule; returns None for a valid schedule."""
-    if _passes_walked_rules(schedule):
+    communication = _passes_walked_rules(schedule)
+    if communication is not None:
         # Coverage, dependencies and liveness pass ([Note: merged walk]): the remaining
         # rules in RULES' order name the first error, if any.
-        check_matching(schedule)
-        check_deadlock(schedule)
+        check_matching(schedule, communication)
+        check_deadlock(schedule, communication)
         check_caps(schedule)
         return
     for rule in RULES:

@@ -228,42 +228,10 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     return starts, stuck
 
 
-# [Note: asap memo] Lowering times the compute order with `asap` to place the messages.
-# A generator that has already run `asap` on the very programs it returns (interleaved
-# does, to find blocked ranks) leaves the result on the schedule, so that lowering does
-# not compute it a second time (0.1 s at pp=64, v=2, m=512). A schedule is immutable and
-# a new one starts without the memo, so the memo cannot go stale.
-
-
-def remember_asap(schedule: Schedule, timing, cost: StageTimes | None = None) -> Schedule:
-    """Keeps `timing`, the result of `asap(schedule.num_stages, schedule.programs, cost)`,
-    on `schedule` for `asap_of`, and `cost` (None: unit costs) for `message_times`;
-    returns the schedule."""
-    object.__setattr__(schedule, "_asap", timing)
-    if cost is not None:
-        object.__setattr__(schedule, "_cost", cost)
-    return schedule
-
-
-def asap_of(schedule: Schedule):
-    """`asap(schedule.num_stages, schedule.programs, cost)`, taken from the memo where a
-    generator left one ([Note: asap memo]), `cost` being the one the schedule was
-    generated for (None: unit costs). The caller must not modify it."""
-    timing = schedule.__dict__.get("_asap")
-    if timing is None:
-        timing = asap(schedule.num_stages, schedule.programs, schedule.__dict__.get("_cost"))
-    return timing
-
-
-def message_times(schedule: Schedule) -> tuple[Sequence[float], Sequence[float]]:
-    """Per-stage durations of F and B that lowering adds to a start time to date the
-    message a compute produces: the cost the schedule was generated for
-    ([Note: cost-aware timing]), else the unit costs `asap` timed it with (B = 1 where the
-    backward is split, 2 where it is whole)."""
-    cost = schedule.__dict__.get("_cost")
-    if cost is None:
-        cost = unit_stage_times(schedule.programs, schedule.num_stages)
-    return cost.forward, cost.backward
+def durations_of(programs: Sequence[Sequence[Instr]], num_stages: int, times: StageTimes | None) -> StageTimes:
+    """The per-stage F, B and W durations `asap` times `programs` with: `times`
+    ([Note: cost-aware timing]), or the unit costs of `unit_cost(programs)` for None."""
+    return times if times is not None else unit_stage_times(programs, num_stages)
 
 
 def finish_time(programs: Sequence[Sequence[Instr]], timing, cost: StageTimes | None = None):
