@@ -195,6 +195,11 @@ class Schedule:
     `params` holds the generator's parameters (for example `{"cap": [2, 2, 2, 1]}`);
     it is informational except `cap`, which the verifier enforces (rule 6).
 
+    `forward_only` marks an evaluation schedule: forwards only, no B or W, nothing kept
+    for a backward (`passes.forward_only` builds one; [Note: forward-only schedules] in
+    verify.py says which rules apply). It is part of the value: written in the JSON and
+    text forms (only when true), compared by ==.
+
     `split_backward` is not given: it is found from the programs on construction (True
     when some rank runs a W), so it is the same for every equal schedule. Nothing else is
     ever stored on a schedule: whatever a function needs beyond these fields (the cost
@@ -208,6 +213,7 @@ class Schedule:
     placement: tuple[int, ...]
     programs: tuple[tuple[Instr, ...], ...]
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    forward_only: bool = False
     split_backward: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -241,6 +247,8 @@ class Schedule:
                     split = True
         if not isinstance(self.params, Mapping):
             raise FormatError(f"params must be an object, got {self.params!r}")
+        if not isinstance(self.forward_only, bool):
+            raise FormatError(f"forward_only must be true or false, got {self.forward_only!r}")
         # The declared fields, normalised (a frozen dataclass sets them this way).
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "programs", programs)
@@ -272,11 +280,14 @@ class Schedule:
         return self.sends_forward(stage)
 
     def buffers(self, stage: int) -> tuple[str, ...]:
-        """The buffers a (stage, mb) owns; see [Note: buffers]."""
+        """The buffers a (stage, mb) owns; see [Note: buffers]. A forward-only schedule
+        has no gradients."""
         out = ["act_in"]
         if self.sends_forward(stage):
             out.append("act_out")
         out.append("stash")
+        if self.forward_only:
+            return tuple(out)
         if stage + 1 < self.num_stages:
             out.append("grad_out")
         if self.sends_backward(stage):
@@ -297,7 +308,7 @@ class Schedule:
     def replace_programs(self, programs: Iterable[Sequence[Instr]]) -> Schedule:
         return Schedule(
             self.name, self.pp, self.virtual, self.microbatches, self.placement,
-            tuple(tuple(p) for p in programs), dict(self.params),
+            tuple(tuple(p) for p in programs), dict(self.params), self.forward_only,
         )
 
     def _with_trusted_programs(self, programs: tuple[tuple[Instr, ...], ...]) -> Schedule:
@@ -312,7 +323,7 @@ class Schedule:
         twin.__dict__.update(
             name=self.name, pp=self.pp, virtual=self.virtual, microbatches=self.microbatches,
             placement=self.placement, programs=programs, params=dict(self.params),
-            split_backward=self.split_backward,
+            forward_only=self.forward_only, split_backward=self.split_backward,
         )
         return twin
 
@@ -326,6 +337,7 @@ class Schedule:
             "virtual": self.virtual,
             "microbatches": self.microbatches,
             "params": dict(self.params),
+            **({"forward_only": True} if self.forward_only else {}),
             "placement": list(self.placement),
             "programs": [[i.to_dict() for i in program] for program in self.programs],
         }
@@ -352,7 +364,7 @@ class Schedule:
         missing = [k for k in required if k not in obj]
         if missing:
             raise FormatError(f"schedule lacks fields {missing}")
-        unknown = set(obj) - set(required) - {"format", "params"}
+        unknown = set(obj) - set(required) - {"format", "params", "forward_only"}
         if unknown:
             raise FormatError(f"schedule has unknown fields {sorted(unknown)}")
         if not isinstance(obj["placement"], list):
@@ -365,6 +377,7 @@ class Schedule:
         schedule = Schedule(
             obj["name"], obj["pp"], obj["virtual"], obj["microbatches"], tuple(obj["placement"]),
             tuple(tuple(Instr.from_dict(i) for i in p) for p in obj["programs"]), params,
+            obj.get("forward_only", False),
         )
         schedule.caps()  # validates the cap's shape early
         return schedule
@@ -388,7 +401,7 @@ class Schedule:
             f"microbatches: {self.microbatches}",
             f"placement: {json.dumps(list(self.placement))}",
             f"params: {json.dumps(dict(self.params), sort_keys=True)}",
-        ]
+        ] + (["forward_only: true"] if self.forward_only else [])
         for r, program in enumerate(self.programs):
             lines.append(f"rank {r}: " + " ".join(str(i) for i in program))
         return "\n".join(lines) + "\n"
@@ -412,7 +425,7 @@ class Schedule:
                 if not re.fullmatch(r"[0-9]{1,9}", index) or int(index) >= len(lines):
                     raise FormatError(f"bad rank number in {line[:60]!r}: ranks count from 0, one line each")
                 programs[int(index)] = [Instr.parse(t).to_dict() for t in value.split()]
-            elif key in ("name", "pp", "virtual", "microbatches", "placement", "params"):
+            elif key in ("name", "pp", "virtual", "microbatches", "placement", "params", "forward_only"):
                 try:
                     head[key] = json.loads(value)
                 except (ValueError, RecursionError) as err:

@@ -145,8 +145,14 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
     belongs to: that run is posted as one batch and completes as one, and a FREE inside
     it would split it. Input: compute + communication. Output: the full program.
     Where a FREE goes depends on program order alone, so `cost` is not read.
+
+    In a forward-only schedule F is the last use of its act_in and of its stash (nothing
+    is kept for a backward), so both are freed right after it; a local hand-off's act_in
+    of the next stage goes after that stage's F, and act_out after its SEND_F's run, as
+    in training.
     """
     split = schedule.split_backward
+    forward_only = schedule.forward_only
     last = schedule.num_stages - 1
     programs = []
     for program in schedule.programs:
@@ -159,7 +165,11 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
                 out.extend(pending)
                 pending = []
             append(i)
-            if op is B:
+            if op is F:
+                if forward_only:
+                    append(make_instr(FREE, i.stage, i.mb, None, "act_in"))
+                    append(make_instr(FREE, i.stage, i.mb, None, "stash"))
+            elif op is B:
                 stage, mb = i.stage, i.mb
                 append(make_instr(FREE, stage, mb, None, "act_in"))
                 if not split:  # else W frees the stash
@@ -178,6 +188,27 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
 
 
 PASSES = (add_communication, add_frees)
+
+
+@gc_paused
+def forward_only(schedule: Schedule, *, cost=None) -> Schedule:
+    """The evaluation form of a schedule: each rank's F in the order it has them, lowered
+    as a forward-only schedule (`forward_only=True`): SEND_F / RECV_F placed by
+    `add_communication` ([Note: message placement], timed with `cost`), act_in and stash
+    freed right after each F, act_out after its send (`add_frees`).
+    Input: any schedule (compute order or lowered; its B, W, gradient messages, FREE,
+    OFFLOAD and RELOAD are dropped). Output: a lowered forward-only schedule.
+    Preserved: each rank's order of F, the placement, name and params.
+
+    The messages are placed anew rather than kept from a lowered input: dropping the
+    backward half of a lowered program joins runs of communication that B kept apart,
+    and a joined batch can wait on a partner that waits on it (rule 4); placing them on
+    the forward order alone keeps the proof of [Note: message placement], whose only
+    premise, an acyclic compute order, holds for any part of an acyclic one."""
+    forwards = tuple(tuple(i for i in program if i.op is F) for program in schedule.programs)
+    order = Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, schedule.placement,
+                     forwards, dict(schedule.params), forward_only=True)
+    return lower(order, cost)
 
 
 @gc_paused

@@ -6,6 +6,20 @@ microbatch, with the step x rank grid around it. The order of `RULES` matters on
 which rule is named when one edit breaks several: structure and coverage first (is every
 instruction where it belongs, once), then data dependencies, matching, deadlock,
 liveness and caps.
+
+[Note: forward-only schedules] A schedule with `forward_only` set (an evaluation step,
+`passes.forward_only`) runs forwards only. Every rule reads it from the schedule, so
+`verify(schedule)` checks it as what it says it is, and equal schedules get equal
+verdicts:
+- coverage: each (stage, mb) has exactly one F on its rank, and nothing of a backward
+  (B, W, SEND_B, RECV_B) appears;
+- dependency: F follows its RECV_F (or F(s-1) on the same rank); each SEND_F / RECV_F
+  exists once, between the right ranks;
+- matching and deadlock: unchanged;
+- liveness: unchanged; F is the last use of its act_in and stash, so both must be freed
+  after it (there is no B to free them);
+- cap: does not apply: rule 6 counts (stage, mb) held between F and B, and a
+  forward-only schedule holds none for a backward.
 """
 
 from __future__ import annotations
@@ -58,9 +72,12 @@ def _fail(schedule: Schedule, rule: str, rank: int, index: int, message: str) ->
 def check_coverage(schedule: Schedule) -> None:
     """Every instruction names a stage of its own rank and a microbatch in range; each
     (stage, mb) has exactly one F and one B (and one W if the schedule splits the
-    backward), in the order F, B, W; communication names a peer in range, not itself."""
+    backward), in the order F, B, W; communication names a peer in range, not itself.
+    A forward-only schedule: exactly one F, and no B, W, SEND_B or RECV_B ([Note:
+    forward-only schedules])."""
     S, m, pp, split = schedule.num_stages, schedule.microbatches, schedule.pp, schedule.split_backward
     placement = schedule.placement
+    forward_only = schedule.forward_only
     for rank, program in enumerate(schedule.programs):
         seen: dict[tuple[Op, int, int], int] = {}
         for index, i in enumerate(program):
@@ -73,6 +90,8 @@ def check_coverage(schedule: Schedule) -> None:
             peer = i.peer
             if peer is not None and (peer >= pp or peer == rank):
                 raise _fail(schedule, "coverage", rank, index, f"peer {peer} is not another rank in 0..{pp - 1}")
+            if forward_only and (op is B or op is W or op is SEND_B or op is RECV_B):
+                raise _fail(schedule, "coverage", rank, index, f"{op.value} of (stage {stage}, mb {mb}) in a forward-only schedule, which runs no backward (accepted: F, SEND_F, RECV_F, FREE, OFFLOAD, RELOAD)")
             if op is F or op is B or op is W:
                 key = (op, stage, mb)
                 if key in seen:
@@ -82,7 +101,7 @@ def check_coverage(schedule: Schedule) -> None:
                     raise _fail(schedule, "coverage", rank, index, f"B of (stage {stage}, mb {mb}) before its F")
                 if op is W and (B, stage, mb) not in seen:
                     raise _fail(schedule, "coverage", rank, index, f"W of (stage {stage}, mb {mb}) before its B")
-        ops = (F, B, W) if split else (F, B)
+        ops = (F,) if forward_only else (F, B, W) if split else (F, B)
         stages = schedule.stages_of(rank)
         # Every key of `seen` is one of the len(ops) * len(stages) * m wanted (checked
         # above, and a W anywhere makes the schedule split), each once: when the counts
@@ -103,7 +122,8 @@ def check_dependencies(schedule: Schedule) -> None:
     """F(s, mb) follows its RECV_F (or F(s-1, mb) on the same rank); B(s, mb) follows its
     RECV_B (or B(s+1, mb) on the same rank); each transfer exists exactly once, between
     the ranks of the two stages it connects. (That SEND_F follows its F and SEND_B its B
-    is the liveness of act_out and grad_in, checked by check_liveness.)"""
+    is the liveness of act_out and grad_in, checked by check_liveness.) A forward-only
+    schedule has only the forward half of this ([Note: forward-only schedules])."""
     S, placement = schedule.num_stages, schedule.placement
     last = S - 1
     # For each stage: what its F and its B wait for, and the peer of each transfer.
@@ -151,16 +171,24 @@ def check_dependencies(schedule: Schedule) -> None:
         # and B found its receive, so when the counts agree no send is missing either, and
         # the search below for the missing one can be skipped (130k lookups at pp=64, m=512).
         stages = schedule.stages_of(rank)
-        transfers = sum(schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
-                        + schedule.recvs_backward(s) for s in stages)
-        if len(done) == (2 * len(stages) + transfers) * schedule.microbatches:
+        if len(done) == _needed_per_microbatch(schedule, stages) * schedule.microbatches:
             continue
         for s in stages:
-            for op, needed in ((SEND_F, schedule.sends_forward(s)), (SEND_B, schedule.sends_backward(s))):
+            for op, needed in ((SEND_F, schedule.sends_forward(s)),
+                               (SEND_B, schedule.sends_backward(s) and not schedule.forward_only)):
                 if needed:
                     for mb in range(schedule.microbatches):
                         if (op, s, mb) not in done:
                             raise _fail(schedule, "dependency", rank, len(program), f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never gets it")
+
+
+def _needed_per_microbatch(schedule: Schedule, stages) -> int:
+    """How many of F, B and transfers (what check_dependencies records) a rank running
+    `stages` has per microbatch: F and B of each stage, and each stage's messages."""
+    if schedule.forward_only:
+        return sum(1 + schedule.recvs_forward(s) + schedule.sends_forward(s) for s in stages)
+    return sum(2 + schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
+               + schedule.recvs_backward(s) for s in stages)
 
 
 # -- rule 3: matching ------------------------------------------------------------------
@@ -462,9 +490,11 @@ def check_liveness(schedule: Schedule) -> None:
 
 
 def check_caps(schedule: Schedule) -> None:
-    """The (stage, mb) whose F has run and whose B has not never outnumber the cap."""
+    """The (stage, mb) whose F has run and whose B has not never outnumber the cap. Not
+    for a forward-only schedule, which holds none for a backward ([Note: forward-only
+    schedules])."""
     caps = schedule.caps()
-    if caps is None:
+    if caps is None or schedule.forward_only:
         return
     for rank, program in enumerate(schedule.programs):
         inflight = 0
@@ -506,8 +536,11 @@ def _passes_walked_rules(schedule: Schedule):
     - coverage's "B before its F": B's use of stash needs it produced, and only F(s, mb)
       produces stash (s, mb).
     The per-rank counts at the end are the rules' own: each key is one a rule wants,
-    each once, so a count that agrees means nothing is missing.
+    each once, so a count that agrees means nothing is missing. A forward-only schedule
+    is left to the separate rules (None): evaluation schedules are small and rare.
     """
+    if schedule.forward_only:
+        return None
     S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
     placement = schedule.placement
     last = S - 1
@@ -675,9 +708,7 @@ def _passes_walked_rules(schedule: Schedule):
         fb = len(stash) + len(b_done)
         if fb + len(w_done) != n_ops * len(stages) * m:  # coverage: an F, B or W missing
             return None
-        transfers = sum(schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
-                        + schedule.recvs_backward(s) for s in stages)
-        if fb + comm != (2 * len(stages) + transfers) * m:  # dependency: a send missing
+        if fb + comm != _needed_per_microbatch(schedule, stages) * m:  # dependency: a send missing
             return None
         if len(act_in) + len(act_out) + len(stash) + len(grad_out) + len(grad_in) > frees:  # liveness: a leak
             return None
