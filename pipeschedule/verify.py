@@ -536,7 +536,10 @@ def _passes_walked_rules(schedule: Schedule):
     - coverage's "B before its F": B's use of stash needs it produced, and only F(s, mb)
       produces stash (s, mb).
     The per-rank counts at the end are the rules' own: each key is one a rule wants,
-    each once, so a count that agrees means nothing is missing. A forward-only schedule
+    each once, so a count that agrees means nothing is missing.
+    tests/test_verify_walk.py pins this walk to the three rules (a differential test on
+    valid and edited schedules of every family, with offload); a check added here or
+    there without the other fails it. A forward-only schedule
     is left to the separate rules (None): evaluation schedules are small and rare.
     """
     if schedule.forward_only:
