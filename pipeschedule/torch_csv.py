@@ -34,6 +34,17 @@ SEND_F / RECV_F. PyTorch has no FREE and no peer, so:
       REDUCE_GRAD                gradient reduction, which PyTorch's lowering adds; they
                                  move no pipeline tensor, and our runtime does DP sync itself
 
+[Note: REDUCE_GRAD] PyTorch's runtime (`_PipelineScheduleRuntime`) scales a stage's
+gradients by 1/m (`scale_grads`, on by default) and runs its data-parallel reduction
+only at that stage's `<stage>REDUCE_GRAD` action; its backwards accumulate unscaled
+gradients. Reading a compute_only file, PyTorch's own lowering adds the action
+(`_add_reduce_grad`: after the action that brings the stage's count of B and W cells to
+m, i.e. its last full backward, or its last W under a split backward, and after the
+sends its `_add_send_recv` then puts right after that action); a compute_comms file is
+run as written. So `write_csv(form="compute_comms")` writes it in that same place, after
+the run of communication that follows the stage's last backward, and a file without it
+trains with gradients m times too large.
+
 Anything else raises FormatError naming the cell, its rank and column, and the accepted
 forms. Row r is rank r (column and row numbers in messages count from 1).
 """
@@ -297,20 +308,37 @@ def write_csv(schedule: Schedule, *, form: str = "compute_only") -> str:
 
     compute_only keeps F, B, W (B is written `I` when the schedule has W); compute_comms
     also keeps SEND_F, RECV_F, SEND_B, RECV_B, adding them with
-    `passes.add_communication` when the schedule holds compute only. FREE is always dropped
-    (PyTorch has no such action).
+    `passes.add_communication` when the schedule holds compute only, and writes each
+    stage's `REDUCE_GRAD` after its last backward ([Note: REDUCE_GRAD]). FREE, OFFLOAD
+    and RELOAD are always dropped (PyTorch has no such actions).
     """
     if form not in FORMS:
         raise FormatError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
     compute_only = all(i.op in COMPUTE_OPS for program in schedule.programs for i in program)
     if form == "compute_comms" and compute_only:
         schedule = passes.add_communication(schedule)
-    keep = COMPUTE_OPS | (COMM_OPS if form == "compute_comms" else frozenset())
+    comms = form == "compute_comms"
+    keep = COMPUTE_OPS | (COMM_OPS if comms else frozenset())
     split = schedule.split_backward
+    reduced = Op.W if split else Op.B  # what PyTorch counts to m ([Note: REDUCE_GRAD])
     out = io.StringIO()
     writer = csv.writer(out)
     for program in schedule.programs:
-        row = [_cell(i, split) for i in program if i.op in keep]
+        row: list[str] = []
+        counts: dict[int, int] = {}
+        pending: list[str] = []  # REDUCE_GRAD waiting for the current run of communication to end
+        for i in program:
+            if i.op not in keep:
+                continue
+            if pending and i.op not in COMM_OPS:
+                row += pending
+                pending = []
+            row.append(_cell(i, split))
+            if comms and i.op is reduced:
+                counts[i.stage] = counts.get(i.stage, 0) + 1
+                if counts[i.stage] == schedule.microbatches:
+                    pending.append(f"{i.stage}REDUCE_GRAD")
+        row += pending
         writer.writerow(row or [""])  # `""`, not a blank line: a rank with no actions
     return out.getvalue()
 

@@ -17,23 +17,16 @@ from pipeschedule.errors import FormatError, PipescheduleError
 from pipeschedule.generators import generate
 from pipeschedule.ir import COMPUTE_OPS, Instr, Op, Schedule
 
+from strategies import schedule_params
+
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
 def generated(draw):
     """A compute-only schedule of any generator family and valid parameters."""
-    family = draw(st.sampled_from(["afab", "1f1b", "capped_1f1b", "interleaved_1f1b"]))
-    pp = draw(st.integers(1, 6))
-    microbatches = draw(st.integers(1, 10))
-    if family == "interleaved_1f1b":
-        virtual = draw(st.integers(1, 3))
-        cap = draw(st.none() | st.integers(virtual, 3 * virtual + 2 * pp))
-        return generate(family, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap)
-    if family == "capped_1f1b":
-        cap = draw(st.none() | st.integers(1, pp + 1))
-        return generate(family, pp=pp, microbatches=microbatches, cap=cap)
-    return generate(family, pp=pp, microbatches=microbatches)
+    family, params = draw(schedule_params(max_pp=6, max_m=10, max_v=3))
+    return generate(family, **params)
 
 
 def compute_order(schedule: Schedule):
@@ -111,6 +104,22 @@ def test_split_backward_round_trip(schedule):
     lowered = passes.lower(split)
     text = torch_csv.write_csv(lowered, form="compute_comms")
     assert torch_csv.read_csv(text, form="compute_comms").programs == lowered.programs
+
+
+@FAST
+@given(generated())
+def test_compute_comms_reduces_each_stage_once_after_its_last_backward(schedule):
+    """[Note: REDUCE_GRAD]: where PyTorch's own lowering of the compute_only form puts it."""
+    rows = list(csv.reader(io.StringIO(torch_csv.write_csv(schedule, form="compute_comms"))))
+    last = "W" if schedule.split_backward else "B"
+    for rank, row in enumerate(rows):
+        for stage in schedule.stages_of(rank):
+            at = [k for k, cell in enumerate(row) if cell == f"{stage}REDUCE_GRAD"]
+            assert len(at) == 1
+            backward = max(k for k, cell in enumerate(row) if cell.startswith(f"{stage}{last}"))
+            assert backward < at[0]
+            # only the run of communication after that backward (and other stages' REDUCE_GRAD) between
+            assert all(any(k in cell for k in ("SEND_", "RECV_", "REDUCE_GRAD")) for cell in row[backward + 1:at[0]])
 
 
 def test_dump_and_load_file(tmp_path):
