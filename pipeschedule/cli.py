@@ -67,13 +67,25 @@ def _build(args, cost=None):
 
 
 def _load_any(path: str):
+    """The schedule in a file, lowered (`passes.lower`) when the file holds a compute
+    order only (a compute_only CSV, say), so that every command checks and runs the
+    program that would run; and whether it was lowered here. A compute order is checked
+    for rule 1 (coverage) first, so that a missing or misplaced compute is reported as
+    such rather than as the order the lowering cannot time. Raises ScheduleError."""
+    from pipeschedule.ir import COMPUTE_OPS, load
+    from pipeschedule.passes import lower
+    from pipeschedule.verify import check_coverage
+
     if path.endswith(".csv"):
         from pipeschedule.torch_csv import load_csv
 
-        return load_csv(path)
-    from pipeschedule.ir import load
-
-    return load(path)
+        schedule = load_csv(path)
+    else:
+        schedule = load(path)
+    if all(i.op in COMPUTE_OPS for program in schedule.programs for i in program):
+        check_coverage(schedule)
+        return lower(schedule), True
+    return schedule, False
 
 
 def _offload_args(parser: argparse.ArgumentParser) -> None:
@@ -162,8 +174,8 @@ def _write(path: str, text: str) -> None:
 def cmd_verify(args) -> int:
     from pipeschedule.verify import verify
 
-    schedule = _load_any(args.path)
     try:
+        schedule, lowered = _load_any(args.path)
         verify(schedule)
     except ScheduleError as err:
         head, _, grid = str(err).partition("\n")
@@ -172,7 +184,10 @@ def cmd_verify(args) -> int:
         print(f"pipeschedule verify: {args.path}: invalid: {head}", file=sys.stderr)
         return EXIT_INVALID
     count = sum(len(p) for p in schedule.programs)
-    print(f"{args.path}: valid ({schedule.name}, pp={schedule.pp}, virtual={schedule.virtual}, microbatches={schedule.microbatches}, {count} instructions)")
+    how = ", lowered from its compute order" if lowered else ""
+    kind = ", forward only" if schedule.forward_only else ""
+    print(f"{args.path}: valid ({schedule.name}, pp={schedule.pp}, virtual={schedule.virtual}, microbatches={schedule.microbatches}, "
+          f"{count} instructions{how}{kind})")
     return 0
 
 
@@ -180,7 +195,7 @@ def _schedule_for(args):
     if args.schedule:
         from pipeschedule.verify import verify
 
-        schedule = _load_any(args.schedule)
+        schedule, _ = _load_any(args.schedule)
         verify(schedule)
         return schedule
     if not args.name:

@@ -34,6 +34,9 @@ SEND_F / RECV_F. PyTorch has no FREE and no peer, so:
       REDUCE_GRAD                gradient reduction, which PyTorch's lowering adds; they
                                  move no pipeline tensor, and our runtime does DP sync itself
 
+Anything else raises FormatError naming the cell, its rank and column, and the accepted
+forms. Row r is rank r (column and row numbers in messages count from 1).
+
 [Note: REDUCE_GRAD] PyTorch's runtime (`_PipelineScheduleRuntime`) scales a stage's
 gradients by 1/m (`scale_grads`, on by default) and runs its data-parallel reduction
 only at that stage's `<stage>REDUCE_GRAD` action; its backwards accumulate unscaled
@@ -45,8 +48,13 @@ run as written. So `write_csv(form="compute_comms")` writes it in that same plac
 the run of communication that follows the stage's last backward, and a file without it
 trains with gradients m times too large.
 
-Anything else raises FormatError naming the cell, its rank and column, and the accepted
-forms. Row r is rank r (column and row numbers in messages count from 1).
+[Note: CSV form] PyTorch's files have no header, so the form is read from the content:
+a file is compute_comms when it holds a message cell (SEND_F, RECV_F, SEND_B, RECV_B)
+or FSDP bookkeeping (UNSHARD, RESHARD), which PyTorch's lowering adds and only its
+compute_comms form carries; otherwise it is compute_only (REDUCE_GRAD alone decides
+nothing: PyTorch's compute-only 1F1B order has it too). A file that needs no message
+(one rank, say) is the same program in both forms: read as compute_only and lowered, or
+as compute_comms with FREE added, it gives the same instructions.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ _PIPELINE_TYPES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _SKIPPED_TYPES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 _COMPUTE_TYPES = frozenset({"F", "B", "I", "W"})
 _COMM_TYPES = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+_LOWERED_ONLY_TYPES = frozenset({"UNSHARD", "RESHARD"})  # [Note: CSV form]
 
 # Matched whole (fullmatch), so `1F` or `1F0x` are refused where PyTorch's own
 # `_action_regex.match` would read a prefix.
@@ -227,7 +236,7 @@ def _to_instrs(cell: _Cell, split: bool, placement: tuple[int, ...]) -> list[Ins
 def read_csv(text: str, *, name: str = "torch_csv", form: str | None = None) -> Schedule:
     """A Schedule from PyTorch's schedule CSV text.
 
-    `form` None detects the form: a file with any SEND/RECV cell is compute_comms.
+    `form` None detects the form from the content ([Note: CSV form], `form_of`).
     compute_only gives a compute-only schedule (make it runnable with `passes.lower`);
     compute_comms keeps the communication as written and adds FREE (`passes.add_frees`).
     Raises FormatError naming the offending cell, rank and column.
@@ -252,6 +261,8 @@ def read_csv(text: str, *, name: str = "torch_csv", form: str | None = None) -> 
 
     kinds = {c.kind for c in cells}
     has_comms = bool(kinds & _COMM_TYPES)
+    if form is None:
+        form = form_of(kinds)
     if form == "compute_only" and has_comms:
         first = next(c for c in cells if c.kind in _COMM_TYPES)
         raise FormatError(f"{first.where()}: a compute_only CSV holds no communication")
@@ -274,9 +285,14 @@ def read_csv(text: str, *, name: str = "torch_csv", form: str | None = None) -> 
 
     programs = [[i for c in row for i in _to_instrs(c, split, placement)] for row in grid]
     schedule = Schedule(name, pp, len(placement) // pp, microbatches, placement, programs, {})
-    if has_comms or form == "compute_comms":
+    if form == "compute_comms":
         return passes.add_frees(schedule)
     return schedule
+
+
+def form_of(kinds) -> str:
+    """The form of a file whose cells are of these kinds ([Note: CSV form])."""
+    return "compute_comms" if set(kinds) & (_COMM_TYPES | _LOWERED_ONLY_TYPES) else "compute_only"
 
 
 def load_csv(path: str, *, form: str | None = None) -> Schedule:
