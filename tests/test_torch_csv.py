@@ -149,8 +149,10 @@ def test_rank_without_actions_survives_round_trip():
 def test_empty_cells_and_bookkeeping_are_skipped():
     text = "0UNSHARD,0F0,,0F1,0B0,0B1,0REDUCE_GRAD,0RESHARD\n"
     back = torch_csv.read_csv(text)
-    assert [str(i) for i in back.programs[0]] == ["0F0", "0F1", "0B0", "0B1"]
+    assert [str(i) for i in compute_order(back)[0]] == ["0F0", "0F1", "0B0", "0B1"]
     assert (back.pp, back.virtual, back.microbatches) == (1, 1, 2)
+    # UNSHARD / RESHARD come only from PyTorch's lowering: compute_comms, FREE added
+    assert back == passes.lower(torch_csv.read_csv("0F0,,0F1,0B0,0B1,0REDUCE_GRAD\n"))
 
 
 def test_trailing_blank_lines_and_whitespace_are_ignored():
