@@ -377,6 +377,37 @@ def test_reads_pytorch_split_backward_families(cls, pp, microbatches, v_shape, o
     verify(comms)
 
 
+DEFERRED = [
+    # (class, pp, microbatches, the rule PyTorch's order with defer_pp_recv=True breaks)
+    ("ScheduleZBVZeroBubble", 2, 4, "matching"),
+    ("ScheduleZBVZeroBubble", 4, 8, "matching"),
+    ("ScheduleInterleavedZeroBubble", 2, 4, "matching"),
+    ("ScheduleInterleavedZeroBubble", 4, 8, "deadlock"),
+]
+
+
+@pytest.mark.parametrize("cls, pp, microbatches, rule", DEFERRED)
+def test_pytorch_deferred_receives_are_rejected_for_zero_bubble(cls, pp, microbatches, rule):
+    """README: PyTorch's `defer_pp_recv=True` orders for interleaved zero bubble and ZB-V
+    send and receive out of order between two ranks; the same schedules without it verify."""
+    schedules = _torch_schedules()
+    import torch
+
+    from pipeschedule.errors import ScheduleError
+    from pipeschedule.verify import verify
+
+    def read(defer):
+        stages = [SimpleNamespace(num_stages=2 * pp, group_size=pp, group_rank=0, stage_index=i,
+                                  submod=torch.nn.Identity()) for i in range(2)]
+        return torch_csv.read_csv(_torch_csv_text(getattr(schedules, cls)(stages, microbatches, defer_pp_recv=defer),
+                                                  "compute_comms"))
+
+    verify(read(False))
+    with pytest.raises(ScheduleError) as info:
+        verify(read(True))
+    assert info.value.rule == rule
+
+
 @pytest.mark.parametrize("pp, microbatches", [(2, 2), (4, 4), (4, 6), (3, 9)])
 def test_reads_pytorch_1f1b(pp, microbatches):
     schedules = _torch_schedules()
