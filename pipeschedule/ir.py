@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from pipeschedule.errors import FormatError
+from pipeschedule.limits import check_schedule_size, shown
 
 FORMAT = "pipeschedule/1"
-MAX_COUNT = 10**9  # bound on pp, virtual, microbatches: larger is corruption, and pp*virtual must print
 
 
 class Op(str, enum.Enum):
@@ -92,22 +92,22 @@ class Instr:
                 object.__setattr__(self, "op", Op(self.op))
             except ValueError:
                 raise FormatError(
-                    f"unknown op {self.op!r}; accepted: {', '.join(o.value for o in Op)}"
+                    f"unknown op {shown(self.op)}; accepted: {', '.join(o.value for o in Op)}"
                 ) from None
         for name in ("stage", "mb"):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
-                raise FormatError(f"instruction {name} must be an integer >= 0, got {value!r}")
+                raise FormatError(f"instruction {name} must be an integer >= 0, got {shown(value)}")
         if self.op in COMM_OPS:
             if not _is_int(self.peer) or self.peer < 0:
-                raise FormatError(f"{self.op.value} needs a peer rank (integer >= 0), got {self.peer!r}")
+                raise FormatError(f"{self.op.value} needs a peer rank (integer >= 0), got {shown(self.peer)}")
         elif self.peer is not None:
-            raise FormatError(f"{self.op.value} takes no peer, got peer={self.peer!r}")
+            raise FormatError(f"{self.op.value} takes no peer, got peer={shown(self.peer)}")
         if self.op in BUF_OPS:
             if self.buf not in BUFFERS:
-                raise FormatError(f"{self.op.value} needs buf in {', '.join(BUFFERS)}, got {self.buf!r}")
+                raise FormatError(f"{self.op.value} needs buf in {', '.join(BUFFERS)}, got {shown(self.buf)}")
         elif self.buf is not None:
-            raise FormatError(f"{self.op.value} takes no buf, got buf={self.buf!r}")
+            raise FormatError(f"{self.op.value} takes no buf, got buf={shown(self.buf)}")
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.op.value}{self.mb}"
@@ -121,11 +121,11 @@ class Instr:
     def parse(token: str) -> Instr:
         """Inverse of `str()`: `Instr.parse(str(i)) == i`."""
         if not isinstance(token, str):
-            raise FormatError(f"instruction token must be a string, got {token!r}")
+            raise FormatError(f"instruction token must be a string, got {shown(token)}")
         match = _TOKEN.match(token.strip())
         if match is None:
             raise FormatError(
-                f"cannot parse instruction {token!r}; expected forms like 1F3, 1SEND_F3@2, 1FREE3:stash"
+                f"cannot parse instruction {shown(token)}; expected forms like 1F3, 1SEND_F3@2, 1FREE3:stash"
             )
         stage, op, mb, peer, buf = match.groups()
         return Instr(Op(op), int(stage), int(mb), int(peer) if peer is not None else None, buf)
@@ -141,15 +141,15 @@ class Instr:
     @staticmethod
     def from_dict(obj: Any) -> Instr:
         if not isinstance(obj, dict):
-            raise FormatError(f"instruction must be an object, got {obj!r}")
+            raise FormatError(f"instruction must be an object, got {shown(obj)}")
         unknown = set(obj) - {"op", "stage", "mb", "peer", "buf"}
         if unknown:
-            raise FormatError(f"instruction {obj!r} has unknown fields {sorted(unknown)}")
+            raise FormatError(f"instruction {shown(obj)} has unknown fields {sorted(unknown)}")
         for key in ("op", "stage", "mb"):
             if key not in obj:
-                raise FormatError(f"instruction {obj!r} lacks field {key!r}")
+                raise FormatError(f"instruction {shown(obj)} lacks field {shown(key)}")
         if not isinstance(obj["op"], str):
-            raise FormatError(f"instruction op must be a string, got {obj['op']!r}")
+            raise FormatError(f"instruction op must be a string, got {shown(obj['op'])}")
         return Instr(obj["op"], obj["stage"], obj["mb"], obj.get("peer"), obj.get("buf"))
 
 
@@ -218,13 +218,12 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
-            raise FormatError(f"name must be a string, got {self.name!r}")
+            raise FormatError(f"name must be a string, got {shown(self.name)}")
         for key in ("pp", "virtual", "microbatches"):
             value = getattr(self, key)
             if not _is_int(value) or value < 1:
-                raise FormatError(f"{key} must be an integer >= 1, got {value!r}")
-            if value > MAX_COUNT:  # not printed: it may have more digits than str() allows
-                raise FormatError(f"{key} is larger than {MAX_COUNT}")
+                raise FormatError(f"{key} must be an integer >= 1, got {shown(value)}")
+        check_schedule_size(self.pp, self.virtual, self.microbatches, FormatError)  # [Note: size limits]
         placement = tuple(self.placement)
         if len(placement) != self.pp * self.virtual:
             raise FormatError(
@@ -233,7 +232,7 @@ class Schedule:
             )
         for s, rank in enumerate(placement):
             if not _is_int(rank) or not 0 <= rank < self.pp:
-                raise FormatError(f"placement[{s}] = {rank!r} is not a rank in 0..{self.pp - 1}")
+                raise FormatError(f"placement[{s}] = {shown(rank)} is not a rank in 0..{self.pp - 1}")
         programs = tuple(tuple(p) for p in self.programs)
         if len(programs) != self.pp:
             raise FormatError(f"schedule has {len(programs)} programs; pp = {self.pp} are needed")
@@ -242,13 +241,13 @@ class Schedule:
         for rank, program in enumerate(programs):
             for instr in program:
                 if type(instr) is not Instr and not isinstance(instr, Instr):
-                    raise FormatError(f"rank {rank}: {instr!r} is not an instruction")
+                    raise FormatError(f"rank {rank}: {shown(instr)} is not an instruction")
                 if instr.op is W:
                     split = True
         if not isinstance(self.params, Mapping):
-            raise FormatError(f"params must be an object, got {self.params!r}")
+            raise FormatError(f"params must be an object, got {shown(self.params)}")
         if not isinstance(self.forward_only, bool):
-            raise FormatError(f"forward_only must be true or false, got {self.forward_only!r}")
+            raise FormatError(f"forward_only must be true or false, got {shown(self.forward_only)}")
         # The declared fields, normalised (a frozen dataclass sets them this way).
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "programs", programs)
@@ -303,7 +302,7 @@ class Schedule:
             return [cap] * self.pp
         if isinstance(cap, (list, tuple)) and len(cap) == self.pp and all(_is_int(c) for c in cap):
             return list(cap)
-        raise FormatError(f"params.cap must be an integer or a list of {self.pp} integers, got {cap!r}")
+        raise FormatError(f"params.cap must be an integer or a list of {self.pp} integers, got {shown(cap)}")
 
     def replace_programs(self, programs: Iterable[Sequence[Instr]]) -> Schedule:
         return Schedule(
@@ -359,7 +358,7 @@ class Schedule:
         if not isinstance(obj, dict):
             raise FormatError(f"a schedule must be a JSON object, got {type(obj).__name__}")
         if obj.get("format") != FORMAT:
-            raise FormatError(f"format must be {FORMAT!r}, got {obj.get('format')!r}")
+            raise FormatError(f"format must be {shown(FORMAT)}, got {shown(obj.get('format'))}")
         required = ("name", "pp", "virtual", "microbatches", "placement", "programs")
         missing = [k for k in required if k not in obj]
         if missing:
@@ -368,12 +367,12 @@ class Schedule:
         if unknown:
             raise FormatError(f"schedule has unknown fields {sorted(unknown)}")
         if not isinstance(obj["placement"], list):
-            raise FormatError(f"placement must be a list, got {obj['placement']!r}")
+            raise FormatError(f"placement must be a list, got {shown(obj['placement'])}")
         if not isinstance(obj["programs"], list) or not all(isinstance(p, list) for p in obj["programs"]):
             raise FormatError("programs must be a list (one per rank) of lists of instructions")
         params = obj.get("params", {})
         if not isinstance(params, dict):
-            raise FormatError(f"params must be an object, got {params!r}")
+            raise FormatError(f"params must be an object, got {shown(params)}")
         schedule = Schedule(
             obj["name"], obj["pp"], obj["virtual"], obj["microbatches"], tuple(obj["placement"]),
             tuple(tuple(Instr.from_dict(i) for i in p) for p in obj["programs"]), params,
@@ -412,13 +411,13 @@ class Schedule:
             raise FormatError("schedule text must be a string")
         lines = [line for line in text.splitlines() if line.strip()]
         if not lines or lines[0].strip() != FORMAT:
-            raise FormatError(f"schedule text must start with the line {FORMAT!r}")
+            raise FormatError(f"schedule text must start with the line {shown(FORMAT)}")
         head: dict[str, Any] = {"format": FORMAT}
         programs: dict[int, list[dict]] = {}
         for line in lines[1:]:
             key, sep, value = line.partition(":")
             if not sep:
-                raise FormatError(f"cannot read line {line!r}; expected 'key: value' or 'rank N: ...'")
+                raise FormatError(f"cannot read line {shown(line)}; expected 'key: value' or 'rank N: ...'")
             key = key.strip()
             if key.startswith("rank "):
                 index = key[5:].strip()
@@ -429,9 +428,9 @@ class Schedule:
                 try:
                     head[key] = json.loads(value)
                 except (ValueError, RecursionError) as err:
-                    raise FormatError(f"bad value for {key!r}: {err}") from None
+                    raise FormatError(f"bad value for {shown(key)}: {err}") from None
             else:
-                raise FormatError(f"unknown key {key!r} in schedule text")
+                raise FormatError(f"unknown key {shown(key)} in schedule text")
         head["programs"] = [programs.get(r, []) for r in range(max(programs, default=-1) + 1)]
         return Schedule.from_dict(head)
 
@@ -439,10 +438,10 @@ class Schedule:
 def load(path: str) -> Schedule:
     """Read a schedule from a JSON (`.json`) or text file; raises FormatError."""
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is skipped
             text = handle.read()
     except (OSError, ValueError) as err:  # ValueError: undecodable bytes, NUL in the path
-        raise FormatError(f"cannot read {path!r}: {err}") from None
+        raise FormatError(f"cannot read {shown(path)}: {err}") from None
     if text.lstrip().startswith("{"):
         return Schedule.from_json(text)
     return Schedule.from_text(text)

@@ -68,6 +68,7 @@ from collections.abc import Iterable
 from pipeschedule import passes
 from pipeschedule.errors import FormatError
 from pipeschedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Schedule
+from pipeschedule.limits import MAX_STAGE_MICROBATCHES, check_at_most, check_schedule_size
 
 FORMS = ("compute_only", "compute_comms")
 
@@ -185,6 +186,8 @@ def _infer_placement(cells: Iterable[_Cell], pp: int) -> tuple[int, ...]:
     if not owner:
         raise FormatError("the CSV holds no compute action (F, B, I or W)")
     num_stages = max(owner) + 1
+    check_at_most("stages (1 + the largest stage of a compute cell)", num_stages, MAX_STAGE_MICROBATCHES,
+                  FormatError)  # [Note: size limits], before looping over them
     missing = [s for s in range(num_stages) if s not in owner]
     if missing:
         raise FormatError(
@@ -276,6 +279,7 @@ def read_csv(text: str, *, name: str = "torch_csv", form: str | None = None) -> 
 
     mbs = {c.mb for c in cells if c.kind not in _SKIPPED_TYPES}
     microbatches = max(mbs) + 1
+    check_schedule_size(pp, len(placement) // pp, microbatches, FormatError)  # [Note: size limits]
     if len(mbs) != microbatches:
         missing = sorted(set(range(microbatches)) - mbs)
         raise FormatError(
@@ -298,7 +302,7 @@ def form_of(kinds) -> str:
 def load_csv(path: str, *, form: str | None = None) -> Schedule:
     """`read_csv` of a file; the schedule is named after the file. Raises FormatError."""
     try:
-        with open(path, encoding="utf-8", newline="") as handle:
+        with open(path, encoding="utf-8-sig", newline="") as handle:  # a byte-order mark is skipped
             text = handle.read()
     except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: NUL in path
         raise FormatError(f"cannot read {path!r}: {err}") from None

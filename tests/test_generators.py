@@ -150,8 +150,10 @@ def test_asap_is_linear_in_pp():
     """1F1B's backward wave climbs one rank per sweep: sweeping all ranks until none
     moves took pp sweeps of pp ranks (1.5 s at pp=2000, minutes at pp=100000)."""
     import time
+    from pipeschedule.gcpause import gc_paused
     from pipeschedule.generators.common import asap
 
+    @gc_paused  # as lowering runs it: the collector's passes over a growing heap are not asap's
     def seconds(pp):
         schedule = generate("1f1b", pp=pp, microbatches=1)
         t0 = time.process_time()
@@ -160,4 +162,4 @@ def test_asap_is_linear_in_pp():
         return time.process_time() - t0
 
     small, large = min(seconds(2000) for _ in range(3)), seconds(40000)
-    assert large < 2.0 and large < 60 * max(small, 1e-3)  # 20x the ranks: linear ~20x, quadratic ~400x
+    assert large < 2.0 and large < 100 * max(small, 1e-3)  # 20x the ranks: linear ~20x, quadratic ~400x

@@ -15,6 +15,7 @@ from pipeschedule.generators.interleaved import interleaved_1f1b
 from pipeschedule.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
 from pipeschedule.generators.v_shape import v_half, v_min, zbv
 from pipeschedule.generators.zero_bubble import zb_h1
+from pipeschedule.limits import shown
 
 # name -> (function, takes virtual, takes cap)
 FAMILIES = {
@@ -64,7 +65,7 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
 
 def _generate(name: str, pp: int, microbatches: int, virtual: int | None, cap, cost):
     if name not in FAMILIES:
-        raise ParameterError(f"unknown schedule {name!r}; accepted: {', '.join(FAMILIES)}")
+        raise ParameterError(f"unknown schedule {shown(name)}; accepted: {', '.join(FAMILIES)}")
     function, takes_virtual, takes_cap = FAMILIES[name]
     fixed = FIXED_VIRTUAL.get(name)
     if virtual is not None:
@@ -80,7 +81,7 @@ def _generate(name: str, pp: int, microbatches: int, virtual: int | None, cap, c
     if cap is not None:
         per_rank_caps(cap, pp)
         if not takes_cap:
-            raise ParameterError(f"{name} takes no cap (got cap={cap!r}); use capped_1f1b or interleaved_1f1b")
+            raise ParameterError(f"{name} takes no cap (got cap={shown(cap)}); use capped_1f1b or interleaved_1f1b")
     if takes_virtual:
         return function(pp, microbatches, virtual=virtual, cap=cap)
     if virtual != (fixed or 1):

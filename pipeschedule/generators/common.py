@@ -13,20 +13,24 @@ from typing import NamedTuple, Sequence
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.ir import Instr, Op, Schedule, make_instr
+from pipeschedule.limits import check_schedule_size, shown
 
 Slot = tuple[int, int]  # (stage, mb)
 
 
 def check_positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ParameterError(f"{name} must be an integer >= 1, got {value!r}")
+        raise ParameterError(f"{name} must be an integer >= 1, got {shown(value)}")
     return value
 
 
 def check_common(pp, microbatches, virtual=1) -> None:
+    """The counts every generator takes, checked before any work: integers >= 1, and
+    within [Note: size limits] together."""
     check_positive("pp", pp)
     check_positive("microbatches", microbatches)
     check_positive("virtual", virtual)
+    check_schedule_size(pp, virtual, microbatches)
 
 
 def per_rank_caps(cap, pp: int) -> list[int]:
@@ -113,17 +117,17 @@ def stage_times(cost, num_stages: int) -> StageTimes | None:
         columns = [[t[k] for t in cost] for k in range(3)]
     else:
         raise ParameterError(
-            f"cost must be a CostModel or one (forward, backward, weight) tuple per stage, got {cost!r}"
+            f"cost must be a CostModel or one (forward, backward, weight) tuple per stage, got {shown(cost)}"
         )
     for name, column in zip(("forward", "backward", "weight"), columns):
         if len(column) != num_stages:
-            raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: {list(column)!r}")
+            raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: {shown(list(column))}")
         for s, x in enumerate(column):
             if isinstance(x, bool) or not isinstance(x, Real) or not 0 <= x < math.inf:
-                raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {x!r}")
+                raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {shown(x)}")
     top = max(max(column) for column in columns)
     if top <= 0:
-        raise ParameterError(f"cost times are all 0: {cost!r}")
+        raise ParameterError(f"cost times are all 0: {shown(cost)}")
     low = MIN_TIME * top
     return StageTimes(*(tuple(x if x > low else low for x in column) for column in columns))
 

@@ -26,6 +26,7 @@ refused (one microbatch through every local chunk is the least a rank can hold).
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.generators.common import asap, check_common, interleave_1f1b, make, per_rank_caps
+from pipeschedule.limits import shown
 
 
 def _orders(pp: int, virtual: int, microbatches: int, rank: int, group: int):
@@ -80,7 +81,7 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual: int = 2, cap=None):
     smallest = min(caps)
     if smallest < min(virtual, total):
         raise ParameterError(
-            f"cap {cap!r} is below virtual={virtual}: an interleaved rank holds at least one "
+            f"cap {shown(cap)} is below virtual={virtual}: an interleaved rank holds at least one "
             f"microbatch in each of its {virtual} chunks, so cap must be >= {min(virtual, total)} "
             f"stage-microbatches"
         )
@@ -101,7 +102,7 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual: int = 2, cap=None):
             params = {"cap": caps, "group": g}
             return make("capped_interleaved_1f1b", pp, virtual, microbatches, placement, programs, params)
     raise ParameterError(
-        f"no interleaved order with virtual={virtual} keeps within cap {cap!r} at pp={pp}, "
+        f"no interleaved order with virtual={virtual} keeps within cap {shown(cap)} at pp={pp}, "
         f"microbatches={microbatches}; raise the cap (each rank's uncapped peak: "
         f"{[w + 1 for w in uncapped]})"
     )

@@ -64,6 +64,7 @@ from pipeschedule.generators.common import (
     StageTimes, asap, check_common, finish_time, make, per_rank_caps, stage_times,
 )
 from pipeschedule.ir import Op, make_instr
+from pipeschedule.limits import shown
 
 
 def stage_limits(name: str, pp: int, microbatches: int, local_stages: int, natural: Sequence[int], cap) -> list[int]:
@@ -77,7 +78,7 @@ def stage_limits(name: str, pp: int, microbatches: int, local_stages: int, natur
         low = min(caps)
         if low < local_stages:
             raise ParameterError(
-                f"{name}: cap {cap!r} is below {local_stages}: a rank holds one microbatch in each of its "
+                f"{name}: cap {shown(cap)} is below {local_stages}: a rank holds one microbatch in each of its "
                 f"{local_stages} stages between their F and B, so cap must be >= {local_stages} "
                 f"stage-microbatches (per rank)"
             )
