@@ -303,8 +303,9 @@ class SimResult:
     which the bytes change ([Note: when bytes count]); it starts at (0, ...) and ends at
     0 when every buffer is freed. events: one `Event(rank, index, instr, start, end)`
     per executed instruction, rank by rank in program order (a lazy sequence; for a
-    communication op, start is its batch's post time and end its message's completion;
-    for OFFLOAD / RELOAD, start is its issue and end its copy's landing). peak_host_bytes:
+    communication op, start is its batch's post time and end its message's completion,
+    for a send too, though a send does not hold its rank; for OFFLOAD / RELOAD, start
+    is its issue and end its copy's landing). peak_host_bytes:
     per rank, the most bytes held in host memory ([Note: host link]; 0 without offload).
     """
 
@@ -377,7 +378,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
         peak_inflight=tuple(trace.peak_inflight),
         peak_bytes=tuple(trace.peak_bytes),
         memory=tuple(tuple(zip(times, values)) for times, values in trace.memory),
-        events=EventLog(schedule.programs, trace.ends, trace.waits),
+        events=EventLog(schedule.programs, trace.ends, trace.waits, trace.channels),
         peak_host_bytes=tuple(trace.peak_host_bytes),
     )
 
