@@ -63,11 +63,20 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
     # were produced; (time, rank, pc, kind) never ties (a producer sends one message),
     # so the sort never compares instructions.
     gaps = [[None] * (len(program) + 1) for program in schedule.programs]
-    position = {  # (op, stage, mb) -> (rank, pc) of every compute
-        (i.op, i.stage, i.mb): (rank, pc) for rank, program in enumerate(schedule.programs) for pc, i in enumerate(program)
-    }
     sends_forward = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
     sends_backward = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
+    # f_pc[s][mb] / b_pc[s][mb]: the pc of F(s, mb) / B(s, mb) on its rank, for the stages
+    # whose F / B consume a message (lists: cheaper to fill and read than a dict)
+    m = schedule.microbatches
+    f_pc = [[0] * m if s and sends_forward[s - 1] else None for s in range(schedule.num_stages)]
+    b_pc = [[0] * m if sends_backward[s + 1] else None for s in range(schedule.num_stages - 1)] + [None]
+    for program in schedule.programs:
+        for pc, i in enumerate(program):
+            row = (f_pc if i.op is F else b_pc if i.op is B else None)
+            if row is not None:
+                row = row[i.stage]
+                if row is not None:
+                    row[i.mb] = pc
     # channel src * pp + dst -> (the due gap of each receive, the receive's gap entry),
     # in send order (src and dst are both ranks, so the int names the pair)
     channels: dict[int, tuple[list[int], list[tuple]]] = {}
@@ -82,12 +91,12 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
             if op is F and sends_forward[stage]:
                 recv = make_instr(RECV_F, stage + 1, mb, rank)
                 send = make_instr(SEND_F, stage, mb, placement[stage + 1])
-                c_rank, c_pc = position[F, stage + 1, mb]
+                c_rank, c_pc = placement[stage + 1], f_pc[stage + 1][mb]
                 produced = rank_starts[pc] + cost_f[stage]  # the message exists from its producer's end
             elif op is B and sends_backward[stage]:
                 recv = make_instr(RECV_B, stage - 1, mb, rank)
                 send = make_instr(SEND_B, stage, mb, placement[stage - 1])
-                c_rank, c_pc = position[B, stage - 1, mb]
+                c_rank, c_pc = placement[stage - 1], b_pc[stage - 1][mb]
                 produced = rank_starts[pc] + cost_b[stage]
             else:
                 continue
