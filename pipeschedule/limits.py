@@ -3,7 +3,9 @@
 [Note: size limits] Work and memory grow with the (stage, microbatch) pairs of a schedule
 (about 11 lowered instructions each; compile, verify and simulate at the largest size
 below took 16 to 22 s and 0.7 GB on the 2-core development machine), the planner's with
-its candidates times their size and with the layers it splits. Every entry point checks
+its candidates times their size and with the layers it splits times the stages (`plan`
+for a 70B model at pp=16, m=64 and 256 layers took 28 s there; 1024 layers at pp=16,
+125 s; m=256 at pp=16, 62 s). Every entry point checks
 here, before it allocates or loops: the command line (its parsers, `parse_int` and
 `parse_number`), `generate` and `compile_schedule` (`check_common`), the loaders
 (`Schedule`, the CSV reader), the planner (`PlanConfig`, `ModelSpec`, `TrainingSetup`)
@@ -18,10 +20,11 @@ import re
 from pipeschedule.errors import ArgumentError, ParameterError
 
 MAX_STAGE_MICROBATCHES = 2**18  # pp * virtual * microbatches of one schedule
-MAX_PLAN_STAGE_MICROBATCHES = 2**12  # pp * microbatches of a plan (it simulates ~50 candidates)
-MAX_LAYERS = 1024  # decoder layers of a model (the split search grows with their square)
+MAX_PLAN_STAGE_MICROBATCHES = 2**10  # pp * microbatches of a plan (it simulates ~50 candidates)
+MAX_PLAN_LAYER_STAGES = 2**12  # layers * pp of a plan (its split search)
+MAX_LAYERS = 1024  # decoder layers of a model
 MAX_DIMENSION = 2**31  # any other size of a model or a setup: hidden, heads, vocab, seq, tp, dp, ...
-MAX_SEARCH_NODES = 10**6  # the planner's search nodes per optimal split
+MAX_SEARCH_NODES = 10**5  # the planner's search nodes per optimal split (5x the default; 10^6 took 1-2 min)
 MAX_STREAM_PIECES = 4096  # pieces a streamed stash is cut into
 MAX_DIGITS = 18  # digits of an integer typed as text
 MAX_SHOWN = 60  # characters of a bad value repeated in a message
@@ -47,12 +50,19 @@ def check_schedule_size(pp: int, virtual: int, microbatches: int, error=Paramete
         )
 
 
-def check_plan_size(pp: int, microbatches: int) -> None:
+def check_plan_size(pp: int, microbatches: int, layers: int) -> None:
+    """Refuses a plan whose candidates or split search would run for minutes."""
     total = pp * microbatches
     if total > MAX_PLAN_STAGE_MICROBATCHES:
         raise ParameterError(
             f"plan: pp * microbatches = {_num(pp)} * {_num(microbatches)} = {_num(total)}; at most "
             f"{MAX_PLAN_STAGE_MICROBATCHES} are accepted (the planner simulates every candidate at that size)"
+        )
+    total = layers * pp
+    if total > MAX_PLAN_LAYER_STAGES:
+        raise ParameterError(
+            f"plan: layers * pp = {_num(layers)} * {_num(pp)} = {_num(total)}; at most {MAX_PLAN_LAYER_STAGES} "
+            f"are accepted (the split search grows with both)"
         )
 
 

@@ -60,10 +60,6 @@ class PlanConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ParameterError(f"{key} must be an integer >= 1, got {shown(value)}")
-        # [Note: size limits], before any candidate is built
-        check_plan_size(self.pp, self.microbatches)
-        check_schedule_size(self.pp, self.virtual, self.microbatches)
-        check_at_most("node_limit", self.node_limit, MAX_SEARCH_NODES)
         for key in ("gpu_memory", "gpu_tflops", "mfu", "p2p_bandwidth"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -82,6 +78,10 @@ class PlanConfig:
             raise ParameterError(
                 f"pp={self.pp} exceeds the model's {self.model.layers} decoder layers: a stage would get no layer"
             )
+        # [Note: size limits], before any candidate is built
+        check_plan_size(self.pp, self.microbatches, self.model.layers)
+        check_schedule_size(self.pp, self.virtual, self.microbatches)
+        check_at_most("node_limit", self.node_limit, MAX_SEARCH_NODES)
         self.setup.check_model(self.model)
         if self.offload is not None and self.host_bandwidth is None:
             raise ParameterError(f"offload needs the host link's bandwidth: give --host-bandwidth GB/s "

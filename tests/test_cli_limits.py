@@ -76,9 +76,11 @@ LIMIT = "at most 262144 are accepted"
     (["show", "zbv", "--pp", "65536", "-m", "4"], ["65536 * 2 * 4", LIMIT]),  # a V runs 2 stages per rank
     (["simulate", "1f1b", "--pp", "2", "-m", "99999999999999999999"], ["--microbatches has 20 digits", "at most 18"]),
     (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "100000"],
-     ["pp * microbatches = 4 * 100000", "at most 4096"]),
+     ["pp * microbatches = 4 * 100000", "at most 1024"]),
+    (["plan", "--model", "llama3-70b", "--layers", "1024", "--pp", "16", "--microbatches", "8"],
+     ["layers * pp = 1024 * 16", "at most 4096"]),
     (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "8", "--node-limit", "1000000000"],
-     ["node_limit = 1000000000", "at most 1000000"]),
+     ["node_limit = 1000000000", "at most 100000"]),
     (["plan", "--model-file", "huge.yaml", "--pp", "4", "--microbatches", "8"], ["model layers", "1..1024", "28672"]),
     (["plan", "--model", "llama3-70b", "--hidden", "99999999999999", "--pp", "4", "--microbatches", "8"],
      ["model hidden", "99999999999999"]),
