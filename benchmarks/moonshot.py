@@ -113,7 +113,7 @@ def evaluate(saved: dict, m: int) -> list[dict]:
                     schedule = generate(family, pp=PP, microbatches=m, cap=cap, virtual=virtual, cost=times)
                 except ParameterError:
                     continue
-                schedule = lower(schedule)
+                schedule = lower(schedule, times)
                 verify(schedule)
                 result = simulate(schedule, CostModel.from_dict(costs, schedule))
                 rows.append({"family": family, "cap": cap, "split": list(split), "m": m, "step_ms": result.step_time,

@@ -11,7 +11,7 @@ The compiler (everything here outside `runtime/`) is pure Python and imports no 
 from pipeschedule.errors import FormatError, ParameterError, PipescheduleError, ScheduleError
 from pipeschedule.generators import FAMILIES, generate
 from pipeschedule.ir import BUFFERS, Instr, Op, Schedule, dump, load
-from pipeschedule.passes import lower
+from pipeschedule.passes import forward_only, lower
 from pipeschedule.verify import verify
 
 
@@ -24,7 +24,8 @@ def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int | No
     `cost` (None: unit costs; a `CostModel`, or one (forward, backward, weight) time tuple
     per stage) is what the list-scheduled families order by and what lowering places the
     messages by; see `generators.generate`."""
-    schedule = lower(generate(name, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap, cost=cost))
+    order = generate(name, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap, cost=cost)
+    schedule = lower(order, cost)
     if check:
         verify(schedule)
     return schedule
@@ -32,5 +33,5 @@ def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int | No
 
 __all__ = [
     "BUFFERS", "FAMILIES", "FormatError", "Instr", "Op", "ParameterError", "PipescheduleError",
-    "Schedule", "ScheduleError", "compile_schedule", "dump", "generate", "load", "lower", "verify",
+    "Schedule", "ScheduleError", "compile_schedule", "dump", "forward_only", "generate", "load", "lower", "verify",
 ]

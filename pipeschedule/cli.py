@@ -9,16 +9,20 @@
     pipeschedule plan ...                     what fits a GPU (see `pipeschedule plan -h`)
 
 Every error the user can cause ends with one line on stderr and a non-zero exit code,
-never a traceback.
+never a traceback: 2 for bad input (naming the value, cut to a readable length, and what
+is accepted; sizes beyond [Note: size limits] in limits.py included), 1 for a schedule
+that breaks a rule.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from pipeschedule.errors import FormatError, ParameterError, PipescheduleError, ScheduleError
+from pipeschedule.limits import MAX_SHOWN, int_arg, number_arg, parse_int, shown
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
@@ -28,16 +32,19 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a usage error in one line (exit 2)."""
 
     def error(self, message):
+        # argparse repeats the value it refuses ('invalid choice: ...'): cut long ones
+        message = re.sub(r"'([^']{%d})[^']{4,}'" % (MAX_SHOWN - 5), r"'\1...'", message)
         raise ParameterError(f"{self.prog}: {message} (see {self.prog} -h)")
 
 
 def parse_cap(text: str):
-    """`--cap 2` -> 2; `--cap 4,3,2,1` -> [4, 3, 2, 1]."""
-    parts = text.split(",")
+    """`--cap 2` -> 2; `--cap 4,3,2,1` -> [4, 3, 2, 1] (integers as `limits.parse_int`
+    reads them)."""
     try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise ParameterError(f"--cap must be an integer or a comma-separated list of integers, got {text!r}") from None
+        values = [parse_int(p, "--cap") for p in text.split(",")]
+    except ParameterError:
+        raise ParameterError(f"--cap must be an integer or a comma-separated list of integers (ASCII digits), "
+                             f"got {shown(text)}") from None
     return values[0] if len(values) == 1 else values
 
 
@@ -49,38 +56,53 @@ def _family_names():
 
 def _schedule_args(parser: argparse.ArgumentParser, *, name_required: bool = True) -> None:
     parser.add_argument("name", nargs=None if name_required else "?", help="schedule family: " + ", ".join(_family_names()))
-    parser.add_argument("--pp", type=int, default=None, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int, default=None, help="microbatches per step")
-    parser.add_argument("--virtual", type=int, default=None, help="chunks per rank (interleaved_1f1b; zbv, v_half, v_min: 2)")
+    parser.add_argument("--pp", type=int_arg("--pp"), default=None, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int_arg("--microbatches"), default=None, help="microbatches per step")
+    parser.add_argument("--virtual", type=int_arg("--virtual"), default=None,
+                        help="chunks per rank (interleaved_1f1b; zbv, v_half, v_min: 2)")
     parser.add_argument("--cap", type=str, default=None, help="in-flight cap: one int for all ranks or C0,C1,... per rank")
 
 
 def _build(args, cost=None):
     from pipeschedule import compile_schedule
 
+    if args.name not in _family_names():
+        raise ParameterError(f"unknown schedule {shown(args.name)}; accepted: {', '.join(_family_names())}")
     missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)) if value is None]
     if missing:
-        raise ParameterError(f"{' and '.join(missing)} required to build schedule {args.name!r}")
+        raise ParameterError(f"{' and '.join(missing)} required to build schedule {shown(args.name)}")
     cap = parse_cap(args.cap) if args.cap is not None else None
     return compile_schedule(args.name, pp=args.pp, microbatches=args.microbatches, virtual=args.virtual, cap=cap,
                             cost=cost)
 
 
 def _load_any(path: str):
+    """The schedule in a file, lowered (`passes.lower`) when the file holds a compute
+    order only (a compute_only CSV, say), so that every command checks and runs the
+    program that would run; and whether it was lowered here. A compute order is checked
+    for rule 1 (coverage) first, so that a missing or misplaced compute is reported as
+    such rather than as the order the lowering cannot time. Raises ScheduleError."""
+    from pipeschedule.ir import COMPUTE_OPS, load
+    from pipeschedule.passes import lower
+    from pipeschedule.verify import check_coverage
+
     if path.endswith(".csv"):
         from pipeschedule.torch_csv import load_csv
 
-        return load_csv(path)
-    from pipeschedule.ir import load
-
-    return load(path)
+        schedule = load_csv(path)
+    else:
+        schedule = load(path)
+    if all(i.op in COMPUTE_OPS for program in schedule.programs for i in program):
+        check_coverage(schedule)
+        return lower(schedule), True
+    return schedule, False
 
 
 def _offload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", metavar="SPEC", default=None,
                         help="move stashes to host memory: fraction=F[,lead=L][,ranks=R0/R1..] or auto[,budget=0.03]; "
                              "add ,stream=MiB to stream them in chunks of that size")
-    parser.add_argument("--host-bandwidth", metavar="GB/s", type=float, default=None,
+    parser.add_argument("--host-bandwidth", metavar="GB/s", type=number_arg("--host-bandwidth"), default=None,
                         help="host link per direction, GB/s; cost times are read as ms (default: infinite)")
 
 
@@ -162,8 +184,8 @@ def _write(path: str, text: str) -> None:
 def cmd_verify(args) -> int:
     from pipeschedule.verify import verify
 
-    schedule = _load_any(args.path)
     try:
+        schedule, lowered = _load_any(args.path)
         verify(schedule)
     except ScheduleError as err:
         head, _, grid = str(err).partition("\n")
@@ -172,7 +194,10 @@ def cmd_verify(args) -> int:
         print(f"pipeschedule verify: {args.path}: invalid: {head}", file=sys.stderr)
         return EXIT_INVALID
     count = sum(len(p) for p in schedule.programs)
-    print(f"{args.path}: valid ({schedule.name}, pp={schedule.pp}, virtual={schedule.virtual}, microbatches={schedule.microbatches}, {count} instructions)")
+    how = ", lowered from its compute order" if lowered else ""
+    kind = ", forward only" if schedule.forward_only else ""
+    print(f"{args.path}: valid ({schedule.name}, pp={schedule.pp}, virtual={schedule.virtual}, microbatches={schedule.microbatches}, "
+          f"{count} instructions{how}{kind})")
     return 0
 
 
@@ -180,7 +205,7 @@ def _schedule_for(args):
     if args.schedule:
         from pipeschedule.verify import verify
 
-        schedule = _load_any(args.schedule)
+        schedule, _ = _load_any(args.schedule)
         verify(schedule)
         return schedule
     if not args.name:
@@ -276,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--png", metavar="PATH", help="write a PNG (needs matplotlib)")
             _offload_args(p)
         else:
-            p.add_argument("--width", type=int, default=None, help="maximum columns")
+            p.add_argument("--width", type=int_arg("--width"), default=None, help="maximum columns")
         p.set_defaults(run=run)
 
     p = sub.add_parser("demo", help="1f1b vs capped_1f1b vs interleaved_1f1b at pp=4, 8 microbatches")
@@ -302,6 +327,11 @@ def main(argv=None) -> int:
         return EXIT_INVALID
     except PipescheduleError as err:
         print(f"pipeschedule: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    except MemoryError:
+        # [Note: size limits] bounds every size before work starts; this is the net under them
+        print("pipeschedule: error: out of memory; the size limits (pipeschedule/limits.py) should have refused "
+              "this input first: please report it", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("pipeschedule: interrupted", file=sys.stderr)

@@ -98,7 +98,10 @@ def critical_path(schedule: Schedule, result, cost) -> CriticalPath:
         size = cost.buffer_bytes["act_out" if instr.op is Op.SEND_F else "grad_in"][instr.stage]
         return cost.latency + (size / cost.bandwidth if cost.bandwidth != float("inf") else 0)
 
-    finish = [max(ends, default=0) for _, ends in times]
+    # A send's event lasts until its message completes, but the rank does not wait for it
+    # ([Note: simulated semantics]): only the other instructions' ends are the rank's.
+    finish = [max((end for instr, end in zip(program, ends) if instr.op not in SEND_OPS), default=0)
+              for program, (_, ends) in zip(programs, times)]
     r = max(range(schedule.pp), key=lambda k: finish[k])
     i = len(programs[r])
     messages = 0.0
@@ -116,13 +119,13 @@ def critical_path(schedule: Schedule, result, cost) -> CriticalPath:
         starts, ends = times[r]
         f = first[r][j]
         post = starts[f]
-        k = max(range(f, j + 1), key=lambda pc: ends[pc])
-        if ends[k] <= post:  # every message was in before the batch was posted
+        receives = [pc for pc in range(f, j + 1) if programs[r][pc].op in RECV_OPS]  # what the batch waits for
+        k = max(receives, key=lambda pc: ends[pc], default=None)
+        if k is None or ends[k] <= post:  # every message was in before the batch was posted
             i = f
             continue
         p, q = partner[r, k]
-        own = programs[r][k]
-        messages += message(own if own.op in SEND_OPS else programs[p][q])
+        messages += message(programs[p][q])
         if post >= times[p][0][q]:
             i = f
         else:

@@ -18,6 +18,11 @@ class FormatError(PipescheduleError, ValueError):
     """A schedule file (JSON, text, CSV) cannot be read: bad syntax, types or fields."""
 
 
+class ArgumentError(PipescheduleError):
+    """A command-line value that cannot be read (`limits.int_arg`, `limits.number_arg`).
+    Not a ValueError, so argparse passes it on as it is instead of its own message."""
+
+
 class ScheduleError(PipescheduleError):
     """A schedule breaks one of the verifier's rules.
 

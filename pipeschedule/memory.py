@@ -68,6 +68,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeschedule.errors import ParameterError
+from pipeschedule.limits import MAX_DIMENSION, MAX_LAYERS, shown
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 OPTIMIZERS = ("adam", "none")
@@ -75,9 +76,10 @@ ACTIVATION_FORMULAS = ("korthikanti", "llama")
 GiB = 1 << 30
 
 
-def _check_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ParameterError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _check_int(name: str, value, minimum: int = 1, maximum: int = MAX_DIMENSION) -> int:
+    """An integer in [minimum, maximum]; the maximum is one of [Note: size limits]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ParameterError(f"{name} must be an integer in {minimum}..{maximum}, got {shown(value)}")
     return value
 
 
@@ -101,7 +103,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
-            _check_int(f"model {key}", getattr(self, key))
+            _check_int(f"model {key}", getattr(self, key), maximum=MAX_LAYERS if key == "layers" else MAX_DIMENSION)
         if self.hidden % self.heads:
             raise ParameterError(
                 f"model hidden={self.hidden} is not divisible by heads={self.heads} "
@@ -176,15 +178,15 @@ class TrainingSetup:
         for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
             _check_int(key, getattr(self, key))
         if self.zero_stage not in (0, 1) or isinstance(self.zero_stage, bool):
-            raise ParameterError(f"zero_stage must be 0 or 1 (nanotron has ZeRO-1 only), got {self.zero_stage!r}")
+            raise ParameterError(f"zero_stage must be 0 or 1 (nanotron has ZeRO-1 only), got {shown(self.zero_stage)}")
         if self.recompute not in RECOMPUTE_MODES:
-            raise ParameterError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {self.recompute!r}")
+            raise ParameterError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {shown(self.recompute)}")
         if self.activation_formula not in ACTIVATION_FORMULAS:
             raise ParameterError(
-                f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, got {self.activation_formula!r}"
+                f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, got {shown(self.activation_formula)}"
             )
         if self.optimizer not in OPTIMIZERS:
-            raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+            raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
         if self.sequence_parallel and self.seq % self.tp:
             raise ParameterError(
                 f"sequence parallel splits the sequence over tp: seq={self.seq} is not divisible by tp={self.tp}"

@@ -38,6 +38,7 @@ from typing import Sequence
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.ir import COMPUTE_OPS, Op, Schedule, make_instr
+from pipeschedule.limits import parse_int, parse_number, shown
 
 OFFLOAD, RELOAD = Op.OFFLOAD, Op.RELOAD
 F, B, W = Op.F, Op.B, Op.W
@@ -79,16 +80,16 @@ class OffloadPolicy:
         _check_chunk(self.chunk)
         fraction = tuple(self.fraction) if isinstance(self.fraction, (list, tuple)) else self.fraction
         if not (_fraction(fraction) or (isinstance(fraction, tuple) and fraction and all(map(_fraction, fraction)))):
-            raise ParameterError(f"offload fraction must be a number in [0, 1] or one per rank, got {self.fraction!r}")
+            raise ParameterError(f"offload fraction must be a number in [0, 1] or one per rank, got {shown(self.fraction)}")
         lead = tuple(self.lead) if isinstance(self.lead, (list, tuple)) else self.lead
         ok = lambda x: _is_int(x) and x >= 0
         if not (ok(lead) or (isinstance(lead, tuple) and lead and all(map(ok, lead)))):
-            raise ParameterError(f"offload lead must be an integer >= 0 (computes) or one per rank, got {self.lead!r}")
+            raise ParameterError(f"offload lead must be an integer >= 0 (computes) or one per rank, got {shown(self.lead)}")
         ranks = self.ranks
         if ranks is not None:
             ranks = tuple(ranks) if isinstance(ranks, (list, tuple)) else ranks
             if not isinstance(ranks, tuple) or not all(_is_int(r) and r >= 0 for r in ranks) or len(set(ranks)) != len(ranks):
-                raise ParameterError(f"offload ranks must be distinct integers >= 0, got {self.ranks!r}")
+                raise ParameterError(f"offload ranks must be distinct integers >= 0, got {shown(self.ranks)}")
         object.__setattr__(self, "fraction", fraction)
         object.__setattr__(self, "lead", lead)
         object.__setattr__(self, "ranks", ranks)
@@ -98,7 +99,7 @@ class OffloadPolicy:
         if not isinstance(value, tuple):
             return (value,) * pp
         if len(value) != pp:
-            raise ParameterError(f"offload {name} has {len(value)} entries {value!r}; the schedule has pp={pp} ranks")
+            raise ParameterError(f"offload {name} has {len(value)} entries {shown(value)}; the schedule has pp={pp} ranks")
         return value
 
     def text(self) -> str:
@@ -120,8 +121,8 @@ MIB = 2**20
 
 
 def _check_chunk(chunk) -> None:
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 0 < chunk < math.inf):
-        raise ParameterError(f"offload chunk must be a number of bytes > 0 (None: whole stashes), got {chunk!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 1 <= chunk < math.inf):
+        raise ParameterError(f"offload chunk must be a number of bytes >= 1 (None: whole stashes), got {shown(chunk)}")
 
 
 def streamed(cost, chunk):
@@ -142,10 +143,10 @@ class AutoOffload:
     def __post_init__(self) -> None:
         _check_chunk(self.chunk)
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not 0 <= self.budget < math.inf:
-            raise ParameterError(f"offload budget must be a finite number >= 0 (0.03 = 3% slower at most), got {self.budget!r}")
+            raise ParameterError(f"offload budget must be a finite number >= 0 (0.03 = 3% slower at most), got {shown(self.budget)}")
         OffloadPolicy(ranks=self.ranks)  # same checks
         if not self.leads or not all(_is_int(x) and x >= 0 for x in self.leads):
-            raise ParameterError(f"offload leads must be integers >= 0, got {self.leads!r}")
+            raise ParameterError(f"offload leads must be integers >= 0, got {shown(self.leads)}")
 
 
 # -- the pass -------------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ def add_offload(schedule: Schedule, policy: OffloadPolicy | None = None) -> Sche
     for rank in ranks:
         program = programs[rank]
         if any(i.op is OFFLOAD or i.op is RELOAD for i in program):
-            raise ParameterError(f"rank {rank} of {schedule.name!r} already has OFFLOAD/RELOAD; add_offload takes a schedule without")
+            raise ParameterError(f"rank {rank} of {shown(schedule.name)} already has OFFLOAD/RELOAD; add_offload takes a schedule without")
         waits = stash_waits(program)
         count = math.floor(fractions[rank] * len(waits) + 1e-9)
         lead = leads[rank]
@@ -367,7 +368,7 @@ def parse_offload(text: str) -> OffloadPolicy | AutoOffload:
     accepted = ("accepted: fraction=F[,lead=L][,ranks=R0/R1..][,stream=MiB] with F in [0, 1] (or F0/F1/.. per rank), "
                 "or auto[,budget=B][,ranks=..][,stream=MiB]")
     if not isinstance(text, str) or not text.strip():
-        raise ParameterError(f"--offload needs a value, got {text!r}; {accepted}")
+        raise ParameterError(f"--offload needs a value, got {shown(text)}; {accepted}")
     parts = [p.strip() for p in text.split(",")]
     auto = parts[0] == "auto"
     if auto:
@@ -377,31 +378,34 @@ def parse_offload(text: str) -> OffloadPolicy | AutoOffload:
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or key not in allowed or key in values or not value:
-            raise ParameterError(f"--offload {text!r}: cannot read {part!r}; {accepted}")
+            raise ParameterError(f"--offload {shown(text)}: cannot read {shown(part)}; {accepted}")
         values[key] = value
 
     def numbers(key: str, kind):
+        parse = parse_int if kind is int else parse_number  # ASCII digits, finite ([Note: size limits])
+        parts = values[key].split("/")
+        if kind is float and any(p.strip().lstrip("+-").lower() in ("inf", "infinity", "nan") for p in parts):
+            raise ParameterError(f"--offload {shown(text)}: {key}={shown(values[key])} is not finite; {accepted}")
         try:
-            found = tuple(kind(x) for x in values[key].split("/"))
-        except ValueError:
-            raise ParameterError(f"--offload {text!r}: {key}={values[key]!r} is not {'an integer' if kind is int else 'a number'}"
-                                 f" (or a /-separated list); {accepted}") from None
-        if kind is float and not all(math.isfinite(x) for x in found):
-            raise ParameterError(f"--offload {text!r}: {key}={values[key]!r} is not finite; {accepted}")
-        return found
+            return tuple(parse(x, key) for x in parts)
+        except ParameterError:
+            raise ParameterError(f"--offload {shown(text)}: {key}={shown(values[key])} is not "
+                                 f"{'an integer' if kind is int else 'a number'} (or a /-separated list); "
+                                 f"{accepted}") from None
 
     ranks = numbers("ranks", int) if "ranks" in values else None
     try:
         chunk = None
         if "stream" in values:
             mib = numbers("stream", float)
-            if len(mib) != 1 or not mib[0] > 0:
-                raise ParameterError(f"stream takes one number of MiB > 0 (the chunk), got {values['stream']!r}")
+            if len(mib) != 1 or not mib[0] * MIB >= 1:
+                raise ParameterError(f"stream takes one number of MiB, at least one byte ({1 / MIB:.3g} MiB: the chunk), "
+                                     f"got {shown(values['stream'])}")
             chunk = mib[0] * MIB
         if auto:
             budget = numbers("budget", float) if "budget" in values else (DEFAULT_BUDGET,)
             if len(budget) != 1:
-                raise ParameterError(f"budget takes one number, got {values['budget']!r}")
+                raise ParameterError(f"budget takes one number, got {shown(values['budget'])}")
             return AutoOffload(budget=budget[0], ranks=ranks, chunk=chunk)
         if "fraction" not in values:
             raise ParameterError("fraction= is missing")
@@ -411,7 +415,7 @@ def parse_offload(text: str) -> OffloadPolicy | AutoOffload:
     except ParameterError as err:
         if str(err).startswith("--offload"):
             raise
-        raise ParameterError(f"--offload {text!r}: {err}; {accepted}") from None
+        raise ParameterError(f"--offload {shown(text)}: {err}; {accepted}") from None
 
 
 def host_bandwidth(gpu: str | None, given: float | None) -> float | None:
@@ -419,7 +423,7 @@ def host_bandwidth(gpu: str | None, given: float | None) -> float | None:
     (HOST_LINKS), else None (unknown)."""
     if given is not None:
         if isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given < math.inf:
-            raise ParameterError(f"--host-bandwidth must be a number > 0 (GB/s per direction), got {given!r}")
+            raise ParameterError(f"--host-bandwidth must be a number > 0 (GB/s per direction), got {shown(given)}")
         return float(given)
     if gpu:
         key = gpu.lower().replace("-", "").replace(" ", "")

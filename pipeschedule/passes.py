@@ -1,33 +1,35 @@
 """Lowering: compute order -> + SEND/RECV -> + FREE.
 
-Each pass is a pure function `Schedule -> Schedule`; `PASSES` lists them in order and
-`lower` applies them. Every pass keeps the relative order of the instructions it is
-given and only inserts new ones.
+Each pass is a pure function `(schedule, *, cost=None) -> Schedule` of its arguments
+alone; `PASSES` lists them in order and `lower` applies them. `cost` is what the compute
+order is timed with (None: unit costs; a `CostModel` or one (F, B, W) tuple per stage,
+as `generate` takes it: [Note: cost-aware timing]); only `add_communication` reads it.
+Every pass keeps the relative order of the instructions it is given and only inserts
+new ones.
 """
 
 from __future__ import annotations
 
-from pipeschedule.gcpause import gc_paused
-
 from bisect import bisect_left
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.generators.common import asap_of, message_times
+from pipeschedule.gcpause import gc_paused
+from pipeschedule.generators.common import asap, durations_of, stage_times
 from pipeschedule.ir import Instr, Op, Schedule, make_instr
 
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 
 
-def add_communication(schedule: Schedule) -> Schedule:
+def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
     """Adds SEND_F right after each F whose output leaves the rank, SEND_B right after
     each B whose input gradient leaves it, and the matching RECV_F / RECV_B early enough.
     Input: compute only. Output: compute + communication, deadlock-free under rule 4
     whenever the compute order itself is free of cycles.
 
     [Note: message placement] The compute order is first timed as soon as possible
-    (`asap`, under unit costs or the cost the schedule was generated for: [Note:
-    cost-aware timing] in generators/common.py). A message is sent right after its
+    (`asap`, under unit costs or `cost`: [Note: cost-aware timing] in
+    generators/common.py). A message is sent right after its
     producer, so the sender never waits to send. It is received right before the receiver's first compute that starts
     no earlier than min(the sender's next compute, the consumer): as late as possible
     (so its buffer lives no longer than needed; in 1F1B this is Megatron's pairing, a
@@ -43,7 +45,8 @@ def add_communication(schedule: Schedule) -> Schedule:
     a later message's receive is moved up to it, and within one gap messages go in the
     order they were produced.
     """
-    starts, stuck = asap_of(schedule)  # the generator's timing where it kept one
+    times = stage_times(cost, schedule.num_stages)  # None for None: unit costs
+    starts, stuck = asap(schedule.num_stages, schedule.programs, times)
     if stuck:
         rank = stuck[0]
         pc = starts[rank].index(None)
@@ -60,15 +63,25 @@ def add_communication(schedule: Schedule) -> Schedule:
     # were produced; (time, rank, pc, kind) never ties (a producer sends one message),
     # so the sort never compares instructions.
     gaps = [[None] * (len(program) + 1) for program in schedule.programs]
-    position = {  # (op, stage, mb) -> (rank, pc) of every compute
-        (i.op, i.stage, i.mb): (rank, pc) for rank, program in enumerate(schedule.programs) for pc, i in enumerate(program)
-    }
     sends_forward = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
     sends_backward = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
+    # f_pc[s][mb] / b_pc[s][mb]: the pc of F(s, mb) / B(s, mb) on its rank, for the stages
+    # whose F / B consume a message (lists: cheaper to fill and read than a dict)
+    m = schedule.microbatches
+    f_pc = [[0] * m if s and sends_forward[s - 1] else None for s in range(schedule.num_stages)]
+    b_pc = [[0] * m if sends_backward[s + 1] else None for s in range(schedule.num_stages - 1)] + [None]
+    for program in schedule.programs:
+        for pc, i in enumerate(program):
+            row = (f_pc if i.op is F else b_pc if i.op is B else None)
+            if row is not None:
+                row = row[i.stage]
+                if row is not None:
+                    row[i.mb] = pc
     # channel src * pp + dst -> (the due gap of each receive, the receive's gap entry),
     # in send order (src and dst are both ranks, so the int names the pair)
     channels: dict[int, tuple[list[int], list[tuple]]] = {}
-    cost_f, cost_b = message_times(schedule)  # per stage
+    durations = durations_of(schedule.programs, schedule.num_stages, times)
+    cost_f, cost_b = durations.forward, durations.backward  # per stage
     inf = float("inf")
     for rank, program in enumerate(schedule.programs):
         rank_starts, rank_gaps = starts[rank], gaps[rank]
@@ -78,12 +91,12 @@ def add_communication(schedule: Schedule) -> Schedule:
             if op is F and sends_forward[stage]:
                 recv = make_instr(RECV_F, stage + 1, mb, rank)
                 send = make_instr(SEND_F, stage, mb, placement[stage + 1])
-                c_rank, c_pc = position[F, stage + 1, mb]
+                c_rank, c_pc = placement[stage + 1], f_pc[stage + 1][mb]
                 produced = rank_starts[pc] + cost_f[stage]  # the message exists from its producer's end
             elif op is B and sends_backward[stage]:
                 recv = make_instr(RECV_B, stage - 1, mb, rank)
                 send = make_instr(SEND_B, stage, mb, placement[stage - 1])
-                c_rank, c_pc = position[B, stage - 1, mb]
+                c_rank, c_pc = placement[stage - 1], b_pc[stage - 1][mb]
                 produced = rank_starts[pc] + cost_b[stage]
             else:
                 continue
@@ -135,13 +148,20 @@ def add_communication(schedule: Schedule) -> Schedule:
     return schedule._with_trusted_programs(tuple(programs))
 
 
-def add_frees(schedule: Schedule) -> Schedule:
+def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
     """Adds one FREE per buffer right after its last use. When the last use is a
     communication instruction, the FREE goes after the whole run of communication it
     belongs to: that run is posted as one batch and completes as one, and a FREE inside
     it would split it. Input: compute + communication. Output: the full program.
+    Where a FREE goes depends on program order alone, so `cost` is not read.
+
+    In a forward-only schedule F is the last use of its act_in and of its stash (nothing
+    is kept for a backward), so both are freed right after it; a local hand-off's act_in
+    of the next stage goes after that stage's F, and act_out after its SEND_F's run, as
+    in training.
     """
     split = schedule.split_backward
+    forward_only = schedule.forward_only
     last = schedule.num_stages - 1
     programs = []
     for program in schedule.programs:
@@ -154,7 +174,11 @@ def add_frees(schedule: Schedule) -> Schedule:
                 out.extend(pending)
                 pending = []
             append(i)
-            if op is B:
+            if op is F:
+                if forward_only:
+                    append(make_instr(FREE, i.stage, i.mb, None, "act_in"))
+                    append(make_instr(FREE, i.stage, i.mb, None, "stash"))
+            elif op is B:
                 stage, mb = i.stage, i.mb
                 append(make_instr(FREE, stage, mb, None, "act_in"))
                 if not split:  # else W frees the stash
@@ -176,8 +200,32 @@ PASSES = (add_communication, add_frees)
 
 
 @gc_paused
-def lower(schedule: Schedule) -> Schedule:
-    """Applies every pass of `PASSES` in order to a compute-only schedule."""
+def forward_only(schedule: Schedule, *, cost=None) -> Schedule:
+    """The evaluation form of a schedule: each rank's F in the order it has them, lowered
+    as a forward-only schedule (`forward_only=True`): SEND_F / RECV_F placed by
+    `add_communication` ([Note: message placement], timed with `cost`), act_in and stash
+    freed right after each F, act_out after its send (`add_frees`).
+    Input: any schedule (compute order or lowered; its B, W, gradient messages, FREE,
+    OFFLOAD and RELOAD are dropped). Output: a lowered forward-only schedule.
+    Preserved: each rank's order of F, the placement, name and params.
+
+    The messages are placed anew rather than kept from a lowered input: dropping the
+    backward half of a lowered program joins runs of communication that B kept apart,
+    and a joined batch can wait on a partner that waits on it (rule 4); placing them on
+    the forward order alone keeps the proof of [Note: message placement], whose only
+    premise, an acyclic compute order, holds for any part of an acyclic one."""
+    forwards = tuple(tuple(i for i in program if i.op is F) for program in schedule.programs)
+    order = Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, schedule.placement,
+                     forwards, dict(schedule.params), forward_only=True)
+    return lower(order, cost)
+
+
+@gc_paused
+def lower(schedule: Schedule, cost=None) -> Schedule:
+    """Applies every pass of `PASSES` in order to a compute-only schedule, the order timed
+    with `cost` (None: unit costs). A function of its arguments alone: equal schedules
+    lower to equal programs. Give the cost the order was generated with
+    (`generate(..., cost=c)`) to place the messages as `compile_schedule(..., cost=c)` does."""
     for lowering_pass in PASSES:
-        schedule = lowering_pass(schedule)
+        schedule = lowering_pass(schedule, cost=cost)
     return schedule

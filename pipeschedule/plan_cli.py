@@ -14,6 +14,7 @@ import sys
 from dataclasses import replace
 
 from pipeschedule.errors import ParameterError
+from pipeschedule.limits import int_arg, number_arg
 from pipeschedule.memory import (
     ACTIVATION_FORMULAS,
     RECOMPUTE_MODES,
@@ -22,6 +23,7 @@ from pipeschedule.memory import (
     TrainingSetup,
 )
 from pipeschedule.presets import GPUS, MODELS, gpu_preset, load_model, model_preset
+from pipeschedule.limits import shown
 
 SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 
@@ -31,16 +33,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", help=f"preset: {', '.join(MODELS)}")
     model.add_argument("--model-file", help="YAML or JSON with the sizes (a nanotron config works)")
     for flag in SIZE_FLAGS:
-        model.add_argument("--" + flag.replace("_", "-"), type=int, help=f"model {flag} (overrides the preset)")
+        name = "--" + flag.replace("_", "-")
+        model.add_argument(name, type=int_arg(name), help=f"model {flag} (overrides the preset)")
     layout = parser.add_argument_group("layout and training")
-    layout.add_argument("--pp", type=int, required=True, help="pipeline stages")
-    layout.add_argument("--tp", type=int, default=1, help="tensor parallel (default 1)")
-    layout.add_argument("--dp", type=int, default=1, help="data parallel replicas (default 1)")
-    layout.add_argument("--zero", type=int, default=0, choices=(0, 1), help="nanotron ZeRO stage (default 0)")
-    layout.add_argument("--microbatches", type=int, required=True,
+    layout.add_argument("--pp", type=int_arg("--pp"), required=True, help="pipeline stages")
+    layout.add_argument("--tp", type=int_arg("--tp"), default=1, help="tensor parallel (default 1)")
+    layout.add_argument("--dp", type=int_arg("--dp"), default=1, help="data parallel replicas (default 1)")
+    layout.add_argument("--zero", type=int_arg("--zero"), default=0, choices=(0, 1), help="nanotron ZeRO stage (default 0)")
+    layout.add_argument("--microbatches", type=int_arg("--microbatches"), required=True,
                         help="microbatches per replica per step (nanotron batch_accumulation_per_replica)")
-    layout.add_argument("--seq", type=int, default=8192, help="sequence length (default 8192, Llama3's)")
-    layout.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch (default 1)")
+    layout.add_argument("--seq", type=int_arg("--seq"), default=8192, help="sequence length (default 8192, Llama3's)")
+    layout.add_argument("--micro-batch", type=int_arg("--micro-batch"), default=1, help="sequences per microbatch (default 1)")
     layout.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none", help="activation recompute (default none)")
     layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                         help="nanotron tp_mode REDUCE_SCATTER (default on)")
@@ -54,21 +57,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-layer activation count (default korthikanti)")
     gpu = parser.add_argument_group("GPU and costs")
     gpu.add_argument("--gpu", default="gh200", help=f"preset: {', '.join(GPUS)} (default gh200)")
-    gpu.add_argument("--gpu-memory", type=float, help="GiB per GPU (overrides the preset)")
-    gpu.add_argument("--reserve", type=float, default=2.0,
+    gpu.add_argument("--gpu-memory", type=number_arg("--gpu-memory"), help="GiB per GPU (overrides the preset)")
+    gpu.add_argument("--reserve", type=number_arg("--reserve"), default=2.0,
                      help="GiB kept back for CUDA context, NCCL buffers, allocator slack (default 2)")
-    gpu.add_argument("--gpu-tflops", type=float, help="peak bf16 TFLOP/s (default: the preset's)")
-    gpu.add_argument("--mfu", type=float, default=0.5, help="fraction of peak the matmuls reach (default 0.5)")
-    gpu.add_argument("--p2p-bandwidth", type=float, default=25.0, help="GB/s between stages (default 25)")
-    gpu.add_argument("--p2p-latency", type=float, default=20.0, help="microseconds per message (default 20)")
+    gpu.add_argument("--gpu-tflops", type=number_arg("--gpu-tflops"), help="peak bf16 TFLOP/s (default: the preset's)")
+    gpu.add_argument("--mfu", type=number_arg("--mfu"), default=0.5, help="fraction of peak the matmuls reach (default 0.5)")
+    gpu.add_argument("--p2p-bandwidth", type=number_arg("--p2p-bandwidth"), default=25.0, help="GB/s between stages (default 25)")
+    gpu.add_argument("--p2p-latency", type=number_arg("--p2p-latency"), default=20.0,
+                     help="microseconds per message (default 20)")
     gpu.add_argument("--offload", metavar="SPEC", default=None,
                      help="report what host offload adds to the recommendation: fraction=F[,lead=L][,ranks=..] or "
                           "auto[,budget=0.03]; add ,stream=MiB to stream stashes in chunks of that size")
-    gpu.add_argument("--host-bandwidth", metavar="GB/s", type=float, default=None,
+    gpu.add_argument("--host-bandwidth", metavar="GB/s", type=number_arg("--host-bandwidth"), default=None,
                      help="host link per direction (default: the preset's, gh200 450, h200 55.4)")
     search = parser.add_argument_group("search and output")
-    search.add_argument("--virtual", type=int, default=2, help="chunks per rank for interleaved candidates (default 2)")
-    search.add_argument("--node-limit", type=int, default=20_000, help="search nodes per optimal split (default 20000)")
+    search.add_argument("--virtual", type=int_arg("--virtual"), default=2,
+                        help="chunks per rank for interleaved candidates (default 2)")
+    search.add_argument("--node-limit", type=int_arg("--node-limit"), default=20_000,
+                        help="search nodes per optimal split (default 20000)")
     search.add_argument("--tables", choices=("all", "top", "none"), default="all",
                         help="memory tables of all candidates, of the default and recommended, or none")
     search.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -118,7 +124,7 @@ def build_config(
     if isinstance(model, str):
         model = load_model(model) if model.endswith((".yaml", ".yml", ".json")) else model_preset(model)
     if not isinstance(model, ModelSpec):
-        raise ParameterError(f"model must be a preset name, a model file or a ModelSpec, got {model!r}")
+        raise ParameterError(f"model must be a preset name, a model file or a ModelSpec, got {shown(model)}")
     setup = TrainingSetup(
         tp=tp, dp=dp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute,
         sequence_parallel=sequence_parallel, flash=flash, fp32_grad_accum=fp32_grad_accum,

@@ -24,6 +24,7 @@ from pipeschedule.errors import ParameterError
 from pipeschedule.generators import FIXED_VIRTUAL
 from pipeschedule.memory import GiB, ModelSpec, TrainingSetup, stage_footprints
 from pipeschedule.rank_memory import RankMemory
+from pipeschedule.limits import MAX_SEARCH_NODES, check_at_most, check_plan_size, check_schedule_size, shown
 
 
 @dataclass(frozen=True)
@@ -58,17 +59,17 @@ class PlanConfig:
         for key in ("pp", "microbatches", "virtual", "node_limit"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ParameterError(f"{key} must be an integer >= 1, got {value!r}")
+                raise ParameterError(f"{key} must be an integer >= 1, got {shown(value)}")
         for key in ("gpu_memory", "gpu_tflops", "mfu", "p2p_bandwidth"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ParameterError(f"{key} must be a number > 0, got {value!r}")
+                raise ParameterError(f"{key} must be a number > 0, got {shown(value)}")
         if not 0 < self.mfu <= 1:
-            raise ParameterError(f"mfu is a fraction of peak in (0, 1], got {self.mfu!r}")
+            raise ParameterError(f"mfu is a fraction of peak in (0, 1], got {shown(self.mfu)}")
         for key in ("reserve", "p2p_latency"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ParameterError(f"{key} must be a number >= 0, got {value!r}")
+                raise ParameterError(f"{key} must be a number >= 0, got {shown(value)}")
         if self.reserve >= self.gpu_memory:
             raise ParameterError(
                 f"reserve {self.reserve / GiB:g} GiB leaves nothing of gpu_memory {self.gpu_memory / GiB:g} GiB"
@@ -77,12 +78,16 @@ class PlanConfig:
             raise ParameterError(
                 f"pp={self.pp} exceeds the model's {self.model.layers} decoder layers: a stage would get no layer"
             )
+        # [Note: size limits], before any candidate is built
+        check_plan_size(self.pp, self.microbatches, self.model.layers)
+        check_schedule_size(self.pp, self.virtual, self.microbatches)
+        check_at_most("node_limit", self.node_limit, MAX_SEARCH_NODES)
         self.setup.check_model(self.model)
         if self.offload is not None and self.host_bandwidth is None:
             raise ParameterError(f"offload needs the host link's bandwidth: give --host-bandwidth GB/s "
-                                 f"(presets know gh200 and h200; the GPU here is {self.gpu_name!r})")
+                                 f"(presets know gh200 and h200; the GPU here is {shown(self.gpu_name)})")
         if self.host_bandwidth is not None and (isinstance(self.host_bandwidth, bool) or not 0 < self.host_bandwidth < math.inf):
-            raise ParameterError(f"host_bandwidth must be a number > 0 (bytes/s), got {self.host_bandwidth!r}")
+            raise ParameterError(f"host_bandwidth must be a number > 0 (bytes/s), got {shown(self.host_bandwidth)}")
 
     @property
     def budget(self) -> float:

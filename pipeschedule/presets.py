@@ -16,6 +16,7 @@ from typing import Any
 
 from pipeschedule.errors import FormatError, ParameterError
 from pipeschedule.memory import GiB, ModelSpec
+from pipeschedule.limits import shown
 
 MODELS = {
     "llama3-8b": ModelSpec("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
@@ -45,7 +46,7 @@ _KEYS = {
 def model_preset(name: str) -> ModelSpec:
     key = name.lower().replace("_", "-")
     if key not in MODELS:
-        raise ParameterError(f"unknown model {name!r}; presets: {', '.join(MODELS)} (or give --model-file / the sizes as flags)")
+        raise ParameterError(f"unknown model {shown(name)}; presets: {', '.join(MODELS)} (or give --model-file / the sizes as flags)")
     return MODELS[key]
 
 
@@ -54,7 +55,7 @@ def gpu_preset(name: str) -> dict:
     for preset, spec in GPUS.items():
         if key == preset or key.startswith(preset):
             return spec
-    raise ParameterError(f"unknown GPU {name!r}; presets: {', '.join(GPUS)} (or give --gpu-memory in GiB)")
+    raise ParameterError(f"unknown GPU {shown(name)}; presets: {', '.join(GPUS)} (or give --gpu-memory in GiB)")
 
 
 def model_from_mapping(obj: Any, name: str = "custom") -> ModelSpec:
@@ -77,9 +78,9 @@ def model_from_mapping(obj: Any, name: str = "custom") -> ModelSpec:
     for key, value in found.items():
         if key == "tied_embeddings":
             if not isinstance(value, bool):
-                raise FormatError(f"model tied_embeddings must be true or false, got {value!r}")
+                raise FormatError(f"model tied_embeddings must be true or false, got {shown(value)}")
         elif isinstance(value, bool) or not isinstance(value, int):
-            raise FormatError(f"model {key} must be an integer, got {value!r}")
+            raise FormatError(f"model {key} must be an integer, got {shown(value)}")
     return ModelSpec(name=str(_find(obj, ("name",)) or name), **found)
 
 
@@ -101,7 +102,7 @@ def _find(obj: Any, keys: tuple[str, ...]) -> Any:
 def load_model(path: str) -> ModelSpec:
     """Read a model from a YAML or JSON file (see the module docstring)."""
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is skipped
             text = handle.read()
     except (OSError, UnicodeDecodeError) as err:
         raise FormatError(f"cannot read model file {path}: {err}") from None
@@ -198,7 +199,7 @@ def _mapping(lines, index, indent, source):
             raise FormatError(f"{source}:{number}: unexpected indentation")
         key, sep, rest = content.partition(":")
         if not sep or (rest and not rest.startswith(" ")):
-            raise FormatError(f"{source}:{number}: expected 'key: value', got {content!r}")
+            raise FormatError(f"{source}:{number}: expected 'key: value', got {shown(content)}")
         key = key.strip().strip("'\"")
         rest = rest.strip()
         index += 1

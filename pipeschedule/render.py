@@ -6,6 +6,7 @@ optional extra (`pipeschedule[plot]`) and is imported only inside `png`.
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any
 
@@ -106,29 +107,81 @@ def _event_name(instr) -> str:
     return name
 
 
+def _lanes(spans):
+    """Splits (start, end, item) spans into lanes in which no two overlap (a span may
+    start where the one before it ended): [(lane, item)], each span in the lane that
+    frees first, a new lane when none is free by its start."""
+    free: list[tuple[float, int]] = []  # (end of its last span, lane)
+    out, lanes = [], 0
+    for start, end, item in sorted(spans, key=lambda span: (span[0], span[1])):
+        if free and free[0][0] <= start:
+            _, lane = heapq.heappop(free)
+        else:
+            lane, lanes = lanes, lanes + 1
+        heapq.heappush(free, (end, lane))
+        out.append((lane, item))
+    return out
+
+
+# A rank's tracks: its computes, then its messages and its host copies, each kind in as
+# many lanes as its events need.
+_TRACKS = (("messages", "comm"), ("copies", "copy"))
+
+
 def chrome_trace(schedule: Schedule, result: SimResult, *, time_unit_us: float = 1.0) -> dict[str, Any]:
     """Chrome / Perfetto trace-event JSON (load it in ui.perfetto.dev or chrome://tracing).
 
-    One complete ("X") event per compute and communication instruction (pid 0, tid =
-    rank; a communication event runs from its batch's post to its message's completion)
-    and one counter ("C") track of live buffer bytes per rank. Trace timestamps are in
-    microseconds: one time unit of the cost model is written as `time_unit_us` of them
-    (pass 1e6 when costs are in seconds).
+    One complete ("X") event per compute, communication and copy instruction, on tracks
+    of pid 0: per rank, its computes on track "rank r" (tid = rank), which never
+    overlap; its sends and receives, each from its batch's post to its message's
+    completion (a send's too, although the rank goes on meanwhile), on "rank r
+    messages"; its OFFLOAD / RELOAD, from issue to the copy's landing, on "rank r
+    copies". Messages and copies overlap computes and each other, and Perfetto draws
+    overlapping complete events of one track wrongly, so each of those two is split
+    into as many lanes ("rank r copies 2", ...) as needed for no two events of one track
+    to overlap. One counter ("C") track of live buffer bytes per rank. Trace timestamps
+    are in microseconds: one time unit of the cost model is written as `time_unit_us`
+    of them (pass 1e6 when costs are in seconds).
     """
     us = float(time_unit_us)
+    pp = schedule.pp
     events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": schedule.name}}]
-    for rank in range(schedule.pp):
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
-    for e in result.events:
-        if e.instr.op is Op.FREE:
-            continue
-        events.append({
-            "name": _event_name(e.instr),
-            "cat": "compute" if e.instr.op in COMPUTE_OPS else "comm",
-            "ph": "X", "pid": 0, "tid": e.rank,
+    side: dict[tuple[int, str], list] = {}  # (rank, category) -> spans off the compute track
+    tracks: list[int] = []  # tids, in the order Perfetto lists them
+
+    def track(tid: int, name: str) -> None:
+        order = len(tracks)
+        tracks.append(tid)
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": order}})
+
+    def event(e, category: str, tid: int) -> dict[str, Any]:
+        return {
+            "name": _event_name(e.instr), "cat": category, "ph": "X", "pid": 0, "tid": tid,
             "ts": float(e.start) * us, "dur": float(e.end - e.start) * us,
             "args": {"stage": e.instr.stage, "mb": e.instr.mb, "index": e.index},
-        })
+        }
+
+    for e in result.events:
+        op = e.instr.op
+        if op is Op.FREE:
+            continue
+        if op in COMPUTE_OPS:
+            events.append(event(e, "compute", e.rank))
+        else:
+            category = "copy" if op is Op.OFFLOAD or op is Op.RELOAD else "comm"
+            side.setdefault((e.rank, category), []).append((float(e.start), float(e.end), e))
+    next_tid = pp
+    for rank in range(pp):
+        track(rank, f"rank {rank}")
+        for label, category in _TRACKS:
+            lanes: dict[int, int] = {}  # lane -> tid
+            for lane, e in _lanes(side.get((rank, category), ())):
+                if lane not in lanes:
+                    lanes[lane] = next_tid
+                    track(next_tid, f"rank {rank} {label}" + (f" {lane + 1}" if lane else ""))
+                    next_tid += 1
+                events.append(event(e, category, lanes[lane]))
     for rank, curve in enumerate(result.memory):
         for time, live in curve:
             events.append({"ph": "C", "name": f"live bytes rank {rank}", "pid": 0, "tid": rank,

@@ -42,31 +42,41 @@ class Event(NamedTuple):
 class EventLog(Sequence[Event]):
     """Every executed instruction as an `Event`, rank by rank in program order.
 
-    Only the end of each instruction is stored (None for FREE, which takes no time);
-    start times are derived per rank on first use, and `Event` objects are made only
-    when read, because a large schedule has about a million of them.
+    Only the end of each instruction is stored (None for FREE, which takes no time; the
+    post for a send, whose end is its message's, found from `channels`); start times are
+    derived per rank on first use, and `Event` objects are made only when read, because
+    a large schedule has about a million of them.
     """
 
-    def __init__(self, programs, ends, waits=None) -> None:
+    def __init__(self, programs, ends, waits=None, channels=None) -> None:
         self._programs, self._ends = programs, ends
         self._waits = waits or [{} for _ in programs]  # per rank: pc -> start of a compute that waited for a RELOAD
+        self._channels = channels or {}  # as `run` keeps them: (src << 32 | dst) -> (send posts, message times, receive posts)
         self._times: dict[int, tuple[list, list]] = {}  # rank -> (starts, ends), on demand
         self._offsets = [0, *accumulate(len(p) for p in programs)]
 
     def times(self, rank: int) -> tuple[list, list]:
         """(starts, ends) of every instruction of `rank`. A rank's clock moves with each
-        compute; a communication op starts when its batch is posted and the clock moves
-        to its batch's end; a FREE starts and ends at the clock; an OFFLOAD or RELOAD
-        starts at the clock and ends when its copy lands, leaving the clock where it is."""
+        compute; a communication op starts when its batch is posted and ends when its
+        message completes, and the clock moves to the end of the batch's last receive (a
+        send does not hold its rank: [Note: simulated semantics]); a FREE starts and ends
+        at the clock; an OFFLOAD or RELOAD starts at the clock and ends when its copy
+        lands, leaving the clock where it is."""
         if rank not in self._times:
             starts, ends, clock, post = [], [], 0, None
             waits = self._waits[rank]
+            sent: dict[int, int] = {}  # peer -> sends to it so far: the k of the next one
             for pc, (instr, end) in enumerate(zip(self._programs[rank], self._ends[rank])):
                 if instr.op in COMM_OPS:
                     if post is None:
                         post = batch_end = clock
                     starts.append(post)
-                    batch_end = max(batch_end, end)
+                    if instr.op in SEND_OPS:
+                        k = sent.get(instr.peer, 0)
+                        sent[instr.peer] = k + 1
+                        end = self._message_end(rank << 32 | instr.peer, k, end)
+                    elif end > batch_end:
+                        batch_end = end
                 else:
                     if post is not None:
                         clock, post = batch_end, None
@@ -82,6 +92,16 @@ class EventLog(Sequence[Event]):
                 ends.append(end)
             self._times[rank] = starts, ends
         return self._times[rank]
+
+    def _message_end(self, channel: int, k: int, post):
+        """When the k-th message of `channel` completes: max(its two posts) plus its
+        message time, as a receive's end (`post` where it is never received)."""
+        found = self._channels.get(channel)
+        if found is None or k >= len(found[2]):
+            return post
+        sends, msgs, recvs = found
+        done = sends[k] if sends[k] > recvs[k] else recvs[k]
+        return done + msgs[k] if msgs[k] else done
 
     def __len__(self) -> int:
         return self._offsets[-1]
@@ -131,6 +151,7 @@ class Trace:
     ends: list  # per rank: end of each instruction, None for FREE
     peak_host_bytes: list  # per rank: the most bytes held in host memory by OFFLOAD
     waits: list  # per rank: pc -> start of each compute that waited for a RELOAD
+    channels: dict  # (src << 32 | dst) -> (send posts, message times, receive posts), message by message
 
 
 def _point(times: list, values: list, t, live) -> None:
@@ -409,7 +430,7 @@ def run(schedule: Schedule, cost) -> Trace:
             state[r] = (pc, t, link.finish(live), *rest)
     _, finish, _, peaks, _, peak_inflights, busy = zip(*state)
     return Trace(list(finish), list(busy), list(peak_inflights), list(peaks), memory, ends,
-                 [link.peak_host for link in links], [link.waited for link in links])
+                 [link.peak_host for link in links], [link.waited for link in links], dict(channels))
 
 
 def _deadlock(schedule: Schedule, stuck, pcs, parked) -> ScheduleError:

@@ -101,6 +101,7 @@ from pipeschedule.errors import FormatError, ParameterError
 from pipeschedule.ir import BUFFERS, COMPUTE_OPS, Op, Schedule
 from pipeschedule.passes import lower
 from pipeschedule.simcore import Event, EventLog, run
+from pipeschedule.limits import check_stream_pieces, shown
 
 COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwidth", "offload_bandwidth",
              "reload_bandwidth", "offload_slowdown", "weight_stash", "offload_chunk", "reload_window")
@@ -117,9 +118,9 @@ def _per_stage(key: str, value: Any, stages: int | None, error=ParameterError, s
         value = [value] * stages
     if not isinstance(value, (list, tuple)) or not all(_number(x) and 0 <= x < math.inf for x in value):
         want = "a number >= 0 or a list" if stages is not None else "a list"
-        raise error(f"cost {key!r} must be {want} of finite numbers >= 0, one per stage; got {value!r}")
+        raise error(f"cost {shown(key)} must be {want} of finite numbers >= 0, one per stage; got {shown(value)}")
     if stages is not None and len(value) != stages:
-        raise error(f"cost {key!r} has {len(value)} entries, but {source} has {stages} stages: {value!r}")
+        raise error(f"cost {shown(key)} has {len(value)} entries, but {source} has {stages} stages: {shown(value)}")
     return tuple(value)
 
 
@@ -165,7 +166,7 @@ class CostModel:
         for key in ("forward", "backward", "weight"):
             object.__setattr__(self, key, _per_stage(key, getattr(self, key), stages, source="'forward'"))
         if not isinstance(self.buffer_bytes, Mapping):
-            raise ParameterError(f"cost 'buffer_bytes' must map buffer kinds to lists, got {self.buffer_bytes!r}")
+            raise ParameterError(f"cost 'buffer_bytes' must map buffer kinds to lists, got {shown(self.buffer_bytes)}")
         unknown = sorted(set(self.buffer_bytes) - set(BUFFERS))
         if unknown:
             raise ParameterError(f"cost 'buffer_bytes' has unknown kinds {unknown}; accepted: {', '.join(BUFFERS)}")
@@ -175,19 +176,21 @@ class CostModel:
         }
         object.__setattr__(self, "buffer_bytes", buffers)
         if not _number(self.latency) or not 0 <= self.latency < math.inf:
-            raise ParameterError(f"cost 'latency' must be a finite number >= 0, got {self.latency!r}")
+            raise ParameterError(f"cost 'latency' must be a finite number >= 0, got {shown(self.latency)}")
         if not _number(self.bandwidth) or not self.bandwidth > 0:
-            raise ParameterError(f"cost 'bandwidth' must be a number > 0 (math.inf for free transfers), got {self.bandwidth!r}")
+            raise ParameterError(f"cost 'bandwidth' must be a number > 0 (math.inf for free transfers), got {shown(self.bandwidth)}")
         for key in ("offload_bandwidth", "reload_bandwidth"):
             value = getattr(self, key)
             if not _number(value) or not value > 0:
-                raise ParameterError(f"cost {key!r} must be a number > 0 (math.inf for free copies), got {value!r}")
+                raise ParameterError(f"cost {shown(key)} must be a number > 0 (math.inf for free copies), got {shown(value)}")
         if not _number(self.offload_slowdown) or not 0 <= self.offload_slowdown < math.inf:
-            raise ParameterError(f"cost 'offload_slowdown' must be a finite number >= 0, got {self.offload_slowdown!r}")
+            raise ParameterError(f"cost 'offload_slowdown' must be a finite number >= 0, got {shown(self.offload_slowdown)}")
         if self.weight_stash is not None:
             object.__setattr__(self, "weight_stash", _per_stage("weight_stash", self.weight_stash, stages,
                                                                 source="'forward'"))
         _check_stream(self.offload_chunk, self.reload_window, ParameterError)
+        if self.offload_chunk is not None and stages:
+            check_stream_pieces(max(buffers["stash"]), self.offload_chunk)  # [Note: size limits]
 
     @property
     def num_stages(self) -> int:
@@ -212,39 +215,39 @@ class CostModel:
         stands for the same value on every stage; `"bandwidth": null` means infinite.
         A key (or buffer kind) left out takes its value from `CostModel.default`."""
         if not isinstance(obj, dict):
-            raise FormatError(f"a cost model must be a JSON object, got {obj!r}")
+            raise FormatError(f"a cost model must be a JSON object, got {shown(obj)}")
         unknown = sorted(set(obj) - set(COST_KEYS))
         if unknown:
-            raise FormatError(f"cost model has unknown keys {unknown} (values {[obj[k] for k in unknown]!r}); accepted: {', '.join(COST_KEYS)}")
+            raise FormatError(f"cost model has unknown keys {unknown} (values {shown([obj[k] for k in unknown])}); accepted: {', '.join(COST_KEYS)}")
         stages = schedule.num_stages
         base = CostModel.default(schedule)
         values = {k: _per_stage(k, obj[k], stages, FormatError) if k in obj else getattr(base, k)
                   for k in ("forward", "backward", "weight")}
         buffers = obj.get("buffer_bytes", {})
         if not isinstance(buffers, dict):
-            raise FormatError(f"cost 'buffer_bytes' must be an object of buffer kind -> bytes, got {buffers!r}")
+            raise FormatError(f"cost 'buffer_bytes' must be an object of buffer kind -> bytes, got {shown(buffers)}")
         bad = sorted(set(buffers) - set(BUFFERS))
         if bad:
-            raise FormatError(f"cost 'buffer_bytes' has unknown kinds {bad} (values {[buffers[k] for k in bad]!r}); accepted: {', '.join(BUFFERS)}")
+            raise FormatError(f"cost 'buffer_bytes' has unknown kinds {bad} (values {shown([buffers[k] for k in bad])}); accepted: {', '.join(BUFFERS)}")
         values["buffer_bytes"] = {
             k: _per_stage(f"buffer_bytes.{k}", buffers[k], stages, FormatError) if k in buffers else base.buffer_bytes[k]
             for k in BUFFERS
         }
         latency = obj.get("latency", 0.0)
         if not _number(latency) or not 0 <= latency < math.inf:
-            raise FormatError(f"cost 'latency' must be a finite number >= 0, got {latency!r}")
+            raise FormatError(f"cost 'latency' must be a finite number >= 0, got {shown(latency)}")
         bandwidth = obj.get("bandwidth")
         bandwidth = math.inf if bandwidth is None else bandwidth
         if not _number(bandwidth) or not bandwidth > 0:
-            raise FormatError(f"cost 'bandwidth' must be a number > 0 or null (infinite), got {bandwidth!r}")
+            raise FormatError(f"cost 'bandwidth' must be a number > 0 or null (infinite), got {shown(bandwidth)}")
         for key in ("offload_bandwidth", "reload_bandwidth"):
             value = obj.get(key)
             values[key] = math.inf if value is None else value
             if not _number(values[key]) or not values[key] > 0:
-                raise FormatError(f"cost {key!r} must be a number > 0 or null (infinite), got {value!r}")
+                raise FormatError(f"cost {shown(key)} must be a number > 0 or null (infinite), got {shown(value)}")
         slowdown = obj.get("offload_slowdown", 0.0)
         if not _number(slowdown) or not 0 <= slowdown < math.inf:
-            raise FormatError(f"cost 'offload_slowdown' must be a finite number >= 0, got {slowdown!r}")
+            raise FormatError(f"cost 'offload_slowdown' must be a finite number >= 0, got {shown(slowdown)}")
         kept = obj.get("weight_stash")
         if kept is not None:
             values["weight_stash"] = _per_stage("weight_stash", kept, stages, FormatError)
@@ -274,15 +277,15 @@ class CostModel:
 
 def _check_stream(chunk, window, error) -> None:
     if chunk is not None and (not _number(chunk) or not 0 < chunk < math.inf):
-        raise error(f"cost 'offload_chunk' must be a number of bytes > 0 (or null: whole stashes), got {chunk!r}")
+        raise error(f"cost 'offload_chunk' must be a number of bytes > 0 (or null: whole stashes), got {shown(chunk)}")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise error(f"cost 'reload_window' must be an integer >= 1 (pieces), got {window!r}")
+        raise error(f"cost 'reload_window' must be an integer >= 1 (pieces), got {shown(window)}")
 
 
 def load_cost(path: str, schedule: Schedule) -> CostModel:
     """Read a cost model from a JSON file; raises FormatError on unreadable or bad input."""
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is skipped
             obj = json.load(handle)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise FormatError(f"cannot read cost model {path}: {err}") from None
@@ -300,8 +303,9 @@ class SimResult:
     which the bytes change ([Note: when bytes count]); it starts at (0, ...) and ends at
     0 when every buffer is freed. events: one `Event(rank, index, instr, start, end)`
     per executed instruction, rank by rank in program order (a lazy sequence; for a
-    communication op, start is its batch's post time and end its message's completion;
-    for OFFLOAD / RELOAD, start is its issue and end its copy's landing). peak_host_bytes:
+    communication op, start is its batch's post time and end its message's completion,
+    for a send too, though a send does not hold its rank; for OFFLOAD / RELOAD, start
+    is its issue and end its copy's landing). peak_host_bytes:
     per rank, the most bytes held in host memory ([Note: host link]; 0 without offload).
     """
 
@@ -344,7 +348,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     """Simulate one step of a lowered schedule ([Note: simulated semantics]).
 
     A compute-only schedule (no communication and no FREE) is lowered first with
-    `passes.lower`. `cost` defaults to `CostModel.default(schedule)`. Raises ScheduleError(rule=
+    `passes.lower` under unit costs (`lower(schedule, cost)` first places the messages
+    by a cost instead). `cost` defaults to `CostModel.default(schedule)`. Raises ScheduleError(rule=
     "deadlock") when the programs cannot finish, ParameterError when the cost model
     does not have one entry per stage.
     """
@@ -373,7 +378,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
         peak_inflight=tuple(trace.peak_inflight),
         peak_bytes=tuple(trace.peak_bytes),
         memory=tuple(tuple(zip(times, values)) for times, values in trace.memory),
-        events=EventLog(schedule.programs, trace.ends, trace.waits),
+        events=EventLog(schedule.programs, trace.ends, trace.waits, trace.channels),
         peak_host_bytes=tuple(trace.peak_host_bytes),
     )
 

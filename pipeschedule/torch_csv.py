@@ -36,6 +36,25 @@ SEND_F / RECV_F. PyTorch has no FREE and no peer, so:
 
 Anything else raises FormatError naming the cell, its rank and column, and the accepted
 forms. Row r is rank r (column and row numbers in messages count from 1).
+
+[Note: REDUCE_GRAD] PyTorch's runtime (`_PipelineScheduleRuntime`) scales a stage's
+gradients by 1/m (`scale_grads`, on by default) and runs its data-parallel reduction
+only at that stage's `<stage>REDUCE_GRAD` action; its backwards accumulate unscaled
+gradients. Reading a compute_only file, PyTorch's own lowering adds the action
+(`_add_reduce_grad`: after the action that brings the stage's count of B and W cells to
+m, i.e. its last full backward, or its last W under a split backward, and after the
+sends its `_add_send_recv` then puts right after that action); a compute_comms file is
+run as written. So `write_csv(form="compute_comms")` writes it in that same place, after
+the run of communication that follows the stage's last backward, and a file without it
+trains with gradients m times too large.
+
+[Note: CSV form] PyTorch's files have no header, so the form is read from the content:
+a file is compute_comms when it holds a message cell (SEND_F, RECV_F, SEND_B, RECV_B)
+or FSDP bookkeeping (UNSHARD, RESHARD), which PyTorch's lowering adds and only its
+compute_comms form carries; otherwise it is compute_only (REDUCE_GRAD alone decides
+nothing: PyTorch's compute-only 1F1B order has it too). A file that needs no message
+(one rank, say) is the same program in both forms: read as compute_only and lowered, or
+as compute_comms with FREE added, it gives the same instructions.
 """
 
 from __future__ import annotations
@@ -49,6 +68,7 @@ from collections.abc import Iterable
 from pipeschedule import passes
 from pipeschedule.errors import FormatError
 from pipeschedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Schedule
+from pipeschedule.limits import MAX_STAGE_MICROBATCHES, check_at_most, check_schedule_size
 
 FORMS = ("compute_only", "compute_comms")
 
@@ -56,6 +76,7 @@ _PIPELINE_TYPES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
 _SKIPPED_TYPES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
 _COMPUTE_TYPES = frozenset({"F", "B", "I", "W"})
 _COMM_TYPES = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
+_LOWERED_ONLY_TYPES = frozenset({"UNSHARD", "RESHARD"})  # [Note: CSV form]
 
 # Matched whole (fullmatch), so `1F` or `1F0x` are refused where PyTorch's own
 # `_action_regex.match` would read a prefix.
@@ -165,6 +186,8 @@ def _infer_placement(cells: Iterable[_Cell], pp: int) -> tuple[int, ...]:
     if not owner:
         raise FormatError("the CSV holds no compute action (F, B, I or W)")
     num_stages = max(owner) + 1
+    check_at_most("stages (1 + the largest stage of a compute cell)", num_stages, MAX_STAGE_MICROBATCHES,
+                  FormatError)  # [Note: size limits], before looping over them
     missing = [s for s in range(num_stages) if s not in owner]
     if missing:
         raise FormatError(
@@ -216,7 +239,7 @@ def _to_instrs(cell: _Cell, split: bool, placement: tuple[int, ...]) -> list[Ins
 def read_csv(text: str, *, name: str = "torch_csv", form: str | None = None) -> Schedule:
     """A Schedule from PyTorch's schedule CSV text.
 
-    `form` None detects the form: a file with any SEND/RECV cell is compute_comms.
+    `form` None detects the form from the content ([Note: CSV form], `form_of`).
     compute_only gives a compute-only schedule (make it runnable with `passes.lower`);
     compute_comms keeps the communication as written and adds FREE (`passes.add_frees`).
     Raises FormatError naming the offending cell, rank and column.
@@ -241,6 +264,8 @@ def read_csv(text: str, *, name: str = "torch_csv", form: str | None = None) -> 
 
     kinds = {c.kind for c in cells}
     has_comms = bool(kinds & _COMM_TYPES)
+    if form is None:
+        form = form_of(kinds)
     if form == "compute_only" and has_comms:
         first = next(c for c in cells if c.kind in _COMM_TYPES)
         raise FormatError(f"{first.where()}: a compute_only CSV holds no communication")
@@ -254,6 +279,7 @@ def read_csv(text: str, *, name: str = "torch_csv", form: str | None = None) -> 
 
     mbs = {c.mb for c in cells if c.kind not in _SKIPPED_TYPES}
     microbatches = max(mbs) + 1
+    check_schedule_size(pp, len(placement) // pp, microbatches, FormatError)  # [Note: size limits]
     if len(mbs) != microbatches:
         missing = sorted(set(range(microbatches)) - mbs)
         raise FormatError(
@@ -263,15 +289,20 @@ def read_csv(text: str, *, name: str = "torch_csv", form: str | None = None) -> 
 
     programs = [[i for c in row for i in _to_instrs(c, split, placement)] for row in grid]
     schedule = Schedule(name, pp, len(placement) // pp, microbatches, placement, programs, {})
-    if has_comms or form == "compute_comms":
+    if form == "compute_comms":
         return passes.add_frees(schedule)
     return schedule
+
+
+def form_of(kinds) -> str:
+    """The form of a file whose cells are of these kinds ([Note: CSV form])."""
+    return "compute_comms" if set(kinds) & (_COMM_TYPES | _LOWERED_ONLY_TYPES) else "compute_only"
 
 
 def load_csv(path: str, *, form: str | None = None) -> Schedule:
     """`read_csv` of a file; the schedule is named after the file. Raises FormatError."""
     try:
-        with open(path, encoding="utf-8", newline="") as handle:
+        with open(path, encoding="utf-8-sig", newline="") as handle:  # a byte-order mark is skipped
             text = handle.read()
     except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: NUL in path
         raise FormatError(f"cannot read {path!r}: {err}") from None
@@ -297,20 +328,37 @@ def write_csv(schedule: Schedule, *, form: str = "compute_only") -> str:
 
     compute_only keeps F, B, W (B is written `I` when the schedule has W); compute_comms
     also keeps SEND_F, RECV_F, SEND_B, RECV_B, adding them with
-    `passes.add_communication` when the schedule holds compute only. FREE is always dropped
-    (PyTorch has no such action).
+    `passes.add_communication` when the schedule holds compute only, and writes each
+    stage's `REDUCE_GRAD` after its last backward ([Note: REDUCE_GRAD]). FREE, OFFLOAD
+    and RELOAD are always dropped (PyTorch has no such actions).
     """
     if form not in FORMS:
         raise FormatError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
     compute_only = all(i.op in COMPUTE_OPS for program in schedule.programs for i in program)
     if form == "compute_comms" and compute_only:
         schedule = passes.add_communication(schedule)
-    keep = COMPUTE_OPS | (COMM_OPS if form == "compute_comms" else frozenset())
+    comms = form == "compute_comms"
+    keep = COMPUTE_OPS | (COMM_OPS if comms else frozenset())
     split = schedule.split_backward
+    reduced = Op.W if split else Op.B  # what PyTorch counts to m ([Note: REDUCE_GRAD])
     out = io.StringIO()
     writer = csv.writer(out)
     for program in schedule.programs:
-        row = [_cell(i, split) for i in program if i.op in keep]
+        row: list[str] = []
+        counts: dict[int, int] = {}
+        pending: list[str] = []  # REDUCE_GRAD waiting for the current run of communication to end
+        for i in program:
+            if i.op not in keep:
+                continue
+            if pending and i.op not in COMM_OPS:
+                row += pending
+                pending = []
+            row.append(_cell(i, split))
+            if comms and i.op is reduced:
+                counts[i.stage] = counts.get(i.stage, 0) + 1
+                if counts[i.stage] == schedule.microbatches:
+                    pending.append(f"{i.stage}REDUCE_GRAD")
+        row += pending
         writer.writerow(row or [""])  # `""`, not a blank line: a rank with no actions
     return out.getvalue()
 

@@ -6,6 +6,20 @@ microbatch, with the step x rank grid around it. The order of `RULES` matters on
 which rule is named when one edit breaks several: structure and coverage first (is every
 instruction where it belongs, once), then data dependencies, matching, deadlock,
 liveness and caps.
+
+[Note: forward-only schedules] A schedule with `forward_only` set (an evaluation step,
+`passes.forward_only`) runs forwards only. Every rule reads it from the schedule, so
+`verify(schedule)` checks it as what it says it is, and equal schedules get equal
+verdicts:
+- coverage: each (stage, mb) has exactly one F on its rank, and nothing of a backward
+  (B, W, SEND_B, RECV_B) appears;
+- dependency: F follows its RECV_F (or F(s-1) on the same rank); each SEND_F / RECV_F
+  exists once, between the right ranks;
+- matching and deadlock: unchanged;
+- liveness: unchanged; F is the last use of its act_in and stash, so both must be freed
+  after it (there is no B to free them);
+- cap: does not apply: rule 6 counts (stage, mb) held between F and B, and a
+  forward-only schedule holds none for a backward.
 """
 
 from __future__ import annotations
@@ -58,9 +72,12 @@ def _fail(schedule: Schedule, rule: str, rank: int, index: int, message: str) ->
 def check_coverage(schedule: Schedule) -> None:
     """Every instruction names a stage of its own rank and a microbatch in range; each
     (stage, mb) has exactly one F and one B (and one W if the schedule splits the
-    backward), in the order F, B, W; communication names a peer in range, not itself."""
+    backward), in the order F, B, W; communication names a peer in range, not itself.
+    A forward-only schedule: exactly one F, and no B, W, SEND_B or RECV_B ([Note:
+    forward-only schedules])."""
     S, m, pp, split = schedule.num_stages, schedule.microbatches, schedule.pp, schedule.split_backward
     placement = schedule.placement
+    forward_only = schedule.forward_only
     for rank, program in enumerate(schedule.programs):
         seen: dict[tuple[Op, int, int], int] = {}
         for index, i in enumerate(program):
@@ -73,6 +90,8 @@ def check_coverage(schedule: Schedule) -> None:
             peer = i.peer
             if peer is not None and (peer >= pp or peer == rank):
                 raise _fail(schedule, "coverage", rank, index, f"peer {peer} is not another rank in 0..{pp - 1}")
+            if forward_only and (op is B or op is W or op is SEND_B or op is RECV_B):
+                raise _fail(schedule, "coverage", rank, index, f"{op.value} of (stage {stage}, mb {mb}) in a forward-only schedule, which runs no backward (accepted: F, SEND_F, RECV_F, FREE, OFFLOAD, RELOAD)")
             if op is F or op is B or op is W:
                 key = (op, stage, mb)
                 if key in seen:
@@ -82,7 +101,7 @@ def check_coverage(schedule: Schedule) -> None:
                     raise _fail(schedule, "coverage", rank, index, f"B of (stage {stage}, mb {mb}) before its F")
                 if op is W and (B, stage, mb) not in seen:
                     raise _fail(schedule, "coverage", rank, index, f"W of (stage {stage}, mb {mb}) before its B")
-        ops = (F, B, W) if split else (F, B)
+        ops = (F,) if forward_only else (F, B, W) if split else (F, B)
         stages = schedule.stages_of(rank)
         # Every key of `seen` is one of the len(ops) * len(stages) * m wanted (checked
         # above, and a W anywhere makes the schedule split), each once: when the counts
@@ -103,7 +122,8 @@ def check_dependencies(schedule: Schedule) -> None:
     """F(s, mb) follows its RECV_F (or F(s-1, mb) on the same rank); B(s, mb) follows its
     RECV_B (or B(s+1, mb) on the same rank); each transfer exists exactly once, between
     the ranks of the two stages it connects. (That SEND_F follows its F and SEND_B its B
-    is the liveness of act_out and grad_in, checked by check_liveness.)"""
+    is the liveness of act_out and grad_in, checked by check_liveness.) A forward-only
+    schedule has only the forward half of this ([Note: forward-only schedules])."""
     S, placement = schedule.num_stages, schedule.placement
     last = S - 1
     # For each stage: what its F and its B wait for, and the peer of each transfer.
@@ -151,16 +171,24 @@ def check_dependencies(schedule: Schedule) -> None:
         # and B found its receive, so when the counts agree no send is missing either, and
         # the search below for the missing one can be skipped (130k lookups at pp=64, m=512).
         stages = schedule.stages_of(rank)
-        transfers = sum(schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
-                        + schedule.recvs_backward(s) for s in stages)
-        if len(done) == (2 * len(stages) + transfers) * schedule.microbatches:
+        if len(done) == _needed_per_microbatch(schedule, stages) * schedule.microbatches:
             continue
         for s in stages:
-            for op, needed in ((SEND_F, schedule.sends_forward(s)), (SEND_B, schedule.sends_backward(s))):
+            for op, needed in ((SEND_F, schedule.sends_forward(s)),
+                               (SEND_B, schedule.sends_backward(s) and not schedule.forward_only)):
                 if needed:
                     for mb in range(schedule.microbatches):
                         if (op, s, mb) not in done:
                             raise _fail(schedule, "dependency", rank, len(program), f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never gets it")
+
+
+def _needed_per_microbatch(schedule: Schedule, stages) -> int:
+    """How many of F, B and transfers (what check_dependencies records) a rank running
+    `stages` has per microbatch: F and B of each stage, and each stage's messages."""
+    if schedule.forward_only:
+        return sum(1 + schedule.recvs_forward(s) + schedule.sends_forward(s) for s in stages)
+    return sum(2 + schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
+               + schedule.recvs_backward(s) for s in stages)
 
 
 # -- rule 3: matching ------------------------------------------------------------------
@@ -171,11 +199,8 @@ def _communication(schedule: Schedule):
     order and the receives in dst's order, each as (tensor, step, batch), a tensor named
     by its receiving instruction (RECV_x, stage, mb) and batch being the index of its
     step's batch; and the batches, every maximal run of communication instructions as
-    (rank, start, end), with per rank its batches in program order. A schedule is
-    immutable, so this is found once and kept on the schedule."""
-    cached = schedule.__dict__.get("_verify_communication")
-    if cached is not None:
-        return cached
+    (rank, start, end), with per rank its batches in program order. `verify` finds this
+    once and hands it to rules 3 and 4 (nothing is kept on the schedule)."""
     sends, recvs = {}, {}
     batches: list[tuple[int, int, int]] = []
     rank_batches: list[list[int]] = []
@@ -217,15 +242,14 @@ def _communication(schedule: Schedule):
             sends[rank, peer] = entries
         for peer, entries in from_peer.items():
             recvs[peer, rank] = entries
-    found = (sends, recvs, batches, rank_batches)
-    object.__setattr__(schedule, "_verify_communication", found)
-    return found
+    return sends, recvs, batches, rank_batches
 
 
-def check_matching(schedule: Schedule) -> None:
+def check_matching(schedule: Schedule, communication=None) -> None:
     """For each ordered pair of ranks, the k-th send from a to b and the k-th receive on b
-    from a carry the same tensor (NCCL matches by order alone)."""
-    sends, recvs, _, _ = _communication(schedule)
+    from a carry the same tensor (NCCL matches by order alone). `communication`:
+    `_communication(schedule)` where the caller has it already."""
+    sends, recvs, _, _ = communication or _communication(schedule)
     for src, dst in sorted(set(sends) | set(recvs)):
         out, into = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, ((sent, s_index, _), (wanted, r_index, _)) in enumerate(zip(out, into)):
@@ -253,11 +277,12 @@ def comm_batches(schedule: Schedule):
     return batches, rank_batches, partners
 
 
-def check_deadlock(schedule: Schedule) -> None:
+def check_deadlock(schedule: Schedule, communication=None) -> None:
     """Runs every program under rule 4's semantics: a batch is posted when its rank
     reaches it, and the rank moves past it once every partner batch is posted. Only the
-    batches matter: compute never blocks, so each rank walks its batches in order."""
-    sends, recvs, batches, rank_batches = _communication(schedule)
+    batches matter: compute never blocks, so each rank walks its batches in order.
+    `communication`: `_communication(schedule)` where the caller has it already."""
+    sends, recvs, batches, rank_batches = communication or _communication(schedule)
     # Per batch, the partner batch of each of its messages, a partner listed once per
     # message. Lists rather than `comm_batches`' sets: there are about as many batches as
     # messages (130k at pp=64, v=2, m=512), and building a set per batch took half of
@@ -465,9 +490,11 @@ def check_liveness(schedule: Schedule) -> None:
 
 
 def check_caps(schedule: Schedule) -> None:
-    """The (stage, mb) whose F has run and whose B has not never outnumber the cap."""
+    """The (stage, mb) whose F has run and whose B has not never outnumber the cap. Not
+    for a forward-only schedule, which holds none for a backward ([Note: forward-only
+    schedules])."""
     caps = schedule.caps()
-    if caps is None:
+    if caps is None or schedule.forward_only:
         return
     for rank, program in enumerate(schedule.programs):
         inflight = 0
@@ -486,18 +513,18 @@ RULES = (check_coverage, check_dependencies, check_matching, check_deadlock, che
 # -- the merged walk -------------------------------------------------------------------
 
 
-def _passes_walked_rules(schedule: Schedule) -> bool:
+def _passes_walked_rules(schedule: Schedule):
     """One walk per rank that answers whether check_coverage, check_dependencies and
-    check_liveness all pass, and collects what `_communication` collects (stored on the
-    schedule only when the walk succeeds).
+    check_liveness all pass: what `_communication(schedule)` returns when they do (it
+    collects the same on the way), None when any fails.
 
     [Note: merged walk] Each of those rules walks every instruction (717k at pp=64, v=2,
     m=512). Walking once, reading each instruction's fields once, and dropping the
     checks that the others imply (below) took about a fifth of `verify`'s time off.
     The rules name the first error by rule, then rank, then step, which one walk cannot
-    reproduce cheaply, so this walk never raises: any failed check returns False and
-    `verify` runs the separate rules, which raise the right error. False is therefore
-    always safe (only slower); True must come back only when each of the three rules
+    reproduce cheaply, so this walk never raises: any failed check returns None and
+    `verify` runs the separate rules, which raise the right error. None is therefore
+    always safe (only slower); tables must come back only when each of the three rules
     would pass. Checks left out because, when every check here passes, they cannot fail:
     - liveness "produced a second time": each buffer key has one producer, unique by
       coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
@@ -510,7 +537,13 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
       produces stash (s, mb).
     The per-rank counts at the end are the rules' own: each key is one a rule wants,
     each once, so a count that agrees means nothing is missing.
+    tests/test_verify_walk.py pins this walk to the three rules (a differential test on
+    valid and edited schedules of every family, with offload); a check added here or
+    there without the other fails it. A forward-only schedule
+    is left to the separate rules (None): evaluation schedules are small and rare.
     """
+    if schedule.forward_only:
+        return None
     S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
     placement = schedule.placement
     last = S - 1
@@ -552,23 +585,23 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
         for index, i in enumerate(program):
             op, s, mb = i.op, i.stage, i.mb
             if s not in own or mb >= m:
-                return False
+                return None
             peer = i.peer
             key = (s, mb)
             if op is FREE:
                 if peer is not None:
-                    return False
+                    return None
                 states_of = states.get(i.buf)
                 if states_of is None:
-                    return False  # not a buffer name: let the rules decide what fails first
+                    return None  # not a buffer name: let the rules decide what fails first
                 state = states_of.get(key)
                 if state is None or (host < state < 0):
-                    return False
+                    return None
                 states_of[key] = ~index
                 frees += 1
             elif op is F:
                 if peer is not None or key in stash:  # second F
-                    return False
+                    return None
                 stash[key] = index
                 if s == 0:
                     act_in[key] = index
@@ -578,10 +611,10 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
                     act_in[(s + 1, mb)] = index
                 state = act_in.get(key)
                 if state is None or state < 0:
-                    return False
+                    return None
             elif op is B:
                 if peer is not None or key in b_done:
-                    return False
+                    return None
                 b_done.add(key)
                 if sends_bwd[s]:
                     grad_in[key] = index
@@ -589,42 +622,42 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
                     grad_out[(s - 1, mb)] = index
                 state = act_in.get(key)
                 if state is None or state < 0:
-                    return False
+                    return None
                 state = stash.get(key)
                 if state is None or state < 0:
-                    return False
+                    return None
                 if s < last:
                     state = grad_out.get(key)
                     if state is None or state < 0:
-                        return False
+                        return None
             elif op is W:
                 if peer is not None or key in w_done or key not in b_done:
-                    return False
+                    return None
                 w_done.add(key)
                 state = stash.get(key)
                 if state is None or state < 0:
-                    return False
+                    return None
             elif op is OFFLOAD or op is RELOAD:
                 if peer is not None:
-                    return False
+                    return None
                 states_of = states.get(i.buf)
                 if states_of is None:
-                    return False
+                    return None
                 state = states_of.get(key)
                 if op is OFFLOAD:
                     if state is None or state < 0:
-                        return False
+                        return None
                     states_of[key] = host - index
                 else:
                     if state is None or state > host:
-                        return False
+                        return None
                     states_of[key] = index
             else:  # SEND_F, RECV_F, SEND_B, RECV_B
                 # dependency: a remote neighbour stage, which is the peer (so the peer is
                 # in range and not this rank, as coverage wants)
                 other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
                 if not 0 <= other < S or placement[other] == rank or peer != placement[other]:
-                    return False
+                    return None
                 comm += 1
                 if index != run_end:  # a new batch, as in _communication
                     if run_end >= 0:
@@ -634,22 +667,22 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
                 run_end = index + 1
                 if op is SEND_F:
                     if key in sent_f:
-                        return False
+                        return None
                     sent_f.add(key)
                     state = act_out.get(key)
                     if state is None or state < 0:
-                        return False
+                        return None
                     entries = to_peer.get(peer)
                     if entries is None:
                         entries = to_peer[peer] = []
                     entries.append(((RECV_F, s + 1, mb), index, batch))
                 elif op is SEND_B:
                     if key in sent_b:
-                        return False
+                        return None
                     sent_b.add(key)
                     state = grad_in.get(key)
                     if state is None or state < 0:
-                        return False
+                        return None
                     entries = to_peer.get(peer)
                     if entries is None:
                         entries = to_peer[peer] = []
@@ -657,11 +690,11 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
                 else:
                     if op is RECV_F:
                         if key in act_in:  # second RECV_F
-                            return False
+                            return None
                         act_in[key] = index
                     else:
                         if key in grad_out:  # second RECV_B
-                            return False
+                            return None
                         grad_out[key] = index
                     entries = from_peer.get(peer)
                     if entries is None:
@@ -677,26 +710,23 @@ def _passes_walked_rules(schedule: Schedule) -> bool:
         # The end-of-rank checks of the three rules, by their counts.
         fb = len(stash) + len(b_done)
         if fb + len(w_done) != n_ops * len(stages) * m:  # coverage: an F, B or W missing
-            return False
-        transfers = sum(schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
-                        + schedule.recvs_backward(s) for s in stages)
-        if fb + comm != (2 * len(stages) + transfers) * m:  # dependency: a send missing
-            return False
+            return None
+        if fb + comm != _needed_per_microbatch(schedule, stages) * m:  # dependency: a send missing
+            return None
         if len(act_in) + len(act_out) + len(stash) + len(grad_out) + len(grad_in) > frees:  # liveness: a leak
-            return False
-    if "_verify_communication" not in schedule.__dict__:
-        object.__setattr__(schedule, "_verify_communication", (sends, recvs, batches, rank_batches))
-    return True
+            return None
+    return sends, recvs, batches, rank_batches
 
 
 @gc_paused
 def verify(schedule: Schedule) -> None:
     """Raises ScheduleError at the first broken rule; returns None for a valid schedule."""
-    if _passes_walked_rules(schedule):
+    communication = _passes_walked_rules(schedule)
+    if communication is not None:
         # Coverage, dependencies and liveness pass ([Note: merged walk]): the remaining
         # rules in RULES' order name the first error, if any.
-        check_matching(schedule)
-        check_deadlock(schedule)
+        check_matching(schedule, communication)
+        check_deadlock(schedule, communication)
         check_caps(schedule)
         return
     for rule in RULES:

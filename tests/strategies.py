@@ -1,36 +1,67 @@
-"""Hypothesis strategies over the whole schedule parameter space."""
+"""Hypothesis strategies over the whole schedule parameter space.
+
+The families and what each takes come from the package's own table
+(`pipeschedule.generators.FAMILIES`: function, takes virtual, takes cap), so a family
+added there is drawn here without a second list: split backward (W) and V placement
+come with their families; offload (OFFLOAD / RELOAD, `pipeschedule.offload.add_offload`)
+is drawn on top of any of them by `schedules`.
+"""
 
 from hypothesis import strategies as st
 
 from pipeschedule import compile_schedule
+from pipeschedule.generators import FAMILIES, family_virtual
+from pipeschedule.offload import OffloadPolicy, add_offload
 
-FAMILIES = ("afab", "1f1b", "capped_1f1b", "interleaved_1f1b", "capped_interleaved")
+FAMILY_NAMES = tuple(sorted(FAMILIES))
 
 
 @st.composite
-def schedule_params(draw, max_pp=16, max_m=64, max_v=4):
-    family = draw(st.sampled_from(FAMILIES))
+def schedule_params(draw, max_pp=16, max_m=64, max_v=4, families=FAMILY_NAMES):
+    """(family, compile_schedule keyword arguments): a family of `families`, pp, m, and
+    virtual and cap where the family takes them (a cap half of the time, one int or one
+    per rank, never below the stages a rank runs: each holds at least one microbatch in
+    each of its stages)."""
+    family = draw(st.sampled_from(families))
+    _, takes_virtual, takes_cap = FAMILIES[family]
     pp = draw(st.integers(1, max_pp))
     m = draw(st.integers(1, max_m))
     params = {"pp": pp, "microbatches": m}
-    if family in ("interleaved_1f1b", "capped_interleaved"):
-        v = draw(st.integers(1, max_v))
-        params["virtual"] = v
-        if family == "capped_interleaved":
-            per_rank = draw(st.booleans())
-            low = v  # an interleaved rank holds at least one microbatch per chunk
-            if per_rank:
-                params["cap"] = draw(st.lists(st.integers(low, low + 2 * pp), min_size=pp, max_size=pp))
-            else:
-                params["cap"] = draw(st.integers(low, low + 2 * pp))
-        family = "interleaved_1f1b"
-    elif family == "capped_1f1b":
-        if draw(st.booleans()):
-            params["cap"] = draw(st.lists(st.integers(1, pp), min_size=pp, max_size=pp))
-        else:
-            params["cap"] = draw(st.integers(1, pp))
+    if takes_virtual:
+        params["virtual"] = draw(st.integers(1, max_v))
+    if takes_cap and draw(st.booleans()):
+        low = family_virtual(family, params.get("virtual"))
+        cap = st.integers(low, low + 2 * pp)
+        params["cap"] = draw(st.lists(cap, min_size=pp, max_size=pp) if draw(st.booleans()) else cap)
     return family, params
 
 
 def build(family, params, check=True):
     return compile_schedule(family, check=check, **params)
+
+
+@st.composite
+def offload_policies(draw, pp):
+    """An `OffloadPolicy` for a schedule of pp ranks: a fraction (one or per rank), a
+    lead (one or per rank), all ranks or some."""
+    fraction = st.sampled_from((0.0, 0.25, 0.5, 1.0))
+    lead = st.integers(0, 3)
+    ranks = None
+    if draw(st.booleans()):
+        ranks = tuple(draw(st.lists(st.integers(0, pp - 1), min_size=1, max_size=pp, unique=True)))
+    return OffloadPolicy(
+        fraction=draw(st.tuples(*[fraction] * pp) if draw(st.booleans()) else fraction),
+        ranks=ranks,
+        lead=draw(st.tuples(*[lead] * pp) if draw(st.booleans()) else lead),
+    )
+
+
+@st.composite
+def schedules(draw, max_pp=16, max_m=64, max_v=4, offload=True):
+    """A compiled (lowered, verified) schedule of any family, with OFFLOAD / RELOAD of
+    stashes added half of the time when `offload`."""
+    family, params = draw(schedule_params(max_pp=max_pp, max_m=max_m, max_v=max_v))
+    schedule = build(family, params)
+    if offload and draw(st.booleans()):
+        schedule = add_offload(schedule, draw(offload_policies(schedule.pp)))
+    return schedule

@@ -3,6 +3,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import ParameterError, compile_schedule, generate
+from pipeschedule.generators import FAMILIES
 from pipeschedule.generators.one_f_one_b import default_cap, effective_caps
 
 
@@ -100,3 +101,65 @@ def test_bad_parameters_name_the_value(kwargs, fragment):
     with pytest.raises(ParameterError) as info:
         generate(name, **kwargs)
     assert fragment in str(info.value)
+
+
+# -- asap: the timing generators and lowering rely on ----------------------------------
+
+def reference_asap(programs, durations, last):
+    """asap written the plain way: sweep every rank until none moves."""
+    from pipeschedule.ir import Op
+    ends, starts = {}, [[None] * len(p) for p in programs]
+    pcs, free = [0] * len(programs), [0] * len(programs)
+    moved = True
+    while moved:
+        moved = False
+        for r, program in enumerate(programs):
+            while pcs[r] < len(program):
+                i = program[pcs[r]]
+                needs = {Op.F: [(Op.F, i.stage - 1)] if i.stage else [],
+                         Op.B: [(Op.F, i.stage)] + ([(Op.B, i.stage + 1)] if i.stage < last else []),
+                         Op.W: [(Op.B, i.stage)]}[i.op]
+                if any((op, s, i.mb) not in ends for op, s in needs):
+                    break
+                start = max([free[r]] + [ends[op, s, i.mb] for op, s in needs])
+                starts[r][pcs[r]] = start
+                free[r] = ends[i.op, i.stage, i.mb] = start + durations[i.op]
+                pcs[r] += 1
+                moved = True
+    return starts, [r for r, p in enumerate(programs) if pcs[r] < len(p)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(sorted(FAMILIES)),
+       st.integers(1, 5), st.integers(1, 6), st.randoms(use_true_random=False), st.booleans())
+def test_asap_equals_the_plain_sweep(name, pp, m, rng, shuffle):
+    """On every family's order, and on shuffled orders (which may block: then the same
+    ranks are reported stuck, with the same partial starts)."""
+    from pipeschedule.generators.common import asap, unit_cost
+    schedule = generate(name, pp=pp, microbatches=m)
+    programs = [list(p) for p in schedule.programs]
+    if shuffle:
+        for program in programs:
+            rng.shuffle(program)
+    got = asap(schedule.num_stages, programs)
+    assert got == reference_asap(programs, unit_cost(programs), schedule.num_stages - 1)
+    assert shuffle or got[1] == []
+
+
+def test_asap_is_linear_in_pp():
+    """1F1B's backward wave climbs one rank per sweep: sweeping all ranks until none
+    moves took pp sweeps of pp ranks (1.5 s at pp=2000, minutes at pp=100000)."""
+    import time
+    from pipeschedule.gcpause import gc_paused
+    from pipeschedule.generators.common import asap
+
+    @gc_paused  # as lowering runs it: the collector's passes over a growing heap are not asap's
+    def seconds(pp):
+        schedule = generate("1f1b", pp=pp, microbatches=1)
+        t0 = time.process_time()
+        starts, stuck = asap(schedule.num_stages, schedule.programs)
+        assert not stuck and starts[0][-1] == 3 * pp - 2  # F down (pp), B back up (2 each)
+        return time.process_time() - t0
+
+    small, large = min(seconds(2000) for _ in range(3)), seconds(40000)
+    assert large < 2.0 and large < 100 * max(small, 1e-3)  # 20x the ranks: linear ~20x, quadratic ~400x

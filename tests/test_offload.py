@@ -316,7 +316,7 @@ def test_parse_offload():
     ("lead=1", ["fraction= is missing"]),
     ("auto,budget=-1", ["budget", "-1"]),
     ("auto,fraction=1", ["cannot read 'fraction=1'"]),
-    ("fraction=1,stream=0", ["stream", "MiB > 0", "'0'"]),
+    ("fraction=1,stream=0", ["stream", "at least one byte", "'0'"]),
     ("auto,stream=x", ["stream='x'", "a number"]),
     ("auto,stream=1/2", ["stream takes one number", "'1/2'"]),
 ])

@@ -121,7 +121,7 @@ def test_cli_model_from_sizes(capsys):
         (["--model", "gpt5"], "unknown model 'gpt5'"),
         (["--model", "llama3-70b", "--gpu", "a100"], "unknown GPU 'a100'"),
         (["--hidden", "64"], "give --model, --model-file, or the sizes"),
-        (["--model", "llama3-70b", "--layers", "-2"], "model layers must be an integer >= 1, got -2"),
+        (["--model", "llama3-70b", "--layers", "-2"], "model layers must be an integer in 1..1024, got -2"),
     ],
 )
 def test_cli_bad_input_names_the_value(argv, message):

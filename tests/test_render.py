@@ -70,7 +70,7 @@ def test_chrome_trace():
     comm = [i for p in schedule.programs for i in p if i.op in COMM_OPS]
     assert len([e for e in complete if e["cat"] == "compute"]) == len(compute)
     assert len([e for e in complete if e["cat"] == "comm"]) == len(comm)
-    assert {e["tid"] for e in complete} == set(range(schedule.pp))
+    assert {e["tid"] for e in complete if e["cat"] == "compute"} == set(range(schedule.pp))
     assert all(e["pid"] == 0 and e["dur"] >= 0 for e in complete)
     assert any(e["name"] == "F mb3 s1" for e in complete)
     counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]
@@ -83,6 +83,54 @@ def test_chrome_trace_time_unit():
     events = chrome_trace(schedule, result, time_unit_us=1000)["traceEvents"]
     last = max(e["ts"] + e.get("dur", 0) for e in events if e["ph"] == "X")
     assert last == result.step_time * 1000
+
+
+def tracks_of(trace):
+    """tid -> (track name, its complete events)."""
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    out = {tid: (name, []) for tid, name in names.items()}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            out[e["tid"]][1].append(e)
+    return out
+
+
+@pytest.mark.parametrize("name,params", [("1f1b", {}), ("zbv", {}), ("interleaved_1f1b", {"virtual": 2}), ("afab", {})])
+def test_chrome_trace_tracks_never_overlap(name, params):
+    """Perfetto draws overlapping complete events of one track wrongly: computes have a
+    track per rank, messages (post to completion, sends too) and host copies tracks of
+    their own, split in lanes."""
+    from dataclasses import replace
+
+    from pipeschedule.offload import OffloadPolicy, add_offload
+
+    schedule = add_offload(lower(generate(name, pp=3, microbatches=6, **params)), OffloadPolicy(1.0, None, 0))
+    cost = replace(CostModel.default(schedule), latency=0.3, offload_bandwidth=0.4, reload_bandwidth=0.4)
+    result = simulate(schedule, cost)
+    tracks = tracks_of(json.loads(json.dumps(chrome_trace(schedule, result))))
+    kinds = {"compute": 0, "comm": 0, "copy": 0}
+    for tid, (track, events) in tracks.items():
+        events.sort(key=lambda e: (e["ts"], e["dur"]))
+        for a, b in zip(events, events[1:]):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-9, (track, a["name"], b["name"])
+        categories = {e["cat"] for e in events}
+        assert len(categories) == 1, (track, categories)
+        category = categories.pop()
+        kinds[category] += len(events)
+        rank = int(track.split()[1])
+        assert track == f"rank {rank}" if category == "compute" else track.startswith(
+            f"rank {rank} {'messages' if category == 'comm' else 'copies'}")
+    programs = [i for p in schedule.programs for i in p]
+    assert kinds == {"compute": sum(i.op in COMPUTE_OPS for i in programs), "comm": sum(i.op in COMM_OPS for i in programs),
+                     "copy": sum(i.op.value in ("OFFLOAD", "RELOAD") for i in programs)}
+    assert kinds["copy"] > 0
+    # a send spans its post to its message's completion, the matching receive's end
+    sends = {}
+    for tid, (track, events) in tracks.items():
+        for e in events:
+            if e["name"].startswith("SEND"):
+                sends[e["name"]] = e
+    assert sends and all(e["dur"] >= 0.3 - 1e-9 for e in sends.values())
 
 
 @pytest.mark.parametrize("name,params", CASES[:1] + CASES[3:4])

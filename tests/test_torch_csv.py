@@ -17,23 +17,16 @@ from pipeschedule.errors import FormatError, PipescheduleError
 from pipeschedule.generators import generate
 from pipeschedule.ir import COMPUTE_OPS, Instr, Op, Schedule
 
+from strategies import schedule_params
+
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
 def generated(draw):
     """A compute-only schedule of any generator family and valid parameters."""
-    family = draw(st.sampled_from(["afab", "1f1b", "capped_1f1b", "interleaved_1f1b"]))
-    pp = draw(st.integers(1, 6))
-    microbatches = draw(st.integers(1, 10))
-    if family == "interleaved_1f1b":
-        virtual = draw(st.integers(1, 3))
-        cap = draw(st.none() | st.integers(virtual, 3 * virtual + 2 * pp))
-        return generate(family, pp=pp, microbatches=microbatches, virtual=virtual, cap=cap)
-    if family == "capped_1f1b":
-        cap = draw(st.none() | st.integers(1, pp + 1))
-        return generate(family, pp=pp, microbatches=microbatches, cap=cap)
-    return generate(family, pp=pp, microbatches=microbatches)
+    family, params = draw(schedule_params(max_pp=6, max_m=10, max_v=3))
+    return generate(family, **params)
 
 
 def compute_order(schedule: Schedule):
@@ -113,6 +106,22 @@ def test_split_backward_round_trip(schedule):
     assert torch_csv.read_csv(text, form="compute_comms").programs == lowered.programs
 
 
+@FAST
+@given(generated())
+def test_compute_comms_reduces_each_stage_once_after_its_last_backward(schedule):
+    """[Note: REDUCE_GRAD]: where PyTorch's own lowering of the compute_only form puts it."""
+    rows = list(csv.reader(io.StringIO(torch_csv.write_csv(schedule, form="compute_comms"))))
+    last = "W" if schedule.split_backward else "B"
+    for rank, row in enumerate(rows):
+        for stage in schedule.stages_of(rank):
+            at = [k for k, cell in enumerate(row) if cell == f"{stage}REDUCE_GRAD"]
+            assert len(at) == 1
+            backward = max(k for k, cell in enumerate(row) if cell.startswith(f"{stage}{last}"))
+            assert backward < at[0]
+            # only the run of communication after that backward (and other stages' REDUCE_GRAD) between
+            assert all(any(k in cell for k in ("SEND_", "RECV_", "REDUCE_GRAD")) for cell in row[backward + 1:at[0]])
+
+
 def test_dump_and_load_file(tmp_path):
     schedule = generate("interleaved_1f1b", pp=3, microbatches=5, virtual=2)
     path = tmp_path / "sched.csv"
@@ -140,8 +149,10 @@ def test_rank_without_actions_survives_round_trip():
 def test_empty_cells_and_bookkeeping_are_skipped():
     text = "0UNSHARD,0F0,,0F1,0B0,0B1,0REDUCE_GRAD,0RESHARD\n"
     back = torch_csv.read_csv(text)
-    assert [str(i) for i in back.programs[0]] == ["0F0", "0F1", "0B0", "0B1"]
+    assert [str(i) for i in compute_order(back)[0]] == ["0F0", "0F1", "0B0", "0B1"]
     assert (back.pp, back.virtual, back.microbatches) == (1, 1, 2)
+    # UNSHARD / RESHARD come only from PyTorch's lowering: compute_comms, FREE added
+    assert back == passes.lower(torch_csv.read_csv("0F0,,0F1,0B0,0B1,0REDUCE_GRAD\n"))
 
 
 def test_trailing_blank_lines_and_whitespace_are_ignored():
@@ -364,6 +375,37 @@ def test_reads_pytorch_split_backward_families(cls, pp, microbatches, v_shape, o
     verify = pytest.importorskip("pipeschedule.verify").verify
     verify(passes.lower(compute))
     verify(comms)
+
+
+DEFERRED = [
+    # (class, pp, microbatches, the rule PyTorch's order with defer_pp_recv=True breaks)
+    ("ScheduleZBVZeroBubble", 2, 4, "matching"),
+    ("ScheduleZBVZeroBubble", 4, 8, "matching"),
+    ("ScheduleInterleavedZeroBubble", 2, 4, "matching"),
+    ("ScheduleInterleavedZeroBubble", 4, 8, "deadlock"),
+]
+
+
+@pytest.mark.parametrize("cls, pp, microbatches, rule", DEFERRED)
+def test_pytorch_deferred_receives_are_rejected_for_zero_bubble(cls, pp, microbatches, rule):
+    """README: PyTorch's `defer_pp_recv=True` orders for interleaved zero bubble and ZB-V
+    send and receive out of order between two ranks; the same schedules without it verify."""
+    schedules = _torch_schedules()
+    import torch
+
+    from pipeschedule.errors import ScheduleError
+    from pipeschedule.verify import verify
+
+    def read(defer):
+        stages = [SimpleNamespace(num_stages=2 * pp, group_size=pp, group_rank=0, stage_index=i,
+                                  submod=torch.nn.Identity()) for i in range(2)]
+        return torch_csv.read_csv(_torch_csv_text(getattr(schedules, cls)(stages, microbatches, defer_pp_recv=defer),
+                                                  "compute_comms"))
+
+    verify(read(False))
+    with pytest.raises(ScheduleError) as info:
+        verify(read(True))
+    assert info.value.rule == rule
 
 
 @pytest.mark.parametrize("pp, microbatches", [(2, 2), (4, 4), (4, 6), (3, 9)])

@@ -1,4 +1,7 @@
-"""Every generated schedule passes every rule, and the verifier rejects broken ones."""
+"""Every generated schedule passes every rule, and the verifier rejects broken ones.
+
+Schedules are drawn from every family of the package's table (split backward and V
+placement included) with and without offload (tests/strategies.py)."""
 
 import pytest
 from hypothesis import assume, given, settings
@@ -7,20 +10,20 @@ from hypothesis import strategies as st
 from pipeschedule import Instr, Op, Schedule, ScheduleError, compile_schedule, verify
 from pipeschedule.verify import RULES, grid
 
-from strategies import build, schedule_params
+from strategies import FAMILY_NAMES, schedules
 
 
-@settings(max_examples=300)
-@given(schedule_params())
-def test_every_generated_schedule_passes_every_rule(case):
-    family, params = case
-    schedule = build(family, params)  # compile_schedule verifies
-    verify(schedule)
-    m = params["microbatches"]
+@settings(max_examples=300, deadline=None)
+@given(schedules())
+def test_every_generated_schedule_passes_every_rule(schedule):
+    verify(schedule)  # compile_schedule verified it before any offload was added
+    m = schedule.microbatches
     for rank, program in enumerate(schedule.programs):
         stages = schedule.stages_of(rank)
         assert sum(i.op is Op.F for i in program) == len(stages) * m
         assert sum(i.op is Op.B for i in program) == len(stages) * m
+        assert sum(i.op is Op.W for i in program) == (len(stages) * m if schedule.split_backward else 0)
+        assert sum(i.op is Op.OFFLOAD for i in program) == sum(i.op is Op.RELOAD for i in program)
     caps = schedule.caps()
     if caps is not None:  # rule 6 again, counted independently of the verifier
         for rank, program in enumerate(schedule.programs):
@@ -54,9 +57,14 @@ def where(schedule, predicate):
 
 @st.composite
 def lowered(draw, min_pp=1, min_m=1):
-    family, params = draw(schedule_params(max_pp=6, max_m=12))
-    assume(params["pp"] >= min_pp and params["microbatches"] >= min_m)
-    return build(family, params)
+    schedule = draw(schedules(max_pp=6, max_m=12))
+    assume(schedule.pp >= min_pp and schedule.microbatches >= min_m)
+    return schedule
+
+
+def test_the_strategies_draw_every_family_of_the_table():
+    from pipeschedule.generators import FAMILIES
+    assert FAMILY_NAMES == tuple(sorted(FAMILIES))
 
 
 @settings(max_examples=40)
@@ -182,3 +190,56 @@ def test_hand_written_wrong_rank_and_peer():
     program = [Instr(Op.SEND_F, i.stage, i.mb, peer=0) if i.op is Op.SEND_F else i for i in schedule.programs[0]]
     err = rule_of(mutated(schedule, 0, program))
     assert err.rule == "coverage" and "peer 0 is not another rank" in str(err)
+
+
+# -- mutations of what only split backward and offload have --------------------------------
+
+@settings(max_examples=40)
+@given(lowered(), st.data())
+def test_moving_a_w_before_its_b_breaks_coverage(schedule, data):
+    assume(schedule.split_backward)
+    rank, k = data.draw(st.sampled_from(where(schedule, lambda i: i.op is Op.W)))
+    program = list(schedule.programs[rank])
+    w = program.pop(k)
+    b = next(j for j, i in enumerate(program) if i.op is Op.B and (i.stage, i.mb) == (w.stage, w.mb))
+    program.insert(b, w)
+    err = rule_of(mutated(schedule, rank, program))
+    assert err.rule == "coverage" and f"W of (stage {w.stage}, mb {w.mb}) before its B" in str(err)
+
+
+@settings(max_examples=40)
+@given(lowered(), st.data())
+def test_dropping_a_w_breaks_coverage(schedule, data):
+    # Dropping the only W leaves a valid schedule without split backward: keep one.
+    ws = where(schedule, lambda i: i.op is Op.W)
+    assume(len(ws) > 1)
+    rank, k = data.draw(st.sampled_from(ws))
+    program = list(schedule.programs[rank])
+    w = program.pop(k)
+    err = rule_of(mutated(schedule, rank, program))
+    assert err.rule == "coverage" and f"no W for (stage {w.stage}, mb {w.mb})" in str(err)
+
+
+@settings(max_examples=40)
+@given(lowered(), st.data())
+def test_dropping_a_reload_leaves_the_stash_on_the_host(schedule, data):
+    reloads = where(schedule, lambda i: i.op is Op.RELOAD)
+    assume(reloads)
+    rank, k = data.draw(st.sampled_from(reloads))
+    program = list(schedule.programs[rank])
+    reload = program.pop(k)
+    err = rule_of(mutated(schedule, rank, program))
+    assert err.rule == "liveness" and f"uses {reload.buf} of (stage {reload.stage}, mb {reload.mb}), which is on the host" in str(err)
+
+
+@settings(max_examples=40)
+@given(lowered(), st.data())
+def test_dropping_an_offload_makes_its_reload_wrong(schedule, data):
+    offloads = where(schedule, lambda i: i.op is Op.OFFLOAD)
+    assume(offloads)
+    rank, k = data.draw(st.sampled_from(offloads))
+    program = list(schedule.programs[rank])
+    offload = program.pop(k)
+    err = rule_of(mutated(schedule, rank, program))
+    assert err.rule == "liveness" and f"reloads {offload.buf} of (stage {offload.stage}, mb {offload.mb})" in str(err)
+    assert "RELOAD needs an OFFLOAD before it" in str(err)

@@ -10,11 +10,12 @@ from pipeschedule.gcpause import gc_paused
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.generators.afab import afab
-from pipeschedule.generators.common import asap, check_common, check_positive, per_rank_caps, remember_asap, stage_times
+from pipeschedule.generators.common import check_common, check_positive, per_rank_caps, stage_times
 from pipeschedule.generators.interleaved import interleaved_1f1b
 from pipeschedule.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
 from pipeschedule.generators.v_shape import v_half, v_min, zbv
 from pipeschedule.generators.zero_bubble import zb_h1
+from pipeschedule.limits import shown
 
 # name -> (function, takes virtual, takes cap)
 FAMILIES = {
@@ -57,17 +58,14 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
     `cost`: None (unit costs), a `CostModel`, or one (forward, backward, weight) time
     tuple per stage (B the input-gradient part for a split-backward family). The families
     of `COST_AWARE` time their list schedule with it; for every family, lowering places
-    the messages by it ([Note: cost-aware timing])."""
-    schedule = _generate(name, pp, microbatches, virtual, cap, cost)
-    if cost is not None and "_cost" not in schedule.__dict__:
-        times = stage_times(cost, schedule.num_stages)
-        remember_asap(schedule, asap(schedule.num_stages, schedule.programs, times), times)  # [Note: asap memo]
-    return schedule
+    messages by it when given the same cost (`lower(schedule, cost)`; [Note: cost-aware
+    timing]). The result is the compute order alone: nothing else is kept on it."""
+    return _generate(name, pp, microbatches, virtual, cap, cost)
 
 
 def _generate(name: str, pp: int, microbatches: int, virtual: int | None, cap, cost):
     if name not in FAMILIES:
-        raise ParameterError(f"unknown schedule {name!r}; accepted: {', '.join(FAMILIES)}")
+        raise ParameterError(f"unknown schedule {shown(name)}; accepted: {', '.join(FAMILIES)}")
     function, takes_virtual, takes_cap = FAMILIES[name]
     fixed = FIXED_VIRTUAL.get(name)
     if virtual is not None:
@@ -83,7 +81,7 @@ def _generate(name: str, pp: int, microbatches: int, virtual: int | None, cap, c
     if cap is not None:
         per_rank_caps(cap, pp)
         if not takes_cap:
-            raise ParameterError(f"{name} takes no cap (got cap={cap!r}); use capped_1f1b or interleaved_1f1b")
+            raise ParameterError(f"{name} takes no cap (got cap={shown(cap)}); use capped_1f1b or interleaved_1f1b")
     if takes_virtual:
         return function(pp, microbatches, virtual=virtual, cap=cap)
     if virtual != (fixed or 1):

@@ -13,20 +13,24 @@ from typing import NamedTuple, Sequence
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.ir import Instr, Op, Schedule, make_instr
+from pipeschedule.limits import check_schedule_size, shown
 
 Slot = tuple[int, int]  # (stage, mb)
 
 
 def check_positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ParameterError(f"{name} must be an integer >= 1, got {value!r}")
+        raise ParameterError(f"{name} must be an integer >= 1, got {shown(value)}")
     return value
 
 
 def check_common(pp, microbatches, virtual=1) -> None:
+    """The counts every generator takes, checked before any work: integers >= 1, and
+    within [Note: size limits] together."""
     check_positive("pp", pp)
     check_positive("microbatches", microbatches)
     check_positive("virtual", virtual)
+    check_schedule_size(pp, virtual, microbatches)
 
 
 def per_rank_caps(cap, pp: int) -> list[int]:
@@ -113,17 +117,17 @@ def stage_times(cost, num_stages: int) -> StageTimes | None:
         columns = [[t[k] for t in cost] for k in range(3)]
     else:
         raise ParameterError(
-            f"cost must be a CostModel or one (forward, backward, weight) tuple per stage, got {cost!r}"
+            f"cost must be a CostModel or one (forward, backward, weight) tuple per stage, got {shown(cost)}"
         )
     for name, column in zip(("forward", "backward", "weight"), columns):
         if len(column) != num_stages:
-            raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: {list(column)!r}")
+            raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: {shown(list(column))}")
         for s, x in enumerate(column):
             if isinstance(x, bool) or not isinstance(x, Real) or not 0 <= x < math.inf:
-                raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {x!r}")
+                raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {shown(x)}")
     top = max(max(column) for column in columns)
     if top <= 0:
-        raise ParameterError(f"cost times are all 0: {cost!r}")
+        raise ParameterError(f"cost times are all 0: {shown(cost)}")
     low = MIN_TIME * top
     return StageTimes(*(tuple(x if x > low else low for x in column) for column in columns))
 
@@ -144,6 +148,9 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     B(s, mb). Returns (starts, stuck): starts[r][k] is the start of rank r's k-th
     instruction (None where it never runs); stuck lists the ranks that cannot finish
     (empty when the compute order is free of dependency cycles).
+
+    Linear in the instructions: a rank runs until it needs an end not yet known, then
+    waits on that one end and is resumed when it is produced ([Note: asap worklist]).
     """
     F, B = Op.F, Op.B
     if cost is None:
@@ -156,94 +163,79 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     # above every mb in the programs: distinct for every stage >= 0, and cheaper to build
     # and hash than a tuple (this loop runs once per compute instruction). Only the ends
     # of F and B are ever waited for, so only those are kept.
+    # [Note: asap worklist] A start depends only on the end of the rank's previous
+    # instruction and on the end it waits for, never on the order in which ranks are
+    # visited; so each rank runs as far as it can, and a rank that needs an end not yet
+    # known is parked on that end (waiting[key] for an F's end, waiting[~key] for a B's)
+    # and put back on the worklist when it is produced. Every instruction is timed once
+    # and every rank parks at most once per instruction: O(instructions), where sweeping
+    # all ranks until none moves took O(pp) sweeps (minutes at pp=100000).
     span = 1 + max((i.mb for program in programs for i in program), default=0)
     f_end: dict[int, int] = {}
     b_end: dict[int, int] = {}
+    waiting: dict[int, list[int]] = {}
     pcs = [0] * len(programs)
     free_at = [0] * len(programs)
     starts = [[None] * len(p) for p in programs]
     last = num_stages - 1
-    progress = True
-    while progress:
-        progress = False
-        for r, program in enumerate(programs):
-            pc, n, t_free, rank_starts = pcs[r], len(program), free_at[r], starts[r]
-            while pc < n:
-                i = program[pc]
-                op, s = i.op, i.stage
-                key = s * span + i.mb
-                if op is F:
-                    if s == 0:
-                        ready = 0
-                    else:
-                        ready = f_end.get(key - span)  # F(s - 1, mb)
-                        if ready is None:
-                            break
-                    start = ready if ready > t_free else t_free
-                    t_free = f_end[key] = start + cost_f[s]
-                elif op is B:
-                    ready = f_end.get(key)
-                    if ready is None:
-                        break
-                    if s != last:
-                        after = b_end.get(key + span)  # B(s + 1, mb)
-                        if after is None:
-                            break
-                        if after > ready:
-                            ready = after
-                    start = ready if ready > t_free else t_free
-                    t_free = b_end[key] = start + cost_b[s]
+    worklist = list(range(len(programs) - 1, -1, -1))  # popped from the end: rank 0 first
+    resume = worklist.append
+    while worklist:
+        r = worklist.pop()
+        program = programs[r]
+        pc, n, t_free, rank_starts = pcs[r], len(program), free_at[r], starts[r]
+        while pc < n:
+            i = program[pc]
+            op, s = i.op, i.stage
+            key = s * span + i.mb
+            if op is F:
+                if s == 0:
+                    ready = 0
                 else:
-                    ready = b_end.get(key)
+                    ready = f_end.get(key - span)  # F(s - 1, mb)
                     if ready is None:
+                        waiting.setdefault(key - span, []).append(r)
                         break
-                    start = ready if ready > t_free else t_free
-                    t_free = start + cost_w[s]
-                rank_starts[pc] = start
-                pc += 1
-            if pc != pcs[r]:
-                pcs[r], free_at[r] = pc, t_free
-                progress = True
+                start = ready if ready > t_free else t_free
+                t_free = f_end[key] = start + cost_f[s]
+                if key in waiting:
+                    for q in waiting.pop(key):
+                        resume(q)
+            elif op is B:
+                ready = f_end.get(key)
+                if ready is None:
+                    waiting.setdefault(key, []).append(r)
+                    break
+                if s != last:
+                    after = b_end.get(key + span)  # B(s + 1, mb)
+                    if after is None:
+                        waiting.setdefault(~(key + span), []).append(r)
+                        break
+                    if after > ready:
+                        ready = after
+                start = ready if ready > t_free else t_free
+                t_free = b_end[key] = start + cost_b[s]
+                if ~key in waiting:
+                    for q in waiting.pop(~key):
+                        resume(q)
+            else:
+                ready = b_end.get(key)
+                if ready is None:
+                    waiting.setdefault(~key, []).append(r)
+                    break
+                start = ready if ready > t_free else t_free
+                t_free = start + cost_w[s]
+            rank_starts[pc] = start
+            pc += 1
+        pcs[r], free_at[r] = pc, t_free
     stuck = [r for r, program in enumerate(programs) if pcs[r] < len(program)]
     return starts, stuck
 
 
-# [Note: asap memo] Lowering times the compute order with `asap` to place the messages.
-# A generator that has already run `asap` on the very programs it returns (interleaved
-# does, to find blocked ranks) leaves the result on the schedule, so that lowering does
-# not compute it a second time (0.1 s at pp=64, v=2, m=512). A schedule is immutable and
-# a new one starts without the memo, so the memo cannot go stale.
-
-
-def remember_asap(schedule: Schedule, timing, cost: StageTimes | None = None) -> Schedule:
-    """Keeps `timing`, the result of `asap(schedule.num_stages, schedule.programs, cost)`,
-    on `schedule` for `asap_of`, and `cost` (None: unit costs) for `message_times`;
-    returns the schedule."""
-    object.__setattr__(schedule, "_asap", timing)
-    if cost is not None:
-        object.__setattr__(schedule, "_cost", cost)
-    return schedule
-
-
-def asap_of(schedule: Schedule):
-    """`asap(schedule.num_stages, schedule.programs, cost)`, taken from the memo where a
-    generator left one ([Note: asap memo]), `cost` being the one the schedule was
-    generated for (None: unit costs). The caller must not modify it."""
-    timing = schedule.__dict__.get("_asap")
-    if timing is None:
-        timing = asap(schedule.num_stages, schedule.programs, schedule.__dict__.get("_cost"))
-    return timing
-
-
-def message_times(schedule: Schedule) -> tuple[Sequence[float], Sequence[float]]:
-    """Per-stage durations of F and B that lowering adds to a start time to date the
-    message a compute produces: the cost the schedule was generated for
-    ([Note: cost-aware timing]), else the unit costs `asap` timed it with (B = 1 where the
-    backward is split, 2 where it is whole)."""
-    cost = schedule.__dict__.get("_cost")
-    if cost is None:
-        cost = unit_stage_times(schedule.programs, schedule.num_stages)
-    return cost.forward, cost.backward
+def durations_of(programs: Sequence[Sequence[Instr]], num_stages: int, times: StageTimes | None) -> StageTimes:
+    """The per-stage F, B and W durations `asap` times `programs` with: `times`
+    ([Note: cost-aware timing]), or the unit costs of `unit_cost(programs)` for None."""
+    return times if times is not None else unit_stage_times(programs, num_stages)
 
 
 def finish_time(programs: Sequence[Sequence[Instr]], timing, cost: StageTimes | None = None):

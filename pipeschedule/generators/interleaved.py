@@ -16,8 +16,7 @@ not a multiple of pp). pp=2, v=2, m=4, one cell per chunk-forward:
 
 Rank r runs w_r = 2(pp-r-1) + (v-1)g forwards of warmup (Megatron's count), then pairs
 (F, B), then the remaining backwards. Where a short group makes that order cyclic, the
-warmup of the blocked ranks is raised until the order completes (checked by `asap`,
-whose timing the schedule keeps for lowering: [Note: asap memo]).
+warmup of the blocked ranks is raised until the order completes (checked by `asap`).
 
 Capped: `cap` bounds the stage-microbatches in flight per rank. The first backward on a
 rank needs the forward of its last chunk for the first microbatch, which comes after
@@ -26,7 +25,8 @@ refused (one microbatch through every local chunk is the least a rank can hold).
 """
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators.common import asap, check_common, interleave_1f1b, make, per_rank_caps, remember_asap
+from pipeschedule.generators.common import asap, check_common, interleave_1f1b, make, per_rank_caps
+from pipeschedule.limits import shown
 
 
 def _orders(pp: int, virtual: int, microbatches: int, rank: int, group: int):
@@ -47,8 +47,8 @@ def _megatron_warmups(pp: int, virtual: int, group: int) -> list[int]:
 def _warmups(pp: int, virtual: int, microbatches: int, group: int, limits, start):
     """Warmup counts from `start`, clipped to `limits` (the most forwards of warmup
     rank r may run) and to the running minimum along the pipeline, then raised where
-    the order would block. Returns (warmups, programs, asap timing of the programs), or
-    None when a raise would pass a limit."""
+    the order would block. Returns (warmups, programs), or None when a raise would pass
+    a limit."""
     total = virtual * microbatches
     warm = [min(w, total, limit) for w, limit in zip(start, limits)]
     for r in range(1, pp):  # a cap on rank r-1 also bounds rank r ([Note: cap monotonicity])
@@ -56,10 +56,9 @@ def _warmups(pp: int, virtual: int, microbatches: int, group: int, limits, start
     orders = [_orders(pp, virtual, microbatches, r, group) for r in range(pp)]
     while True:
         programs = [interleave_1f1b(f, b, w) for (f, b), w in zip(orders, warm)]
-        timing = asap(pp * virtual, programs)
-        stuck = timing[1]
+        stuck = asap(pp * virtual, programs)[1]
         if not stuck:
-            return warm, programs, timing
+            return warm, programs
         raised = False
         for r in stuck:
             if warm[r] < min(total, limits[r]):
@@ -75,20 +74,19 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual: int = 2, cap=None):
     total = virtual * microbatches
     group = min(pp, microbatches)
     if cap is None:
-        warm, programs, timing = _warmups(pp, virtual, microbatches, group, [total] * pp, _megatron_warmups(pp, virtual, group))
-        schedule = make("interleaved_1f1b", pp, virtual, microbatches, placement, programs, {})
-        return remember_asap(schedule, timing)  # [Note: asap memo]
+        warm, programs = _warmups(pp, virtual, microbatches, group, [total] * pp, _megatron_warmups(pp, virtual, group))
+        return make("interleaved_1f1b", pp, virtual, microbatches, placement, programs, {})
 
     caps = per_rank_caps(cap, pp)
     smallest = min(caps)
     if smallest < min(virtual, total):
         raise ParameterError(
-            f"cap {cap!r} is below virtual={virtual}: an interleaved rank holds at least one "
+            f"cap {shown(cap)} is below virtual={virtual}: an interleaved rank holds at least one "
             f"microbatch in each of its {virtual} chunks, so cap must be >= {min(virtual, total)} "
             f"stage-microbatches"
         )
     # The uncapped schedule's peak is the most a cap can mean; clip to it per rank.
-    uncapped, _, _ = _warmups(pp, virtual, microbatches, group, [total] * pp, _megatron_warmups(pp, virtual, group))
+    uncapped, _ = _warmups(pp, virtual, microbatches, group, [total] * pp, _megatron_warmups(pp, virtual, group))
     caps = [min(c, w + 1, total) for c, w in zip(caps, uncapped)]
     if virtual > 1:
         group = max(1, min(group, (min(caps) - 1) // (virtual - 1)))
@@ -100,12 +98,11 @@ def interleaved_1f1b(pp: int, microbatches: int, virtual: int = 2, cap=None):
         if found is None:
             found = _warmups(pp, virtual, microbatches, g, limits, [(virtual - 1) * g] * pp)
         if found is not None:
-            warm, programs, timing = found
+            warm, programs = found
             params = {"cap": caps, "group": g}
-            schedule = make("capped_interleaved_1f1b", pp, virtual, microbatches, placement, programs, params)
-            return remember_asap(schedule, timing)  # [Note: asap memo]
+            return make("capped_interleaved_1f1b", pp, virtual, microbatches, placement, programs, params)
     raise ParameterError(
-        f"no interleaved order with virtual={virtual} keeps within cap {cap!r} at pp={pp}, "
+        f"no interleaved order with virtual={virtual} keeps within cap {shown(cap)} at pp={pp}, "
         f"microbatches={microbatches}; raise the cap (each rank's uncapped peak: "
         f"{[w + 1 for w in uncapped]})"
     )

@@ -59,7 +59,7 @@ def natural_limit(name: str, pp: int) -> int:
 
 
 def _v_schedule(name: str, pp: int, microbatches: int, cap, cost):
-    check_common(pp, microbatches)
+    check_common(pp, microbatches, VIRTUAL)
     limits = stage_limits(name, pp, microbatches, VIRTUAL, [natural_limit(name, pp)] * pp, cap)
     placement = v_placement(pp)
     programs = split_list_schedule(pp, microbatches, placement, limits, stage_times(cost, 2 * pp))

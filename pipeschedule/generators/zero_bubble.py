@@ -61,9 +61,10 @@ from typing import Sequence
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.generators.common import (
-    StageTimes, asap, check_common, finish_time, make, per_rank_caps, remember_asap, stage_times,
+    StageTimes, asap, check_common, finish_time, make, per_rank_caps, stage_times,
 )
 from pipeschedule.ir import Op, make_instr
+from pipeschedule.limits import shown
 
 
 def stage_limits(name: str, pp: int, microbatches: int, local_stages: int, natural: Sequence[int], cap) -> list[int]:
@@ -77,7 +78,7 @@ def stage_limits(name: str, pp: int, microbatches: int, local_stages: int, natur
         low = min(caps)
         if low < local_stages:
             raise ParameterError(
-                f"{name}: cap {cap!r} is below {local_stages}: a rank holds one microbatch in each of its "
+                f"{name}: cap {shown(cap)} is below {local_stages}: a rank holds one microbatch in each of its "
                 f"{local_stages} stages between their F and B, so cap must be >= {local_stages} "
                 f"stage-microbatches (per rank)"
             )
@@ -211,9 +212,7 @@ def zb_h1(pp: int, microbatches: int, cap=None, cost=None):
     if delays == list(range(pp)):
         return make("zb_h1", pp, 1, m, range(pp), programs, params)
     # a cap between 1F1B's in-flight count and ZB-H1's: keep whichever order is faster
-    timing = asap(pp, programs, times)
     listed = split_list_schedule(pp, m, list(range(pp)), limits, times)
-    listed_timing = asap(pp, listed, times)
-    if finish_time(listed, listed_timing, times) < finish_time(programs, timing, times):
-        programs, timing = listed, listed_timing
-    return remember_asap(make("zb_h1", pp, 1, m, range(pp), programs, params), timing, times)  # [Note: asap memo]
+    if finish_time(listed, asap(pp, listed, times), times) < finish_time(programs, asap(pp, programs, times), times):
+        programs = listed
+    return make("zb_h1", pp, 1, m, range(pp), programs, params)
