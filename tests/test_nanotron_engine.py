@@ -20,13 +20,13 @@ from integration.nanotron.engine import (
     InterleavedOneFOneBEngine,
     PsAfabEngine,
     PsOneFOneBEngine,
-    forward_only,
 )
 from integration.nanotron.engine_spec import EngineSpec, parse_engine
 from integration.nanotron.harness import Job, Run, run_nanotron
 from integration.nanotron.llama import ModelConfig
 from integration.nanotron.stash import microbatches_worth
 from pipeschedule import compile_schedule
+from pipeschedule.passes import forward_only
 from pipeschedule.errors import ParameterError
 
 SMALL = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
@@ -194,3 +194,15 @@ def test_boundary_packing_round_trips_bit_for_bit():
     assert h.equal(hidden) and m.equal(mask) and i.equal(ids) and h.requires_grad and not m.requires_grad
     h.sum().backward()
     assert packed.grad[: h.numel()].eq(1).all() and packed.grad[h.numel():].eq(0).all()
+
+
+def test_evaluation_runs_a_verified_forward_only_schedule():
+    """validate_batch_iter: every engine's forwards lowered and verified as an evaluation
+    schedule; its losses equal the training step's on the same weights and data (bitwise),
+    interleaved and V shapes included."""
+    engines = ("ps_1f1b", "capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zbv", "ps_afab:offload=0")
+    runs = tuple(Run(engine, 3, evaluate=True) for engine in engines)
+    result = run_nanotron(Job(SMALL, pp=2, runs=runs, timeout=150)).runs
+    for run in result:
+        assert run.error is None, run.error
+        assert run.eval_losses is not None and run.eval_losses.equal(run.losses), (run.run.engine, run.eval_losses)

@@ -54,8 +54,9 @@ from pipeschedule import compile_schedule  # noqa: E402
 from pipeschedule.generators import family_virtual  # noqa: E402
 from pipeschedule.generators.one_f_one_b import default_cap  # noqa: E402
 from pipeschedule.generators.v_shape import v_placement  # noqa: E402
-from pipeschedule.ir import Instr, Op, Schedule  # noqa: E402
+from pipeschedule.ir import Schedule  # noqa: E402
 from pipeschedule.offload import add_offload  # noqa: E402
+from pipeschedule.passes import forward_only  # noqa: E402
 from pipeschedule.runtime import DistTransport, HostStagedTransport  # noqa: E402
 from pipeschedule.verify import verify  # noqa: E402
 
@@ -149,8 +150,9 @@ class PipescheduleEngine(PipelineEngine):
         return runner.step(model, batch, grad_accumulator)
 
     def validate_batch_iter(self, model, batch: Iterable[dict], nb_microbatches: int):
-        """Forward only, through the executor: this engine's schedule without its backward
-        half (`forward_only`), under `torch.no_grad` (losses / m on the loss rank, as nanotron)."""
+        """Forward only, through the executor: this engine's forwards lowered and verified
+        as an evaluation schedule (`pipeschedule.passes.forward_only`), under
+        `torch.no_grad` (losses / m on the loss rank, as nanotron)."""
         self.nb_microbatches = nb_microbatches
         pg = self.pipeline_blocks(model)[0].p2p.pg
         runner = self._runner(model, pg, nb_microbatches, train=False)
@@ -165,8 +167,9 @@ class PipescheduleEngine(PipelineEngine):
             pp = pg.size()
             self.check(pp=pp)
             schedule = self.compile(pp=pp, microbatches=m)
-            if not train:
+            if not train:  # evaluation: the forward half, lowered and verified as one ([Note: forward-only schedules])
                 schedule = forward_only(schedule)
+                verify(schedule)
             self._runners[key] = Runner(self, schedule, self._transport_for(pg), _device_of(model))
         return self._runners[key]
 
@@ -288,22 +291,6 @@ class VMinEngine(_VShapeEngine):
     name, family = "v_min", "v_min"
 
 
-def forward_only(schedule: Schedule) -> Schedule:
-    """The forward half of a lowered schedule: F, SEND_F, RECV_F and FREE act_out kept;
-    act_in and stash freed right after each F (evaluation keeps no graph)."""
-    programs = []
-    for program in schedule.programs:
-        kept = []
-        for i in program:
-            if i.op in (Op.SEND_F, Op.RECV_F) or (i.op is Op.FREE and i.buf == "act_out"):
-                kept.append(i)
-            elif i.op is Op.F:
-                kept += [i, Instr(Op.FREE, i.stage, i.mb, buf="act_in"), Instr(Op.FREE, i.stage, i.mb, buf="stash")]
-        programs.append(tuple(kept))
-    return Schedule(schedule.name + "/forward", schedule.pp, schedule.virtual, schedule.microbatches,
-                    schedule.placement, tuple(programs), dict(schedule.params))
-
-
 def _block_costs(model, blocks) -> list[int]:
     """nanotron's compute cost of each block (`get_block_compute_costs`; 0 without it)."""
     inner = unwrap(model)
@@ -328,5 +315,4 @@ __all__ = [
     "VMinEngine",
     "ZeroBubbleH1Engine",
     "ZeroBubbleVEngine",
-    "forward_only",
 ]

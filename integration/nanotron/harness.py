@@ -219,6 +219,8 @@ class Run:
                   pipeschedule pp_engine value ("capped_1f1b:cap=2", "ps_1f1b", ...)
     microbatches  m per data-parallel replica (replica d takes stream items d*m .. d*m+m-1)
     split         decoder layers per stage; None = nanotron's cost-balanced split
+    evaluate      run the engine's validate_batch_iter on the same data first; its
+                  losses go to `eval_losses`
     placement     rank of each stage; None = 0..pp-1, or round-robin when split lists
                   a multiple of pp stages (interleaving: nanotron's AFAB runs it, its
                   1F1B deadlocks, see DESIGN.md); with a pipeschedule engine, None =
@@ -232,6 +234,7 @@ class Run:
     split: tuple[int, ...] | None = None
     measure_stash: bool = False
     placement: tuple[int, ...] | None = None
+    evaluate: bool = False  # first an evaluation step (validate_batch_iter) on the same data
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,7 @@ class RunResult:
     block_ranks: list[int]
     leftover_state: list[str] = field(default_factory=list)
     split_modes: dict[int, str] = field(default_factory=dict)
+    eval_losses: torch.Tensor | None = None
 
 
 @dataclass
@@ -321,8 +325,10 @@ def _merge(job: Job, index: int, pieces: list[dict]) -> RunResult:
         stash = [p["stash"] for p in sorted(replica0, key=lambda p: p["pp_rank"])]
     leftover = sorted({item for p in pieces for item in p["leftover_state"]})
     split_modes = {s: mode for p in replica0 for s, mode in p["split_modes"].items()}
+    evaluated = sorted((p for p in pieces if p.get("eval_losses") is not None), key=lambda p: p["dp_rank"])
+    eval_losses = torch.cat([torch.stack(p["eval_losses"]) for p in evaluated]) if evaluated else None
     return RunResult(run, losses, run.microbatches, grads, gap, stash, error, pieces[0]["block_ranks"], leftover,
-                     split_modes)
+                     split_modes, eval_losses)
 
 
 # -- inside each rank ------------------------------------------------------------------
@@ -386,8 +392,14 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
     )
     error = None
     outputs: list = []
+    evaluated: list = []
     engine = None
     try:
+        if run.evaluate:
+            evaluated = engines[run.engine]().validate_batch_iter(
+                model=wrapped, batch=(for_rank(microbatch(job.model, job.batch_size, dp_rank * m + i, job.data_seed),
+                                               pp_rank, model.input_pp_rank, model.output_pp_rank) for i in range(m)),
+                nb_microbatches=m)
         if run.engine == "loop":
             for batch in data:
                 loss = wrapped(**batch)["loss"] / m
@@ -405,11 +417,13 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
         error = traceback.format_exc()
     stash = meter.finish() if meter is not None else None
     losses = [o["loss"] for o in outputs if isinstance(o["loss"], torch.Tensor)] or None
+    eval_losses = [o["loss"] for o in evaluated if isinstance(o["loss"], torch.Tensor)] or None
     grads = {name: (p.grad.detach().clone() if p.grad is not None else None) for name, p in model.named_parameters()}
     split_modes = {s: r.mode for s, r in engine.split_report().items()} if hasattr(engine, "split_report") else {}
     return {
         "pp_rank": pp_rank, "dp_rank": dp_rank, "losses": losses, "grads": grads, "stash": stash,
         "error": error, "block_ranks": block_ranks, "leftover_state": leftover, "split_modes": split_modes,
+        "eval_losses": eval_losses,
     }
 
 
