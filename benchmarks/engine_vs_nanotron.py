@@ -173,6 +173,11 @@ def render(report: dict) -> str:
                      f"{row['ours_faster_rounds']}/{len(row['pairs'])} | "
                      f"{row['ours_executor_overhead_s'] * 1e3:.1f} ms over {row['ours_instructions']} instructions "
                      f"({row['ours_executor_overhead_s'] / row['ours_median_s']:.2%}) |")
+    lines += ["", "The last column is rank 0's host time in the executor outside stage forwards and backwards, "
+              "posting and finishing batches and blocked waits (`StepTimes.overhead_s`), median over rounds. With "
+              "four processes time-sharing one GPU the device is the bottleneck, and a kernel launch blocks once "
+              "CUDA's launch queue is full, so this column also holds time the host spent waiting for the GPU "
+              "inside the executor's own launches (gradient folding, copies); it is not Python overhead alone."]
     return "\n".join(lines) + "\n"
 
 
