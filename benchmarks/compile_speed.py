@@ -42,10 +42,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from pipeschedule import passes
-from pipeschedule.generators import generate
+from pipeschedule.compiler import passes
+from pipeschedule.compiler.families import generate
 from pipeschedule.simulate import simulate
-from pipeschedule.verify import verify
+from pipeschedule.compiler.verify import verify
 
 HEADLINE = (64, 2, 512)  # pp, virtual, microbatches
 GRID_PP = (8, 16, 32, 64)
@@ -155,7 +155,7 @@ def profile_ours(pp, virtual, microbatches, top: int = 12) -> str:
         out.write(f"{name:<10} gc on {with_gc[name]:7.3f} s   gc off {without_gc[name]:7.3f} s\n")
     out.write(f"{'total':<10} gc on {sum(with_gc.values()):7.3f} s   gc off {sum(without_gc.values()):7.3f} s\n")
     try:
-        rules = __import__("pipeschedule.verify", fromlist=["RULES"]).RULES
+        rules = __import__("pipeschedule.compiler.verify", fromlist=["RULES"]).RULES
     except AttributeError:
         rules = ()
     if rules:

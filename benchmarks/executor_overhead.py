@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from benchmarks.compile_speed import git_commit, machine
-from pipeschedule.generators import generate
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import DistTransport, Executor, InProcessPipeline
 from pipeschedule.runtime.launch import spawn
 

@@ -56,7 +56,7 @@ def compute_order(schedule) -> list[tuple[str, int, int]]:
     round-robin in rank order, each running its program's compute instructions until the
     next one needs a result not yet computed (F(s, mb) needs F(s-1, mb); B(s, mb) needs
     F(s, mb) and B(s+1, mb)). Every F and B appears once, each rank's in program order."""
-    from pipeschedule.ir import Op
+    from pipeschedule.compiler.ir import Op
 
     if schedule.split_backward:
         raise ValueError(f"compute_order: {schedule.name} splits the backward (W); only F and B schedules are timed here")

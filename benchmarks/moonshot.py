@@ -42,12 +42,12 @@ from pathlib import Path
 
 from benchmarks.costs import stage_costs
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators import generate
+from pipeschedule.compiler.families import generate
 from pipeschedule.llama_memory import llama_footprints
-from pipeschedule.memory import ModelSpec, TrainingSetup
-from pipeschedule.passes import lower
+from pipeschedule.plan.memory import ModelSpec, TrainingSetup
+from pipeschedule.compiler.passes import lower
 from pipeschedule.simulate import CostModel, simulate
-from pipeschedule.verify import verify
+from pipeschedule.compiler.verify import verify
 
 RESULTS = Path(__file__).parent / "results"
 PP = 4

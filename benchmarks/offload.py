@@ -10,11 +10,11 @@ blocks on the GPU and runs pipeschedule's `Executor` directly (no nanotron engin
 Before each step the peak statistics are reset, so peaks are the step's own.
 
 1. Offload fractions: 1f1b at m=8 with rank 0 (stage 0) offloading a fraction 0, 0.25,
-   0.5, 0.75, 1.0 of its stashes (`pipeschedule.offload.add_offload`, lead 1; the longest
+   0.5, 0.75, 1.0 of its stashes (`pipeschedule.compiler.offload.add_offload`, lead 1; the longest
    waits first), the other ranks none; and 0.25, 0.5, 1.0 streamed in 64 MiB chunks
    (`Executor(offload_chunk=)`, [Note: streamed offload]). Per fraction: stage 0's peak allocated memory,
    its ledger peaks (device stash, host) and the step time (median). Beside them, where
-   `pipeschedule.offload` and the simulator's host link exist, the simulator's predicted
+   `pipeschedule.compiler.offload` and the simulator's host link exist, the simulator's predicted
    fall in stage 0's peak and its slowdown, from costs calibrated here (one decoder
    layer, embedding, head; `benchmarks.calibration`) with the host link measured on the
    H200 lent here (55.4 GB/s each way, issue 9) and a 2% compute slowdown while copying.
@@ -72,9 +72,9 @@ GROWTH_MIB = 64
 
 
 def offload_pass():
-    """`pipeschedule.offload` (the pass and its policy), or None where it does not exist yet."""
+    """`pipeschedule.compiler.offload` (the pass and its policy), or None where it does not exist yet."""
     try:
-        return importlib.import_module("pipeschedule.offload")
+        return importlib.import_module("pipeschedule.compiler.offload")
     except ImportError:
         return None
 
@@ -83,7 +83,7 @@ def offload_schedule(base, fraction: float):
     """`base` with rank 0 offloading `fraction` of its stashes, lead LEAD."""
     module = offload_pass()
     if module is None:
-        raise SystemExit("benchmarks.offload: pipeschedule.offload (add_offload) is not there yet")
+        raise SystemExit("benchmarks.offload: pipeschedule.compiler.offload (add_offload) is not there yet")
     return module.add_offload(base, module.OffloadPolicy(fraction=fraction, ranks=(0,), lead=LEAD))
 
 
@@ -159,7 +159,7 @@ def _run(executor, stages, cfg, m: int, device, rank: int, steps: int) -> dict:
 
 def worker(rank: int, world: int, store, cfg, plan: list[dict], steps: int) -> list[dict]:
     """One rank: every case of `plan` in order ({"part", "schedule" (JSON), "pool", ...})."""
-    from pipeschedule.ir import Schedule
+    from pipeschedule.compiler.ir import Schedule
     from pipeschedule.runtime import Executor, HostStagedTransport
 
     torch.set_num_threads(2)
@@ -283,7 +283,7 @@ def measure(cfg, *, smoke: bool, skip: set[str], commit: str | None) -> dict:
               "host_gbps": H200_HOST_GBPS, "copy_slowdown": COPY_SLOWDOWN}
     print(f"model {cfg}, pp={PP}, {dtype}, {report['versions'].get('gpus', 'cpu')}", flush=True)
     if "fractions" not in skip and offload_pass() is None:
-        print("pipeschedule.offload is not there yet: the fractions part is skipped", flush=True)
+        print("pipeschedule.compiler.offload is not there yet: the fractions part is skipped", flush=True)
         skip = skip | {"fractions"}
     if "fractions" not in skip:
         from benchmarks.calibration import run_calibration
@@ -333,7 +333,7 @@ def render(report: dict, out_dir: Path | None) -> str:
         base = fractions[0][0]
         lines += [f"## Stage 0 offloading a fraction of its stashes (1f1b, m={m}, lead {report['lead']})", ""]
         if predicted is None:
-            lines += ["The simulator's predictions are left out: `pipeschedule.offload.evaluate_offload` is missing.", ""]
+            lines += ["The simulator's predictions are left out: `pipeschedule.compiler.offload.evaluate_offload` is missing.", ""]
         lines += ["stream: whole stashes, or streamed in chunks of that many MiB ([Note: streamed offload]).", ""]
         head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB | step s | "
                 "slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))

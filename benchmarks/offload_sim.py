@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from pipeschedule import compile_schedule
-from pipeschedule.offload import AutoOffload, choose_offload
+from pipeschedule.plan.offload import AutoOffload, choose_offload
 from pipeschedule.simulate import CostModel
 
 RESULTS = Path(__file__).parent / "results"

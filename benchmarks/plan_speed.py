@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from pipeschedule.memory import GiB, TrainingSetup
+from pipeschedule.plan.memory import GiB, TrainingSetup
 from pipeschedule.plan import PlanConfig, plan
-from pipeschedule.presets import MODELS
+from pipeschedule.plan.presets import MODELS
 
 TARGET_S = 10.0
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -93,7 +93,7 @@ def model_split(cfg: ModelConfig, stages: int) -> tuple[int, ...]:
 def compiled(case: Case, pp: int):
     """The lowered schedule the case's engine runs (nanotron's own: the same family's)."""
     from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.registry import build_engine
+    from integration.nanotron.engine import build_engine
     from pipeschedule import compile_schedule
 
     if case.nanotron_own:
@@ -163,7 +163,7 @@ def _build_engine(case: Case):
 
         return {"1f1b": OneForwardOneBackwardPipelineEngine, "afab": AllForwardAllBackwardPipelineEngine}[case.engine]()
     from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.registry import build_engine
+    from integration.nanotron.engine import build_engine
 
     return build_engine(parse_engine(case.engine))
 

@@ -81,15 +81,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.ir import Op, Schedule
-from pipeschedule.memory import (
+from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.plan.memory import (
     ModelSpec,
     StageFootprint,
     TrainingSetup,
     stage_params,
     static_per_param,
 )
-from pipeschedule.rank_memory import ACTIVATIONS, P2P, rank_memory
+from pipeschedule.plan.memory import ACTIVATIONS, P2P, rank_memory
 from pipeschedule.simulate import CostModel, simulate
 
 TERMS = (

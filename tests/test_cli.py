@@ -5,7 +5,7 @@ import pytest
 
 from pipeschedule import compile_schedule
 from pipeschedule.cli import main
-from pipeschedule.torch_csv import dump_csv
+from pipeschedule.compiler.torch_csv import dump_csv
 
 
 @pytest.mark.parametrize("name,kwargs", [("1f1b", {}), ("interleaved_1f1b", {"virtual": 2}), ("zbv", {})])

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipeschedule import compile_schedule
-from pipeschedule.limits import MAX_SHOWN
+from pipeschedule.checks import MAX_SHOWN
 
 REPO = Path(__file__).resolve().parents[1]
 MEMORY = 2 << 30

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from pipeschedule import compile_schedule, verify
 from pipeschedule.errors import ParameterError
-from pipeschedule.ir import Op
-from pipeschedule.generators import FAMILIES, SPLIT_BACKWARD, family_virtual, generate
+from pipeschedule.compiler.ir import Op
+from pipeschedule.compiler.families import FAMILIES, family_virtual, generate
 from pipeschedule.simulate import CostModel, simulate
 
 ALL_FAMILIES = tuple(FAMILIES)
@@ -27,10 +27,10 @@ def costed_params(draw):
     virtual = family_virtual(name, 2 if name == "interleaved_1f1b" else None)
     stages = pp * virtual
     time = st.floats(0.05, 20, allow_nan=False, allow_infinity=False)
-    cost = [(draw(time), draw(time), draw(time) if name in SPLIT_BACKWARD else draw(st.sampled_from((0.0, 1.0))))
+    cost = [(draw(time), draw(time), draw(time) if FAMILIES[name].split_backward else draw(st.sampled_from((0.0, 1.0))))
             for _ in range(stages)]
     cap = None
-    takes_cap = FAMILIES[name][2]
+    takes_cap = FAMILIES[name].takes_cap
     if takes_cap and draw(st.booleans()):
         low = LOW_CAP.get(name, 1)
         cap = draw(st.integers(low, low + 2 * pp)) if draw(st.booleans()) else \
@@ -52,7 +52,7 @@ def test_every_cost_aware_schedule_passes_every_rule(case):
 
 
 def unit(name: str, stages: int):
-    return [(1, 1, 1) if name in SPLIT_BACKWARD else (1, 2, 0)] * stages
+    return [(1, 1, 1) if FAMILIES[name].split_backward else (1, 2, 0)] * stages
 
 
 COMM = {Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B}
@@ -84,7 +84,7 @@ def test_unit_costs_give_the_cost_less_schedule(name, pp, m):
     dates a message by `UNIT_COST` (B = 2) while the split unit cost has B = 1."""
     virtual = 2 if name == "interleaved_1f1b" else None
     caps = [None]
-    if FAMILIES[name][2]:
+    if FAMILIES[name].takes_cap:
         caps += [max(LOW_CAP.get(name, 1), pp // 2)]
     for cap in caps:
         plain = compile_schedule(name, pp=pp, microbatches=m, virtual=virtual, cap=cap)
@@ -93,7 +93,7 @@ def test_unit_costs_give_the_cost_less_schedule(name, pp, m):
         for cost in (unit(name, stages), [tuple(Fraction(3) * x for x in t) for t in unit(name, stages)]):
             assert generate(name, pp=pp, microbatches=m, virtual=virtual, cap=cap, cost=cost).programs == compute
             costed = compile_schedule(name, pp=pp, microbatches=m, virtual=virtual, cap=cap, cost=cost)
-            if name in SPLIT_BACKWARD:
+            if FAMILIES[name].split_backward:
                 assert [batches(p) for p in costed.programs] == [batches(p) for p in plain.programs]
             else:
                 assert costed.programs == plain.programs, (name, pp, m, cap, cost[0])
@@ -139,7 +139,7 @@ def measured_cost(split, split_backward):
     """The cost benchmarks.moonshot builds for `split` (decoder layers per stage; the
     embedding on the first stage, the head and loss on the last), message costs left out."""
     from pipeschedule.llama_memory import llama_footprints
-    from pipeschedule.memory import ModelSpec, TrainingSetup
+    from pipeschedule.plan.memory import ModelSpec, TrainingSetup
 
     model = ModelSpec("benchmark-llama", layers=16, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000)
     setup = TrainingSetup(tp=1, dp=1, seq=4096, micro_batch=1, sequence_parallel=False, flash=True, param_bytes=2,

@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import Instr, Op, Schedule, ScheduleError, compile_schedule, verify
-from pipeschedule.passes import forward_only
+from pipeschedule.compiler.passes import forward_only
 from pipeschedule.simulate import simulate
 
 from strategies import schedules

@@ -3,8 +3,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import ParameterError, compile_schedule, generate
-from pipeschedule.generators import FAMILIES
-from pipeschedule.generators.one_f_one_b import default_cap, effective_caps
+from pipeschedule.compiler.families import FAMILIES
+from pipeschedule.compiler.generators.one_f_one_b import default_cap, effective_caps
 
 
 def order(schedule, rank):
@@ -107,7 +107,7 @@ def test_bad_parameters_name_the_value(kwargs, fragment):
 
 def reference_asap(programs, durations, last):
     """asap written the plain way: sweep every rank until none moves."""
-    from pipeschedule.ir import Op
+    from pipeschedule.compiler.ir import Op
     ends, starts = {}, [[None] * len(p) for p in programs]
     pcs, free = [0] * len(programs), [0] * len(programs)
     moved = True
@@ -135,7 +135,7 @@ def reference_asap(programs, durations, last):
 def test_asap_equals_the_plain_sweep(name, pp, m, rng, shuffle):
     """On every family's order, and on shuffled orders (which may block: then the same
     ranks are reported stuck, with the same partial starts)."""
-    from pipeschedule.generators.common import asap, unit_cost
+    from pipeschedule.compiler.timing import asap, unit_cost
     schedule = generate(name, pp=pp, microbatches=m)
     programs = [list(p) for p in schedule.programs]
     if shuffle:
@@ -150,8 +150,8 @@ def test_asap_is_linear_in_pp():
     """1F1B's backward wave climbs one rank per sweep: sweeping all ranks until none
     moves took pp sweeps of pp ranks (1.5 s at pp=2000, minutes at pp=100000)."""
     import time
-    from pipeschedule.gcpause import gc_paused
-    from pipeschedule.generators.common import asap
+    from pipeschedule.compiler.gcpause import gc_paused
+    from pipeschedule.compiler.timing import asap
 
     @gc_paused  # as lowering runs it: the collector's passes over a growing heap are not asap's
     def seconds(pp):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import FormatError, Instr, Op, Schedule, compile_schedule, dump, load
-from pipeschedule.ir import BUF_OPS, BUFFERS, COMM_OPS, make_instr
+from pipeschedule.compiler.ir import BUF_OPS, BUFFERS, COMM_OPS, make_instr
 
 from strategies import build, schedule_params
 

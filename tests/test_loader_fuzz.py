@@ -22,9 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeschedule import ir, passes
+from pipeschedule.compiler import ir, passes
 from pipeschedule.errors import FormatError, PipescheduleError
-from pipeschedule.generators import generate
+from pipeschedule.compiler.families import generate
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from pipeschedule import Schedule, compile_schedule, generate, lower, verify
-from pipeschedule.generators import FAMILIES, family_virtual
+from pipeschedule.compiler.families import FAMILIES, family_virtual
 from pipeschedule.simulate import simulate
 
 

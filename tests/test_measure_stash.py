@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeschedule.generators import generate
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import Executor, InProcessPipeline, InProcessWorld, ModuleStages
 from pipeschedule.runtime.ledger import signature_of
 

@@ -29,8 +29,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeschedule.errors import FormatError, ParameterError
-from pipeschedule.generators import generate
-from pipeschedule.memory import (
+from pipeschedule.compiler.families import generate
+from pipeschedule.plan.memory import (
     GiB,
     ModelSpec,
     TrainingSetup,
@@ -40,11 +40,12 @@ from pipeschedule.memory import (
     stage_footprints,
     static_per_param,
 )
-from pipeschedule.partition import nanotron_split
-from pipeschedule.passes import lower
-from pipeschedule.plan import PlanConfig, _Planner
-from pipeschedule.presets import MODELS, load_model, model_from_mapping, parse_yaml
-from pipeschedule.rank_memory import p2p_buffers, rank_memory, stash_buffers
+from pipeschedule.plan.partition import nanotron_split
+from pipeschedule.compiler.passes import lower
+from pipeschedule.plan import PlanConfig
+from pipeschedule.plan.planner import _Planner
+from pipeschedule.plan.presets import MODELS, load_model, model_from_mapping, parse_yaml
+from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.simulate import CostModel, simulate
 
 L70 = MODELS["llama3-70b"]

@@ -39,8 +39,8 @@ from pipeschedule.llama_memory import (
     packed_boundary_bytes,
     predict_ranks,
 )
-from pipeschedule.memory import TrainingSetup, layer_activation_bytes
-from pipeschedule.partition import nanotron_split
+from pipeschedule.plan.memory import TrainingSetup, layer_activation_bytes
+from pipeschedule.plan.partition import nanotron_split
 
 TOLERANCE = 0.03
 CFG, B = CALIBRATION_MODEL, CALIBRATION_MICROBATCH_SIZE

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import integration.nanotron  # noqa: F401  (registers the engines, as a launch script would)
 from integration.nanotron import config as engine_config
 from integration.nanotron.engine_spec import EngineSpec, parse_engine
-from integration.nanotron.registry import ENGINES, resolve
+from integration.nanotron.registry import ENGINES
 from nanotron.config import get_config_from_file
 from nanotron.config.parallelism_config import ParallelismArgs
 from nanotron.parallel.pipeline_parallel.engine import (
@@ -27,7 +27,7 @@ from nanotron.parallel.pipeline_parallel.engine import (
     OneForwardOneBackwardPipelineEngine,
 )
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators import FAMILIES
+from pipeschedule.compiler.families import FAMILIES
 
 MINIMAL = {
     "general": {"project": "pipeschedule-test"},
@@ -182,21 +182,15 @@ def test_bad_values_fail_at_load_naming_value_and_choices(tmp_path, value, reaso
 
 def test_registry_agrees_with_the_generator_families():
     for name, entry in ENGINES.items():
-        _, takes_virtual, takes_cap = FAMILIES[entry.family]
-        assert ("virtual" in entry.params) == takes_virtual, name
-        assert ("cap" in entry.params) == takes_cap, name
+        family = FAMILIES[entry.family]
+        assert family.engine == name
+        assert ("virtual" in entry.params) == family.takes_virtual, name
+        assert ("cap" in entry.params) == family.takes_cap, name
         assert "split" in entry.params, name
 
 
 def parse_and_build(value):
     return sys.modules["nanotron.config.config"].cast_str_to_pipeline_engine(value)
-
-
-def test_resolve_reports_bad_class_paths():
-    for path, reason in (("nowhere", "not of the form"), ("integration.nanotron.registry:Nope", "has no Nope"),
-                         ("integration.nanotron.registry:EngineEntry", "PipelineEngine subclass")):
-        with pytest.raises(ImportError, match=reason):
-            resolve(path)
 
 
 # -- register() ---------------------------------------------------------------------------

@@ -15,18 +15,13 @@ import torch
 import yaml
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
-from integration.nanotron.engine import (
-    CappedOneFOneBEngine,
-    InterleavedOneFOneBEngine,
-    PsAfabEngine,
-    PsOneFOneBEngine,
-)
+from integration.nanotron.engine import PipescheduleEngine, build_engine
 from integration.nanotron.engine_spec import EngineSpec, parse_engine
 from integration.nanotron.harness import Job, Run, run_nanotron
 from integration.nanotron.llama import ModelConfig
 from integration.nanotron.stash import microbatches_worth
 from pipeschedule import compile_schedule
-from pipeschedule.passes import forward_only
+from pipeschedule.compiler.passes import forward_only
 from pipeschedule.errors import ParameterError
 
 SMALL = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
@@ -134,36 +129,36 @@ def test_yaml_config_instantiates_our_engine(tmp_path):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(data).replace("pp_engine: PLACE", "pp_engine: capped_1f1b:cap=2"))
     engine = get_config_from_file(str(path)).parallelism.pp_engine
-    assert type(engine) is CappedOneFOneBEngine
+    assert type(engine) is PipescheduleEngine
     assert engine.spec == EngineSpec("capped_1f1b", cap=2)
     assert engine.compile(pp=4, microbatches=8).params["cap"] == [2, 2, 2, 1]
     config = get_config_from_file(str(path))
     config.save_as_yaml(str(tmp_path / "saved.yaml"))  # nanotron re-reads what it wrote
     assert "pp_engine: capped_1f1b:cap=2" in (tmp_path / "saved.yaml").read_text()
-    assert type(get_config_from_file(str(tmp_path / "saved.yaml")).parallelism.pp_engine) is CappedOneFOneBEngine
+    assert get_config_from_file(str(tmp_path / "saved.yaml")).parallelism.pp_engine.spec == engine.spec
 
 
 def test_engine_parameters_and_checks():
-    assert CappedOneFOneBEngine().cap(4) == 2 and CappedOneFOneBEngine().cap(5) == 3  # ceil(pp/2)
-    assert InterleavedOneFOneBEngine().virtual == 2
-    assert InterleavedOneFOneBEngine(parse_engine("interleaved_1f1b:virtual=3")).virtual == 3
-    assert PsOneFOneBEngine().compile(pp=4, microbatches=2).microbatches == 2  # below nanotron's pp-1
-    PsAfabEngine(parse_engine("ps_afab:split=1/3")).check(pp=2, num_layers=4)
+    assert build_engine("capped_1f1b").cap(4) == 2 and build_engine("capped_1f1b").cap(5) == 3  # ceil(pp/2)
+    assert build_engine(EngineSpec("interleaved_1f1b")).virtual == 2  # a spec from Python without virtual
+    assert build_engine("interleaved_1f1b:virtual=3").virtual == 3
+    assert build_engine("ps_1f1b").compile(pp=4, microbatches=2).microbatches == 2  # below nanotron's pp-1
+    build_engine("ps_afab:split=1/3").check(pp=2, num_layers=4)
     with pytest.raises(ParameterError, match="split lists 2 stages"):
-        CappedOneFOneBEngine(parse_engine("capped_1f1b:split=1/3")).check(pp=4, num_layers=4)
+        build_engine("capped_1f1b:split=1/3").check(pp=4, num_layers=4)
     with pytest.raises(ParameterError, match="pp \\* virtual"):
-        InterleavedOneFOneBEngine(EngineSpec("interleaved_1f1b", split=(2, 2))).check(pp=2, num_layers=4)
-    with pytest.raises(ValueError, match="runs 'capped_1f1b'"):
-        CappedOneFOneBEngine(EngineSpec("ps_1f1b"))
+        build_engine(EngineSpec("interleaved_1f1b", split=(2, 2))).check(pp=2, num_layers=4)
+    with pytest.raises(ValueError, match="runs pipeschedule's engines"):
+        PipescheduleEngine(EngineSpec("1f1b"))  # nanotron's own
 
 
 def test_offload_from_the_yaml_value():
     """`offload=0,stream=64`: rank 0's program gets OFFLOAD / RELOAD of every stash that
     waits more than `lead` computes, the others none, the runner streams 64 MiB chunks;
     the evaluation schedule drops them."""
-    from pipeschedule.ir import Op
+    from pipeschedule.compiler.ir import Op
 
-    engine = CappedOneFOneBEngine(parse_engine("capped_1f1b:cap=4,offload=0,stream=64"))
+    engine = build_engine("capped_1f1b:cap=4,offload=0,stream=64")
     assert engine.spec.offload_chunk == 64 * 2**20
     schedule = engine.compile(pp=4, microbatches=8)
     counts = [sum(i.op is Op.OFFLOAD for i in program) for program in schedule.programs]
@@ -171,7 +166,7 @@ def test_offload_from_the_yaml_value():
     assert all(sum(i.op is Op.RELOAD for i in p) == c for p, c in zip(schedule.programs, counts))
     assert not any(i.op in (Op.OFFLOAD, Op.RELOAD) for p in forward_only(schedule).programs for i in p)
     with pytest.raises(ParameterError, match="offload names rank 4 but pp = 4"):
-        PsOneFOneBEngine(parse_engine("ps_1f1b:offload=4")).check(pp=4)
+        build_engine("ps_1f1b:offload=4").check(pp=4)
 
 
 def test_forward_only_keeps_the_forward_half():

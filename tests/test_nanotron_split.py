@@ -16,20 +16,16 @@ import pytest
 import yaml
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
-from integration.nanotron.engine import VHalfEngine, VMinEngine, ZeroBubbleH1Engine, ZeroBubbleVEngine
+from integration.nanotron.engine import PipescheduleEngine, build_engine
 from integration.nanotron.engine_spec import EngineSpec, parse_engine
 from integration.nanotron.harness import Job, Run, run_nanotron
 from integration.nanotron.llama import ModelConfig
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators import FAMILIES
-
-pytestmark = pytest.mark.skipif(
-    not {"zb_h1", "zbv", "v_half", "v_min"} <= set(FAMILIES), reason="the split-backward generators are not registered"
-)
+from pipeschedule.compiler.families import FAMILIES
 
 SMALL = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
 EIGHT = ModelConfig(hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
-ENGINES = ("zb_h1", "zbv", "v_half", "v_min")
+ENGINES = tuple(family.engine for family in FAMILIES.values() if family.split_backward)
 COUNTS = {2: (1, 2, 5), 4: (3, 9)}  # microbatches per pp
 CAPPED = {2: ("zb_h1:cap=1", "v_min:cap=2", "v_half:split=1/1/1/1"), 4: ("zbv:cap=4",)}
 
@@ -110,12 +106,12 @@ MINIMAL = {
 }
 
 ROUND_TRIPS = {
-    "zb_h1": (ZeroBubbleH1Engine, EngineSpec("zb_h1")),
-    "zb_h1:cap=2": (ZeroBubbleH1Engine, EngineSpec("zb_h1", cap=2)),
-    "zbv": (ZeroBubbleVEngine, EngineSpec("zbv")),
-    "v_half": (VHalfEngine, EngineSpec("v_half")),
-    "v_min:cap=4": (VMinEngine, EngineSpec("v_min", cap=4)),
-    "v_half:cap=6/5/4/4,split=1/1/1/1/1/1/1/1": (VHalfEngine, EngineSpec("v_half", cap=(6, 5, 4, 4), split=(1,) * 8)),
+    "zb_h1": EngineSpec("zb_h1"),
+    "zb_h1:cap=2": EngineSpec("zb_h1", cap=2),
+    "zbv": EngineSpec("zbv"),
+    "v_half": EngineSpec("v_half"),
+    "v_min:cap=4": EngineSpec("v_min", cap=4),
+    "v_half:cap=6/5/4/4,split=1/1/1/1/1/1/1/1": EngineSpec("v_half", cap=(6, 5, 4, 4), split=(1,) * 8),
 }
 
 
@@ -128,14 +124,14 @@ def write(path, value: str) -> str:
 def test_config_round_trip_selects_the_engine(tmp_path, value):
     from nanotron.config import get_config_from_file
 
-    cls, spec = ROUND_TRIPS[value]
+    spec = ROUND_TRIPS[value]
     config = get_config_from_file(write(tmp_path / "in.yaml", value))
     engine = config.parallelism.pp_engine
-    assert type(engine) is cls and engine.spec == spec
+    assert type(engine) is PipescheduleEngine and engine.spec == spec
     config.save_as_yaml(str(tmp_path / "saved.yaml"))  # nanotron re-reads what it wrote
     assert yaml.safe_load((tmp_path / "saved.yaml").read_text())["parallelism"]["pp_engine"] == spec.to_string()
     again = get_config_from_file(str(tmp_path / "saved.yaml")).parallelism.pp_engine
-    assert type(again) is cls and again.spec == spec
+    assert type(again) is PipescheduleEngine and again.spec == spec
     engine.check(pp=4, num_layers=8)
     schedule = engine.compile(pp=4, microbatches=8)
     assert schedule.split_backward and list(schedule.placement) == engine.placement(4)
@@ -160,10 +156,10 @@ def test_bad_values_are_rejected_naming_the_value(tmp_path, value, reason):
 
 
 def test_v_engines_count_two_stages_per_rank():
-    VHalfEngine(parse_engine("v_half:split=1/1/1/1")).check(pp=2, num_layers=4)
-    assert ZeroBubbleVEngine().placement(3) == [0, 1, 2, 2, 1, 0]
-    assert ZeroBubbleH1Engine().placement(3) == [0, 1, 2]
+    build_engine("v_half:split=1/1/1/1").check(pp=2, num_layers=4)
+    assert build_engine("zbv").placement(3) == [0, 1, 2, 2, 1, 0]
+    assert build_engine("zb_h1").placement(3) == [0, 1, 2]
     with pytest.raises(ParameterError, match=r"split lists 2 stages but pp \* virtual = 2 \* 2 = 4"):
-        VMinEngine(parse_engine("v_min:split=1/3")).check(pp=2, num_layers=4)
+        build_engine("v_min:split=1/3").check(pp=2, num_layers=4)
     with pytest.raises(ParameterError, match=r"split lists 5 stages but pp \* virtual = 4 \* 1 = 4"):
-        ZeroBubbleH1Engine(parse_engine("zb_h1:split=1/1/1/1/1")).check(pp=4, num_layers=5)
+        build_engine("zb_h1:split=1/1/1/1/1").check(pp=4, num_layers=5)

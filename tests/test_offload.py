@@ -11,19 +11,13 @@ from hypothesis import assume, given, settings, strategies as st
 
 from pipeschedule.cli import main
 from pipeschedule.errors import FormatError, ParameterError, ScheduleError
-from pipeschedule.generators import FAMILIES, generate
-from pipeschedule.ir import Instr, Op
-from pipeschedule.offload import (
-    AutoOffload,
-    OffloadPolicy,
-    add_offload,
-    choose_offload,
-    parse_offload,
-    stash_waits,
-)
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import FAMILIES, generate
+from pipeschedule.compiler.ir import Instr, Op
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload, stash_waits
+from pipeschedule.plan.offload import AutoOffload, choose_offload, parse_offload
+from pipeschedule.compiler.passes import lower
 from pipeschedule.simulate import CostModel, simulate
-from pipeschedule.verify import verify
+from pipeschedule.compiler.verify import verify
 
 
 def lowered(name, **params):
@@ -117,7 +111,7 @@ def test_free_of_a_host_copy_is_allowed_and_a_host_leak_is_named():
 
 def test_offload_ends_a_communication_batch_like_free():
     """An OFFLOAD between two communication ops splits their batch (rule 4), as a FREE would."""
-    from pipeschedule.verify import comm_batches
+    from pipeschedule.compiler.verify import comm_batches
 
     s = lowered("1f1b", pp=2, microbatches=3)
     p = s.programs[0]
@@ -373,8 +367,8 @@ def test_plan_reports_offload(capsys):
 def test_a_streamed_stash_piece_by_piece():
     """One stash of 300 bytes in 3 pieces through a link of 100 bytes per time unit,
     F and B 3 time units each (1 per piece), window 2: every point worked out by hand."""
-    from pipeschedule.hostlink import GONE, HostLink
-    from pipeschedule.simcore import _point
+    from pipeschedule.simulate.hostlink import GONE, HostLink
+    from pipeschedule.simulate.engine import _point
 
     times, values = [0], [0]
     link = HostLink(100, 100, 0.0, times, values, _point, chunk=100, window=2)
@@ -398,8 +392,8 @@ def test_a_streamed_stash_piece_by_piece():
 
 
 def test_a_streamed_stash_kept_for_w_stays_until_its_free():
-    from pipeschedule.hostlink import HostLink
-    from pipeschedule.simcore import _point
+    from pipeschedule.simulate.hostlink import HostLink
+    from pipeschedule.simulate.engine import _point
 
     times, values = [0], [0]
     link = HostLink(100, 100, 0.0, times, values, _point, chunk=100, window=1)

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from pipeschedule.critical_path import critical_path
+from pipeschedule.simulate.critical_path import critical_path
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators import generate
-from pipeschedule.memory import ModelSpec
-from pipeschedule.partition import (
+from pipeschedule.compiler.families import generate
+from pipeschedule.plan.memory import ModelSpec
+from pipeschedule.plan.partition import (
     SplitInfeasible,
     SplitProblem,
     llama_block_costs,
@@ -20,10 +20,10 @@ from pipeschedule.partition import (
     nanotron_split,
     optimal_split,
 )
-from pipeschedule.passes import lower
-from pipeschedule.presets import MODELS
+from pipeschedule.compiler.passes import lower
+from pipeschedule.plan.presets import MODELS
 from pipeschedule.simulate import CostModel, simulate
-from pipeschedule.split_problem import Evaluator
+from pipeschedule.plan.split_problem import Evaluator
 
 # -- nanotron's split -------------------------------------------------------------------------
 

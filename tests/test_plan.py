@@ -7,10 +7,10 @@ import pytest
 
 from pipeschedule.cli import build_parser
 from pipeschedule.errors import ParameterError
-from pipeschedule.memory import GiB, TrainingSetup
-from pipeschedule.plan import PlanConfig, head_seconds, layer_seconds, plan, run_plan
-from pipeschedule.plan_model import Candidate
-from pipeschedule.presets import MODELS
+from pipeschedule.plan.memory import GiB, TrainingSetup
+from pipeschedule.cli.plan import run as run_plan
+from pipeschedule.plan import Candidate, PlanConfig, head_seconds, layer_seconds, plan
+from pipeschedule.plan.presets import MODELS
 
 L70 = MODELS["llama3-70b"]
 # integration/nanotron/engine_spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
@@ -144,8 +144,8 @@ def test_nothing_fits_returns_1(capsys):
 def test_search_memory_equals_the_reported_memory():
     """For one stage per rank the split search's memory model and the memory table are the
     same numbers, so a split the search accepts is one the table shows fitting."""
-    from pipeschedule.plan import _Planner
-    from pipeschedule.split_problem import Evaluator
+    from pipeschedule.plan.planner import _Planner
+    from pipeschedule.plan.split_problem import Evaluator
 
     cfg = config(setup={"dp": 2})
     planner = _Planner(cfg)
@@ -168,13 +168,13 @@ def test_keyword_api():
 
 
 def test_split_backward_candidates_are_evaluated_with_v_placement():
-    from pipeschedule.generators import FIXED_VIRTUAL
+    from pipeschedule.compiler.families import FAMILIES
 
     result = plan(config())
     rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron")}
     for family in ("zb_h1", "zbv", "v_half", "v_min"):
         row = rows[family]
-        assert row.step_time and row.memory and row.virtual == FIXED_VIRTUAL.get(family, 1)
+        assert row.step_time and row.memory and row.virtual == FAMILIES[family].chunks()
         assert ENGINE.match(row.engine()), row.engine()
         assert "virtual" not in row.engine() and " v=" not in row.label
     # A V rank holds stages r and 2pp-1-r: rank 0 runs the embedding and the LM head.
@@ -197,8 +197,8 @@ def test_split_backward_candidates_are_evaluated_with_v_placement():
 
 
 def test_split_backward_costs_split_the_backward():
-    from pipeschedule.plan import _Planner
-    from pipeschedule.plan_model import weight_seconds
+    from pipeschedule.plan.planner import _Planner
+    from pipeschedule.plan.config import weight_seconds
 
     cfg = config(setup={"recompute": "none"})
     planner = _Planner(cfg)
@@ -216,8 +216,8 @@ def test_split_search_memory_equals_the_reported_memory_for_v_shapes():
     """The split search's memory model is the memory table with one stage per rank (stash
     counted F to W under a split backward), and an upper bound of it with two (it adds the
     two stages' peaks, which need not coincide)."""
-    from pipeschedule.plan import _Planner
-    from pipeschedule.split_problem import Evaluator
+    from pipeschedule.plan.planner import _Planner
+    from pipeschedule.plan.split_problem import Evaluator
 
     planner = _Planner(config(setup={"dp": 2}))
     for family in ("zb_h1", "v_half"):

@@ -7,10 +7,10 @@ import sys
 import pytest
 
 from pipeschedule.errors import PipescheduleError
-from pipeschedule.generators import generate
-from pipeschedule.ir import COMM_OPS, COMPUTE_OPS
-from pipeschedule.passes import lower
-from pipeschedule.render import ascii_timeline, chrome_trace, png
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS
+from pipeschedule.compiler.passes import lower
+from pipeschedule.simulate.render import ascii_timeline, chrome_trace, png
 from pipeschedule.simulate import CostModel, simulate
 
 CASES = [
@@ -102,7 +102,7 @@ def test_chrome_trace_tracks_never_overlap(name, params):
     their own, split in lanes."""
     from dataclasses import replace
 
-    from pipeschedule.offload import OffloadPolicy, add_offload
+    from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 
     schedule = add_offload(lower(generate(name, pp=3, microbatches=6, **params)), OffloadPolicy(1.0, None, 0))
     cost = replace(CostModel.default(schedule), latency=0.3, offload_bandwidth=0.4, reload_bandwidth=0.4)

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-from pipeschedule.generators import generate
-from pipeschedule.ir import Instr, Op, Schedule
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.ir import Instr, Op, Schedule
+from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import (
     DistTransport, Executor, InProcessPipeline, InProcessTransport, InProcessWorld, ModuleStages, RuntimeScheduleError,
     ScheduleMismatchError, ScheduleSummary, run_in_process,

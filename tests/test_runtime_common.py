@@ -15,9 +15,9 @@ import time
 import torch
 from torch import nn
 
-from pipeschedule.generators import generate
-from pipeschedule.ir import Op
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.ir import Op
+from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import DistTransport, Executor, HostStagedTransport, InProcessPipeline, ModuleStages
 
 BATCH = 3

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from pipeschedule.ir import BUFFERS
+from pipeschedule.compiler.ir import BUFFERS
 from pipeschedule.runtime.launch import spawn
 
 from test_runtime_common import configs, exact_worker, memory_worker, replay_high_water, schedule_of

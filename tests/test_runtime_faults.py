@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pipeschedule.runtime.errors import LaunchError
+from pipeschedule.errors import LaunchError
 from pipeschedule.runtime.launch import spawn
 
 from test_runtime_common import fault_worker

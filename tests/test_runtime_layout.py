@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeschedule.generators import generate
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import DistTransport, Executor, InProcessPipeline, ModuleStages
 from pipeschedule.runtime.launch import spawn
 

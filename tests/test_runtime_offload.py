@@ -5,7 +5,7 @@ test_runtime_common.
 
 Offload schedules are built here from lowered schedules (`with_offload`: OFFLOAD after
 each F, past its sends; RELOAD a given number of compute instructions before the B), so
-the runtime is tested independently of the offload pass; where `pipeschedule.offload`
+the runtime is tested independently of the offload pass; where `pipeschedule.compiler.offload`
 exists, its `add_offload` is run too.
 
 Bitwise equality is expected everywhere: offload copies bytes unchanged ([Note: host
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from pipeschedule import compile_schedule
-from pipeschedule.ir import COMM_OPS, COMPUTE_OPS, Instr, Op
+from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Instr, Op
 from pipeschedule.runtime import DistTransport, Executor, InProcessPipeline, ModuleStages, RuntimeScheduleError
-from pipeschedule.runtime.errors import LaunchError
+from pipeschedule.errors import LaunchError
 from pipeschedule.runtime.host_offload import Offloader
 from pipeschedule.runtime.launch import spawn
 from pipeschedule.runtime.ledger import Ledger, saved_storages
@@ -81,7 +81,7 @@ def _losses(outputs):
 
 def offload_pass():
     try:
-        return importlib.import_module("pipeschedule.offload")
+        return importlib.import_module("pipeschedule.compiler.offload")
     except ImportError:
         return None
 
@@ -318,9 +318,9 @@ def test_pool_allocations_do_not_grow_with_microbatches_or_steps(name, kwargs):
 
 def test_through_add_offload_when_the_pass_exists():
     try:
-        module = importlib.import_module("pipeschedule.offload")
+        module = importlib.import_module("pipeschedule.compiler.offload")
     except ImportError:
-        pytest.skip("pipeschedule.offload (add_offload) does not exist yet")
+        pytest.skip("pipeschedule.compiler.offload (add_offload) does not exist yet")
     add_offload = module.add_offload
     policy = _full_policy(module)
     for name, kwargs in (("1f1b", {}), ("zbv", {})):
@@ -533,7 +533,7 @@ def test_streamed_chunks_nobody_unpacks_return_their_host_buffers():
 def test_offload_between_b_and_w_of_a_streamed_stash():
     """zb_h1 with every stash of rank 0 streamed out after F and back before B, then
     offloaded again between B and W (what W keeps, moved whole) and back before W."""
-    from pipeschedule.verify import verify
+    from pipeschedule.compiler.verify import verify
 
     plain = compile_schedule("zb_h1", pp=2, microbatches=4)
     schedule = with_offload(plain, lead=1, ranks=(0,))

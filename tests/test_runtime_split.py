@@ -3,7 +3,7 @@ and 4 (spawned once each, every configuration looped inside) and the in-process 
 compared with the single-process reference of test_runtime_common.
 
 Schedules: the generator families with W (zb_h1, zbv, v_half, v_min, when
-`pipeschedule.generators.FAMILIES` lists them), and split schedules built here from
+`pipeschedule.compiler.generators.FAMILIES` lists them), and split schedules built here from
 compute orders, so the runtime is tested independently of those generators: 1F1B and
 interleaved 1F1B with each W right after its B, or delayed, or all at the end of the
 rank's program, and a V-shape placement (rank r runs stages r and 2pp-1-r) with all
@@ -24,18 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeschedule.generators import FAMILIES, generate
-from pipeschedule.generators.common import make
-from pipeschedule.ir import BUFFERS, Op, make_instr
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import FAMILIES, generate
+from pipeschedule.compiler.generators.common import make
+from pipeschedule.compiler.ir import BUFFERS, Op, make_instr
+from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import DistTransport, Executor, InProcessPipeline, ModuleStages
 from pipeschedule.runtime.launch import spawn
 from pipeschedule.runtime.split_backward import WeightGrads
-from pipeschedule.verify import verify
+from pipeschedule.compiler.verify import verify
 
 from test_runtime_common import BATCH, grads, loss_fn, make_chunks, make_data, reference, replay_high_water, width
 
-SPLIT_FAMILIES = tuple(name for name in ("zb_h1", "zbv", "v_half", "v_min") if name in FAMILIES)
+SPLIT_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.split_backward)
 
 
 # -- split schedules built from compute orders --------------------------------------------
@@ -164,7 +164,7 @@ def _equal(a, b) -> bool:
 def test_split_schedules_include_v_shape_placements():
     v = tuple(range(4)) + tuple(reversed(range(4)))
     assert build(4, ("v_afab", 3, 0)).placement == v
-    for name in set(SPLIT_FAMILIES) & {"zbv", "v_half", "v_min"}:
+    for name in [name for name in SPLIT_FAMILIES if FAMILIES[name].virtual == 2]:
         assert build(4, (name, 3, "family")).placement == v
 
 

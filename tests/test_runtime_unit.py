@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators import generate
-from pipeschedule.ir import Instr, Op, Schedule
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.ir import Instr, Op, Schedule
+from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import (
     Executor, InProcessPipeline, InProcessWorld, ModuleStages, RemoteOutput, RuntimeScheduleError, TensorMeta,
     run_in_process,

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule.errors import FormatError, ParameterError, ScheduleError
-from pipeschedule.generators import generate
-from pipeschedule.ir import BUFFERS, COMM_OPS, COMPUTE_OPS, SEND_OPS, Instr, Op, Schedule
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, COMPUTE_OPS, SEND_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.passes import lower
 from pipeschedule.simulate import CostModel, SimResult, load_cost, simulate
 from strategies import build, schedule_params
 
@@ -497,7 +497,7 @@ def test_a_weight_stash_larger_than_the_stash_raises_the_peak_after_b():
 
 
 def test_weight_stash_with_offload_is_refused():
-    from pipeschedule.offload import OffloadPolicy, add_offload
+    from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 
     schedule = add_offload(lower(generate("zb_h1", pp=2, microbatches=4)), OffloadPolicy(fraction=1.0, lead=0))
     cost = CostModel((1.0,) * 2, (1.0,) * 2, (1.0,) * 2, {"stash": (4, 4)}, weight_stash=(1, 1))

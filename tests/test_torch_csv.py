@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeschedule import passes, torch_csv
+from pipeschedule.compiler import passes, torch_csv
 from pipeschedule.errors import FormatError, PipescheduleError
-from pipeschedule.generators import generate
-from pipeschedule.ir import COMPUTE_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.ir import COMPUTE_OPS, Instr, Op, Schedule
 
 from strategies import schedule_params
 
@@ -309,7 +309,7 @@ def test_reads_pytorch_interleaved_compute_comms(pp, virtual, microbatches):
     for i in ours:
         neighbour = i.stage + 1 if i.op in (Op.SEND_F, Op.RECV_B) else i.stage - 1
         assert i.peer == back.placement[neighbour]
-    verify = pytest.importorskip("pipeschedule.verify").verify
+    verify = pytest.importorskip("pipeschedule.compiler.verify").verify
     verify(back)
 
 
@@ -372,7 +372,7 @@ def test_reads_pytorch_split_backward_families(cls, pp, microbatches, v_shape, o
     expected = tuple(forward_ranks + (forward_ranks[::-1] if v_shape else forward_ranks))
     assert compute.placement == comms.placement == expected
     assert compute_order(comms) == compute_order(compute)
-    verify = pytest.importorskip("pipeschedule.verify").verify
+    verify = pytest.importorskip("pipeschedule.compiler.verify").verify
     verify(passes.lower(compute))
     verify(comms)
 
@@ -394,7 +394,7 @@ def test_pytorch_deferred_receives_are_rejected_for_zero_bubble(cls, pp, microba
     import torch
 
     from pipeschedule.errors import ScheduleError
-    from pipeschedule.verify import verify
+    from pipeschedule.compiler.verify import verify
 
     def read(defer):
         stages = [SimpleNamespace(num_stages=2 * pp, group_size=pp, group_rank=0, stage_index=i,

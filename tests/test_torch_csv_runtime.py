@@ -16,7 +16,7 @@ pytest.importorskip("torch.distributed.pipelining")
 
 from pipeschedule import compile_schedule  # noqa: E402
 from pipeschedule.runtime.launch import spawn  # noqa: E402
-from pipeschedule.torch_csv import FORMS, dump_csv  # noqa: E402
+from pipeschedule.compiler.torch_csv import FORMS, dump_csv  # noqa: E402
 
 from test_runtime_common import grads, make_chunks, make_data, reference  # noqa: E402
 from torch_runtime_workers import torch_runtime_worker  # noqa: E402

@@ -8,7 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import Instr, Op, Schedule, ScheduleError, compile_schedule, verify
-from pipeschedule.verify import RULES, grid
+from pipeschedule.compiler.verify import RULES, grid
 
 from strategies import FAMILY_NAMES, schedules
 
@@ -63,7 +63,7 @@ def lowered(draw, min_pp=1, min_m=1):
 
 
 def test_the_strategies_draw_every_family_of_the_table():
-    from pipeschedule.generators import FAMILIES
+    from pipeschedule.compiler.families import FAMILIES
     assert FAMILY_NAMES == tuple(sorted(FAMILIES))
 
 

@@ -11,13 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import Instr, Op, Schedule, ScheduleError, compile_schedule
-from pipeschedule.ir import BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS
-from pipeschedule.offload import OffloadPolicy, add_offload
-from pipeschedule.passes import forward_only
+from pipeschedule.compiler.ir import BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload
+from pipeschedule.compiler.passes import forward_only
 
 from strategies import FAMILY_NAMES, schedules
 
-checks = sys.modules["pipeschedule.verify"]  # the module (`pipeschedule.verify` is also the function)
+checks = sys.modules["pipeschedule.compiler.verify"]  # the module (`pipeschedule.compiler.verify` is also the function)
 
 
 def outcome(run):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import Op, ParameterError, Schedule, ScheduleError, compile_schedule, generate, lower, verify
-from pipeschedule.generators.zero_bubble import split_list_schedule, zb_h1_order
+from pipeschedule.compiler.generators.zero_bubble import split_list_schedule, zb_h1_order
 from pipeschedule.simulate import CostModel, simulate
 
 SPLIT_FAMILIES = ("zb_h1", "zbv", "v_half", "v_min")

@@ -38,7 +38,7 @@ its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
              recomputation of the attention core, `CoreAttention.checkpoint_attention`);
              integration/nanotron/recompute.py
     offload  ranks (`0` or `0/1`) whose stashes all go to host memory between their F
-             and their B (`pipeschedule.offload.add_offload`, fraction 1; stashes whose
+             and their B (`pipeschedule.compiler.offload.add_offload`, fraction 1; stashes whose
              wait is at most `lead` computes stay)
     lead     computes between a RELOAD and the B that needs it, integer >= 0 (default 1;
              needs offload)
@@ -55,10 +55,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from pipeschedule.errors import ParameterError
-from pipeschedule.generators import family_virtual
-
 from integration.nanotron.registry import ENGINES, NANOTRON_ENGINES, accepted_summary
+from pipeschedule.compiler.families import family_virtual
+from pipeschedule.compiler.offload import OffloadPolicy
+from pipeschedule.errors import ParameterError
 
 PARAM_ORDER = ("virtual", "cap", "split", "recompute", "offload", "lead", "stream")
 RECOMPUTE_MODES = ("full", "selective")
@@ -91,7 +91,7 @@ class EngineSpec:
 
     @property
     def family(self) -> str:
-        """The pipeschedule generator family (`pipeschedule.generators.FAMILIES`)."""
+        """The pipeschedule generator family (`pipeschedule.compiler.families.FAMILIES`)."""
         if self.is_nanotron_builtin:
             return self.name
         return ENGINES[self.name].family
@@ -106,10 +106,9 @@ class EngineSpec:
         return self.name + (":" + ",".join(parts) if parts else "")
 
     def offload_policy(self):
-        """The `pipeschedule.offload.OffloadPolicy` of `offload` / `lead` (None: no offload)."""
+        """The `pipeschedule.compiler.offload.OffloadPolicy` of `offload` / `lead` (None: no offload)."""
         if self.offload is None:
             return None
-        from pipeschedule.offload import OffloadPolicy
 
         return OffloadPolicy(1.0, self.offload, 1 if self.lead is None else self.lead)
 

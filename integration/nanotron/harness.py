@@ -362,7 +362,7 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
     placement, split = run.placement, run.split
     if run.engine not in engines and run.engine != "loop":
         from integration.nanotron.engine_spec import parse_engine
-        from integration.nanotron.registry import build_engine
+        from integration.nanotron.engine import build_engine
 
         spec = parse_engine(run.engine)  # a pipeschedule engine (raises for unknown names)
         engines[run.engine] = lambda: build_engine(spec)

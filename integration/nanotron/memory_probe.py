@@ -52,10 +52,10 @@ import_nanotron()
 from integration.nanotron import harness
 from integration.nanotron.engine_spec import parse_engine
 from integration.nanotron.llama import ModelConfig, llama_block_ranks
-from integration.nanotron.registry import build_engine
-from pipeschedule.ir import Schedule
+from integration.nanotron.engine import build_engine
+from pipeschedule.compiler.ir import Schedule
 from pipeschedule.llama_memory import TERMS, predict_ranks
-from pipeschedule.memory import ModelSpec, TrainingSetup
+from pipeschedule.plan.memory import ModelSpec, TrainingSetup
 
 MEASURED_TERMS = tuple(t for t in TERMS if t not in ("working set (transient)", "step peak"))  # predicted only: CPU has no allocator peak
 OPTIMIZERS = ("adamw", "none")

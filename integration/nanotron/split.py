@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.partition import nanotron_assignment, nanotron_layer_cost
+from pipeschedule.plan.partition import nanotron_assignment, nanotron_layer_cost
 
 HEAD_BLOCKS = 1  # embedding
 TAIL_BLOCKS = 3  # final norm, LM head, loss

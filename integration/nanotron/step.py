@@ -29,7 +29,7 @@ from integration.nanotron.boundary import Layout  # noqa: E402
 from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
 from integration.nanotron.grad_sync import GradientSync, SharedGrads  # noqa: E402
 from integration.nanotron.stage_call import StageCall, consumer_tracking, one_stage  # noqa: E402
-from pipeschedule.ir import Instr, Op, Schedule  # noqa: E402
+from pipeschedule.compiler.ir import Instr, Op, Schedule  # noqa: E402
 from pipeschedule.runtime import DistTransport, Executor, RemoteOutput  # noqa: E402
 from pipeschedule.runtime.ledger import signature_of  # noqa: E402
 

@@ -31,7 +31,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from pipeschedule.ir import Op, Schedule
+from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.runtime.transport import Pending, Transport
 
 SHORT = 12  # hex digits of a digest shown in messages

@@ -79,12 +79,12 @@ import torch
 from torch.autograd.variable import Variable
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.ir import COMM_OPS, Instr, Op, Schedule
 from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
-from pipeschedule.runtime.errors import RuntimeScheduleError, ScheduleMismatchError
-from pipeschedule.offload import streamed_stashes
+from pipeschedule.errors import RuntimeScheduleError, ScheduleMismatchError
+from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.runtime.host_offload import Offloader
 from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, signature_of, storage_ptrs
 from pipeschedule.runtime.pool import BufferPool

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Any, Sequence
 
-from pipeschedule.ir import Schedule
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.compiler.ir import Schedule
+from pipeschedule.errors import RuntimeScheduleError
 from pipeschedule.runtime.executor import Executor
 from pipeschedule.runtime.shapes import describe
 from pipeschedule.runtime.stages import Stages

@@ -23,7 +23,7 @@ from typing import Any, Callable, NamedTuple
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeschedule.runtime.errors import LaunchError
+from pipeschedule.errors import LaunchError
 
 
 class RankFailure(NamedTuple):

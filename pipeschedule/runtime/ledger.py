@@ -53,8 +53,8 @@ from typing import Iterator
 
 import torch
 
-from pipeschedule.ir import BUFFERS, Instr
-from pipeschedule.runtime.host_offload import SavedTensor, unpack
+from pipeschedule.compiler.ir import BUFFERS, Instr
+from pipeschedule.runtime.saved import SavedTensor, unpack
 
 Key = tuple  # (kind, stage, mb)
 

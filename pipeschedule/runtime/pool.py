@@ -34,8 +34,8 @@ from collections import defaultdict
 
 import torch
 
-from pipeschedule.ir import Op, Schedule
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.errors import RuntimeScheduleError
 from pipeschedule.runtime.shapes import TensorMeta
 
 POOLED = ("act_in", "grad_out", "act_out", "grad_in")
