@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 
 from benchmarks.training import Case, compiled, sync, to_device
-from integration.nanotron.llama import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
+from benchmarks.llama.model import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
 
 
 def _elapsed_ms(fn, device) -> float:
@@ -69,7 +69,7 @@ def _block_times(module, make_input, forward, device, repeats: int) -> dict:
 def run_calibration(cfg: ModelConfig, device, dtype, repeats: int, microbatch_size: int = 1) -> dict:
     """Forward / backward / input-only backward / weight times (ms) of one decoder layer,
     the embedding, and the final norm + LM head + loss, at `cfg`'s sequence length."""
-    from integration.nanotron.harness import microbatch
+    from benchmarks.llama.reference import microbatch
 
     batch = to_device(microbatch(cfg, microbatch_size, 0, 7), device)
     hidden = torch.randn(microbatch_size, cfg.seq, cfg.hidden, device=device, dtype=dtype)

@@ -11,14 +11,14 @@ gpu_release.png and the cost files gpu_cost_v1[_split].json, gpu_cost_v2[_split]
 that `pipeschedule simulate --cost` reads.
 
 1. Per-stage memory of real training. The Llama-style model of the nanotron integration
-   (integration/nanotron/llama.py; `MODEL` below, bf16) at pp=4 as four processes on the
+   (benchmarks/llama/model.py; `MODEL` below, bf16) at pp=4 as four processes on the
    one GPU: gloo between them, boundary tensors staged through pinned host memory
    (`HostStagedTransport`, which the engines pick when gloo runs on a CUDA machine). Each
    configuration (schedule x microbatches) runs `WARMUP` + `STEPS` training steps
    (nanotron engine `train_batch_iter`, then an AdamW step); before each step the peak
    statistics are reset, so `peak_allocated` / `peak_reserved` are the step's own peaks
    (`torch.cuda.max_memory_*` of the rank's process). Beside each: the memory model's
-   prediction (`integration.nanotron.memory_probe.predict`) and the measured terms
+   prediction (`benchmarks.llama.probe.predict`) and the measured terms
    (parameters, optimizer state, gradients, the runtime ledger's peak of live buffers,
    and the rest: the transient working set), so a miss names its term.
 2. Executor overhead (benchmarks/gpu_overhead.py). All four stages in ONE process on the
@@ -71,7 +71,7 @@ from benchmarks.training import (
     predicted_total,
 )
 from benchmarks.gpu_overhead import overhead_lines, run_overhead
-from integration.nanotron.llama import ModelConfig
+from benchmarks.llama.model import ModelConfig
 
 RESULTS = Path(__file__).parent / "results"
 PP = 4
@@ -207,9 +207,9 @@ def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None
 
 
 def _weight_stash(cfg: ModelConfig, split: tuple[int, ...], dtype_bytes: int) -> list[int]:
-    """Per stage, the bytes a stash keeps from B to W (`llama_memory.weight_stash`)."""
-    from integration.nanotron.memory_probe import model_spec, training_setup
-    from pipeschedule.llama_memory import weight_stash
+    """Per stage, the bytes a stash keeps from B to W (`benchmarks.llama.memory.weight_stash`)."""
+    from benchmarks.llama.probe import model_spec, training_setup
+    from benchmarks.llama.memory import weight_stash
 
     setup = training_setup(cfg, microbatch_size=MICROBATCH_SIZE, dtype_bytes=dtype_bytes, optimizer="adamw")
     return [weight_stash(model_spec(cfg), setup, layers, last=s == len(split) - 1) for s, layers in enumerate(split)]

@@ -46,8 +46,8 @@ import warnings
 
 import torch
 
-from integration.nanotron.llama import ModelConfig
-from integration.nanotron.plain_stages import LlamaStages
+from benchmarks.llama.model import ModelConfig
+from benchmarks.llama.stages import LlamaStages
 
 
 
@@ -128,7 +128,7 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
                  microbatch_size: int, split: tuple[int, ...]) -> dict:
     """`steps` measured rounds after `warmup` (see the module docstring); raw and summary
     figures in a dict (`overhead_lines` renders it)."""
-    from integration.nanotron.harness import microbatch
+    from benchmarks.llama.reference import microbatch
     from benchmarks.training import sync, to_device
     from pipeschedule import compile_schedule
     from pipeschedule.runtime import InProcessPipeline

@@ -11,7 +11,7 @@ Model: the one-GPU benchmark's Llama (hidden 2048, 16 layers, seq 4096, bf16), p
 the embedding on stage 0 and the head and loss on the last stage. Costs per stage from
 the measured forward, backward and input-only backward times (a split-backward
 schedule's B is the input-gradient part, its W the rest); the stash of a (stage, mb)
-from the calibrated memory model (pipeschedule/llama_memory.py, `llama_footprints`);
+from the calibrated memory model (benchmarks/llama/memory.py, `llama_footprints`);
 boundaries of s*h bf16 values over an assumed 100 GB/s link. Every candidate is compiled
 with that cost (`compile_schedule(..., cost=)`): the list-scheduled families order by the
 measured times and lowering places the messages by them.
@@ -43,7 +43,7 @@ from pathlib import Path
 from benchmarks.costs import stage_costs
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.families import generate
-from pipeschedule.llama_memory import llama_footprints
+from benchmarks.llama.memory import llama_footprints
 from pipeschedule.plan.memory import ModelSpec, TrainingSetup
 from pipeschedule.compiler.passes import lower
 from pipeschedule.simulate import CostModel, simulate

@@ -52,7 +52,7 @@ import torch
 
 from benchmarks import training
 from benchmarks.gpu import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL
-from integration.nanotron.plain_stages import LlamaStages
+from benchmarks.llama.stages import LlamaStages
 from benchmarks.training import model_split, sync, to_device
 
 RESULTS = Path(__file__).parent / "results"
@@ -106,7 +106,7 @@ class RankStages(LlamaStages):
 
 
 def _data(cfg, m: int, seed: int, device):
-    from integration.nanotron.harness import microbatch
+    from benchmarks.llama.reference import microbatch
 
     batches = [to_device(microbatch(cfg, MICROBATCH_SIZE, i, seed), device) for i in range(m)]
     return [{"input_ids": b["input_ids"]} for b in batches], [

@@ -13,7 +13,7 @@ are that step's own peaks (`torch.cuda.max_memory_*` of the rank's process), and
 `reserved_after` is what the allocator still reserves once the step has ended. Beside
 them: parameter, optimizer-state and gradient bytes, and for pipeschedule's engines the
 runtime ledger's peak of live buffers; and, for every case, the memory model's
-prediction (`integration.nanotron.memory_probe.predict`).
+prediction (`benchmarks.llama.probe.predict`).
 
 Each rank appends one JSON line per finished case to a progress file, so a case that
 fails (out of memory, say) loses only itself and the cases after it.
@@ -42,7 +42,8 @@ from integration.nanotron._compat import import_nanotron
 import_nanotron()
 
 from integration.nanotron import split as splits  # noqa: E402
-from integration.nanotron.llama import ModelConfig  # noqa: E402
+from benchmarks.llama.model import ModelConfig  # noqa: E402
+from pipeschedule.errors import LaunchError  # noqa: E402
 
 # The multi-GPU benchmark's model (about 3.6B parameters, Llama-3.2-3B's shape, seq 4096):
 # calibrated on one GPU by benchmarks.gpu, run on four by benchmarks.multi_gpu.
@@ -103,9 +104,9 @@ def compiled(case: Case, pp: int):
 
 def predicted(cfg: ModelConfig, case: Case, *, pp: int, microbatch_size: int, dtype_bytes: int,
               device: str) -> list[dict]:
-    """The memory model's terms per rank for this case (`memory_probe.predict`), plus on
+    """The memory model's terms per rank for this case (`benchmarks.llama.probe.predict`), plus on
     CUDA the cuBLAS workspace that the caching allocator holds from the first matmul."""
-    from integration.nanotron.memory_probe import predict
+    from benchmarks.llama.probe import predict
 
     ranks = predict(cfg, pp=pp, split=model_split(cfg, pp * case.virtual), schedule=compiled(case, pp),
                     microbatch_size=microbatch_size, dtype_bytes=dtype_bytes, optimizer="adamw", device=device)
@@ -114,7 +115,7 @@ def predicted(cfg: ModelConfig, case: Case, *, pp: int, microbatch_size: int, dt
     return ranks
 
 
-# What the memory model (pipeschedule.llama_memory) predicts as the allocator's peak of a
+# What the memory model (benchmarks.llama.memory) predicts as the allocator's peak of a
 # rank: its "step peak" (parameters, optimizer state, the peak of live buffers and
 # gradients together, the working set) plus, on CUDA, the cuBLAS workspace.
 PEAK_TERMS = ("step peak", "cuBLAS workspace")
@@ -172,10 +173,10 @@ def measure_case(case: Case, cfg: ModelConfig, *, pp: int, context, p2p, pp_rank
                  microbatch_size: int, warmup: int, steps: int, keep_trace: bool) -> dict:
     import torch.distributed as dist
 
-    from integration.nanotron.harness import _clear_shared_state, for_rank, microbatch
-    from integration.nanotron.llama import build_llama, llama_block_ranks
+    from benchmarks.llama.reference import clear_shared_state, for_rank, microbatch
+    from benchmarks.llama.model import build_llama, llama_block_ranks
 
-    _clear_shared_state()
+    clear_shared_state()
     split = model_split(cfg, pp * case.virtual)
     engine = _build_engine(case)
     placement = engine.placement(pp) if hasattr(engine, "placement") else None  # a V for the V-shape engines
@@ -235,7 +236,7 @@ def measure_case(case: Case, cfg: ModelConfig, *, pp: int, context, p2p, pp_rank
     return record
 
 
-def worker(rank: int, world_size: int, mode: str, cfg: ModelConfig, case_list: list[Case], settings: dict,
+def worker(rank: int, world_size: int, store, mode: str, cfg: ModelConfig, case_list: list[Case], settings: dict,
            progress: str) -> None:
     """One rank of `run_cases` (spawned). mode: 'shared' (every rank on cuda:0 if there is a
     GPU, else CPU), 'multi' (rank r on cuda:r)."""
@@ -277,7 +278,7 @@ def run_cases(cfg: ModelConfig, case_list: list[Case], *, pp: int, mode: str, mi
     with the reason. A case the memory model says cannot fit is not run (an out-of-memory
     rank would end every case after it): in 'shared' mode the processes' predicted peaks
     together against the one GPU, in 'multi' mode each rank's against its own GPU."""
-    from integration.nanotron.harness import ChildFailed, spawn
+    from pipeschedule.runtime.launch import spawn
 
     dtype_bytes = 2 if torch.cuda.is_available() else 4
     capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else math.inf
@@ -296,9 +297,9 @@ def run_cases(cfg: ModelConfig, case_list: list[Case], *, pp: int, mode: str, mi
     settings = {"microbatch_size": microbatch_size, "warmup": warmup, "steps": steps, "trace_labels": trace_labels}
     with tempfile.TemporaryDirectory(prefix="pipeschedule-bench-") as progress:
         try:
-            spawn(worker, pp, (mode, cfg, runnable, settings, progress), timeout=timeout, threads=2,
+            spawn(worker, pp, args=(mode, cfg, runnable, settings, progress), timeout=timeout, threads=2,
                   **({"backend": backend} if backend else {}))
-        except (ChildFailed, TimeoutError) as err:
+        except LaunchError as err:
             print(f"[run_cases] a rank failed; keeping the cases that finished:\n{err}", file=sys.stderr, flush=True)
         records = []
         for r in range(pp):

@@ -138,7 +138,7 @@ FIGURE_RANK0 = 0.1572  # rank 0's peak stash, of 1F1B's: <= 0.5
 def measured_cost(split, split_backward):
     """The cost benchmarks.moonshot builds for `split` (decoder layers per stage; the
     embedding on the first stage, the head and loss on the last), message costs left out."""
-    from pipeschedule.llama_memory import llama_footprints
+    from benchmarks.llama.memory import llama_footprints
     from pipeschedule.plan.memory import ModelSpec, TrainingSetup
 
     model = ModelSpec("benchmark-llama", layers=16, hidden=2048, heads=16, kv_heads=8, ffn=5632, vocab=32000)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integration.nanotron.harness import spawn
-from integration.nanotron.llama import ModelConfig
+from pipeschedule.runtime.launch import spawn
+from benchmarks.llama.model import ModelConfig
 
 CFG = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16, seed=7)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -34,7 +34,7 @@ def layout(tensor: torch.Tensor) -> dict:
             "requires_grad": tensor.requires_grad, "is_leaf": tensor.is_leaf, "device": str(tensor.device)}
 
 
-def exchange(rank, world_size, device):
+def exchange(rank, world_size, store, device):
     """Both ranks send every tensor twice, then receive each once with nanotron's own
     receive (`CpuP2P`'s is nanotron's) and once with `HostStagedP2P`'s."""
     from integration.nanotron.cpu import CpuP2P, HostStagedP2P, cpu_parallel_context
@@ -60,7 +60,7 @@ def exchange(rank, world_size, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_received_tensors_look_like_nanotrons_and_live_on_the_device(device):
-    for rank, (received, p2p_device, first_meta, second_meta) in enumerate(spawn(exchange, 2, (device,), timeout=60)):
+    for rank, (received, p2p_device, first_meta, second_meta) in enumerate(spawn(exchange, 2, args=(device,), timeout=60)):
         assert (first_meta, second_meta) == ("cpu", "cpu")  # gloo reads the metadata buffers
         expected = sent_tensors(1 - rank, "cpu")
         assert len(received) == len(expected)
@@ -75,20 +75,20 @@ def test_received_tensors_look_like_nanotrons_and_live_on_the_device(device):
         assert not expected[1].is_contiguous() and received[1][1]["stride"] == (1, 6)  # the transpose's stride
 
 
-def train_both(rank, world_size, m):
+def train_both(rank, world_size, store, m):
     """nanotron's 1F1B at pp=world_size, once over `CpuP2P` and once over `HostStagedP2P`."""
     import nanotron.distributed as nanotron_dist
     from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine
 
     from integration.nanotron.cpu import HostStagedP2P, cpu_p2p, cpu_parallel_context
-    from integration.nanotron.harness import _clear_shared_state, for_rank, microbatch
-    from integration.nanotron.llama import build_llama, llama_block_ranks
+    from benchmarks.llama.reference import clear_shared_state, for_rank, microbatch
+    from benchmarks.llama.model import build_llama, llama_block_ranks
 
     context = cpu_parallel_context(pp=world_size)
     pp_rank = nanotron_dist.get_rank(context.pp_pg)
     results = {}
     for name, p2p in (("cpu", cpu_p2p(context.pp_pg)), ("staged", HostStagedP2P(context.pp_pg, device="cpu"))):
-        _clear_shared_state()
+        clear_shared_state()
         model = build_llama(CFG, p2p, llama_block_ranks(CFG, world_size, split=(1,) * world_size))
         data = (for_rank(microbatch(CFG, 2, i, 11), pp_rank, model.input_pp_rank, model.output_pp_rank)
                 for i in range(m))
@@ -102,7 +102,7 @@ def train_both(rank, world_size, m):
 
 
 def test_nanotron_1f1b_over_host_staged_p2p_equals_cpu_p2p_bitwise():
-    pieces = spawn(train_both, 4, (6,), timeout=90)
+    pieces = spawn(train_both, 4, args=(6,), timeout=90)
     assert len(pieces[3]["cpu"][0]) == 6  # the last rank holds the losses
     for rank, piece in enumerate(pieces):
         (cpu_losses, cpu_grads), (losses, grads) = piece["cpu"], piece["staged"]

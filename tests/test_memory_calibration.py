@@ -1,6 +1,6 @@
 """Calibration of the memory model against measurement (issue 5): the pure prediction of
-pipeschedule/llama_memory.py against real training steps of the integration Llama
-through pipeschedule's nanotron engines on CPU (integration/nanotron/memory_probe.py).
+benchmarks/llama/memory.py against real training steps of the integration Llama
+through pipeschedule's nanotron engines on CPU (benchmarks/llama/probe.py).
 
 Every per-rank term (parameters, gradients, AdamW state, stash per microbatch, peak
 stash, p2p buffers) must agree within 3%; a prediction with a deliberately wrong term
@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from integration.nanotron.memory_probe import (
+from benchmarks.llama.probe import (
     CALIBRATION_BF16_CASES,
     CALIBRATION_CASES,
     CALIBRATION_MICROBATCH_SIZE,
@@ -31,7 +31,7 @@ from integration.nanotron.memory_probe import (
     relative_errors,
     training_setup,
 )
-from pipeschedule.llama_memory import (
+from benchmarks.llama.memory import (
     decoder_layer_stash,
     head_stash,
     ledger_buffers,
@@ -85,7 +85,7 @@ def split_runs():
 
 
 def test_split_backward_prediction_within_3_percent_of_measurement(split_runs):
-    """The stash shrinks at each B to what W keeps (`llama_memory.weight_stash`), as the
+    """The stash shrinks at each B to what W keeps (`benchmarks.llama.memory.weight_stash`), as the
     ledger's `resize` does; every term, the stash peak included, within 3%."""
     for pp, run, measured in split_runs:
         worst = _worst(measured, _predict(run, pp))
@@ -231,14 +231,14 @@ def test_cuda_counts_the_flash_kernels_rng_state():
 
 @pytest.mark.parametrize("name,split", [("zb_h1", (2, 2, 2, 2)), ("zb_h1", (3, 0, 2, 3)), ("zbv", (1, 1, 2, 1, 1, 1, 0, 1))])
 def test_weight_stash_equals_the_ledgers_resize_to_the_byte(name, split):
-    """What W keeps of each stash after B (`llama_memory.weight_stash`) against the
+    """What W keeps of each stash after B (`benchmarks.llama.memory.weight_stash`) against the
     ledger's `resized` of a real in-process run of the integration Llama's blocks, fp32,
     stages with and without decoder layers."""
-    from integration.nanotron.harness import microbatch
-    from integration.nanotron.llama import ModelConfig
-    from integration.nanotron.plain_stages import LlamaStages
+    from benchmarks.llama.reference import microbatch
+    from benchmarks.llama.model import ModelConfig
+    from benchmarks.llama.stages import LlamaStages
     from pipeschedule import compile_schedule
-    from pipeschedule.llama_memory import weight_stash
+    from benchmarks.llama.memory import weight_stash
     from pipeschedule.runtime import InProcessPipeline
 
     cfg = ModelConfig(hidden=64, layers=sum(split), heads=4, kv_heads=2, ffn=96, vocab=200, seq=32)

@@ -1,4 +1,5 @@
-"""The spawn harness and the CPU point-to-point layer (integration/nanotron/harness.py, cpu.py)."""
+"""The one launcher (pipeschedule/runtime/launch.py) as nanotron's code sees it, and the
+CPU point-to-point layer (integration/nanotron/cpu.py)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,31 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from integration.nanotron.harness import ChildFailed, spawn
+from pipeschedule.errors import LaunchError
+from pipeschedule.runtime.launch import spawn
 
 
-def rank_and_world(rank, world_size, offset):
+def rank_and_world(rank, world_size, store, offset):
     return rank * 10 + offset, world_size, dist.get_rank(), dist.get_backend()
 
 
-def raise_on_rank_one(rank, world_size):
+def raise_on_rank_one(rank, world_size, store):
     if rank == 1:
         raise ValueError("boom on rank 1")
     dist.recv(torch.zeros(1), src=1)  # would wait for ever without the harness
 
 
-def wait_for_nothing(rank, world_size):
+def sleep_unless_rank_one(rank, world_size, store):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    time.sleep(60)  # not blocked on rank 1: only the launcher can stop it
+
+
+def wait_for_nothing(rank, world_size, store):
     dist.recv(torch.zeros(1), src=1 - rank)
 
 
-def cross_sends(rank, world_size):
+def cross_sends(rank, world_size, store):
     """Both ranks send first, then receive: a deadlock with nanotron's own P2P on gloo."""
     from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
 
@@ -40,7 +48,7 @@ def cross_sends(rank, world_size):
     return [(t.detach().clone(), t.requires_grad, t.is_contiguous()) for t in received], p2p.pending_sends()
 
 
-def group_layout(rank, world_size):
+def group_layout(rank, world_size, store):
     from integration.nanotron.cpu import cpu_parallel_context
 
     context = cpu_parallel_context(pp=2, dp=2)
@@ -49,19 +57,28 @@ def group_layout(rank, world_size):
 
 
 def test_results_come_back_in_rank_order():
-    assert spawn(rank_and_world, 3, (5,), timeout=60) == [(5, 3, 0, "gloo"), (15, 3, 1, "gloo"), (25, 3, 2, "gloo")]
+    assert spawn(rank_and_world, 3, args=(5,), timeout=60) == [(5, 3, 0, "gloo"), (15, 3, 1, "gloo"), (25, 3, 2, "gloo")]
 
 
 def test_a_child_error_is_raised_in_the_parent_with_its_traceback():
     start = time.monotonic()
-    with pytest.raises(ChildFailed, match="(?s)rank 1 raised.*ValueError: boom on rank 1"):
-        spawn(raise_on_rank_one, 2, timeout=60)
-    assert time.monotonic() - start < 30  # rank 0, blocked on rank 1, was terminated
+    with pytest.raises(LaunchError, match="(?s)rank 1 raised.*ValueError: boom on rank 1"):
+        spawn(raise_on_rank_one, 2, timeout=60, grace=5)
+    assert time.monotonic() - start < 30  # rank 0, blocked on rank 1, failed or was stopped after the grace
+
+
+def test_the_others_are_stopped_a_grace_after_the_first_failure_with_their_stacks():
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="(?s)rank 0: Stopped: still running 3 s after rank 1 failed") as caught:
+        spawn(sleep_unless_rank_one, 2, timeout=60, grace=3)
+    assert time.monotonic() - start < 30
+    assert "in sleep_unless_rank_one" in caught.value.failures[0].traceback
+    assert caught.value.failures[1].kind == "ValueError"
 
 
 def test_a_hang_ends_at_the_deadline_with_the_stacks():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="(?s)ranks \\[0, 1\\].*rank 0 stacks.*in recv"):
+    with pytest.raises(LaunchError, match="(?s)rank 0: Timeout.*rank 1: Timeout.*rank 0 stacks.*in recv"):
         spawn(wait_for_nothing, 2, timeout=10)  # long enough for the children to start
     assert time.monotonic() - start < 30
 

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from integration.nanotron import split as splits
-from integration.nanotron.llama import DecoderLayer, Loss, ModelConfig, TokenEmbedding, block_seed, rotary
+from benchmarks.llama.model import DecoderLayer, Loss, ModelConfig, TokenEmbedding, block_seed, rotary
+from pipeschedule.compiler.generators.common import round_robin
 from pipeschedule.errors import ParameterError
 
 CFG = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=48, vocab=64, seq=10, seed=3)
@@ -120,7 +121,7 @@ def test_llama3_70b_nanotron_split():
 def test_explicit_split():
     assert splits.explicit_block_stages([1, 2, 1], 4) == [0, 0, 1, 1, 2, 2, 2, 2]
     assert splits.explicit_block_stages([0, 4], 4) == [0, 1, 1, 1, 1, 1, 1, 1]
-    interleaved = splits.block_ranks(splits.explicit_block_stages([1, 1, 1, 1], 4), splits.round_robin(2, 2))
+    interleaved = splits.block_ranks(splits.explicit_block_stages([1, 1, 1, 1], 4), round_robin(2, 2))
     assert interleaved == [0, 0, 1, 0, 1, 1, 1, 1]
     with pytest.raises(ParameterError, match="1\\+2 = 3 decoder layers, but the model has 4"):
         splits.explicit_block_stages([1, 2], 4)
@@ -129,8 +130,8 @@ def test_explicit_split():
 
 
 def test_round_robin_placement():
-    assert splits.round_robin(2, 2) == [0, 1, 0, 1]
-    assert splits.round_robin(4, 1) == [0, 1, 2, 3]
+    assert round_robin(2, 2) == [0, 1, 0, 1]
+    assert round_robin(4, 1) == [0, 1, 2, 3]
 
 
 @given(st.lists(st.integers(0, 10**6), min_size=1, max_size=40), st.integers(1, 8))

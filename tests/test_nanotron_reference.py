@@ -1,7 +1,7 @@
 """nanotron's own pipeline engines, run for real on CPU with gloo, against pp=1.
 
 One spawned process group per (pp, dp) performs all of its configurations in turn
-(`integration.nanotron.harness`), so the whole file takes well under a minute.
+(`benchmarks.llama.reference`), so the whole file takes well under a minute.
 
 Exactness. With pp only, every rank runs the same kernels on the same shapes as the
 single process (one intra-op thread per process), activations and gradients cross
@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integration.nanotron.harness import Job, Run, run_nanotron
-from integration.nanotron.llama import ModelConfig, count_parameters
+from benchmarks.llama.reference import Job, Run, run_nanotron
+from benchmarks.llama.model import ModelConfig, count_parameters
 from integration.nanotron.split import nanotron_block_stages, nanotron_output_pp_rank
 from integration.nanotron.stash import microbatches_worth
 

@@ -1,6 +1,6 @@
 """Run nanotron's own `DistributedTrainer` from YAML files, several trainings per process group.
 
-A job is one spawned gloo process group (integration.nanotron.harness.spawn) in which
+A job is one spawned gloo process group (pipeschedule.runtime.launch.spawn) in which
 every rank prepares the gloo mode once (`integration.nanotron.train.prepare`) and then,
 for each config file in turn, builds nanotron's trainer from it, trains, and returns
 `train.record_of(trainer)`: per-step losses, times and ledger peaks, block ranks and the
@@ -15,7 +15,7 @@ import os
 import torch
 
 from integration.nanotron.example import TrainerConfig
-from integration.nanotron.harness import spawn
+from pipeschedule.runtime.launch import spawn
 
 
 def train_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0) -> list[dict]:
@@ -39,11 +39,11 @@ def train_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0)
         path = tmp_path / f"config-{index}.yaml"
         path.write_text(config.yaml(str(tmp_path / f"checkpoints-{index}")))
         paths.append(str(path))
-    per_rank = spawn(_child, worlds.pop(), (paths,), timeout=timeout)
+    per_rank = spawn(_child, worlds.pop(), args=(paths,), timeout=timeout)
     return [merge([rank[i] for rank in per_rank]) for i in range(len(configs))]
 
 
-def _child(rank: int, world: int, paths: list[str]) -> list[dict]:
+def _child(rank: int, world: int, store, paths: list[str]) -> list[dict]:
     from integration.nanotron import train
 
     # nanotron's asynchronous tensor-parallel linears refuse to run without it (as its docs say)

@@ -7,7 +7,8 @@ A model is a list of blocks in forward order:
 A *stage* is a contiguous run of blocks; stage s runs on rank `placement[s]`. Without
 interleaving there are pp stages and placement is 0..pp-1; with `virtual` chunks per rank
 there are pp * virtual stages, placed round-robin by default (`[0, 1, 0, 1]` for pp=2,
-virtual=2), which is nanotron's `build_model(target_pp_ranks=...)` convention.
+virtual=2: `pipeschedule.compiler.generators.common.round_robin`), which is nanotron's
+`build_model(target_pp_ranks=...)` convention.
 
 Two ways to split, both pure functions of numbers (no torch):
 
@@ -89,11 +90,6 @@ def explicit_block_stages(split: Sequence[int], num_layers: int) -> list[int]:
         stages.extend([s] * count)
     stages.extend([len(split) - 1] * TAIL_BLOCKS)
     return stages
-
-
-def round_robin(pp: int, virtual: int = 1) -> list[int]:
-    """`placement` for interleaving: stage s on rank s % pp, e.g. [0, 1, 0, 1] for pp=2, v=2."""
-    return [s % pp for s in range(pp * virtual)]
 
 
 def block_ranks(block_stages: Sequence[int], placement: Sequence[int]) -> list[int]:

@@ -1,7 +1,8 @@
-"""Memory of the integration's Llama (integration/nanotron/llama.py) per pipeline rank under
-a lowered schedule, term by term, counted the way the runtime's ledger counts it, so
-that a prediction can be checked against a measurement (integration/nanotron/
-memory_probe.py). Pure arithmetic: no torch.
+"""Memory of the project's Llama (model.py here) per pipeline rank under a lowered
+schedule, term by term, counted the way the runtime's ledger counts it, so that a
+prediction can be checked against a measurement (probe.py). Pure arithmetic: no torch.
+(The planner's model of a Llama at scale is `pipeschedule.plan.memory`; this one
+builds on its terms.)
 
 `predict_ranks(model, setup, split, schedule)` returns, per rank, bytes by term:
 

@@ -4,12 +4,12 @@
     predict(cfg, pp=, split=, schedule=, microbatch_size=, dtype_bytes=, optimizer=) -> list[dict[str, float]]
 
 Both return one dict per pp rank, term -> bytes, with the keys of
-`pipeschedule.llama_memory.TERMS` (measure leaves out the working set, which needs an
+`benchmarks.llama.memory.TERMS` (measure leaves out the working set, which needs an
 allocator's statistics; on CUDA it adds "allocator peak", torch.cuda.max_memory_allocated
 over the last step). `predict` is pure arithmetic ([Note: what the integration Llama
-saves] in pipeschedule/llama_memory.py) over the same model, split and lowered schedule;
+saves] in benchmarks/llama/memory.py) over the same model, split and lowered schedule;
 `measure` runs real training steps through pipeschedule's nanotron engines in pp gloo
-processes (`harness.spawn`) and reads:
+processes (`pipeschedule.runtime.launch.spawn`) and reads:
 
     parameters            sum of p.nbytes over the rank's parameters
     gradients             sum of p.grad.nbytes after the step's last backward
@@ -34,7 +34,7 @@ Example (CPU, fp32; on a GPU pass device="cuda", dtype=torch.bfloat16, dtype_byt
                         microbatch_size=2, dtype_bytes=4, optimizer="adamw")
     table(measured, predicted)  # text, one row per (rank, term), with the relative error
 
-Script form: `python -m integration.nanotron.memory_probe` prints the calibration table of
+Script form: `python -m benchmarks.llama.probe` prints the calibration table of
 docs/memory_calibration.md.
 """
 
@@ -49,13 +49,17 @@ from integration.nanotron._compat import import_nanotron
 
 import_nanotron()
 
-from integration.nanotron import harness
-from integration.nanotron.engine_spec import parse_engine
-from integration.nanotron.llama import ModelConfig, llama_block_ranks
-from integration.nanotron.engine import build_engine
-from pipeschedule.compiler.ir import Schedule
-from pipeschedule.llama_memory import TERMS, predict_ranks
-from pipeschedule.plan.memory import ModelSpec, TrainingSetup
+import nanotron.distributed as nanotron_dist  # noqa: E402
+
+from benchmarks.llama.memory import TERMS, predict_ranks  # noqa: E402
+from benchmarks.llama.model import ModelConfig, build_llama, llama_block_ranks  # noqa: E402
+from benchmarks.llama.reference import clear_shared_state, for_rank, microbatch  # noqa: E402
+from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context  # noqa: E402
+from integration.nanotron.engine import build_engine  # noqa: E402
+from integration.nanotron.engine_spec import parse_engine  # noqa: E402
+from pipeschedule.compiler.ir import Schedule  # noqa: E402
+from pipeschedule.plan.memory import ModelSpec, TrainingSetup  # noqa: E402
+from pipeschedule.runtime.launch import spawn  # noqa: E402
 
 MEASURED_TERMS = tuple(t for t in TERMS if t not in ("working set (transient)", "step peak"))  # predicted only: CPU has no allocator peak
 OPTIMIZERS = ("adamw", "none")
@@ -171,13 +175,11 @@ def measure_runs(cfg: ModelConfig, *, pp: int, runs: Sequence[ProbeRun], microba
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     args = (cfg, tuple(runs), microbatch_size, dtype, device, optimizer, steps, data_seed)
-    per_rank = harness.spawn(_probe_worker, pp, args, timeout=timeout)
+    per_rank = spawn(_probe_worker, pp, args=args, timeout=timeout)
     return [[per_rank[r][i] for r in range(pp)] for i in range(len(runs))]
 
 
-def _probe_worker(rank, world_size, cfg, runs, microbatch_size, dtype, device, optimizer, steps, data_seed) -> list:
-    from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
-
+def _probe_worker(rank, world_size, store, cfg, runs, microbatch_size, dtype, device, optimizer, steps, data_seed) -> list:
     context = cpu_parallel_context(tp=1, pp=world_size, dp=1)
     p2p = cpu_p2p(context.pp_pg)
     where = torch.device("cpu")
@@ -191,10 +193,6 @@ def _probe_worker(rank, world_size, cfg, runs, microbatch_size, dtype, device, o
 
 
 def _probe_once(cfg, run: ProbeRun, context, p2p, microbatch_size, dtype, device, optimizer, steps, data_seed) -> dict:
-    import nanotron.distributed as nanotron_dist
-
-    from integration.nanotron.llama import build_llama
-
     pp = context.pipeline_parallel_size
     pp_rank = nanotron_dist.get_rank(context.pp_pg)
     spec = parse_engine(run.engine)
@@ -208,15 +206,15 @@ def _probe_once(cfg, run: ProbeRun, context, p2p, microbatch_size, dtype, device
     opt = torch.optim.AdamW(params) if optimizer == "adamw" and params else None
     m = run.microbatches
     for step in range(steps):
-        harness._clear_shared_state()  # [Note: nanotron's shared deques]
+        clear_shared_state()  # [Note: nanotron's shared deques]
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             allocator_start = torch.cuda.memory_allocated(device)
         data = (
-            _to(harness.for_rank(harness.microbatch(cfg, microbatch_size, step * m + i, data_seed),
-                                 pp_rank, model.input_pp_rank, model.output_pp_rank), device)
+            _to(for_rank(microbatch(cfg, microbatch_size, step * m + i, data_seed),
+                         pp_rank, model.input_pp_rank, model.output_pp_rank), device)
             for i in range(m)
         )
         engine.train_batch_iter(model=model, pg=context.pp_pg, batch=data, nb_microbatches=m, grad_accumulator=None)

@@ -1,17 +1,9 @@
-"""Run nanotron's own pipeline engines for real, on CPU with gloo, and collect results.
+"""Run nanotron's own pipeline engines (and ours) for real on the project's Llama, on CPU
+with gloo, and collect results.
 
-Two layers:
-
-- `spawn(fn, world_size, args)`: starts `world_size` processes (spawn start method),
-  initialises gloo in each through a `FileStore` in a temporary directory, runs
-  `fn(rank, world_size, *args)` and returns the ranks' results in rank order. A child's
-  exception is re-raised in the parent as `ChildFailed` with the child's traceback; the
-  other children are terminated; past `timeout` every child is killed and `TimeoutError`
-  names the ranks that had not finished, with each hung rank's Python stacks (written
-  by faulthandler on SIGUSR1). It never waits without a deadline. A script calling it
-  needs the usual `if __name__ == "__main__":` guard (spawn re-imports `__main__`).
-- `run_nanotron(job)`: one process group of pp * dp ranks that performs every `Run` of the
-  job in turn (one spawn per group keeps the tests fast), each on a freshly built model
+`run_nanotron(job)`: one process group of pp * dp ranks (spawned by the one launcher,
+`pipeschedule.runtime.launch.spawn`) that performs every `Run` of the
+job in turn (one spawn per group keeps the tests fast), each on a freshly built model
   ([Note: deterministic init] makes all of them start from the same weights), and
   returns per run the losses nanotron reports, the gradients by parameter name (merged
   across pp ranks, so runs with different splits compare by name), the stash
@@ -19,8 +11,8 @@ Two layers:
 
 Usage:
 
-    from integration.nanotron.harness import Job, Run, run_nanotron
-    from integration.nanotron.llama import ModelConfig
+    from benchmarks.llama.reference import Job, Run, run_nanotron
+    from benchmarks.llama.model import ModelConfig
 
     cfg = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
     runs = (Run("1f1b", microbatches=4), Run("afab", microbatches=4, split=(1, 3)))
@@ -36,145 +28,32 @@ each microbatch, `(model(**mb)["loss"] / m).backward()`.
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import os
-import signal
-import sys
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
 
 import torch
-import torch.multiprocessing as torch_mp
 
 from integration.nanotron._compat import import_nanotron
 
 import_nanotron()
 
+import nanotron.distributed as nanotron_dist  # noqa: E402
+from nanotron.models.base import build_model  # noqa: E402
+from nanotron.parallel.pipeline_parallel.engine import (  # noqa: E402
+    AllForwardAllBackwardPipelineEngine,
+    OneForwardOneBackwardPipelineEngine,
+)
 from nanotron.parallel.pipeline_parallel.state import PipelineBatchState, PipelineTrainBatchState  # noqa: E402
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
-from integration.nanotron.llama import ModelConfig, block_seed  # noqa: E402
-
-# -- spawning --------------------------------------------------------------------------
-
-
-class ChildFailed(RuntimeError):
-    """A spawned rank raised; the message holds its traceback."""
-
-
-def spawn(fn: Callable, world_size: int, args: Sequence[Any] = (), *, timeout: float = 120.0, threads: int = 1,
-          backend: str = "gloo") -> list:
-    """Run `fn(rank, world_size, *args)` in `world_size` processes (gloo, or `backend`); results by rank.
-
-    `fn` must be importable by name (a module-level function) and its result picklable
-    by `torch.save`. Each child uses `threads` intra-op threads (1 keeps CPU kernels
-    deterministic and avoids oversubscribing small machines).
-    """
-    context = torch_mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="pipeschedule-gloo-") as tmp:
-        processes = [
-            context.Process(target=_child, args=(rank, world_size, tmp, fn, tuple(args), threads, timeout, backend),
-                            daemon=True)
-            for rank in range(world_size)
-        ]
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                codes = [p.exitcode for p in processes]
-                if any(code not in (None, 0) for code in codes):
-                    time.sleep(0.5)  # let other failing ranks write their errors
-                    raise ChildFailed(_failure_message(tmp, processes))
-                if all(code == 0 for code in codes):
-                    break
-                if time.monotonic() > deadline:
-                    waiting = [r for r, code in enumerate(codes) if code is None]
-                    raise TimeoutError(
-                        f"ranks {waiting} of {world_size} still running after {timeout:.0f} s; killed. "
-                        + _errors_so_far(tmp, world_size) + _stacks(tmp, processes, waiting)
-                    )
-                time.sleep(0.02)
-        finally:
-            for process in processes:
-                if process.is_alive():
-                    process.kill()
-            for process in processes:
-                process.join(timeout=10)
-        return [torch.load(os.path.join(tmp, f"result-{rank}.pt"), weights_only=False) for rank in range(world_size)]
-
-
-def _child(rank, world_size, tmp, fn, args, threads, timeout, backend="gloo") -> None:
-    # On SIGUSR1 (sent by the parent at its deadline) write every thread's stack.
-    stack_file = open(os.path.join(tmp, f"stack-{rank}.txt"), "w", encoding="utf-8")  # noqa: SIM115
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
-    )
-    torch.set_num_threads(threads)
-    import torch.distributed as dist
-
-    try:
-        store = dist.FileStore(os.path.join(tmp, "store"), world_size)
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank
-        dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
-        )
-        result = fn(rank, world_size, *args)
-        path = os.path.join(tmp, f"result-{rank}.pt")
-        torch.save(result, path + ".partial")
-        os.replace(path + ".partial", path)
-    except BaseException:  # noqa: BLE001  (everything is reported to the parent)
-        with open(os.path.join(tmp, f"error-{rank}.txt"), "w", encoding="utf-8") as handle:
-            handle.write(traceback.format_exc())
-        sys.stderr.flush()
-        os._exit(1)  # skip atexit and gloo teardown, which can block on dead peers
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001  (teardown only)
-        pass
-
-
-def _failure_message(tmp: str, processes) -> str:
-    lines = []
-    for rank, process in enumerate(processes):
-        path = os.path.join(tmp, f"error-{rank}.txt")
-        if os.path.exists(path):
-            with open(path, encoding="utf-8") as handle:
-                lines.append(f"--- rank {rank} raised:\n{handle.read()}")
-        elif process.exitcode not in (None, 0):
-            lines.append(f"--- rank {rank} exited with code {process.exitcode} without a traceback")
-    return "a spawned rank failed\n" + "\n".join(lines)
-
-
-def _stacks(tmp: str, processes, ranks: list[int]) -> str:
-    """Ask the hung ranks for their Python stacks (faulthandler) and return them."""
-    for rank in ranks:
-        if processes[rank].is_alive():
-            os.kill(processes[rank].pid, signal.SIGUSR1)
-    time.sleep(1.0)
-    out = []
-    for rank in ranks:
-        path = os.path.join(tmp, f"stack-{rank}.txt")
-        text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-        keep = ("File", "Thread", "Current thread")
-        frames = [line for line in text.splitlines() if line.strip().startswith(keep)]
-        out.append(f"\n--- rank {rank} stacks, per thread, innermost first:\n" + "\n".join(frames[:40]))
-    return "".join(out)
-
-
-def _errors_so_far(tmp: str, world_size: int) -> str:
-    found = [r for r in range(world_size) if os.path.exists(os.path.join(tmp, f"error-{r}.txt"))]
-    if not found:
-        return "No rank reported an error (a hang: look for a send without its receive)."
-    with open(os.path.join(tmp, f"error-{found[0]}.txt"), encoding="utf-8") as handle:
-        return f"Rank {found[0]} raised first:\n{handle.read()}"
-
+from benchmarks.llama.model import ModelConfig, PipelinedLlama, block_seed, build_llama, llama_block_ranks  # noqa: E402
+from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context  # noqa: E402
+from integration.nanotron.engine import build_engine  # noqa: E402
+from integration.nanotron.engine_spec import parse_engine  # noqa: E402
+from integration.nanotron.stash import StashMeter  # noqa: E402
+from pipeschedule.runtime.launch import spawn  # noqa: E402
 
 # -- data ------------------------------------------------------------------------------
 
@@ -299,7 +178,7 @@ class JobResult:
 def run_nanotron(job: Job) -> JobResult:
     """Spawn the group, perform every run and split check, merge the ranks' pieces."""
     start = time.monotonic()
-    pieces = spawn(_worker, job.pp * job.dp, (job,), timeout=job.timeout)
+    pieces = spawn(_worker, job.pp * job.dp, args=(job,), timeout=job.timeout)
     runs = [_merge(job, i, [piece["runs"][i] for piece in pieces]) for i in range(len(job.runs))]
     return JobResult(runs, pieces[0]["split_checks"], time.monotonic() - start)
 
@@ -334,11 +213,7 @@ def _merge(job: Job, index: int, pieces: list[dict]) -> RunResult:
 # -- inside each rank ------------------------------------------------------------------
 
 
-def _worker(rank: int, world_size: int, job: Job) -> dict:
-    import nanotron.distributed as nanotron_dist
-
-    from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
-
+def _worker(rank: int, world_size: int, store, job: Job) -> dict:
     context = cpu_parallel_context(tp=1, pp=job.pp, dp=job.dp)
     pp_rank = nanotron_dist.get_rank(context.pp_pg)
     dp_rank = nanotron_dist.get_rank(context.dp_pg)
@@ -349,21 +224,9 @@ def _worker(rank: int, world_size: int, job: Job) -> dict:
 
 
 def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) -> dict:
-    from nanotron.parallel.pipeline_parallel.engine import (
-        AllForwardAllBackwardPipelineEngine,
-        OneForwardOneBackwardPipelineEngine,
-    )
-    from torch.nn.parallel import DistributedDataParallel
-
-    from integration.nanotron.llama import build_llama, llama_block_ranks
-    from integration.nanotron.stash import StashMeter
-
     engines = {"1f1b": OneForwardOneBackwardPipelineEngine, "afab": AllForwardAllBackwardPipelineEngine}
     placement, split = run.placement, run.split
     if run.engine not in engines and run.engine != "loop":
-        from integration.nanotron.engine_spec import parse_engine
-        from integration.nanotron.engine import build_engine
-
         spec = parse_engine(run.engine)  # a pipeschedule engine (raises for unknown names)
         engines[run.engine] = lambda: build_engine(spec)
         if placement is None:
@@ -373,7 +236,7 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
     if run.engine == "loop" and job.pp != 1:
         raise ValueError("the 'loop' reference runs at pp=1 only")
 
-    leftover = _clear_shared_state()  # [Note: nanotron's shared deques]
+    leftover = clear_shared_state()  # [Note: nanotron's shared deques]
     block_ranks = llama_block_ranks(job.model, job.pp, split=split, placement=placement)
     model = build_llama(job.model, p2p, block_ranks)
     meter = StashMeter.for_model(model) if run.measure_stash else None
@@ -427,7 +290,7 @@ def _train_once(job: Job, run: Run, context, p2p, pp_rank: int, dp_rank: int) ->
     }
 
 
-def _clear_shared_state() -> list[str]:
+def clear_shared_state() -> list[str]:
     """Empty nanotron's class-level queues; return the names of those that were not empty.
 
     [Note: nanotron's shared deques] `PipelineTrainBatchState` declares its queues as
@@ -446,10 +309,6 @@ def _clear_shared_state() -> list[str]:
 
 
 def _split_check(cfg: ModelConfig, target, context, p2p) -> dict:
-    from nanotron.models.base import build_model
-
-    from integration.nanotron.llama import PipelinedLlama, llama_block_ranks
-
     model = build_model(
         model_builder=lambda: PipelinedLlama(cfg, p2p), parallel_context=context,
         dtype=torch.float32, target_pp_ranks=None if target is None else list(target), device=torch.device("cpu"),

@@ -51,6 +51,7 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E40
 from nanotron.parallel.pipeline_parallel.p2p import P2P  # noqa: E402
 
 from integration.nanotron import split as splits  # noqa: E402
+from pipeschedule.compiler.generators.common import round_robin  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -323,7 +324,7 @@ def llama_block_ranks(
         stages = len(split) if split is not None else pp
         if stages % pp:
             raise ValueError(f"split lists {stages} stages, not a multiple of pp = {pp}; give placement")
-        placement = splits.round_robin(pp, stages // pp)
+        placement = round_robin(pp, stages // pp)
     placement = list(placement)
     if sorted(set(placement)) != list(range(pp)):
         raise ValueError(f"placement {placement} must use every rank 0..{pp - 1}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from integration.nanotron.llama import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
+from benchmarks.llama.model import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
 
 
 class LlamaStages:
