@@ -1,4 +1,8 @@
-"""The sizes pipeschedule accepts, defined once, and the reading of numbers typed as text.
+"""The checks of every argument, defined once: integers and finite numbers given from
+Python (`is_int`, `is_number`, `check_int`, `check_number`), numbers typed as text
+(`parse_int`, `parse_number`, and `int_arg` / `number_arg` for argparse), the sizes
+pipeschedule accepts ([Note: size limits]), and `shown`, a bad value cut to a readable
+length for messages.
 
 [Note: size limits] Work and memory grow with the (stage, microbatch) pairs of a schedule
 (about 11 lowered instructions each; compile, verify and simulate at the largest size
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from numbers import Real
 
 from pipeschedule.errors import ArgumentError, ParameterError
 
@@ -30,10 +35,37 @@ MAX_DIGITS = 18  # digits of an integer typed as text
 MAX_SHOWN = 60  # characters of a bad value repeated in a message
 
 
+def is_int(value) -> bool:
+    """An int, not a bool (True is an int to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A real number (int, float, Fraction, ...), not a bool and not NaN."""
+    return isinstance(value, Real) and not isinstance(value, bool) and value == value
+
+
+def check_int(name: str, value, minimum: int = 1, error=ParameterError) -> int:
+    """`value` when it is an integer >= `minimum`; else raises `error` naming it."""
+    if not is_int(value) or value < minimum:
+        raise error(f"{name} must be an integer >= {minimum}, got {shown(value)}")
+    return value
+
+
+def check_number(name: str, value, minimum: float = 0, *, above: bool = False, hint: str = "",
+                 error=ParameterError):
+    """`value` when it is a finite number >= `minimum` (> with `above`); else raises
+    `error` naming it, with `hint` (units, what 0 means) after the rule."""
+    if not is_number(value) or not (value > minimum if above else value >= minimum) or not value < math.inf:
+        rule = f"{'>' if above else '>='} {minimum:g}"
+        raise error(f"{name} must be a finite number {rule}{hint}, got {shown(value)}")
+    return value
+
+
 def shown(value) -> str:
     """`repr(value)` cut to a readable length; an integer too long to print whole is
     given by its size."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+    if is_int(value) and value.bit_length() > 200:
         return f"an integer of about {int(value.bit_length() * math.log10(2))} digits"
     text = repr(value)
     return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."

@@ -1,4 +1,4 @@
-"""Cost-aware compilation ([Note: cost-aware timing] in pipeschedule/generators/common.py):
+"""Cost-aware compilation ([Note: cost-aware timing] in pipeschedule/compiler/timing.py):
 with a `cost`, the list-scheduled families order by it and lowering places messages by
 it; every result still passes every rule, and unit costs give exactly the cost-less
 schedule."""

@@ -1,5 +1,5 @@
-"""The executor's stash measurement (`Executor(measure_stash=...)`, [Note: what the ledger
-counts]): "first" runs the ledger's saved-tensor hooks on the first F of each stage and
+"""The executor's stash measurement (`Executor(measure_stash=...)`,
+[Note: what the ledger counts]): "first" runs the ledger's saved-tensor hooks on the first F of each stage and
 input signature in a step and charges the others the same bytes; "every" runs them on
 every F. Both must give exact gradients, and the same ledger wherever what a stage saves
 depends only on the input shapes."""

@@ -1,7 +1,7 @@
 """The memory model: formulas, parameter counts, nanotron's optimizer state, schedules'
 in-flight activations, and the users' observations (000_e13245a0714cfefe.txt).
 
-Observations and what reproduces them ([Note: memory terms] in pipeschedule/memory.py):
+Observations and what reproduces them ([Note: memory terms] in pipeschedule/plan/memory.py):
 Llama3-70B, pp=4, tp=4, GH200 (96 GiB, 2 GiB kept back for CUDA context/NCCL/allocator),
 seq 8192, micro-batch 1, sequence parallel on (the users' `tp_recompute_allgather` only
 acts in nanotron's REDUCE_SCATTER mode), flash attention, nanotron's split 21/20/20/19.

@@ -361,7 +361,7 @@ def test_plan_reports_offload(capsys):
     assert streamed["chunk"] == 64 * 2**20 and "stream=64" in streamed["policy"]
 
 
-# -- streamed offload ([Note: streamed offload] in simulate.py) -----------------------------------
+# -- streamed offload ([Note: simulated streaming] in simulate/engine.py) -----------------------------------
 
 
 def test_a_streamed_stash_piece_by_piece():

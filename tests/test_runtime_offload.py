@@ -8,8 +8,8 @@ each F, past its sends; RELOAD a given number of compute instructions before the
 the runtime is tested independently of the offload pass; where `pipeschedule.compiler.offload`
 exists, its `add_offload` is run too.
 
-Bitwise equality is expected everywhere: offload copies bytes unchanged ([Note: host
-offload]) and the pool only changes where boundary tensors live ([Note: buffer pool]).
+Bitwise equality is expected everywhere: offload copies bytes unchanged
+([Note: host offload]) and the pool only changes where boundary tensors live ([Note: buffer pool]).
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ builds on its terms.)
                              checked on a GPU only: CPU has no allocator statistics)
     step peak                what the allocator should report as the step's peak:
                              parameters + optimizer state + the peak of live buffers and
-                             gradients together ([Note: gradients appear at the first
-                             backward]) + the working set
+                             gradients together
+                             ([Note: gradients appear at the first backward]) + the working set
 
 [Note: what the integration Llama saves] Saved-for-backward storages of one microbatch,
 read from llama.py and checked tensor by tensor with saved_tensors_hooks (torch 2.13,
@@ -188,8 +188,8 @@ def stage_stash(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: b
 
 
 def weight_stash(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool) -> int:
-    """Bytes a stage's stash keeps from its B to its W under a split backward ([Note:
-    split backward] in pipeschedule/runtime/split_backward.py): for each deferred linear,
+    """Bytes a stage's stash keeps from its B to its W under a split backward
+    ([Note: split backward] in pipeschedule/runtime/split_backward.py): for each deferred linear,
     its input and the gradient of its output, each storage once. Per decoder layer the
     inputs are the normalised input (shared by q_proj and kv_proj), the attention output
     (o_proj), the normalised residual (gate_up_proj) and silu(gate) * up (down_proj); the

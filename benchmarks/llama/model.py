@@ -51,6 +51,7 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E40
 from nanotron.parallel.pipeline_parallel.p2p import P2P  # noqa: E402
 
 from integration.nanotron import split as splits  # noqa: E402
+from pipeschedule.checks import check_int  # noqa: E402
 from pipeschedule.compiler.generators.common import round_robin  # noqa: E402
 
 
@@ -83,9 +84,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelConfig.{name} must be an integer >= 1, got {value!r}")
+            check_int(f"ModelConfig.{name}", getattr(self, name))
         if self.hidden % self.heads:
             raise ValueError(
                 f"hidden {self.hidden} must divide by heads {self.heads} (remainder {self.hidden % self.heads})"

@@ -6,8 +6,8 @@
 Both return one dict per pp rank, term -> bytes, with the keys of
 `benchmarks.llama.memory.TERMS` (measure leaves out the working set, which needs an
 allocator's statistics; on CUDA it adds "allocator peak", torch.cuda.max_memory_allocated
-over the last step). `predict` is pure arithmetic ([Note: what the integration Llama
-saves] in benchmarks/llama/memory.py) over the same model, split and lowered schedule;
+over the last step). `predict` is pure arithmetic
+([Note: what the integration Llama saves] in benchmarks/llama/memory.py) over the same model, split and lowered schedule;
 `measure` runs real training steps through pipeschedule's nanotron engines in pp gloo
 processes (`pipeschedule.runtime.launch.spawn`) and reads:
 

@@ -108,8 +108,8 @@ class PipescheduleEngine(PipelineEngine):
 
     @property
     def splits(self) -> bool:
-        """Whether this engine's schedules split the backward into B and W ([Note: split
-        backward] in pipeschedule.runtime.split_backward: each F defers its linear layers'
+        """Whether this engine's schedules split the backward into B and W
+        ([Note: split backward] in pipeschedule.runtime.split_backward: each F defers its linear layers'
         weight gradients; the runtime reports per stage whether deferral applied,
         `executor.split_mode`)."""
         return self.family.split_backward

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from integration.nanotron.registry import ENGINES, NANOTRON_ENGINES, accepted_summary
+from pipeschedule.checks import is_int, parse_int
 from pipeschedule.compiler.families import family_virtual
 from pipeschedule.compiler.offload import OffloadPolicy
 from pipeschedule.errors import ParameterError
@@ -277,12 +278,13 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
 
 
 def _integer(value: Any, key: str, raw: Any) -> int:
-    if isinstance(raw, bool):
-        raise _error(value, f"{key} must be an integer, got {raw!r}")
-    if isinstance(raw, int):
+    if is_int(raw):
         return raw
-    if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
-        return int(raw.strip())
+    if isinstance(raw, str):
+        try:
+            return parse_int(raw, key)  # ASCII digits, as everywhere ([Note: size limits])
+        except ParameterError:
+            pass
     raise _error(value, f"{key} must be an integer, got {raw!r}")
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import yaml
 
 from integration.nanotron.errors import ParameterError
+from pipeschedule.checks import check_int
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "layers", "microbatches", "steps", "hidden", "heads", "kv_heads", "vocab",
                      "seq", "micro_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ParameterError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name))
         if self.tp_mode not in ("ALL_REDUCE", "REDUCE_SCATTER"):
             raise ParameterError(f"tp_mode must be ALL_REDUCE or REDUCE_SCATTER, got {self.tp_mode!r}")
         if self.zero_stage not in (0, 1):

@@ -34,8 +34,8 @@ class EngineEntry:
     usage: str
 
 
-# Every pipeschedule engine also takes these: host offload of stashes ([Note: pp_engine
-# syntax] in engine_spec.py) ...
+# Every pipeschedule engine also takes these: host offload of stashes
+# ([Note: pp_engine syntax] in engine_spec.py) ...
 OFFLOAD_PARAMS = ("offload", "lead", "stream")
 # ... and layer recompute (integration/nanotron/recompute.py).
 COMMON_PARAMS = ("recompute",) + OFFLOAD_PARAMS

@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeschedule.checks import shown
+from pipeschedule.checks import check_int, shown
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.generators.afab import afab
-from pipeschedule.compiler.generators.common import check_common, check_positive, per_rank_caps, round_robin
+from pipeschedule.compiler.generators.common import check_common, per_rank_caps, round_robin
 from pipeschedule.compiler.generators.interleaved import interleaved_1f1b
 from pipeschedule.compiler.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
 from pipeschedule.compiler.generators.v_shape import v_half, v_min, v_placement, zbv
@@ -112,11 +112,11 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
     `cost`: None (unit costs), a `CostModel`, or one (forward, backward, weight) time
     tuple per stage (B the input-gradient part for a split-backward family). The
     cost-aware families time their list schedule with it; for every family, lowering
-    places messages by it when given the same cost (`lower(schedule, cost)`; [Note:
-    cost-aware timing]). The result is the compute order alone: nothing else is kept on it."""
+    places messages by it when given the same cost (`lower(schedule, cost)`;
+    [Note: cost-aware timing]). The result is the compute order alone: nothing else is kept on it."""
     chosen = family(name)
     if virtual is not None:
-        check_positive("virtual", virtual)
+        check_int("virtual", virtual)
         if chosen.virtual not in (None, 1) and virtual != chosen.virtual:
             raise ParameterError(
                 f"{name} places exactly {chosen.virtual} stages on each rank (a V shape): virtual must be "

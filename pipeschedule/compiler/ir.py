@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from pipeschedule.errors import FormatError
-from pipeschedule.checks import check_schedule_size, shown
+from pipeschedule.checks import check_schedule_size, is_int, shown
 
 FORMAT = "pipeschedule/1"
 
@@ -96,10 +96,10 @@ class Instr:
                 ) from None
         for name in ("stage", "mb"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise FormatError(f"instruction {name} must be an integer >= 0, got {shown(value)}")
         if self.op in COMM_OPS:
-            if not _is_int(self.peer) or self.peer < 0:
+            if not is_int(self.peer) or self.peer < 0:
                 raise FormatError(f"{self.op.value} needs a peer rank (integer >= 0), got {shown(self.peer)}")
         elif self.peer is not None:
             raise FormatError(f"{self.op.value} takes no peer, got peer={shown(self.peer)}")
@@ -183,10 +183,6 @@ make_instr = _UncheckedInstr
 _TOKEN = re.compile(r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 Program = tuple  # tuple[Instr, ...]: one rank's instructions in order
 
 
@@ -223,7 +219,7 @@ class Schedule:
             raise FormatError(f"name must be a string, got {shown(self.name)}")
         for key in ("pp", "virtual", "microbatches"):
             value = getattr(self, key)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise FormatError(f"{key} must be an integer >= 1, got {shown(value)}")
         check_schedule_size(self.pp, self.virtual, self.microbatches, FormatError)  # [Note: size limits]
         placement = tuple(self.placement)
@@ -233,7 +229,7 @@ class Schedule:
                 f"{self.pp * self.virtual} are needed"
             )
         for s, rank in enumerate(placement):
-            if not _is_int(rank) or not 0 <= rank < self.pp:
+            if not is_int(rank) or not 0 <= rank < self.pp:
                 raise FormatError(f"placement[{s}] = {shown(rank)} is not a rank in 0..{self.pp - 1}")
         programs = tuple(tuple(p) for p in self.programs)
         if len(programs) != self.pp:
@@ -300,9 +296,9 @@ class Schedule:
         cap = self.params.get("cap")
         if cap is None:
             return None
-        if _is_int(cap):
+        if is_int(cap):
             return [cap] * self.pp
-        if isinstance(cap, (list, tuple)) and len(cap) == self.pp and all(_is_int(c) for c in cap):
+        if isinstance(cap, (list, tuple)) and len(cap) == self.pp and all(is_int(c) for c in cap):
             return list(cap)
         raise FormatError(f"params.cap must be an integer or a list of {self.pp} integers, got {shown(cap)}")
 

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from pipeschedule.checks import shown
+from pipeschedule.checks import is_int, is_number, shown
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, Schedule, make_instr
 from pipeschedule.compiler.passes import is_lowered, lower
 from pipeschedule.errors import ParameterError
@@ -47,12 +47,8 @@ F, B, W = Op.F, Op.B, Op.W
 MIB = 2**20
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _fraction(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+    return is_number(value) and 0 <= value <= 1
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ class OffloadPolicy:
     fraction: of each chosen rank's stashes, in [0, 1]; one number, or one per rank.
     ranks: the ranks that offload (None: all). lead: computes between a RELOAD and the B
     that needs it, >= 0; one number, or one per rank. chunk: bytes per piece when the
-    stashes stream ([Note: streamed offload] in simulate.py; the runtime's
+    stashes stream ([Note: simulated streaming] in simulate/engine.py; the runtime's
     `offload_chunk`), None: each moves whole. Streaming changes how the copies run, not
     the instructions: `add_offload` places the same OFFLOAD / RELOAD either way.
     """
@@ -78,13 +74,13 @@ class OffloadPolicy:
         if not (_fraction(fraction) or (isinstance(fraction, tuple) and fraction and all(map(_fraction, fraction)))):
             raise ParameterError(f"offload fraction must be a number in [0, 1] or one per rank, got {shown(self.fraction)}")
         lead = tuple(self.lead) if isinstance(self.lead, (list, tuple)) else self.lead
-        ok = lambda x: _is_int(x) and x >= 0
+        ok = lambda x: is_int(x) and x >= 0
         if not (ok(lead) or (isinstance(lead, tuple) and lead and all(map(ok, lead)))):
             raise ParameterError(f"offload lead must be an integer >= 0 (computes) or one per rank, got {shown(self.lead)}")
         ranks = self.ranks
         if ranks is not None:
             ranks = tuple(ranks) if isinstance(ranks, (list, tuple)) else ranks
-            if not isinstance(ranks, tuple) or not all(_is_int(r) and r >= 0 for r in ranks) or len(set(ranks)) != len(ranks):
+            if not isinstance(ranks, tuple) or not all(is_int(r) and r >= 0 for r in ranks) or len(set(ranks)) != len(ranks):
                 raise ParameterError(f"offload ranks must be distinct integers >= 0, got {shown(self.ranks)}")
         object.__setattr__(self, "fraction", fraction)
         object.__setattr__(self, "lead", lead)
@@ -115,7 +111,7 @@ class OffloadPolicy:
 
 
 def check_chunk(chunk) -> None:
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 1 <= chunk < math.inf):
+    if chunk is not None and not (is_number(chunk) and 1 <= chunk < math.inf):
         raise ParameterError(f"offload chunk must be a number of bytes >= 1 (None: whole stashes), got {shown(chunk)}")
 
 
@@ -148,8 +144,8 @@ def stash_waits(program: Sequence) -> list[tuple[int, int, int, int, int]]:
 
 
 def streamed_stashes(program: Sequence) -> frozenset:
-    """The (stage, mb) of a program whose stash streams when offload is streamed ([Note:
-    streamed offload] in simulate.py): those with an OFFLOAD of the stash before their B."""
+    """The (stage, mb) of a program whose stash streams when offload is streamed
+    ([Note: simulated streaming] in simulate/engine.py): those with an OFFLOAD of the stash before their B."""
     found, done = set(), set()
     for i in program:
         if i.op is B:

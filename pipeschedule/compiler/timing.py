@@ -9,10 +9,9 @@ every message by them ([Note: message placement] in passes.py); a compute order 
 from __future__ import annotations
 
 import math
-from numbers import Real
 from typing import NamedTuple, Sequence
 
-from pipeschedule.checks import shown
+from pipeschedule.checks import is_number, shown
 from pipeschedule.compiler.ir import Instr, Op
 from pipeschedule.errors import ParameterError
 
@@ -76,7 +75,7 @@ def stage_times(cost, num_stages: int) -> StageTimes | None:
         if len(column) != num_stages:
             raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: {shown(list(column))}")
         for s, x in enumerate(column):
-            if isinstance(x, bool) or not isinstance(x, Real) or not 0 <= x < math.inf:
+            if not (is_number(x) and 0 <= x < math.inf):
                 raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {shown(x)}")
     top = max(max(column) for column in columns)
     if top <= 0:

@@ -73,8 +73,8 @@ def check_coverage(schedule: Schedule) -> None:
     """Every instruction names a stage of its own rank and a microbatch in range; each
     (stage, mb) has exactly one F and one B (and one W if the schedule splits the
     backward), in the order F, B, W; communication names a peer in range, not itself.
-    A forward-only schedule: exactly one F, and no B, W, SEND_B or RECV_B ([Note:
-    forward-only schedules])."""
+    A forward-only schedule: exactly one F, and no B, W, SEND_B or RECV_B
+    ([Note: forward-only schedules])."""
     S, m, pp, split = schedule.num_stages, schedule.microbatches, schedule.pp, schedule.split_backward
     placement = schedule.placement
     forward_only = schedule.forward_only
@@ -342,8 +342,8 @@ def check_liveness(schedule: Schedule) -> None:
 
     [Note: offload liveness] OFFLOAD needs the buffer live on the device and puts it on
     the host; RELOAD needs it on the host and puts it back on the device. Any use of a
-    buffer on the host (the op that reads it: F, B, W, SEND_F, SEND_B, per [Note:
-    buffers]) is an error: its RELOAD is missing or comes too late. FREE is allowed in
+    buffer on the host (the op that reads it: F, B, W, SEND_F, SEND_B, per
+    [Note: buffers]) is an error: its RELOAD is missing or comes too late. FREE is allowed in
     either state and releases whichever copy exists, so a buffer need not come back only
     to be dropped. Both are neither compute nor communication: no other rule counts them,
     and like FREE they end a run of communication (so a pass must not put them inside
@@ -491,8 +491,8 @@ def check_liveness(schedule: Schedule) -> None:
 
 def check_caps(schedule: Schedule) -> None:
     """The (stage, mb) whose F has run and whose B has not never outnumber the cap. Not
-    for a forward-only schedule, which holds none for a backward ([Note: forward-only
-    schedules])."""
+    for a forward-only schedule, which holds none for a backward
+    ([Note: forward-only schedules])."""
     caps = schedule.caps()
     if caps is None or schedule.forward_only:
         return

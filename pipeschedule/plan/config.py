@@ -23,7 +23,15 @@ from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memory import GiB, ModelSpec, TrainingSetup
 from pipeschedule.plan.offload import parse_offload
 from pipeschedule.plan.presets import gpu_preset, host_bandwidth as host_link, load_model, model_preset
-from pipeschedule.checks import MAX_SEARCH_NODES, check_at_most, check_plan_size, check_schedule_size, shown
+from pipeschedule.checks import (
+    MAX_SEARCH_NODES,
+    check_at_most,
+    check_int,
+    check_number,
+    check_plan_size,
+    check_schedule_size,
+    shown,
+)
 
 
 @dataclass(frozen=True)
@@ -56,19 +64,13 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         for key in ("pp", "microbatches", "virtual", "node_limit"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ParameterError(f"{key} must be an integer >= 1, got {shown(value)}")
+            check_int(key, getattr(self, key))
         for key in ("gpu_memory", "gpu_tflops", "mfu", "p2p_bandwidth"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ParameterError(f"{key} must be a number > 0, got {shown(value)}")
+            check_number(key, getattr(self, key), above=True)
         if not 0 < self.mfu <= 1:
             raise ParameterError(f"mfu is a fraction of peak in (0, 1], got {shown(self.mfu)}")
         for key in ("reserve", "p2p_latency"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-                raise ParameterError(f"{key} must be a number >= 0, got {shown(value)}")
+            check_number(key, getattr(self, key))
         if self.reserve >= self.gpu_memory:
             raise ParameterError(
                 f"reserve {self.reserve / GiB:g} GiB leaves nothing of gpu_memory {self.gpu_memory / GiB:g} GiB"
@@ -85,8 +87,8 @@ class PlanConfig:
         if self.offload is not None and self.host_bandwidth is None:
             raise ParameterError(f"offload needs the host link's bandwidth: give --host-bandwidth GB/s "
                                  f"(presets know gh200 and h200; the GPU here is {shown(self.gpu_name)})")
-        if self.host_bandwidth is not None and (isinstance(self.host_bandwidth, bool) or not 0 < self.host_bandwidth < math.inf):
-            raise ParameterError(f"host_bandwidth must be a number > 0 (bytes/s), got {shown(self.host_bandwidth)}")
+        if self.host_bandwidth is not None:
+            check_number("host_bandwidth", self.host_bandwidth, above=True, hint=" (bytes/s)")
 
     @property
     def budget(self) -> float:

@@ -70,7 +70,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.checks import MAX_DIMENSION, MAX_LAYERS, shown
+from pipeschedule.checks import MAX_DIMENSION, MAX_LAYERS, is_int, shown
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 OPTIMIZERS = ("adam", "none")
@@ -79,8 +79,10 @@ GiB = 1 << 30
 
 
 def _check_int(name: str, value, minimum: int = 1, maximum: int = MAX_DIMENSION) -> int:
-    """An integer in [minimum, maximum]; the maximum is one of [Note: size limits]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+    """An integer in [minimum, maximum]; the maximum is one of [Note: size limits] (a
+    range, where `checks.check_int` takes a minimum alone: every size of a model is
+    bounded)."""
+    if not is_int(value) or not minimum <= value <= maximum:
         raise ParameterError(f"{name} must be an integer in {minimum}..{maximum}, got {shown(value)}")
     return value
 
@@ -179,7 +181,7 @@ class TrainingSetup:
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
             _check_int(key, getattr(self, key))
-        if self.zero_stage not in (0, 1) or isinstance(self.zero_stage, bool):
+        if not is_int(self.zero_stage) or self.zero_stage not in (0, 1):
             raise ParameterError(f"zero_stage must be 0 or 1 (nanotron has ZeRO-1 only), got {shown(self.zero_stage)}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ParameterError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {shown(self.recompute)}")

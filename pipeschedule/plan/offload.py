@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from pipeschedule.checks import parse_int, parse_number, shown
+from pipeschedule.checks import check_number, is_int, parse_int, parse_number, shown
 from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.compiler.offload import (
     MIB,
@@ -33,10 +33,6 @@ DEFAULT_BUDGET = 0.03
 DEFAULT_LEADS = (0, 1, 2, 3, 4)
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclass(frozen=True)
 class AutoOffload:
     """`choose_offload`'s request: the step-time budget (a fraction: 0.03 allows 3% over
@@ -49,10 +45,9 @@ class AutoOffload:
 
     def __post_init__(self) -> None:
         check_chunk(self.chunk)
-        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)) or not 0 <= self.budget < math.inf:
-            raise ParameterError(f"offload budget must be a finite number >= 0 (0.03 = 3% slower at most), got {shown(self.budget)}")
+        check_number("offload budget", self.budget, hint=" (0.03 = 3% slower at most)")
         OffloadPolicy(ranks=self.ranks)  # same checks
-        if not self.leads or not all(_is_int(x) and x >= 0 for x in self.leads):
+        if not self.leads or not all(is_int(x) and x >= 0 for x in self.leads):
             raise ParameterError(f"offload leads must be integers >= 0, got {shown(self.leads)}")
 
 

@@ -8,11 +8,16 @@
 [Note: nanotron's split] `get_block_compute_costs` weighs each pipeline block: a decoder
 layer 4*a*d*h + 3*f*h (the q/k/v/o and SwiGLU matmuls as if k/v had all a heads: GQA is
 ignored), the LM head V*h, everything else (embedding, final norm, fp32 cast, loss) 0.
-`build_model` walks the blocks in order with their cumulative cost c_i and a rank index
-starting at 0: block i goes to the current rank, then the index moves on when
-c_i > total * (rank + 1) / pp. The block that crosses a threshold stays on the earlier
-rank, so earlier stages come out heavier: Llama3-70B at pp=4 gives 21, 20, 20, 19 layers
-(the embedding on stage 0, the head on stage 3).
+`build_model` takes the cumulative cost c_i of blocks 0..i and thresholds
+T_s = total * (s + 1) / S for its S stages. Walking the blocks in order with a stage
+index k starting at 0, block i goes to stage k, and then k += 1 if c_i > T_k (strictly).
+So a stage keeps blocks until it has *passed* its share, which is why earlier stages
+come out heavier (Llama3-70B at pp=4: 21, 20, 20, 19 layers, the embedding on stage 0,
+the head on stage 3), and k moves at most one stage per block. Blocks of cost 0 after
+the last costly block stay on its stage; if that block crosses T_k with k < S - 1, they
+move to stage k + 1, alone. With a heavy LM head or few layers, trailing stages can stay
+empty (pp=4, 3 layers, vocab 4096: every block on stages 0 and 1), and then a rank holds
+no parameters at all (integration/nanotron/split.py: `nanotron_output_pp_rank`).
 
 [Note: exact split search] The simulated step time of a split is a max over the paths of
 a fixed graph ([Note: critical path bound]), so every simulated split hands back its
@@ -37,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from pipeschedule.checks import check_int
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import Schedule
 from pipeschedule.plan.memory import ModelSpec
@@ -84,8 +90,7 @@ def nanotron_split(model: ModelSpec, pp: int) -> tuple[int, ...]:
     """Decoder layers per stage under nanotron's split. Raises ParameterError where it
     would leave a stage without a decoder layer or put the LM head before the last stage
     (nanotron builds that, but it is no pipeline of `pp` working stages)."""
-    if isinstance(pp, bool) or not isinstance(pp, int) or pp < 1:
-        raise ParameterError(f"pp must be an integer >= 1, got {pp!r}")
+    check_int("pp", pp)
     ranks = nanotron_assignment(llama_block_costs(model), pp)
     layers = [0] * pp
     for rank in ranks[1:1 + model.layers]:

@@ -7,7 +7,7 @@ and V-Min with their V-shape placement, two stages per rank, when every stage ge
 layer) and AFAB, each with nanotron's split and with the split `partition.optimal_split`
 finds for it. Every candidate gets a per-rank memory table (memory.py: a rank's
 activations are the simulated peak of its stages' stash together, which lives from F to
-W under a split backward), a simulated step time (simulate.py) and the nanotron config
+W under a split backward), a simulated step time (pipeschedule.simulate) and the nanotron config
 line that selects it. The recommendation is the candidate that fits with the least
 simulated step time.
 

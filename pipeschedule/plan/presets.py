@@ -12,13 +12,12 @@ comments, `- item` lists and `[a, b]` inline lists). JSON files are read as JSON
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any
 
 from pipeschedule.errors import FormatError, ParameterError
 from pipeschedule.plan.memory import GiB, ModelSpec
-from pipeschedule.checks import shown
+from pipeschedule.checks import check_number, is_int, shown
 
 MODELS = {
     "llama3-8b": ModelSpec("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
@@ -69,9 +68,7 @@ def host_bandwidth(gpu: str | None, given: float | None) -> float | None:
     """GB/s per direction: `given` (--host-bandwidth) when set, else the GPU preset's
     (HOST_LINKS), else None (unknown)."""
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, (int, float)) or not 0 < given < math.inf:
-            raise ParameterError(f"--host-bandwidth must be a number > 0 (GB/s per direction), got {shown(given)}")
-        return float(given)
+        return float(check_number("--host-bandwidth", given, above=True, hint=" (GB/s per direction)"))
     if gpu:
         key = gpu.lower().replace("-", "").replace(" ", "")
         for name, value in HOST_LINKS.items():
@@ -101,7 +98,7 @@ def model_from_mapping(obj: Any, name: str = "custom") -> ModelSpec:
         if key == "tied_embeddings":
             if not isinstance(value, bool):
                 raise FormatError(f"model tied_embeddings must be true or false, got {shown(value)}")
-        elif isinstance(value, bool) or not isinstance(value, int):
+        elif not is_int(value):
             raise FormatError(f"model {key} must be an integer, got {shown(value)}")
     return ModelSpec(name=str(_find(obj, ("name",)) or name), **found)
 

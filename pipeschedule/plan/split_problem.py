@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipeschedule.simulate.critical_path import CriticalPath, critical_path
+from pipeschedule.checks import check_number
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.plan.memory import GiB
@@ -24,8 +25,7 @@ def _floats(name: str, values, length: int) -> tuple:
     if len(values) != length:
         raise ParameterError(f"{name} has {len(values)} entries, expected {length}")
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
-            raise ParameterError(f"{name}[{i}] must be a finite number >= 0, got {v!r}")
+        check_number(f"{name}[{i}]", v)
     return values
 
 

@@ -99,8 +99,8 @@ class ScheduleSummary:
 
 
 class Agreement(Pending):
-    """Publishes this rank's summary and waits for every rank's ([Note: schedule
-    agreement]); once ready, `mismatch()` says how the others differ, or None."""
+    """Publishes this rank's summary and waits for every rank's
+    ([Note: schedule agreement]); once ready, `mismatch()` says how the others differ, or None."""
 
     def __init__(self, transport: Transport, namespace: str, rank: int, summary: ScheduleSummary):
         self.transport, self.rank, self.summary = transport, rank, summary

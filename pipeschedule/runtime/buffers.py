@@ -30,8 +30,8 @@ class Stash:
     starts from (the stage output, or loss / m on the last stage) and the output's meta
     (the shape a received gradient has). In a split-backward schedule, `weights` is the
     W part: the weight-gradient work B deferred ([Note: split backward]). On a rank that
-    offloads, `holders` are weak references to the `SavedTensor`s F packed ([Note: host
-    offload])."""
+    offloads, `holders` are weak references to the `SavedTensor`s F packed
+    ([Note: host offload])."""
 
     root: torch.Tensor
     out_meta: TensorMeta | None

@@ -15,8 +15,8 @@
 - Stage hand-off: when stages s and s+1 run on the same rank, F(s)'s output becomes
   act_in of s+1 (detached, requiring grad as the output did) and B(s+1)'s input
   gradient becomes grad_out of s; no message is sent. Either way it is handed on as a
-  received tensor would be: contiguous, at the start of its storage ([Note: contiguous
-  boundaries]).
+  received tensor would be: contiguous, at the start of its storage
+  ([Note: contiguous boundaries]).
 - Output release: at FREE act_out (after its send completed) the output's storage is
   released by replacing its `.data` with an empty tensor, as Megatron's
   `deallocate_output_tensor` does; the tensor object and its grad_fn stay in the stash
@@ -204,8 +204,8 @@ class Executor:
 
     def _agree(self):
         """Generator, at the first step: publishes this rank's schedule and waits for every
-        rank's; raises ScheduleMismatchError unless they are all the same ([Note: schedule
-        agreement])."""
+        rank's; raises ScheduleMismatchError unless they are all the same
+        ([Note: schedule agreement])."""
         self._agreeing = True
         try:
             agreement = Agreement(self.transport, self.shapes.namespace, self.rank, ScheduleSummary.of(self.schedule))
@@ -343,8 +343,8 @@ class Executor:
         self.buffers.add(key, Stash(root, meta, weights, holders), stash_bytes, hosted=landed)
 
     def _input_signature(self, i: Instr, x, target):
-        """What F(i)'s saved tensors may depend on besides the values ([Note: what the
-        ledger counts]); a subclass whose stages read other inputs adds them."""
+        """What F(i)'s saved tensors may depend on besides the values
+        ([Note: what the ledger counts]); a subclass whose stages read other inputs adds them."""
         return signature_of((x, target))
 
     def _load_input(self, i: Instr):
@@ -536,8 +536,8 @@ def _handed(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _release(output: torch.Tensor, act_in) -> None:
-    """Releases a stage output's storage by replacing its `.data` ([Note: executor
-    semantics]); views and an output that is the act_in itself are left alone."""
+    """Releases a stage output's storage by replacing its `.data`
+    ([Note: executor semantics]); views and an output that is the act_in itself are left alone."""
     if output._base is None and output is not act_in:
         output.data = torch.empty(0, dtype=output.dtype, device=output.device)
 

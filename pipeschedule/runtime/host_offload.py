@@ -1,8 +1,8 @@
 """Host offload of stashes: OFFLOAD moves a stash's saved tensors to host memory, RELOAD
 brings them back before the B (or W) that needs them.
 
-[Note: host offload] What moves is what the ledger counts as the stash ([Note: what
-the ledger counts]): every tensor autograd saves during F, except storages that live
+[Note: host offload] What moves is what the ledger counts as the stash
+([Note: what the ledger counts]): every tensor autograd saves during F, except storages that live
 anyway (the act_in, the target, the stage's parameters and buffers, and views of
 them). On a rank whose program has an OFFLOAD, the executor runs F with pack hooks
 that wrap each such tensor in a `SavedTensor` holder; autograd keeps the holder, and
@@ -55,6 +55,7 @@ import math
 
 import torch
 
+from pipeschedule.checks import is_int, is_number
 from pipeschedule.errors import ParameterError, RuntimeScheduleError
 from pipeschedule.runtime.saved import HostPool, Key, SavedTensor, StorageGroup, completed, storage_bytes
 from pipeschedule.runtime.stream_offload import StreamedStash, pending_done
@@ -78,10 +79,10 @@ class Offloader:
 
     def __init__(self, device: torch.device, ledger, chunk: int | None = None, window: int = 2):
         if chunk is not None:
-            if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 1 <= chunk < math.inf:
+            if not (is_number(chunk) and 1 <= chunk < math.inf):
                 raise ParameterError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, or None to move stashes whole")
             chunk = math.ceil(chunk)
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        if not (is_int(window) and window >= 1):
             raise ParameterError(f"reload_window={window!r}: give a number of chunks >= 1")
         self.device, self.ledger = device, ledger
         self.chunk, self.window = chunk, window  # streamed offload ([Note: streamed offload])

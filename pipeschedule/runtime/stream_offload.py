@@ -42,7 +42,7 @@ instructions (OFFLOAD right after the F, RELOAD before the B) and the same exact
 
 Copies out run on one side stream (`side_out`), copies back on another (`side_in`), so
 that a B's reloads never queue behind an F's copies out (the simulator has one queue
-per direction, [Note: host link] in simulate.py).
+per direction, [Note: host link] in simulate/engine.py).
 
 A chunk whose copy out has not landed when the RELOAD comes keeps its device tensors and
 copies nothing back ("kept"; the simulator instead waits for the copy out and copies

@@ -5,9 +5,9 @@
 in-flight microbatches, and the live-buffer memory curve of every rank.
 
     cost           CostModel: per-stage times and bytes, message and host-link costs; cost files
-    engine         the event-driven run, and the semantics it implements ([Note: simulated
-                   semantics], [Note: when bytes count], [Note: host link], [Note: simulated
-                   streaming])
+    engine         the event-driven run, and the semantics it implements
+                   ([Note: simulated semantics], [Note: when bytes count], [Note: host link],
+                   [Note: simulated streaming])
     hostlink       one rank's host link: OFFLOAD / RELOAD copies and the bytes they move
     critical_path  the critical path of a simulated step, a lower bound for every cost
     render         ASCII timeline, Chrome/Perfetto trace, PNG

@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from numbers import Real
 from typing import Any, Mapping
 
-from pipeschedule.checks import check_stream_pieces, shown
+from pipeschedule.checks import check_int, check_number, check_stream_pieces, is_number, shown
 from pipeschedule.compiler.ir import BUFFERS, Schedule
 from pipeschedule.errors import FormatError, ParameterError
 
@@ -19,16 +18,12 @@ COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwi
              "reload_bandwidth", "offload_slowdown", "weight_stash", "offload_chunk", "reload_window")
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool) and not math.isnan(value)
-
-
 def _per_stage(key: str, value: Any, stages: int | None, error=ParameterError, source="the schedule") -> tuple:
     """`value` as a tuple of per-stage finite numbers >= 0; a scalar is broadcast to
     `stages` entries when that is known (None: only a list is accepted)."""
-    if _number(value) and stages is not None:
+    if is_number(value) and stages is not None:
         value = [value] * stages
-    if not isinstance(value, (list, tuple)) or not all(_number(x) and 0 <= x < math.inf for x in value):
+    if not isinstance(value, (list, tuple)) or not all(is_number(x) and 0 <= x < math.inf for x in value):
         want = "a number >= 0 or a list" if stages is not None else "a list"
         raise error(f"cost {shown(key)} must be {want} of finite numbers >= 0, one per stage; got {shown(value)}")
     if stages is not None and len(value) != stages:
@@ -53,9 +48,9 @@ class CostModel:
     gradients, as the runtime's ledger counts them from B on; more than the stash where
     W keeps the act_in or output gradients outweigh what B frees). None (the default):
     the stash stays as it is until its FREE. Not combined with OFFLOAD.
-    offload_chunk: bytes per piece when stashes stream to and from the host ([Note:
-    simulated streaming] in engine.py); None (the default): a stash moves whole. reload_window: pieces a
-    streamed RELOAD issues ahead of the B that consumes them, >= 1.
+    offload_chunk: bytes per piece when stashes stream to and from the host
+    ([Note: simulated streaming] in engine.py); None (the default): a stash moves whole.
+    reload_window: pieces a streamed RELOAD issues ahead of the B that consumes them, >= 1.
     `forward` fixes the number of stages; any other per-stage field may be given as one
     number meaning "the same on every stage". Exact numbers (Fraction) stay exact.
     """
@@ -87,20 +82,20 @@ class CostModel:
             for k in BUFFERS
         }
         object.__setattr__(self, "buffer_bytes", buffers)
-        if not _number(self.latency) or not 0 <= self.latency < math.inf:
-            raise ParameterError(f"cost 'latency' must be a finite number >= 0, got {shown(self.latency)}")
-        if not _number(self.bandwidth) or not self.bandwidth > 0:
-            raise ParameterError(f"cost 'bandwidth' must be a number > 0 (math.inf for free transfers), got {shown(self.bandwidth)}")
-        for key in ("offload_bandwidth", "reload_bandwidth"):
+        check_number("cost 'latency'", self.latency)
+        check_number("cost 'offload_slowdown'", self.offload_slowdown)
+        for key in ("bandwidth", "offload_bandwidth", "reload_bandwidth"):
             value = getattr(self, key)
-            if not _number(value) or not value > 0:
-                raise ParameterError(f"cost {shown(key)} must be a number > 0 (math.inf for free copies), got {shown(value)}")
-        if not _number(self.offload_slowdown) or not 0 <= self.offload_slowdown < math.inf:
-            raise ParameterError(f"cost 'offload_slowdown' must be a finite number >= 0, got {shown(self.offload_slowdown)}")
+            if not is_number(value) or not value > 0:
+                raise ParameterError(f"cost {shown(key)} must be a number > 0 (infinite, or null in a cost file: "
+                                     f"free), got {shown(value)}")
         if self.weight_stash is not None:
             object.__setattr__(self, "weight_stash", _per_stage("weight_stash", self.weight_stash, stages,
                                                                 source="'forward'"))
-        _check_stream(self.offload_chunk, self.reload_window, ParameterError)
+        if self.offload_chunk is not None:
+            check_number("cost 'offload_chunk'", self.offload_chunk, above=True,
+                         hint=" (bytes per piece; None or null: whole stashes)")
+        check_int("cost 'reload_window'", self.reload_window)
         if self.offload_chunk is not None and stages:
             check_stream_pieces(max(buffers["stash"]), self.offload_chunk)  # [Note: size limits]
 
@@ -124,13 +119,16 @@ class CostModel:
     @staticmethod
     def from_dict(obj: Any, schedule: Schedule) -> CostModel:
         """The cost-file form: an object with any of the keys of `COST_KEYS`. A number
-        stands for the same value on every stage; `"bandwidth": null` means infinite.
-        A key (or buffer kind) left out takes its value from `CostModel.default`."""
+        stands for the same value on every stage; `null` for a bandwidth means infinite.
+        A key (or buffer kind) left out takes its value from `CostModel.default`. The
+        per-stage fields are read against the schedule's stages here; everything is
+        checked once, by the constructor, and a bad value raises FormatError."""
         if not isinstance(obj, dict):
             raise FormatError(f"a cost model must be a JSON object, got {shown(obj)}")
         unknown = sorted(set(obj) - set(COST_KEYS))
         if unknown:
-            raise FormatError(f"cost model has unknown keys {unknown} (values {shown([obj[k] for k in unknown])}); accepted: {', '.join(COST_KEYS)}")
+            raise FormatError(f"cost model has unknown keys {unknown} (values {shown([obj[k] for k in unknown])}); "
+                              f"accepted: {', '.join(COST_KEYS)}")
         stages = schedule.num_stages
         base = CostModel.default(schedule)
         values = {k: _per_stage(k, obj[k], stages, FormatError) if k in obj else getattr(base, k)
@@ -138,35 +136,18 @@ class CostModel:
         buffers = obj.get("buffer_bytes", {})
         if not isinstance(buffers, dict):
             raise FormatError(f"cost 'buffer_bytes' must be an object of buffer kind -> bytes, got {shown(buffers)}")
-        bad = sorted(set(buffers) - set(BUFFERS))
-        if bad:
-            raise FormatError(f"cost 'buffer_bytes' has unknown kinds {bad} (values {shown([buffers[k] for k in bad])}); accepted: {', '.join(BUFFERS)}")
-        values["buffer_bytes"] = {
-            k: _per_stage(f"buffer_bytes.{k}", buffers[k], stages, FormatError) if k in buffers else base.buffer_bytes[k]
-            for k in BUFFERS
-        }
-        latency = obj.get("latency", 0.0)
-        if not _number(latency) or not 0 <= latency < math.inf:
-            raise FormatError(f"cost 'latency' must be a finite number >= 0, got {shown(latency)}")
-        bandwidth = obj.get("bandwidth")
-        bandwidth = math.inf if bandwidth is None else bandwidth
-        if not _number(bandwidth) or not bandwidth > 0:
-            raise FormatError(f"cost 'bandwidth' must be a number > 0 or null (infinite), got {shown(bandwidth)}")
-        for key in ("offload_bandwidth", "reload_bandwidth"):
-            value = obj.get(key)
-            values[key] = math.inf if value is None else value
-            if not _number(values[key]) or not values[key] > 0:
-                raise FormatError(f"cost {shown(key)} must be a number > 0 or null (infinite), got {shown(value)}")
-        slowdown = obj.get("offload_slowdown", 0.0)
-        if not _number(slowdown) or not 0 <= slowdown < math.inf:
-            raise FormatError(f"cost 'offload_slowdown' must be a finite number >= 0, got {shown(slowdown)}")
-        kept = obj.get("weight_stash")
-        if kept is not None:
-            values["weight_stash"] = _per_stage("weight_stash", kept, stages, FormatError)
-        values["offload_chunk"], values["reload_window"] = obj.get("offload_chunk"), obj.get("reload_window", 2)
-        _check_stream(values["offload_chunk"], values["reload_window"], FormatError)
+        values["buffer_bytes"] = dict(base.buffer_bytes) | {  # an unknown kind is refused by the constructor
+            k: _per_stage(f"buffer_bytes.{k}", v, stages, FormatError) if k in BUFFERS else v for k, v in buffers.items()}
+        if obj.get("weight_stash") is not None:
+            values["weight_stash"] = _per_stage("weight_stash", obj["weight_stash"], stages, FormatError)
+        for key in ("bandwidth", "offload_bandwidth", "reload_bandwidth"):
+            if key in obj:
+                values[key] = math.inf if obj[key] is None else obj[key]
+        for key in ("latency", "offload_slowdown", "offload_chunk", "reload_window"):
+            if key in obj:
+                values[key] = obj[key]
         try:
-            return CostModel(latency=latency, bandwidth=bandwidth, offload_slowdown=slowdown, **values)
+            return CostModel(**values)
         except ParameterError as err:
             raise FormatError(str(err)) from None
 
@@ -185,13 +166,6 @@ class CostModel:
         } | ({} if self.weight_stash is None else {"weight_stash": list(self.weight_stash)}) | (
             {} if self.offload_chunk is None and self.reload_window == 2
             else {"offload_chunk": self.offload_chunk, "reload_window": self.reload_window})
-
-
-def _check_stream(chunk, window, error) -> None:
-    if chunk is not None and (not _number(chunk) or not 0 < chunk < math.inf):
-        raise error(f"cost 'offload_chunk' must be a number of bytes > 0 (or null: whole stashes), got {shown(chunk)}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise error(f"cost 'reload_window' must be an integer >= 1 (pieces), got {shown(window)}")
 
 
 def load_cost(path: str, schedule: Schedule) -> CostModel:

@@ -56,7 +56,7 @@ reports the most bytes each rank held on the host.
 
 [Note: simulated streaming] With `offload_chunk` set, a stash offloaded before its B (an
 OFFLOAD between its F and its B) streams, as the runtime does with `offload_chunk`
-([Note: streamed offload] in runtime/host_offload.py): it moves in n = ceil(stash /
+([Note: streamed offload] in runtime/stream_offload.py): it moves in n = ceil(stash /
 chunk) equal pieces, copied out while F saves them and back while B consumes them.
 - F: piece j is produced over the j-th n-th of the F; it counts on the device from the
   start of that part, its copy starts at the end of it (or once the device->host queue

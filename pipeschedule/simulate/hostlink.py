@@ -1,5 +1,5 @@
 """The simulator's model of one rank's host link: OFFLOAD / RELOAD copies and the
-device and host bytes they move ([Note: host link] in simulate.py states the semantics).
+device and host bytes they move ([Note: host link] in simulate/engine.py states the semantics).
 
 `simcore.run` keeps one `HostLink` per rank and calls it only for OFFLOAD and RELOAD,
 and, while some buffer of the rank is off the plain on-device state (`moved` is not
@@ -19,7 +19,7 @@ import math
 # copy has landed and the host copy is released, kept only so that a later use of the
 # buffer knows when it became usable.
 OUT, HOST, IN, BACK = "out", "host", "in", "back"
-# States of a streamed stash ([Note: streamed offload] in simulate.py), whose entry also
+# States of a streamed stash ([Note: simulated streaming] in simulate/engine.py), whose entry also
 # holds its pieces (entry[4]: each piece's latest copy entry, last saved last) and the
 # index of the next piece to reload (entry[5]). STREAMED: its pieces are going out or on
 # the host; RELOADING: the RELOAD has issued the window; GONE: its B consumed and
@@ -164,7 +164,7 @@ class HostLink:
         busy = max(self.out_free, self.in_free) - t
         return spend + self.slowdown * min(spend, busy) if busy > 0 else spend
 
-    # -- streamed stashes ([Note: streamed offload] in simulate.py) ----------------------------
+    # -- streamed stashes ([Note: simulated streaming] in simulate/engine.py) ----------------------------
 
     def _pieces(self, nbytes) -> list:
         count = max(1, math.ceil(nbytes / self.chunk))

@@ -12,23 +12,17 @@ from typing import Sequence
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import Instr, Op, Schedule, make_instr
-from pipeschedule.checks import check_schedule_size, shown
+from pipeschedule.checks import check_int, check_schedule_size
 
 Slot = tuple[int, int]  # (stage, mb)
-
-
-def check_positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ParameterError(f"{name} must be an integer >= 1, got {shown(value)}")
-    return value
 
 
 def check_common(pp, microbatches, virtual=1) -> None:
     """The counts every generator takes, checked before any work: integers >= 1, and
     within [Note: size limits] together."""
-    check_positive("pp", pp)
-    check_positive("microbatches", microbatches)
-    check_positive("virtual", virtual)
+    check_int("pp", pp)
+    check_int("microbatches", microbatches)
+    check_int("virtual", virtual)
     check_schedule_size(pp, virtual, microbatches)
 
 
@@ -38,9 +32,9 @@ def per_rank_caps(cap, pp: int) -> list[int]:
         if len(cap) != pp:
             raise ParameterError(f"cap list has {len(cap)} entries, but pp = {pp}: give one cap per rank or a single integer")
         for r, c in enumerate(cap):
-            check_positive(f"cap[{r}]", c)
+            check_int(f"cap[{r}]", c)
         return list(cap)
-    check_positive("cap", cap)
+    check_int("cap", cap)
     return [cap] * pp
 
 

@@ -29,7 +29,7 @@ order and nothing waits for a W.
 
 [Note: split list scheduling] The V shapes (v_shape.py), and ZB-H1 under some caps, are
 one event-driven list schedule under unit costs (F = B = W = 1 per stage; or a given
-cost's per-stage times, [Note: cost-aware timing] in common.py), differing only
+cost's per-stage times, [Note: cost-aware timing] in timing.py), differing only
 in the placement and in `limit[r]`, the most stage-microbatches rank r may hold between
 an F and its W (its stash). Whenever a rank is free it runs, in this order of preference:
   1. a B whose output gradient is there (the backward chain is the critical path);
