@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from benchmarks.common import RESULTS, git_commit, machine, torch_version
 from pipeschedule.compiler import passes
 from pipeschedule.compiler.families import generate
 from pipeschedule.simulate import simulate
@@ -56,7 +57,6 @@ SMALL_S = 0.25  # grid cells faster than this are timed as the best of SMALL_REP
 SMALL_REPEAT = 3
 TARGET_OURS_S = 1.5
 TARGET_RATIO = 10.0
-RESULTS = Path(__file__).parent / "results"
 OUR_PHASES = ("generate", "lower", "verify", "simulate")
 TORCH_PHASES = ("order", "add_send_recv", "simulate")
 
@@ -169,14 +169,6 @@ def profile_ours(pp, virtual, microbatches, top: int = 12) -> str:
 
 
 # -- PyTorch ---------------------------------------------------------------------------
-
-
-def torch_version() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch.__version__
 
 
 def torch_interleaved(pp: int, virtual: int, microbatches: int):
@@ -303,41 +295,6 @@ def _grid_line(cell) -> str:
 
 
 # -- report ----------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine() -> dict:
-    return {
-        "processor": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch_version(),
-        # Other processes on the same cores slow both sides; this says how busy it was.
-        "load_average_1m_at_end": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-    }
-
-
-def git_commit() -> str | None:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=True,
-                               cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + (" (with uncommitted changes)" if dirty else "")
 
 
 def _fmt_exponents(fit: dict) -> list[str]:

@@ -41,20 +41,14 @@ import time
 from pathlib import Path
 
 from integration.nanotron.example import TrainerConfig
+from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, versions
 
-RESULTS = Path(__file__).parent / "results"
-PP = 4
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
 AFAB_MAX_M = 8  # AFAB keeps every microbatch's activations: at m = 32 stage 0 alone needs ~64 GiB here
 MICROBATCHES = (8, 32)
 WARMUP, ROUNDS = 2, 7
-SIZES = {
-    "host-bound": dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096,
-                       micro_batch_size=1),
-    "gpu-bound": dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096,
-                      micro_batch_size=4),
-}
-SMOKE = {"smoke": dict(hidden=32, heads=4, kv_heads=2, layers=8, vocab=128, seq=16, micro_batch_size=2)}
+SIZES = {"host-bound": dict(MODEL, micro_batch_size=1), "gpu-bound": dict(MODEL, micro_batch_size=4)}
+SMOKE = {"smoke": SMOKE_TRAINER}
 
 
 def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup: int, rounds: int) -> None:
@@ -176,7 +170,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from benchmarks.training import versions
 
     if not args.smoke and not torch.cuda.is_available():
         print("benchmarks.engine_vs_nanotron: no CUDA GPU here; use --smoke on a CPU", file=sys.stderr)

@@ -28,13 +28,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.compile_speed import git_commit, machine
+from benchmarks.common import RESULTS, git_commit, machine
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import DistTransport, Executor, InProcessPipeline
 from pipeschedule.runtime.launch import spawn
 
-RESULTS = Path(__file__).parent / "results"
 TARGET_US = 20.0
 CASES = [  # (transport, family, pp, microbatches, virtual)
     ("in-process", "1f1b", 4, 32, 1),

@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions
 from benchmarks.calibration import run_calibration, simulate_cases
 from benchmarks.costs import P2P_GBPS, P2P_LATENCY_MS, stage_costs
 from benchmarks.training import (
@@ -73,13 +74,8 @@ from benchmarks.training import (
 from benchmarks.gpu_overhead import overhead_lines, run_overhead
 from benchmarks.llama.model import ModelConfig
 
-RESULTS = Path(__file__).parent / "results"
-PP = 4
-MODEL = ModelConfig(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=4096)
-SMOKE_MODEL = ModelConfig(hidden=64, layers=8, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32)
-MICROBATCH_SIZE = 1
 MICROBATCHES = (8, 32)
-WARMUP, STEPS = 1, 3
+STEPS = 3
 OVERHEAD_TARGET = 0.01
 OVERHEAD_STEPS = 15  # measured rounds per micro-batch size
 OVERHEAD_MICROBATCH_SIZES = (1, 2)  # 1: the memory runs' size (host-bound on the H200); 2: GPU-bound
@@ -171,7 +167,7 @@ def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     steps = 1 if smoke else STEPS
-    report = {"versions": training.versions(commit), "model": asdict(cfg), "pp": PP,
+    report = {"versions": versions(commit), "model": asdict(cfg), "pp": PP,
               "microbatch_size": MICROBATCH_SIZE, "dtype": str(dtype).replace("torch.", "")}
     print(f"model {cfg}, pp={PP}, {dtype}, {report['versions'].get('gpus', 'cpu')}", flush=True)
     if "calibration" not in skip:
@@ -326,7 +322,7 @@ def main(argv=None) -> int:
         if not args.smoke and not torch.cuda.is_available():
             print("benchmarks.gpu: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
             return 2
-        report = measure(SMOKE_MODEL if args.smoke else MODEL, smoke=args.smoke, skip=skip, commit=args.commit,
+        report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip, commit=args.commit,
                          split=args.split_backward)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

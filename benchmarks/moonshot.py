@@ -40,23 +40,21 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.common import PP, RESULTS
 from benchmarks.costs import stage_costs
 from pipeschedule.errors import ParameterError
-from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.families import FAMILIES, generate
 from benchmarks.llama.memory import llama_footprints
 from pipeschedule.plan.memory import ModelSpec, TrainingSetup
 from pipeschedule.compiler.passes import lower
 from pipeschedule.simulate import CostModel, simulate
 from pipeschedule.compiler.verify import verify
 
-RESULTS = Path(__file__).parent / "results"
-PP = 4
 MEMORY_BOUND = 0.5  # of 1F1B's first-stage activation memory
 TARGET = 0.95  # of 1F1B's throughput
-FAMILIES = (  # (family, stages per rank)
-    ("1f1b", 1), ("capped_1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("v_half", 2), ("v_min", 2),
-)
-SPLIT_BACKWARD = {"zb_h1", "zbv", "v_half", "v_min"}
+SEARCHED = (  # (family, stages per rank): every family but AFAB (the most memory), interleaved at v=2
+    tuple((name, family.chunks(2 if family.takes_virtual else None)) for name, family in FAMILIES.items()
+          if name != "afab"))
 
 
 def model_and_setup(saved: dict) -> tuple[ModelSpec, TrainingSetup]:
@@ -102,11 +100,11 @@ def evaluate(saved: dict, m: int) -> list[dict]:
     first-stage activation and throughput vs the reference 1F1B."""
     rows = []
     layers = saved["model"]["layers"]
-    for family, per_rank in FAMILIES:
+    for family, per_rank in SEARCHED:
         virtual = 2 if family == "interleaved_1f1b" else None
         caps = [None] + list(range(2 if per_rank == 2 else 1, PP * per_rank + 1)) if family != "1f1b" else [None]
         for split in splits(layers, PP * per_rank):
-            costs = cost_for(saved, split, family in SPLIT_BACKWARD)
+            costs = cost_for(saved, split, FAMILIES[family].split_backward)
             times = list(zip(costs["forward"], costs["backward"], costs["weight"]))  # per stage (F, B, W)
             for cap in caps:
                 try:
@@ -136,7 +134,7 @@ def best_within(rows: list[dict], bound: float, busiest: float = float("inf")) -
     """Per family, the fastest row whose rank-0 stash is within `bound` of the reference's
     (and whose largest per-rank peak is within `busiest` of the reference's largest)."""
     out = []
-    for family, _ in FAMILIES:
+    for family, _ in SEARCHED:
         fitting = [r for r in rows if r["family"] == family and r["memory_vs_1f1b"] <= bound + 1e-9
                    and r["max_rank_vs_1f1b"] <= busiest + 1e-9]
         if fitting:

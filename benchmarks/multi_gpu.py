@@ -35,12 +35,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
+from benchmarks.common import PP, RESULTS, versions
 from benchmarks.calibration import simulate_cases
 from benchmarks.costs import stage_costs
 from benchmarks.training import NANOTRON, OURS, Case, cases, gib, model_split
 
-RESULTS = Path(__file__).parent / "results"
-PP = 4
 MICROBATCHES = (8, 32)
 DRY_RUN_MODEL = training.ModelConfig(hidden=64, layers=8, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32)
 SPEED_NOISE = 0.98  # our 1f1b / nanotron's 1f1b at least this counts as "no slower"
@@ -200,7 +199,7 @@ def main(argv=None) -> int:
     rows, skipped = training.run_cases(
         cfg, case_list, pp=PP, mode="multi" if multi else "shared", warmup=1, steps=1 if args.dry_run else 4,
         timeout=300 if args.dry_run else 540, backend="nccl" if multi else "gloo")
-    meta = {"versions": training.versions(args.commit), "transport": "NCCL" if multi else "gloo on CPU"}
+    meta = {"versions": versions(args.commit), "transport": "NCCL" if multi else "gloo on CPU"}
     text, checks = report(cfg, rows, skipped, sims, meta)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)

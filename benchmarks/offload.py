@@ -3,7 +3,7 @@
     python -m benchmarks.offload            # on one CUDA GPU (a few minutes on an H200)
     python -m benchmarks.offload --smoke    # a tiny model on CPU: checks the plumbing, writes nothing
 
-The integration's Llama (`benchmarks.gpu.MODEL`, bf16) at pp=4 as four processes on the
+The project's Llama (`benchmarks.common.MODEL`, bf16) at pp=4 as four processes on the
 one GPU, gloo between them, boundaries staged through pinned host memory
 (`HostStagedTransport`), as in `benchmarks.gpu`; each rank builds only its own stage's
 blocks on the GPU and runs pipeschedule's `Executor` directly (no nanotron engine).
@@ -51,18 +51,18 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.gpu import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions
+from benchmarks.llama.model import ModelConfig
 from benchmarks.llama.stages import LlamaStages
 from benchmarks.training import model_split, sync, to_device
 
-RESULTS = Path(__file__).parent / "results"
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 STREAM_FRACTIONS = (0.25, 0.5, 1.0)  # streamed ([Note: streamed offload]) in chunks of:
 STREAM_CHUNK, SMOKE_CHUNK = 64 * 2**20, 4096
 OFFLOAD_M = 8
 POOL_MS = (8, 32, 128)
 LEAD = 1
-WARMUP, STEPS = 1, 3
+STEPS = 3
 H200_HOST_GBPS = 55.4  # pinned copies each way, measured on the H200 lent here (issue 9)
 COPY_SLOWDOWN = 0.02  # matmuls beside a 1 GiB device-to-host copy: 28.4 ms against 27.8 ms (issue 9)
 NANOTRON_LABEL = "nanotron 1f1b"
@@ -105,7 +105,7 @@ class RankStages(LlamaStages):
             self.head.to(device)
 
 
-def _data(cfg, m: int, seed: int, device):
+def stage_data(cfg, m: int, seed: int, device):
     from benchmarks.llama.reference import microbatch
 
     batches = [to_device(microbatch(cfg, MICROBATCH_SIZE, i, seed), device) for i in range(m)]
@@ -120,7 +120,7 @@ def _run(executor, stages, cfg, m: int, device, rank: int, steps: int) -> dict:
     params = [p for s in executor.schedule.stages_of(rank) for p in stages.parameters(s)]
     rows = []
     for step in range(WARMUP + steps):
-        inputs, targets = _data(cfg, m, 1234 + step, device)
+        inputs, targets = stage_data(cfg, m, 1234 + step, device)
         for p in params:
             p.grad = None
         sync(device)
@@ -278,7 +278,7 @@ def measure(cfg, *, smoke: bool, skip: set[str], commit: str | None) -> dict:
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    report = {"versions": training.versions(commit), "model": asdict(cfg), "pp": PP, "lead": LEAD,
+    report = {"versions": versions(commit), "model": asdict(cfg), "pp": PP, "lead": LEAD,
               "microbatch_size": MICROBATCH_SIZE, "dtype": str(dtype).replace("torch.", ""),
               "host_gbps": H200_HOST_GBPS, "copy_slowdown": COPY_SLOWDOWN}
     print(f"model {cfg}, pp={PP}, {dtype}, {report['versions'].get('gpus', 'cpu')}", flush=True)
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
         print("benchmarks.offload: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
         return 2
     out_dir = args.out if args.out is not None else (None if args.smoke else RESULTS)
-    report = measure(SMOKE_MODEL if args.smoke else MODEL, smoke=args.smoke, skip=skip, commit=args.commit)
+    report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip, commit=args.commit)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "offload.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

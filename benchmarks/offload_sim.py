@@ -25,15 +25,16 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.common import RESULTS
 from pipeschedule import compile_schedule
+from pipeschedule.plan.presets import HOST_LINKS
 from pipeschedule.plan.offload import AutoOffload, choose_offload
 from pipeschedule.simulate import CostModel
 
-RESULTS = Path(__file__).parent / "results"
 LAYERS, LAYER_STASH = 8, 34 * 4096 * 2048
 STASH = LAYERS * LAYER_STASH  # one microbatch's stash on a stage
 F_MS, B_MS = 1.03, 2.19
-LINKS = {"gh200": 450.0, "h200": 55.4}
+LINKS = HOST_LINKS  # GB/s per direction: GH200 and the H200 lent here
 SLOWDOWNS = (0.0, 0.02)
 CHUNKS = {"whole": None, "1 layer": LAYER_STASH, "1/4 layer": LAYER_STASH // 4}
 BUDGET = 0.03

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import RESULTS, git_commit, machine as common_machine
 from pipeschedule.plan.memory import GiB, TrainingSetup
 from pipeschedule.plan import PlanConfig, plan
 from pipeschedule.plan.presets import MODELS
 
 TARGET_S = 10.0
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def config(recompute: str) -> PlanConfig:
@@ -57,20 +54,11 @@ def measure(recompute: str, repeat: int) -> dict:
 
 
 def machine() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True, check=False).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        commit, dirty = "unknown", False
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "commit": commit + (" (with uncommitted changes)" if dirty else ""),
-        "load": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-    }
+    """When, where and at which commit the plan was timed."""
+    cpu = common_machine()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "processor": cpu["processor"], "cpus": cpu["cpu_count"], "platform": cpu["platform"],
+            "python": cpu["python"], "commit": git_commit() or "unknown", "load": cpu["load_average_1m_at_end"]}
 
 
 def report(rows: list[dict], meta: dict) -> str:

@@ -36,18 +36,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_TRAINER, versions
 from integration.nanotron.example import TrainerConfig
-from benchmarks.training import versions
 
-RESULTS = Path(__file__).parent / "results"
 ENGINES = ("1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1")
-PP, MICROBATCHES, STEPS, WARMUP, ROUNDS = 4, 8, 6, 2, 2
-MODEL = dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096, micro_batch_size=1)
-SMOKE = dict(hidden=32, heads=4, kv_heads=2, layers=8, vocab=128, seq=16, micro_batch_size=2)
+MICROBATCHES, STEPS, WARMUP, ROUNDS = 8, 6, 2, 2
+SIZES = dict(MODEL, micro_batch_size=MICROBATCH_SIZE)
 
 
 def config_for(engine: str, *, smoke: bool, init_from: str | None, save: bool, steps: int) -> TrainerConfig:
-    sizes = SMOKE if smoke else MODEL
+    sizes = SMOKE_TRAINER if smoke else SIZES
     return TrainerConfig(engine=engine, pp=PP, microbatches=MICROBATCHES, steps=steps,
                          dtype="bfloat16", fp32_accumulation=True, save_initial_state=save, init_from=init_from,
                          **sizes)
@@ -82,7 +80,7 @@ def measure(*, smoke: bool, commit: str | None, rounds: int, steps: int, engines
                              timeout=600)
             runs[engine].append(records)
             print(f"round {round_index} {engine}: {summarise([records])['step_s']:.3f} s/step", flush=True)
-    report = {"versions": versions(commit), "model": MODEL if not smoke else SMOKE, "pp": PP,
+    report = {"versions": versions(commit), "model": SIZES if not smoke else SMOKE_TRAINER, "pp": PP,
               "microbatches": MICROBATCHES, "steps": steps, "warmup": WARMUP, "rounds": rounds,
               "engines": {engine: summarise(rounds) for engine, rounds in runs.items()}}
     return report

@@ -43,6 +43,8 @@ import_nanotron()
 
 from integration.nanotron import split as splits  # noqa: E402
 from benchmarks.llama.model import ModelConfig  # noqa: E402
+from integration.nanotron.registry import NANOTRON_ENGINES  # noqa: E402
+from pipeschedule.compiler.families import FAMILIES  # noqa: E402
 from pipeschedule.errors import LaunchError  # noqa: E402
 
 # The multi-GPU benchmark's model (about 3.6B parameters, Llama-3.2-3B's shape, seq 4096):
@@ -51,8 +53,6 @@ MODEL_X4 = ModelConfig(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, v
 FIT_TOLERANCE = 0.05  # the memory model's peak against measured allocated bytes
 CAP_DROP_SHARE = 0.90  # stage 0's measured fall under a cap, at least this share of the predicted fall
 CONTEXT_BYTES = 600 * 2**20  # a process's CUDA context and allocator slack (the fit check only)
-NANOTRON_ENGINES = {"1f1b": "1f1b", "afab": "afab"}  # nanotron's own engines -> the schedule they run
-PS_FAMILIES = {"ps_1f1b": "1f1b", "ps_afab": "afab"}
 
 OURS = (  # (label, pp_engine value, virtual); afab last: it needs the most memory
     ("1f1b", "ps_1f1b", 1),
@@ -64,9 +64,8 @@ OURS = (  # (label, pp_engine value, virtual); afab last: it needs the most memo
     ("afab", "ps_afab", 1),
 )
 NANOTRON = (("nanotron 1f1b", "1f1b", 1), ("nanotron afab", "afab", 1))
-SPLIT_BACKWARD = (  # zero-bubble and V-shape schedules (split backward: B, then W)
-    ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2), ("v_half", "v_half", 2), ("v_min", "v_min", 2),
-)
+SPLIT_BACKWARD = tuple(  # zero-bubble and V-shape schedules (split backward: B, then W)
+    (name, family.engine, family.chunks()) for name, family in FAMILIES.items() if family.split_backward)
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ class Case:
 
     @property
     def nanotron_own(self) -> bool:
-        return self.engine in NANOTRON_ENGINES
+        return self.engine in NANOTRON_ENGINES  # the family of the same name
 
 def cases(schedules, microbatches) -> list[Case]:
     return [Case(label, engine, v, m) for m in microbatches for label, engine, v in schedules]
@@ -98,7 +97,7 @@ def compiled(case: Case, pp: int):
     from pipeschedule import compile_schedule
 
     if case.nanotron_own:
-        return compile_schedule(NANOTRON_ENGINES[case.engine], pp=pp, microbatches=case.microbatches)
+        return compile_schedule(case.engine, pp=pp, microbatches=case.microbatches)
     return build_engine(parse_engine(case.engine)).compile(pp=pp, microbatches=case.microbatches)
 
 
@@ -397,31 +396,3 @@ def cap_checks(rows: list[dict]) -> list[dict]:
         out.append({"case": label, "m": m, "measured_fall": measured, "predicted_fall": predicted_fall,
                     "share": share, "ok": predicted_fall <= 0 or share >= CAP_DROP_SHARE})
     return out
-
-
-def versions(commit: str | None = None) -> dict:
-    """Date, machine and software versions for a results file. `commit` overrides git's
-    answer (the device machine's copy of the tree may not carry the current HEAD)."""
-    import nanotron
-
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "nanotron": getattr(nanotron, "__version__", None), "cpus": os.cpu_count(),
-    }
-    if torch.cuda.is_available():
-        info["gpus"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=20).stdout.split()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            info["driver"] = None
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    timeout=10, cwd=Path(__file__).parent).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            commit = None
-    info["commit"] = commit
-    return info

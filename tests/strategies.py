@@ -7,13 +7,20 @@ come with their families; offload (OFFLOAD / RELOAD, `pipeschedule.compiler.offl
 is drawn on top of any of them by `schedules`.
 """
 
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 
 from pipeschedule import compile_schedule
 from pipeschedule.compiler.families import FAMILIES, family_virtual
 from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 
 FAMILY_NAMES = tuple(sorted(FAMILIES))
+
+
+def examples(full: int) -> int:
+    """The examples a property test that wants `full` of them draws under the active
+    Hypothesis profile: all of them in the whole suite (profile max_examples 100), a
+    tenth in the inner loop (`-m "not spawn"`: profile "inner", 10; tests/conftest.py)."""
+    return max(10, full * settings().max_examples // 100)
 
 
 @st.composite
