@@ -23,7 +23,7 @@ from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.compiler.passes import is_lowered, lower
 from pipeschedule.errors import ParameterError
 from pipeschedule.simulate.cost import CostModel, load_cost
-from pipeschedule.simulate.engine import Event, EventLog, run
+from pipeschedule.simulate.engine import Event, EventLog, MemoryCurves, run
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
         busy=tuple(trace.busy),
         peak_inflight=tuple(trace.peak_inflight),
         peak_bytes=tuple(trace.peak_bytes),
-        memory=tuple(tuple(zip(times, values)) for times, values in trace.memory),
+        memory=MemoryCurves(trace.memory),
         events=EventLog(schedule.programs, trace.ends, trace.waits, trace.channels),
         peak_host_bytes=tuple(trace.peak_host_bytes),
     )

@@ -109,6 +109,10 @@ from pipeschedule.simulate.hostlink import HostLink
 from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule
 
 MOVE_OPS = frozenset({Op.OFFLOAD, Op.RELOAD})
+# Plain names for the ops: an enum attribute costs about 80 ns, a global a few, and the
+# run loop reads them a million times.
+F, B, W, FREE, OFFLOAD, RELOAD = Op.F, Op.B, Op.W, Op.FREE, Op.OFFLOAD, Op.RELOAD
+SEND_F, SEND_B, RECV_F, RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
 
 
 class Event(NamedTuple):
@@ -229,7 +233,7 @@ class Trace:
     busy: list
     peak_inflight: list
     peak_bytes: list
-    memory: list  # per rank: (times, live bytes) lists of equal length
+    memory: list  # per rank: (times, live bytes) lists of equal length, every change as it happened
     ends: list  # per rank: end of each instruction, None for FREE
     peak_host_bytes: list  # per rank: the most bytes held in host memory by OFFLOAD
     waits: list  # per rank: pc -> start of each compute that waited for a RELOAD
@@ -254,6 +258,49 @@ def _point(times: list, values: list, t, live) -> None:
         values.append(live)
 
 
+def _change(times: list, values: list, t, live) -> None:
+    """Records (t, live) as it happened; `MemoryCurves` folds a rank's changes with
+    `_point` when the curve is first read (the same points, and nothing to pay in the run
+    loop or for a caller that never reads them)."""
+    times.append(t)
+    values.append(live)
+
+
+class MemoryCurves(Sequence):
+    """Per rank, the (time, live bytes) step curve of `SimResult.memory`: the changes `run`
+    recorded, folded by `_point` on first read of each rank."""
+
+    def __init__(self, changes: list[tuple[list, list]]) -> None:
+        self._changes = changes
+        self._curves: dict[int, tuple] = {}
+
+    def __getitem__(self, rank):
+        if isinstance(rank, slice):
+            return tuple(self[r] for r in range(*rank.indices(len(self))))
+        rank = range(len(self))[rank]  # negative indices; IndexError past the end
+        if rank not in self._curves:
+            times, values = self._changes[rank]
+            folded_t, folded_v = [times[0]], [values[0]]
+            for t, live in zip(times[1:], values[1:]):
+                _point(folded_t, folded_v, t, live)
+            self._curves[rank] = tuple(zip(folded_t, folded_v))
+        return self._curves[rank]
+
+    def __len__(self) -> int:
+        return len(self._changes)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (MemoryCurves, tuple, list)):
+            return len(self) == len(other) and all(a == tuple(b) for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
 def _complete(ops, end, channels, ends):
     """Completes the ops of a batch that were waiting for their partners (all posted by
     now): writes each op's message completion into `ends` and returns the batch's end,
@@ -275,96 +322,111 @@ def run(schedule: Schedule, cost) -> Trace:
     Per rank, `ends[pc]` is the end of instruction pc (None for FREE, which takes no
     time; the landing of its copy for OFFLOAD and RELOAD); `EventLog` derives the start
     times from them. OFFLOAD and RELOAD go to the rank's `HostLink`, which also sees
-    every buffer-touching instruction while some buffer of the rank is moved. The loop over instructions is
-    kept in one piece, with local variables only, because it runs a million times for
-    pp=64, m=512: a call or an object per instruction would double its time.
-    """
-    pp, stages, placement = schedule.pp, schedule.num_stages, schedule.placement
-    act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
-    local = [s + 1 < stages and placement[s + 1] == placement[s] for s in range(stages)]  # s -> s+1 on one rank
-    # Bytes that appear at the start of F(s) and B(s): [Note: when bytes count].
-    f_alloc = [
-        (act_in[s] if s == 0 else 0) + stash[s] + (act_out[s] if schedule.sends_forward(s) else 0)
-        + (act_in[s + 1] if local[s] else 0)
-        for s in range(stages)
-    ]
-    b_alloc = [
-        (grad_in[s] if schedule.sends_backward(s) else 0) + (grad_out[s - 1] if s > 0 and local[s - 1] else 0)
-        for s in range(stages)
-    ]
-    free_bytes = dict(cost.buffer_bytes)
-    b_shrink = None  # per stage: bytes a B releases at its end, < 0 for growth ([Note: when bytes count])
-    if cost.weight_stash is not None and schedule.split_backward:
-        b_shrink = [whole - kept for whole, kept in zip(stash, cost.weight_stash)]
-        free_bytes["stash"] = cost.weight_stash
-    latency, bandwidth = cost.latency, cost.bandwidth
-    # Message time of SEND_F / SEND_B by stage. Infinite bandwidth adds exactly
-    # `latency`, so exact (e.g. Fraction) costs stay exact.
-    msg_f = [latency + b / bandwidth if bandwidth != math.inf else latency for b in act_out]
-    msg_b = [latency + b / bandwidth if bandwidth != math.inf else latency for b in grad_in]
-    fcost, bcost, wcost = cost.forward, cost.backward, cost.weight
+    every buffer-touching instruction while some buffer of the rank is moved."""
+    return _Run(schedule, cost).trace()
 
-    # channel (src << 32 | dst) -> (post times of its sends, their message times, post
-    # times of its receives); entry k of each belongs to the channel's k-th message.
-    # A peer that is not a rank gets a channel nobody posts to, so it deadlocks.
-    channels: dict[int, tuple] = defaultdict(lambda: ([], [], []))
-    programs = schedule.programs
-    ends = [[None] * len(p) for p in programs]
-    memory = [([0], [0]) for _ in range(pp)]
-    links = [HostLink(cost.offload_bandwidth, cost.reload_bandwidth, cost.offload_slowdown, *memory[r], _point,
-                      cost.offload_chunk, cost.reload_window) for r in range(pp)]
-    if cost.offload_chunk is not None:
-        streamed = [streamed_stashes(p) or None for p in programs]
-    else:
-        streamed = [None] * pp
-    split = schedule.split_backward
-    fixed = [(programs[r], len(programs[r]), ends[r], *memory[r], links[r], links[r].moved, streamed[r])
-             for r in range(pp)]
-    # per rank: pc, clock, live bytes, peak bytes, in flight, peak in flight, busy time
-    state = [(0, 0, 0, 0, 0, 0, 0)] * pp
-    parked = [None] * pp  # per rank: (waiting ops, end so far, first pc) of its parked batch
-    waiting = [0] * pp  # per rank: partners its parked batch still misses
-    # Locals, not Op.X: an enum attribute costs about 80 ns, a local a few.
-    F, B, W, FREE, OFFLOAD, RELOAD = Op.F, Op.B, Op.W, Op.FREE, Op.OFFLOAD, Op.RELOAD
-    SEND_F, SEND_B, RECV_F, RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
 
-    stack = list(range(pp - 1, -1, -1))
-    while stack:
-        r = stack.pop()
-        program, n, rank_ends, mem_t, mem_v, link, moved, streams = fixed[r]
-        pc, t, live, peak, inflight, peak_inflight, busy = state[r]
-        if parked[r] is not None:  # resumed: every partner of the parked batch has posted
-            ops, batch_end, _ = parked[r]
-            parked[r] = None
-            t = _complete(ops, batch_end, channels, rank_ends)
+class _RankState:
+    """Where a rank stands between two runs of `_Run.advance`: its next instruction, its
+    clock, live and peak device bytes, (stage, mb) in flight and their peak, busy time."""
+
+    __slots__ = ("pc", "t", "live", "peak", "inflight", "peak_inflight", "busy")
+
+    def __init__(self) -> None:
+        self.pc = self.t = self.live = self.peak = self.inflight = self.peak_inflight = self.busy = 0
+
+
+class _Run:
+    """One simulated step: the schedule's per-stage tables, each rank's state, the message
+    channels and the ranks parked on a batch ([Note: event-driven run]). `advance` is
+    the loop over instructions; it runs a million times for pp=64, m=512, so it reads
+    everything through local variables and calls out only for what is rare (a copy to
+    or from the host, a streamed or resized stash) and once per batch of messages."""
+
+    def __init__(self, schedule: Schedule, cost) -> None:
+        self.schedule, pp, stages, placement = schedule, schedule.pp, schedule.num_stages, schedule.placement
+        act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
+        local = [s + 1 < stages and placement[s + 1] == placement[s] for s in range(stages)]  # s -> s+1 on one rank
+        # Bytes that appear at the start of F(s) and B(s): [Note: when bytes count].
+        self.f_alloc = [(act_in[s] if s == 0 else 0) + stash[s] + (act_out[s] if schedule.sends_forward(s) else 0)
+                        + (act_in[s + 1] if local[s] else 0) for s in range(stages)]
+        self.b_alloc = [(grad_in[s] if schedule.sends_backward(s) else 0) + (grad_out[s - 1] if s > 0 and local[s - 1]
+                        else 0) for s in range(stages)]
+        self.stash = stash
+        self.free_bytes = dict(cost.buffer_bytes)
+        self.b_shrink = None  # per stage: bytes a B releases at its end, < 0 for growth ([Note: when bytes count])
+        if cost.weight_stash is not None and schedule.split_backward:
+            self.b_shrink = [whole - kept for whole, kept in zip(stash, cost.weight_stash)]
+            self.free_bytes["stash"] = cost.weight_stash
+        # Message time of SEND_F / SEND_B by stage. Infinite bandwidth adds exactly `latency`,
+        # so exact (e.g. Fraction) costs stay exact.
+        latency, bandwidth = cost.latency, cost.bandwidth
+        self.msg_f = [latency + b / bandwidth if bandwidth != math.inf else latency for b in act_out]
+        self.msg_b = [latency + b / bandwidth if bandwidth != math.inf else latency for b in grad_in]
+        self.costs = cost.forward, cost.backward, cost.weight
+        # channel (src << 32 | dst) -> (post times of its sends, their message times, post
+        # times of its receives); entry k of each belongs to the channel's k-th message.
+        # A peer that is not a rank gets a channel nobody posts to, so it deadlocks.
+        self.channels: dict[int, tuple] = defaultdict(lambda: ([], [], []))
+        self.programs = schedule.programs
+        self.ends = [[None] * len(p) for p in self.programs]
+        self.memory = [([0], [0]) for _ in range(pp)]
+        self.links = [HostLink(cost.offload_bandwidth, cost.reload_bandwidth, cost.offload_slowdown, *self.memory[r],
+                               _change, cost.offload_chunk, cost.reload_window) for r in range(pp)]
+        self.streamed = [streamed_stashes(p) or None for p in self.programs] if cost.offload_chunk is not None \
+            else [None] * pp
+        self.states = [_RankState() for _ in range(pp)]
+        self.parked = [None] * pp  # per rank: (waiting ops, end so far, first pc) of its parked batch
+        self.waiting = [0] * pp  # per rank: partners its parked batch still misses
+        self.stack = list(range(pp - 1, -1, -1))  # ranks that can run, rank 0 first
+        # What each call of `advance` and `post_batch` reads, gathered once.
+        self.parts = [(self.programs[r], self.ends[r], *self.memory[r], self.links[r]) for r in range(pp)]
+        self.special = [streamed is not None or self.b_shrink is not None for streamed in self.streamed]
+        self.messages = (self.channels, self.waiting, self.msg_f, self.msg_b, act_in, grad_out)
+
+    def trace(self) -> Trace:
+        """Runs every rank until none can ([Note: event-driven run]); raises ScheduleError
+        for a deadlock or a message never received."""
+        stack = self.stack
+        while stack:
+            self.advance(stack.pop())
+        self.check_finished()
+        for state, link in zip(self.states, self.links):
+            if link.pending:  # copies landing after the program's end (a FREE cancels the rest)
+                state.live = link.finish(state.live)
+        states = self.states
+        return Trace([s.t for s in states], [s.busy for s in states], [s.peak_inflight for s in states],
+                     [s.peak for s in states], self.memory, self.ends, [link.peak_host for link in self.links],
+                     [link.waited for link in self.links], dict(self.channels))
+
+    def advance(self, r: int) -> None:
+        """Runs rank r's program from where it stands until it parks on a batch whose
+        partners have not all posted, or ends."""
+        program, rank_ends, mem_t, mem_v, link = self.parts[r]
+        state, moved, special = self.states[r], link.moved, self.special[r]
+        free_bytes, f_alloc, b_alloc = self.free_bytes, self.f_alloc, self.b_alloc
+        fcost, bcost, wcost = self.costs
+        pc, t, live, peak = state.pc, state.t, state.live, state.peak
+        inflight, peak_inflight, busy = state.inflight, state.peak_inflight, state.busy
+        if self.parked[r] is not None:  # resumed: every partner of the parked batch has posted
+            ops, batch_end, _ = self.parked[r]
+            self.parked[r] = None
+            t = _complete(ops, batch_end, self.channels, rank_ends)
+        n = len(program)
         while pc < n:
             instr = program[pc]
             op = instr.op
             if op is FREE:
                 if moved:  # some buffer is off the device: [Note: host link]
-                    live, released = link.free((instr.buf, instr.stage, instr.mb), free_bytes[instr.buf][instr.stage], t, live)
+                    live, released = link.free((instr.buf, instr.stage, instr.mb), free_bytes[instr.buf][instr.stage],
+                                               t, live)
                     live -= released
                 else:
                     live -= free_bytes[instr.buf][instr.stage]
-                # _point(mem_t, mem_v, t, live), written out: FREE is the most frequent
-                # instruction, and the call cost a tenth of the run at pp=64, m=512.
-                if mem_t[-1] != t:
-                    mem_t.append(t)
-                    mem_v.append(live)
-                elif len(mem_t) >= 2 and mem_t[-2] == t:
-                    if live > mem_v[-2]:
-                        mem_v[-2] = live
-                    mem_v[-1] = live
-                elif live >= mem_v[-1]:
-                    mem_v[-1] = live
-                else:
-                    mem_t.append(t)
-                    mem_v.append(live)
-                pc += 1
-                continue
-            if op is F or op is B or op is W:
+                mem_t.append(t)
+                mem_v.append(live)
+            elif op is F or op is B or op is W:
                 s = instr.stage
-                stream = streams and (s, instr.mb) in streams and op is not W  # [Note: streamed offload]
                 if op is F:
                     grow, spend = f_alloc[s], fcost[s]
                     inflight += 1
@@ -375,142 +437,150 @@ def run(schedule: Schedule, cost) -> Trace:
                     inflight -= 1
                 else:
                     grow, spend = 0, wcost[s]
-                if stream and op is F:
-                    grow -= stash[s]  # its pieces count as they are produced
-                if moved:  # wait for reloads of what it reads; land finished copies
-                    ready = link.ready(op.value, s, instr.mb, t)
-                    if ready != t:
-                        link.waited[pc] = t = ready
-                    live = link.drain(t, live)
-                    if not (stream and op is F):  # a streamed F is stretched once, with its own copies
-                        spend = link.stretch(t, spend)
-                if grow:
-                    live += grow
-                    if live > peak:
-                        peak = live
-                    # _point(mem_t, mem_v, t, live), written out as for FREE: a compute
-                    # often starts at the instant of the FREE before it.
-                    if mem_t[-1] != t:
-                        mem_t.append(t)
-                        mem_v.append(live)
-                    elif len(mem_t) >= 2 and mem_t[-2] == t:
-                        if live > mem_v[-2]:
-                            mem_v[-2] = live
-                        mem_v[-1] = live
-                    elif live >= mem_v[-1]:
-                        mem_v[-1] = live
-                    else:
-                        mem_t.append(t)
-                        mem_v.append(live)
-                if stream:
-                    key = ("stash", s, instr.mb)
-                    if op is F:
-                        live, peak, spend = link.stream_out(key, stash[s], t, spend, live, peak)
-                        t += spend
-                    else:
-                        live, peak, t = link.stream_b(key, t, spend, live, peak, split)
+                if moved or special:  # copies to or from the host, a streamed or resized stash
+                    t, live, peak, spend = self.compute_aside(r, pc, instr, grow, spend, t, live, peak)
                 else:
+                    if grow:
+                        live += grow
+                        if live > peak:
+                            peak = live
+                        mem_t.append(t)
+                        mem_v.append(live)
                     t += spend
+                    rank_ends[pc] = t
                 busy += spend
-                rank_ends[pc] = t
-                if b_shrink is not None and op is B and b_shrink[s]:
-                    live -= b_shrink[s]
-                    if live > peak:
-                        peak = live
-                    _point(mem_t, mem_v, t, live)
-                pc += 1
-                continue
-            if op is OFFLOAD or op is RELOAD:  # asynchronous copies: [Note: host link]
-                key, nbytes = (instr.buf, instr.stage, instr.mb), free_bytes[instr.buf][instr.stage]
-                if op is OFFLOAD:
-                    live, rank_ends[pc] = link.offload(key, nbytes, t, live)
-                else:
-                    live, peak, rank_ends[pc] = link.reload(key, nbytes, t, live, peak)
-                pc += 1
-                continue
-            # Communication: post the maximal run of comm ops as one batch. An op whose
-            # partner has posted completes now; the others wait in `ops`.
-            if moved:
-                live = link.drain(t, live)
-            post = batch_end = t
-            first, ops, missing = pc, None, 0
-            while pc < n:
-                instr = program[pc]
-                op = instr.op
-                peer = instr.peer
-                if op is SEND_F or op is SEND_B:
-                    channel = r << 32 | peer
-                    mine, msgs, theirs = channels[channel]
-                    msgs.append(msg_f[instr.stage] if op is SEND_F else msg_b[instr.stage])
-                    k = len(mine)
-                    if moved:  # a reloaded buffer is read once it lands
-                        mine.append(link.ready_buffer(("act_out" if op is SEND_F else "grad_in", instr.stage, instr.mb), post))
-                    else:
-                        mine.append(post)
-                    # Sends do not hold the sender up ([Note: simulated semantics]).
-                    rank_ends[pc] = post
-                    if len(theirs) > k:  # the receiver posted first and is parked on this
-                        if peer == r:  # ... earlier in this very batch
-                            missing -= 1
-                        else:
-                            waiting[peer] -= 1
-                            if waiting[peer] == 0:
-                                stack.append(peer)
-                elif op is RECV_F or op is RECV_B:
-                    channel = peer << 32 | r
-                    theirs, msgs, mine = channels[channel]
-                    live += act_in[instr.stage] if op is RECV_F else grad_out[instr.stage]
-                    if live > peak:
-                        peak = live
-                    if mem_t[-1] != t:  # _point's common case, without the call
-                        mem_t.append(t)
-                        mem_v.append(live)
-                    else:
-                        _point(mem_t, mem_v, t, live)
-                    k = len(mine)
-                    mine.append(post)
-                    if len(theirs) <= k:  # a receive whose send is not posted yet
-                        missing += 1
-                        if ops is None:
-                            ops = []
-                        ops.append((channel, k, pc))
-                    else:
-                        done = theirs[k]
-                        if post > done:
-                            done = post
-                        if msgs[k]:
-                            done += msgs[k]
-                        rank_ends[pc] = done
-                        if done > batch_end:
-                            batch_end = done
-                else:
+            elif op is OFFLOAD:  # asynchronous copies: [Note: host link]
+                live, rank_ends[pc] = link.offload((instr.buf, instr.stage, instr.mb),
+                                                   free_bytes[instr.buf][instr.stage], t, live)
+            elif op is RELOAD:
+                live, peak, rank_ends[pc] = link.reload((instr.buf, instr.stage, instr.mb),
+                                                        free_bytes[instr.buf][instr.stage], t, live, peak)
+            else:  # a run of communication: one batch
+                pc, t, live, peak = self.post_batch(r, pc, t, live, peak)
+                if self.parked[r] is not None:
                     break
-                pc += 1
-            if missing:
-                parked[r], waiting[r] = (ops, batch_end, first), missing
-                break
-            t = batch_end if ops is None else _complete(ops, batch_end, channels, rank_ends)  # ops: messages to self
-        state[r] = pc, t, live, peak, inflight, peak_inflight, busy
+                continue
+            pc += 1
+        state.pc, state.t, state.live, state.peak = pc, t, live, peak
+        state.inflight, state.peak_inflight, state.busy = inflight, peak_inflight, busy
 
-    stuck = [r for r in range(pp) if parked[r] is not None]
-    if stuck:
-        raise _deadlock(schedule, stuck, [st[0] for st in state], parked)
-    for channel, (sends, _, recvs) in channels.items():
-        if len(sends) > len(recvs):  # an asynchronous send nobody receives: an error, not a hang
-            src, dst = channel >> 32, channel & 0xFFFFFFFF
-            k = len(recvs)
-            pc = [i for i, instr in enumerate(programs[src]) if instr.op in SEND_OPS and instr.peer == dst][k]
-            instr = programs[src][pc]
-            raise ScheduleError(
-                f"rule matching: rank {src}'s send #{k} to rank {dst} ({instr}, step {pc}) is never received",
-                rule="matching", rank=src, index=pc, instr=instr, mb=instr.mb)
-    for r, link in enumerate(links):
-        if link.pending:  # copies landing after the program's end (a FREE cancels the rest)
-            pc, t, live, *rest = state[r]
-            state[r] = (pc, t, link.finish(live), *rest)
-    _, finish, _, peaks, _, peak_inflights, busy = zip(*state)
-    return Trace(list(finish), list(busy), list(peak_inflights), list(peaks), memory, ends,
-                 [link.peak_host for link in links], [link.waited for link in links], dict(channels))
+    def compute_aside(self, r: int, pc: int, instr, grow, spend, t, live, peak):
+        """F, B or W on a rank with moved buffers, streamed stashes or stashes resized at
+        B: it waits for the reloads of what it reads and lands finished copies ([Note:
+        host link]), streams its stash ([Note: simulated streaming]) or shrinks it at
+        its end ([Note: when bytes count]). Returns (t, live, peak, busy time spent)."""
+        link, streams, (mem_t, mem_v), rank_ends = self.links[r], self.streamed[r], self.memory[r], self.ends[r]
+        op, s, mb = instr.op, instr.stage, instr.mb
+        stream = streams is not None and (s, mb) in streams and op is not W
+        if stream and op is F:
+            grow -= self.stash[s]  # its pieces count as they are produced
+        if link.moved:
+            ready = link.ready(op.value, s, mb, t)
+            if ready != t:
+                link.waited[pc] = t = ready
+            live = link.drain(t, live)
+            if not (stream and op is F):  # a streamed F is stretched once, with its own copies
+                spend = link.stretch(t, spend)
+        if grow:
+            live += grow
+            if live > peak:
+                peak = live
+            mem_t.append(t)
+            mem_v.append(live)
+        if stream and op is F:
+            live, peak, spend = link.stream_out(("stash", s, mb), self.stash[s], t, spend, live, peak)
+            t += spend
+        elif stream:
+            live, peak, t = link.stream_b(("stash", s, mb), t, spend, live, peak, self.schedule.split_backward)
+        else:
+            t += spend
+        rank_ends[pc] = t
+        if self.b_shrink is not None and op is B and self.b_shrink[s]:
+            live -= self.b_shrink[s]
+            if live > peak:
+                peak = live
+            mem_t.append(t)
+            mem_v.append(live)
+        return t, live, peak, spend
+
+    def post_batch(self, r: int, pc: int, t, live, peak):
+        """Posts the maximal run of communication ops from `pc` as one batch ([Note:
+        simulated semantics]): a send records its post (it does not hold the rank), a
+        receive whose send is posted completes now, the others wait. Returns (pc after the
+        batch, clock, live, peak); when a receive waits, the rank is parked on the batch."""
+        program, rank_ends, mem_t, mem_v, link = self.parts[r]
+        channels, waiting, msg_f, msg_b, act_in, grad_out = self.messages
+        moved = link.moved
+        if moved:
+            live = link.drain(t, live)
+        post = batch_end = t
+        first, ops, missing, n = pc, None, 0, len(program)
+        while pc < n:
+            instr = program[pc]
+            op, peer = instr.op, instr.peer
+            if op is SEND_F or op is SEND_B:
+                mine, msgs, theirs = channels[r << 32 | peer]
+                msgs.append(msg_f[instr.stage] if op is SEND_F else msg_b[instr.stage])
+                k = len(mine)
+                if moved:  # a reloaded buffer is read once it lands
+                    mine.append(link.ready_buffer(("act_out" if op is SEND_F else "grad_in", instr.stage, instr.mb),
+                                                  post))
+                else:
+                    mine.append(post)
+                rank_ends[pc] = post  # sends do not hold the sender up ([Note: simulated semantics])
+                if len(theirs) > k:  # the receiver posted first and is parked on this ...
+                    if peer == r:  # ... earlier in this very batch
+                        missing -= 1
+                    else:
+                        waiting[peer] -= 1
+                        if waiting[peer] == 0:
+                            self.stack.append(peer)
+            elif op is RECV_F or op is RECV_B:
+                channel = peer << 32 | r
+                theirs, msgs, mine = channels[channel]
+                live += act_in[instr.stage] if op is RECV_F else grad_out[instr.stage]
+                if live > peak:
+                    peak = live
+                mem_t.append(t)
+                mem_v.append(live)
+                k = len(mine)
+                mine.append(post)
+                if len(theirs) <= k:  # a receive whose send is not posted yet
+                    missing += 1
+                    ops = ops or []
+                    ops.append((channel, k, pc))
+                else:
+                    done = theirs[k] if theirs[k] > post else post
+                    if msgs[k]:
+                        done += msgs[k]
+                    rank_ends[pc] = done
+                    if done > batch_end:
+                        batch_end = done
+            else:
+                break
+            pc += 1
+        if missing:
+            self.parked[r], waiting[r] = (ops, batch_end, first), missing
+        else:
+            t = batch_end if ops is None else _complete(ops, batch_end, channels, rank_ends)  # ops: messages to self
+        return pc, t, live, peak
+
+    def check_finished(self) -> None:
+        """Raises for ranks still parked (a deadlock) and for a send nobody receives (an
+        asynchronous send does not hang, but it is an error)."""
+        stuck = [r for r, parked in enumerate(self.parked) if parked is not None]
+        if stuck:
+            raise _deadlock(self.schedule, stuck, [state.pc for state in self.states], self.parked)
+        for channel, (sends, _, recvs) in self.channels.items():
+            if len(sends) > len(recvs):
+                src, dst = channel >> 32, channel & 0xFFFFFFFF
+                k = len(recvs)
+                programs = self.programs
+                pc = [i for i, instr in enumerate(programs[src]) if instr.op in SEND_OPS and instr.peer == dst][k]
+                instr = programs[src][pc]
+                raise ScheduleError(
+                    f"rule matching: rank {src}'s send #{k} to rank {dst} ({instr}, step {pc}) is never received",
+                    rule="matching", rank=src, index=pc, instr=instr, mb=instr.mb)
 
 
 def _deadlock(schedule: Schedule, stuck, pcs, parked) -> ScheduleError:
