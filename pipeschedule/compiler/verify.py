@@ -336,154 +336,153 @@ def check_liveness(schedule: Schedule) -> None:
     that released it once freed, host - step of the OFFLOAD that moved it (host = -(n+1),
     so every such value is below every freed one) while it is on the host, absent before
     it is produced. One lookup then answers "is it usable" (state >= 0) and "did it ever
-    exist", and one (stage, mb) tuple serves every buffer an instruction touches (this
-    loop runs once per instruction); schedules without OFFLOAD pay nothing for the third
-    state.
+    exist", and one (stage, mb) tuple serves every buffer an instruction touches;
+    schedules without OFFLOAD pay nothing for the third state.
 
     [Note: offload liveness] OFFLOAD needs the buffer live on the device and puts it on
     the host; RELOAD needs it on the host and puts it back on the device. Any use of a
-    buffer on the host (the op that reads it: F, B, W, SEND_F, SEND_B, per
-    [Note: buffers]) is an error: its RELOAD is missing or comes too late. FREE is allowed in
-    either state and releases whichever copy exists, so a buffer need not come back only
-    to be dropped. Both are neither compute nor communication: no other rule counts them,
-    and like FREE they end a run of communication (so a pass must not put them inside
-    one, which would split its batch).
+    buffer on the host (the op that reads it: F, B, W, SEND_F, SEND_B, per [Note: buffers])
+    is an error: its RELOAD is missing or comes too late. FREE is allowed in either state
+    and releases whichever copy exists, so a buffer need not come back only to be
+    dropped. Both are neither compute nor communication: no other rule counts them, and
+    like FREE they end a run of communication (so a pass must not put them inside one,
+    which would split its batch).
+
+    Each instruction produces its buffers, then uses its inputs, in the order of
+    [Note: buffers] (`_LIVENESS_STEPS`); the first failing check names the error.
     """
-    S = schedule.num_stages
-    last = S - 1
-    sends_fwd = [schedule.sends_forward(s) for s in range(S)]
-    sends_bwd = [schedule.sends_backward(s) for s in range(S)]
     for rank, program in enumerate(schedule.programs):
-        states: dict[str, dict[tuple[int, int], int]] = {buf: {} for buf in BUFFERS}
-        act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
-        host = -(len(program) + 1)  # states <= host: on the host ([Note: buffer states])
-
-        def fail(index, buf, key, what):
-            s, mb = key
-            state = states[buf].get(key)
-            if state is None:
-                where = "never produced"
-            elif state <= host:
-                where = f"on the host (offloaded at step {host - state}, not reloaded since)"
-            elif state < 0:
-                where = f"freed at step {~state}"
-            else:
-                where = f"on the device (produced or reloaded at step {state})"
-            if what == "use":
-                message = f"uses {buf} of (stage {s}, mb {mb}), which is {where}"
-            elif what == "free":
-                message = f"frees {buf} of (stage {s}, mb {mb}), which is {'already ' if state is not None and host < state < 0 else ''}{where}"
-            elif what == "offload":
-                message = f"offloads {buf} of (stage {s}, mb {mb}), which is {'already ' if state is not None and state <= host else ''}{where}"
-            elif what == "reload":
-                message = f"reloads {buf} of (stage {s}, mb {mb}), which is {where}; RELOAD needs an OFFLOAD before it"
-            elif what == "early":
-                op, producer = ("SEND_F", "F") if buf == "act_out" else ("SEND_B", "B")
-                message = f"{op} of (stage {s}, mb {mb}) runs before the {producer} that produces its {buf}"
-            else:
-                message = f"{buf} of (stage {s}, mb {mb}) produced a second time"
-            return _fail(schedule, "liveness", rank, index, message)
-
-        # Each instruction produces its buffers, then uses its inputs, in the order of
-        # [Note: buffers]; the first failing check names the error.
-        frees = 0
+        buffers = _RankBuffers(schedule, rank)
         for index, i in enumerate(program):
-            op = i.op
-            key = (i.stage, i.mb)
-            if op is FREE:
-                states_of = states[i.buf]
-                state = states_of.get(key)
-                if state is None or state < 0:
-                    if state is None or state > host:  # FREE of a host copy is fine
-                        raise fail(index, i.buf, key, "free")
-                states_of[key] = ~index
-                frees += 1
-            elif op is F:
-                s = key[0]
-                if key in stash:
-                    raise fail(index, "stash", key, "twice")
-                stash[key] = index
-                if s == 0:  # the data loader's input, at F
-                    if key in act_in:
-                        raise fail(index, "act_in", key, "twice")
-                    act_in[key] = index
-                if sends_fwd[s]:
-                    if key in act_out:
-                        raise fail(index, "act_out", key, "twice")
-                    act_out[key] = index
-                elif s < last:  # local hand-off
-                    nxt = (s + 1, key[1])
-                    if nxt in act_in:
-                        raise fail(index, "act_in", nxt, "twice")
-                    act_in[nxt] = index
-                state = act_in.get(key)
-                if state is None or state < 0:
-                    raise fail(index, "act_in", key, "use")
-            elif op is B:
-                s = key[0]
-                if sends_bwd[s]:
-                    if key in grad_in:
-                        raise fail(index, "grad_in", key, "twice")
-                    grad_in[key] = index
-                elif s > 0:  # local hand-off
-                    prev = (s - 1, key[1])
-                    if prev in grad_out:
-                        raise fail(index, "grad_out", prev, "twice")
-                    grad_out[prev] = index
-                state = act_in.get(key)
-                if state is None or state < 0:
-                    raise fail(index, "act_in", key, "use")
-                state = stash.get(key)
-                if state is None or state < 0:
-                    raise fail(index, "stash", key, "use")
-                if s < last:  # no grad_out on the last stage: the loss is there
-                    state = grad_out.get(key)
-                    if state is None or state < 0:
-                        raise fail(index, "grad_out", key, "use")
-            # One branch per communication op rather than one per pair picking its
-            # buffer: choosing (name, dict) per step built a tuple per message.
-            elif op is RECV_F:
-                if key in act_in:
-                    raise fail(index, "act_in", key, "twice")
-                act_in[key] = index
-            elif op is RECV_B:
-                if key in grad_out:
-                    raise fail(index, "grad_out", key, "twice")
-                grad_out[key] = index
-            elif op is SEND_F:
-                state = act_out.get(key)
-                if state is None or state < 0:
-                    raise fail(index, "act_out", key, "early" if state is None else "use")
-            elif op is SEND_B:
-                state = grad_in.get(key)
-                if state is None or state < 0:
-                    raise fail(index, "grad_in", key, "early" if state is None else "use")
-            elif op is W:
-                state = stash.get(key)
-                if state is None or state < 0:
-                    raise fail(index, "stash", key, "use")
-            else:  # OFFLOAD, RELOAD: [Note: offload liveness]
-                states_of = states[i.buf]
-                state = states_of.get(key)
-                if op is OFFLOAD:
-                    if state is None or state < 0:
-                        raise fail(index, i.buf, key, "offload")
-                    states_of[key] = host - index
-                else:
-                    if state is None or state > host:
-                        raise fail(index, i.buf, key, "reload")
-                    states_of[key] = index
-        if sum(map(len, states.values())) > frees:  # every key was produced once; each FREE released one
-            # The first leak in program order; buffers one instruction produces come in the
-            # order it produces them (stash, act_in, act_out; [Note: buffers]).
-            order = {"stash": 0, "act_in": 1, "act_out": 2, "grad_in": 3, "grad_out": 4}
-            index, _, s, buf, mb = min(
-                (state if state >= 0 else host - state, order[buf], s, buf, mb)
-                for buf, states_of in states.items() for (s, mb), state in states_of.items()
-                if state >= 0 or state <= host
-            )
-            where = " on the host" if states[buf][s, mb] <= host else ""
-            raise _fail(schedule, "liveness", rank, index, f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
+            _LIVENESS_STEPS[i.op](buffers, index, i, (i.stage, i.mb))
+        leak = buffers.first_leak()
+        if leak is not None:
+            raise leak
+
+
+# What check_liveness says of a buffer it refuses, by what the instruction does to it.
+_LIVENESS_MESSAGES = {
+    "use": "uses {buf} of (stage {s}, mb {mb}), which is {where}",
+    "free": "frees {buf} of (stage {s}, mb {mb}), which is {freed}{where}",
+    "offload": "offloads {buf} of (stage {s}, mb {mb}), which is {offloaded}{where}",
+    "reload": "reloads {buf} of (stage {s}, mb {mb}), which is {where}; RELOAD needs an OFFLOAD before it",
+    "early": "{send} of (stage {s}, mb {mb}) runs before the {producer} that produces its {buf}",
+    "twice": "{buf} of (stage {s}, mb {mb}) produced a second time",
+}
+
+
+class _RankBuffers:
+    """check_liveness' record of one rank's buffers ([Note: buffer states]) and the checks
+    every instruction makes on them."""
+
+    def __init__(self, schedule: Schedule, rank: int) -> None:
+        self.schedule, self.rank = schedule, rank
+        self.states: dict[str, dict[tuple[int, int], int]] = {buf: {} for buf in BUFFERS}
+        self.host = -(len(schedule.programs[rank]) + 1)  # states <= host: on the host
+        self.frees = 0
+
+    def error(self, index: int, buf: str, key, what: str) -> ScheduleError:
+        state, host = self.states[buf].get(key), self.host
+        if state is None:
+            where = "never produced"
+        elif state <= host:
+            where = f"on the host (offloaded at step {host - state}, not reloaded since)"
+        elif state < 0:
+            where = f"freed at step {~state}"
+        else:
+            where = f"on the device (produced or reloaded at step {state})"
+        send, producer = ("SEND_F", "F") if buf == "act_out" else ("SEND_B", "B")
+        message = _LIVENESS_MESSAGES[what].format(
+            buf=buf, s=key[0], mb=key[1], where=where, send=send, producer=producer,
+            freed="already " if state is not None and host < state < 0 else "",
+            offloaded="already " if state is not None and state <= host else "")
+        return _fail(self.schedule, "liveness", self.rank, index, message)
+
+    def produce(self, index: int, buf: str, key) -> None:
+        if key in self.states[buf]:
+            raise self.error(index, buf, key, "twice")
+        self.states[buf][key] = index
+
+    def use(self, index: int, buf: str, key, unknown: str = "use") -> None:
+        """A read of the buffer; `unknown` names the error when it was never produced."""
+        state = self.states[buf].get(key)
+        if state is None or state < 0:
+            raise self.error(index, buf, key, unknown if state is None else "use")
+
+    def release(self, index: int, i: Instr, key) -> None:  # FREE: either copy may go
+        state = self.states[i.buf].get(key)
+        if state is None or self.host < state < 0:
+            raise self.error(index, i.buf, key, "free")
+        self.states[i.buf][key] = ~index
+        self.frees += 1
+
+    def offload(self, index: int, i: Instr, key) -> None:
+        state = self.states[i.buf].get(key)
+        if state is None or state < 0:
+            raise self.error(index, i.buf, key, "offload")
+        self.states[i.buf][key] = self.host - index
+
+    def reload(self, index: int, i: Instr, key) -> None:
+        state = self.states[i.buf].get(key)
+        if state is None or state > self.host:
+            raise self.error(index, i.buf, key, "reload")
+        self.states[i.buf][key] = index
+
+    def first_leak(self) -> ScheduleError | None:
+        """The first buffer never freed, in program order (the buffers one instruction
+        produces in the order it produces them: stash, act_in, act_out; [Note: buffers])."""
+        if sum(map(len, self.states.values())) <= self.frees:  # every key produced once; each FREE released one
+            return None
+        host, order = self.host, {"stash": 0, "act_in": 1, "act_out": 2, "grad_in": 3, "grad_out": 4}
+        index, _, s, buf, mb = min(
+            (state if state >= 0 else host - state, order[buf], s, buf, mb)
+            for buf, states_of in self.states.items() for (s, mb), state in states_of.items()
+            if state >= 0 or state <= host
+        )
+        where = " on the host" if self.states[buf][s, mb] <= host else ""
+        return _fail(self.schedule, "liveness", self.rank, index, f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
+
+
+def _liveness_forward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
+    """F produces its stash, the data loader's act_in on stage 0, its act_out (sent) or
+    the next stage's act_in (a local hand-off); then reads its act_in."""
+    schedule, s = buffers.schedule, key[0]
+    buffers.produce(index, "stash", key)
+    if s == 0:
+        buffers.produce(index, "act_in", key)
+    if schedule.sends_forward(s):
+        buffers.produce(index, "act_out", key)
+    elif s + 1 < schedule.num_stages:
+        buffers.produce(index, "act_in", (s + 1, key[1]))
+    buffers.use(index, "act_in", key)
+
+
+def _liveness_backward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
+    """B produces its grad_in (sent) or the previous stage's grad_out (a local hand-off);
+    then reads its act_in, stash and grad_out (none on the last stage: the loss is there)."""
+    schedule, s = buffers.schedule, key[0]
+    if schedule.sends_backward(s):
+        buffers.produce(index, "grad_in", key)
+    elif s > 0:
+        buffers.produce(index, "grad_out", (s - 1, key[1]))
+    buffers.use(index, "act_in", key)
+    buffers.use(index, "stash", key)
+    if s + 1 < schedule.num_stages:
+        buffers.use(index, "grad_out", key)
+
+
+_LIVENESS_STEPS = {
+    Op.F: _liveness_forward,
+    Op.B: _liveness_backward,
+    Op.W: lambda buffers, index, i, key: buffers.use(index, "stash", key),
+    Op.RECV_F: lambda buffers, index, i, key: buffers.produce(index, "act_in", key),
+    Op.RECV_B: lambda buffers, index, i, key: buffers.produce(index, "grad_out", key),
+    Op.SEND_F: lambda buffers, index, i, key: buffers.use(index, "act_out", key, unknown="early"),
+    Op.SEND_B: lambda buffers, index, i, key: buffers.use(index, "grad_in", key, unknown="early"),
+    Op.FREE: _RankBuffers.release,
+    Op.OFFLOAD: _RankBuffers.offload,
+    Op.RELOAD: _RankBuffers.reload,
+}
 
 
 # -- rule 6: caps ----------------------------------------------------------------------
