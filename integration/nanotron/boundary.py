@@ -42,7 +42,7 @@ class Entry:
         numel = 1
         for n in self.shape:
             numel *= n
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Layout:
             )
         floating = [t.dtype for t in tensors if t.is_floating_point()]
         dtype = next(iter(grad_dtypes)) if grad_dtypes else (floating[0] if floating else torch.uint8)
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         entries, offset = [], 0
         for t in tensors:
             if t.requires_grad:
@@ -77,13 +77,19 @@ class Layout:
             offset += length
         return Layout(dtype, tuple(entries))
 
+    def matches(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether `tensors` have this layout (`Layout.of(tensors) == self`, without building one)."""
+        return len(tensors) == len(self.entries) and all(
+            t.dtype == e.dtype and t.requires_grad == e.requires_grad and tuple(t.shape) == e.shape
+            for t, e in zip(tensors, self.entries))
+
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        if Layout.of(tensors) != self:
+        if not self.matches(tensors):
             raise EngineRuntimeError(
                 f"this microbatch's boundary tensors {Layout.of(tensors).describe()} differ from the first "
                 f"microbatch's {self.describe()}; every microbatch must send the same shapes"
             )
-        size = torch.empty((), dtype=self.dtype).element_size()
+        size = self.dtype.itemsize
         parts = []
         for t, e in zip(tensors, self.entries):
             if e.requires_grad:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import signal
 import sys
 import time
 import traceback
@@ -206,6 +207,7 @@ def _refuse_dataset(config):
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "?")
+    _say_when_stopped(rank)
     try:
         run(args.config_file, backend=args.backend, record=args.record, weights=args.record_weights)
     except PipescheduleError as err:
@@ -215,6 +217,21 @@ def main(argv=None) -> int:
         print(f"integration.nanotron.train rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         _abort(1)
     return 0
+
+
+def _say_when_stopped(rank: str) -> None:
+    """When one rank fails, torchrun ends the others with SIGTERM (or SIGINT on Ctrl-C);
+    each says so in one line instead of vanishing. A rank blocked inside a C++ collective
+    runs this only once the call returns; torchrun's SIGKILL follows after its grace period."""
+
+    def stopped(signum, frame):  # noqa: ARG001
+        print(f"integration.nanotron.train rank {rank}: stopped by {signal.Signals(signum).name} "
+              "(torchrun ends every rank when one fails; the failing rank printed why)",
+              file=sys.stderr, flush=True)
+        _abort(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stopped)
 
 
 def _abort(code: int) -> None:

@@ -194,13 +194,20 @@ def _needed_per_microbatch(schedule: Schedule, stages) -> int:
 # -- rule 3: matching ------------------------------------------------------------------
 
 
+
 def _communication(schedule: Schedule):
     """One walk over the programs for rules 3 and 4: per (src, dst), the sends in src's
-    order and the receives in dst's order, each as (tensor, step, batch), a tensor named
-    by its receiving instruction (RECV_x, stage, mb) and batch being the index of its
-    step's batch; and the batches, every maximal run of communication instructions as
-    (rank, start, end), with per rank its batches in program order. `verify` finds this
-    once and hands it to rules 3 and 4 (nothing is kept on the schedule)."""
+    order and the receives in dst's order, each as (tensor, step, batch), batch being the
+    index of its step's batch; and the batches, every maximal run of communication
+    instructions as (rank, start, end), with per rank its batches in program order.
+    `verify` finds this once and hands it to rules 3 and 4 (nothing is kept on the
+    schedule).
+
+    [Note: tensor ints] A tensor is named by the receive that takes it, RECV_F or RECV_B
+    of (stage, mb), as one int: (stage * m + mb) * 2, plus 1 for a gradient. One int per
+    message rather than a tuple: the tables hold one per send and per receive (260k at
+    pp=64, v=2, m=512), and making then freeing tuples of them cost 0.05 s of verify."""
+    m = schedule.microbatches
     sends, recvs = {}, {}
     batches: list[tuple[int, int, int]] = []
     rank_batches: list[list[int]] = []
@@ -227,14 +234,14 @@ def _communication(schedule: Schedule):
                 if entries is None:
                     entries = to_peer[i.peer] = []
                 if op is SEND_F:
-                    entries.append(((RECV_F, i.stage + 1, i.mb), index, batch))
+                    entries.append(((((i.stage + 1) * m + i.mb) << 1), index, batch))  # [Note: tensor ints]
                 else:
-                    entries.append(((RECV_B, i.stage - 1, i.mb), index, batch))
+                    entries.append(((((i.stage - 1) * m + i.mb) << 1 | 1), index, batch))
             else:
                 entries = from_peer.get(i.peer)
                 if entries is None:
                     entries = from_peer[i.peer] = []
-                entries.append(((op, i.stage, i.mb), index, batch))
+                entries.append((((i.stage * m + i.mb) << 1 | (op is RECV_B)), index, batch))
         if run_end >= 0:
             batches.append((rank, run_start, run_end))
         rank_batches.append(mine)
@@ -250,11 +257,14 @@ def check_matching(schedule: Schedule, communication=None) -> None:
     from a carry the same tensor (NCCL matches by order alone). `communication`:
     `_communication(schedule)` where the caller has it already."""
     sends, recvs, _, _ = communication or _communication(schedule)
+    m = schedule.microbatches
     for src, dst in sorted(set(sends) | set(recvs)):
         out, into = sends.get((src, dst), []), recvs.get((src, dst), [])
         for k, ((sent, s_index, _), (wanted, r_index, _)) in enumerate(zip(out, into)):
             if sent != wanted:
-                name = lambda t: f"{'activation' if t[0] is Op.RECV_F else 'gradient'} for (stage {t[1]}, mb {t[2]})"
+                def name(tensor):
+                    stage, mb = divmod(tensor >> 1, m)
+                    return f"{'gradient' if tensor & 1 else 'activation'} for (stage {stage}, mb {mb})"
                 raise _fail(schedule, "matching", dst, r_index, f"receive #{k} from rank {src} expects the {name(wanted)}, but rank {src}'s send #{k} (step {s_index}) carries the {name(sent)}")
         if len(out) != len(into):
             rank, index = (src, out[len(into)][1]) if len(out) > len(into) else (dst, into[len(out)][1])
@@ -674,7 +684,7 @@ def _passes_walked_rules(schedule: Schedule):
                     entries = to_peer.get(peer)
                     if entries is None:
                         entries = to_peer[peer] = []
-                    entries.append(((RECV_F, s + 1, mb), index, batch))
+                    entries.append(((((s + 1) * m + mb) << 1), index, batch))  # [Note: tensor ints]
                 elif op is SEND_B:
                     if key in sent_b:
                         return None
@@ -685,7 +695,7 @@ def _passes_walked_rules(schedule: Schedule):
                     entries = to_peer.get(peer)
                     if entries is None:
                         entries = to_peer[peer] = []
-                    entries.append(((RECV_B, s - 1, mb), index, batch))
+                    entries.append(((((s - 1) * m + mb) << 1 | 1), index, batch))
                 else:
                     if op is RECV_F:
                         if key in act_in:  # second RECV_F
@@ -698,7 +708,7 @@ def _passes_walked_rules(schedule: Schedule):
                     entries = from_peer.get(peer)
                     if entries is None:
                         entries = from_peer[peer] = []
-                    entries.append(((op, s, mb), index, batch))
+                    entries.append((((s * m + mb) << 1 | (op is RECV_B)), index, batch))
         if run_end >= 0:
             batches.append((rank, run_start, run_end))
         rank_batches.append(mine)

@@ -123,12 +123,12 @@ def load_model(path: str) -> ModelSpec:
     try:
         with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is skipped
             text = handle.read()
-    except (OSError, UnicodeDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: NUL in the path
         raise FormatError(f"cannot read model file {path}: {err}") from None
     if text.lstrip().startswith("{"):
         try:
             obj = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as err:
+        except (ValueError, RecursionError) as err:  # ValueError: also ints over 4300 digits
             raise FormatError(f"model file {path} is not valid JSON: {err}") from None
     else:
         obj = parse_yaml(text, source=path)
@@ -140,8 +140,9 @@ def load_model(path: str) -> ModelSpec:
 
 
 def parse_scalar(text: str) -> Any:
-    """A YAML scalar: null, booleans, ints (with _ or e-notation that is integral),
-    floats, quoted or plain strings, and `[a, b]` inline lists of scalars."""
+    """A YAML scalar: null, booleans, ints (with _ or e-notation that is integral, as
+    YAML 1.1 reads them; ASCII digits only), floats, quoted or plain strings, and
+    `[a, b]` inline lists of scalars."""
     text = text.strip()
     if text in ("", "~", "null", "Null", "NULL"):
         return None
@@ -160,9 +161,11 @@ def parse_scalar(text: str) -> Any:
         except json.JSONDecodeError:
             return text
     plain = text.replace("_", "")
-    if re.fullmatch(r"[+-]?\d+", plain):
+    if len(plain) > 40:  # no number a model needs; int() of thousands of digits raises
+        return text
+    if re.fullmatch(r"[+-]?[0-9]+", plain):  # not \d, which takes every script's digits
         return int(plain)
-    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", plain):
+    if re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", plain):
         value = float(plain)
         return int(value) if value.is_integer() and "e" in plain.lower() and "." not in plain else value
     return text

@@ -216,8 +216,8 @@ class HostStagedTransport(DistTransport):
 
     def post(self, ops: list[P2P]) -> Pending:
         staged = [replace(op, tensor=self._host(op.tensor, copy=op.send)) for op in ops]
-        if any(op.tensor.is_cuda for op in ops):
-            torch.cuda.current_stream().synchronize()  # the host copies must land before gloo reads them
+        if any(op.send and op.tensor.is_cuda for op in ops):
+            torch.cuda.current_stream().synchronize()  # the host copies of sends must land before gloo reads them
         copies = [(op.tensor, host.tensor) for op, host in zip(ops, staged) if not op.send]
         return _CopyBack(super().post(staged), copies)
 

@@ -173,7 +173,7 @@ def load_cost(path: str, schedule: Schedule) -> CostModel:
     try:
         with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is skipped
             obj = json.load(handle)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON or UTF-8, ints over 4300 digits
         raise FormatError(f"cannot read cost model {path}: {err}") from None
     return CostModel.from_dict(obj, schedule)
 

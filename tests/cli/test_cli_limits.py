@@ -52,6 +52,10 @@ def files(tmp_path):
     model = ("model:\n  num_hidden_layers: {layers}\n  hidden_size: 8192\n  num_attention_heads: 64\n"
              "  num_key_value_heads: 8\n  intermediate_size: 28672\n  vocab_size: 128256\n")
     (tmp_path / "huge.yaml").write_text(model.format(layers=28672))
+    (tmp_path / "digits.yaml").write_text(model.format(layers="８０"))
+    (tmp_path / "long.yaml").write_text(model.format(layers="9" * 5000))
+    (tmp_path / "long.json").write_text('{"num_hidden_layers": ' + "9" * 5000 + "}")
+    (tmp_path / "longcost.json").write_text('{"forward": ' + "9" * 5000 + "}")
     (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbf" + model.format(layers=80).encode())
     schedule = compile_schedule("1f1b", pp=2, microbatches=2)
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + schedule.to_json().encode())
@@ -100,6 +104,10 @@ LIMIT = "at most 262144 are accepted"
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--offload", "fraction=１"], ["fraction='１'", "not a number"]),
     (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "8", "--seq", "1_0"], ["--seq", "'1_0'"]),
     (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "8", "--mfu", "０.5"], ["--mfu", "'０.5'"]),
+    (["plan", "--model-file", "digits.yaml", "--pp", "4", "--microbatches", "8"], ["model layers", "'８０'"]),
+    (["plan", "--model-file", "long.yaml", "--pp", "4", "--microbatches", "8"], ["model layers", "..."]),
+    (["plan", "--model-file", "long.json", "--pp", "4", "--microbatches", "8"], ["long.json", "4300 digits"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--cost", "longcost.json"], ["longcost.json", "4300 digits"]),
     (["verify", "far_mb.csv"], ["1 * 1 * 1000000000000", LIMIT]),
     (["verify", "far_stage.csv"], ["1000000000000", "at most 262144"]),
     (["verify", "big.json"], ["2 * 1 * 1000000000", LIMIT]),

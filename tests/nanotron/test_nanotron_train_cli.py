@@ -50,6 +50,23 @@ def test_bad_pp_engine_stops_every_rank_with_one_line(tmp_path, engine, expected
     result = launch(tmp_path, engine, timeout=120)
     assert result.returncode != 0
     lines = our_lines(result)
+    # one line per rank: the refusal, or (where torchrun ended a rank before it got there) that it was stopped
     assert sorted(line.split(":")[0] for line in lines) == [f"integration.nanotron.train rank {r}" for r in (0, 1)]
-    assert all(expected in line for line in lines), lines
+    refusals = [line for line in lines if expected in line]
+    assert refusals, lines
+    assert all(line in refusals or "stopped by SIGTERM" in line for line in lines), lines
     assert "Traceback" not in "\n".join(lines)
+
+
+def test_a_rank_ended_by_torchrun_says_so_in_one_line():
+    """torchrun ends the other ranks with SIGTERM when one fails: each still leaves a line."""
+    code = ("import os, signal\n"
+            "from integration.nanotron.train import _say_when_stopped\n"
+            "_say_when_stopped('3')\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "signal.pause()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 128 + 15, result.stderr[-2000:]
+    assert our_lines(result) == [
+        "integration.nanotron.train rank 3: stopped by SIGTERM "
+        "(torchrun ends every rank when one fails; the failing rank printed why)"]
