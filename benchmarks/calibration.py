@@ -57,7 +57,7 @@ def _block_times(module, make_input, forward, device, repeats: int) -> dict:
                 continue
             grad = torch.ones_like(out) if out.dim() else None
             sync(device)
-            samples.append(_elapsed_ms(lambda: out.backward(grad), device))
+            samples.append(_elapsed_ms(lambda out=out, grad=grad: out.backward(grad), device))
         times[key] = statistics.median(samples[2:])
     for p in params:
         p.requires_grad_(True)

@@ -23,7 +23,6 @@ import datetime
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn

@@ -21,14 +21,11 @@ fails (out of memory, say) loses only itself and the cases after it.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time

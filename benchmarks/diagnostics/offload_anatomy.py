@@ -100,7 +100,7 @@ def worker(rank: int, world: int, store, cfg, fractions: list[float]) -> list[di
             times = []
             original = executor._ran
 
-            def ran(pc, instr, original=original):
+            def ran(pc, instr, original=original, times=times):
                 original(pc, instr)
                 times.append((pc, str(instr), time.perf_counter(), torch.cuda.memory_allocated(device)))
 

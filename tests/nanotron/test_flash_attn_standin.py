@@ -288,6 +288,7 @@ def test_kvcache_appends_and_attends_bottom_right():
         assert torch.equal(v_cache[b, length:length + 2], v_new[b])
         untouched = [p for p in range(cache_len) if not length <= p < length + 2]
         assert torch.equal(k_cache[b, untouched], before_k[b, untouched])
+        assert torch.equal(v_cache[b, untouched], before_v[b, untouched])
         used = length + 2
         expected = reference_attention(q[b], k_cache[b, :used], v_cache[b, :used],
                                        torch.tensor([0, 2], dtype=torch.int32),

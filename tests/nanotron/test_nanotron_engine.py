@@ -16,7 +16,7 @@ import yaml
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
 from integration.nanotron.engine import PipescheduleEngine, build_engine
-from integration.nanotron.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.engine_spec import EngineSpec
 from benchmarks.llama.reference import Job, Run, run_nanotron
 from benchmarks.llama.model import ModelConfig
 from integration.nanotron.stash import microbatches_worth

@@ -520,7 +520,7 @@ def test_streamed_chunks_nobody_unpacks_return_their_host_buffers():
     pipeline = InProcessPipeline(with_offload(plain, lead=1, ranks=(0,)), ModuleStages(got_modules, loss_fn),
                                  offload_chunk=1, reload_window=1)
     allocations = []
-    for step in range(3):
+    for _ in range(3):
         for m in got_modules:
             m.zero_grad(set_to_none=True)
         pipeline.step(*make_data(2, 4))
