@@ -75,7 +75,8 @@ def run_calibration(cfg: ModelConfig, device, dtype, repeats: int, microbatch_si
     hidden = torch.randn(microbatch_size, cfg.seq, cfg.hidden, device=device, dtype=dtype)
     layer = DecoderLayer(cfg, 1).to(device=device, dtype=dtype)
     embedding = TokenEmbedding(cfg, 0).to(device=device, dtype=dtype)
-    norm, head, loss = FinalNorm(cfg, 2).to(device=device, dtype=dtype), LMHead(cfg, 3).to(device=device, dtype=dtype), Loss(cfg, 4)
+    norm, head, loss = (FinalNorm(cfg, 2).to(device=device, dtype=dtype), LMHead(cfg, 3).to(device=device, dtype=dtype),
+                        Loss(cfg, 4))
     tail = torch.nn.ModuleList([norm, head])
 
     def hidden_input(grad: bool):

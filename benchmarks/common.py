@@ -116,6 +116,6 @@ def write_results(stem: str, report: dict, markdown: str | None = None, out: Pat
 
 
 __all__ = [
-    "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER", "cpu_model", "git_commit", "machine",
-    "torch_version", "versions", "write_results",
+    "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER", "cpu_model", "git_commit",
+    "machine", "torch_version", "versions", "write_results",
 ]

@@ -153,10 +153,10 @@ def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds
 def render(report: dict) -> str:
     lines = [f"# pipeschedule's engines against nanotron's, side by side ({report['versions']['date']})", "",
              "`python -m benchmarks.engine_vs_nanotron`: nanotron's `DistributedTrainer.training_step` (engine, "
-             "gradient sync, clipping, AdamW) on nanotron's `LlamaForTraining` (hidden 2048, 16 layers, seq 4096, bf16, "
-             f"fp32 accumulation), pp={report['pp']} as four ranks on one GPU, the two engines alternating on the same "
-             f"model: {report['warmup']} warm-up rounds, then {report['rounds']} measured rounds (A B, then B A). "
-             "Paired: 1 + median over rounds of (ours - theirs) / theirs.", "",
+             "gradient sync, clipping, AdamW) on nanotron's `LlamaForTraining` (hidden 2048, 16 layers, seq 4096, "
+             f"bf16, fp32 accumulation), pp={report['pp']} as four ranks on one GPU, the two engines alternating "
+             f"on the same model: {report['warmup']} warm-up rounds, then {report['rounds']} measured rounds "
+             "(A B, then B A). Paired: 1 + median over rounds of (ours - theirs) / theirs.", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
              "| size | m | nanotron | ours | nanotron median | ours median | ratio of medians | paired ratio "
              "| rounds ours faster | executor's own host time (rank 0) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -181,7 +181,8 @@ def main(argv=None) -> int:
         config_path, out_path, ms, warmup, rounds = argv[1:6]
         _rank_main(config_path, out_path, [int(m) for m in ms.split(",")], int(warmup), int(rounds))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_vs_nanotron", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_vs_nanotron",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--rounds", type=int, default=ROUNDS)

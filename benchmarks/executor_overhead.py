@@ -133,7 +133,8 @@ def markdown(result) -> str:
     lines = [
         "# Executor overhead", "",
         f"Date: {meta['date']}  ",
-        f"Machine: {meta['machine']['cpu_model']}, {meta['machine']['cpu_count']} CPUs, {meta['machine']['platform']}  ",
+        f"Machine: {meta['machine']['cpu_model']}, {meta['machine']['cpu_count']} CPUs, "
+        f"{meta['machine']['platform']}  ",
         f"Python {meta['machine']['python']}, torch {meta['machine']['torch']}; "
         f"1-minute load average at the end: {meta['machine']['load_average_1m_at_end']}  ",
         f"Commit: {meta['commit']}  ",
@@ -151,10 +152,12 @@ def markdown(result) -> str:
             return "-" if value is None else f"{value:.2f}"
         lines.append(
             f"| {row['transport']} | {row['family']} pp={row['pp']} m={row['microbatches']} v={row['virtual']} "
-            f"| {row['instructions_per_step']} | {us(row['overhead_us'])} | {us(row['transport_us'])} | {us(row['wait_us'])} |"
+            f"| {row['instructions_per_step']} | {us(row['overhead_us'])} | {us(row['transport_us'])} "
+            f"| {us(row['wait_us'])} |"
         )
     worst = max(row["overhead_us"] for row in result["rows"])
-    lines += ["", f"Worst overhead: {worst:.2f} us per instruction ({'meets' if worst <= TARGET_US else 'misses'} the target)."]
+    lines += ["", f"Worst overhead: {worst:.2f} us per instruction "
+                  f"({'meets' if worst <= TARGET_US else 'misses'} the target)."]
     return "\n".join(lines) + "\n"
 
 

@@ -147,7 +147,8 @@ def plot_release(curves: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, max(1, len(curves)), figsize=(7 * max(1, len(curves)), 4.5), squeeze=False)
     for ax, (label, ranks) in zip(axes[0], curves.items()):
         for rank, curve in enumerate(ranks):
-            for key, style in (("measured", {"linewidth": 3, "alpha": 0.45}), ("simulated", {"linestyle": "--", "linewidth": 1})):
+            for key, style in (("measured", {"linewidth": 3, "alpha": 0.45}),
+                               ("simulated", {"linestyle": "--", "linewidth": 1})):
                 xs, ys = zip(*curve[key])
                 ax.plot(xs, [y / 2**30 for y in ys], drawstyle="steps-post", color=f"C{rank}",
                         label=f"rank {rank} {key}" if key == "measured" or rank == 0 else None, **style)
@@ -250,9 +251,10 @@ def render(report: dict, out_dir: Path | None) -> str:
         lines += overhead_lines(results)
     calibration = report.get("calibration_ms")
     if calibration is not None:
-        lines += ["## Calibration (ms per block, median of 20)", "", "| block | forward | backward | input-only backward "
-                  "| weight |", "|---|---|---|---|---|"]
-        lines += [f"| {name} | {t['forward']:.3f} | {t['backward']:.3f} | {t['backward_input']:.3f} | {t['weight']:.3f} |"
+        lines += ["## Calibration (ms per block, median of 20)", "",
+                  "| block | forward | backward | input-only backward | weight |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {t['forward']:.3f} | {t['backward']:.3f} | {t['backward_input']:.3f} "
+                  f"| {t['weight']:.3f} |"
                   for name, t in calibration.items()]
         lines.append("")
     if calibration is not None and rows:
@@ -322,8 +324,8 @@ def main(argv=None) -> int:
         if not args.smoke and not torch.cuda.is_available():
             print("benchmarks.gpu: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
             return 2
-        report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip, commit=args.commit,
-                         split=args.split_backward)
+        report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip,
+                         commit=args.commit, split=args.split_backward)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         if args.render is None:

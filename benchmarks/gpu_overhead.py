@@ -69,7 +69,8 @@ def compute_order(schedule) -> list[tuple[str, int, int]]:
     next one needs a result not yet computed (F(s, mb) needs F(s-1, mb); B(s, mb) needs
     F(s, mb) and B(s+1, mb)). Every F and B appears once, each rank's in program order."""
     if schedule.split_backward:
-        raise ValueError(f"compute_order: {schedule.name} splits the backward (W); only F and B schedules are timed here")
+        raise ValueError(f"compute_order: {schedule.name} splits the backward (W); "
+                         "only F and B schedules are timed here")
     last = schedule.num_stages - 1
     programs = [[(i.op.value, i.stage, i.mb) for i in program if i.op in (Op.F, Op.B)] for program in schedule.programs]
     done: set[tuple[str, int, int]] = set()

@@ -119,7 +119,8 @@ def evaluate(saved: dict, m: int) -> list[dict]:
                              "peak_stash": list(result.peak_bytes)})
     ones = [r for r in rows if r["family"] == "1f1b"]
     fastest = min(r["step_ms"] for r in ones)
-    base = min((r for r in ones if r["step_ms"] <= fastest * (1 + REFERENCE_TIE)), key=lambda r: (r["rank0_stash"], r["step_ms"]))
+    base = min((r for r in ones if r["step_ms"] <= fastest * (1 + REFERENCE_TIE)),
+               key=lambda r: (r["rank0_stash"], r["step_ms"]))
     even = next(r for r in ones if len(set(r["split"])) == 1)
     for r in rows:
         r["memory_vs_1f1b"] = r["rank0_stash"] / base["rank0_stash"]

@@ -101,7 +101,8 @@ def report(cfg, rows: list[dict], skipped: list[dict], sims: dict, meta: dict) -
     for row in rows:
         sim = sims.get(Case(**row["case"]))
         if sim is not None:
-            sim_errors.append(abs(tokens_per_s_per_gpu(cfg, row) - sim["tokens_per_s_per_gpu"]) / sim["tokens_per_s_per_gpu"])
+            sim_errors.append(abs(tokens_per_s_per_gpu(cfg, row) - sim["tokens_per_s_per_gpu"])
+                              / sim["tokens_per_s_per_gpu"])
     if sim_errors:
         checks["simulator_within_5pct"] = {"worst": max(sim_errors), "ok": max(sim_errors) <= SIM_TOLERANCE}
     table, checks["memory_model_within_5pct"] = training.memory_table(rows)
@@ -157,7 +158,8 @@ def write_predictions(calibration_path: Path, out_dir: Path) -> int:
              "nanotron's split, the p2p link assumed (0.02 ms, 100 GB/s). nanotron's own engines run the same "
              "schedules as ps_1f1b / ps_afab here; their blocking metadata exchanges are not modelled.", "",
              "| engine | m | step ms | bubble | tokens/s/GPU |", "|---|---|---|---|---|"]
-    lines += [f"| {c.label} | {c.microbatches} | {s['step_ms']:.1f} | {s['bubble']:.3f} | {s['tokens_per_s_per_gpu']:.0f} |"
+    lines += [f"| {c.label} | {c.microbatches} | {s['step_ms']:.1f} | {s['bubble']:.3f} "
+              f"| {s['tokens_per_s_per_gpu']:.0f} |"
               for c, s in sims.items()]
     text = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -266,8 +266,10 @@ def predictions(cfg, calibration: dict, fractions_rows: list[list[dict]], m: int
     out = []
     for row in fractions_rows:
         f, chunk = row[0]["fraction"], row[0].get("chunk")
-        choice = module.evaluate_offload(base, model, module.OffloadPolicy(fraction=f, ranks=(0,), lead=LEAD, chunk=chunk))
-        out.append({"fraction": f, "chunk": chunk, "peak_before": choice.peak_before[0], "peak_after": choice.peak_after[0],
+        choice = module.evaluate_offload(base, model,
+                                         module.OffloadPolicy(fraction=f, ranks=(0,), lead=LEAD, chunk=chunk))
+        out.append({"fraction": f, "chunk": chunk, "peak_before": choice.peak_before[0],
+                    "peak_after": choice.peak_after[0],
                     "predicted_fall": choice.peak_before[0] - choice.peak_after[0], "slowdown": choice.slowdown,
                     "step_ms": choice.step_time, "base_step_ms": choice.base_step_time})
     return out
@@ -333,10 +335,11 @@ def render(report: dict, out_dir: Path | None) -> str:
         base = fractions[0][0]
         lines += [f"## Stage 0 offloading a fraction of its stashes (1f1b, m={m}, lead {report['lead']})", ""]
         if predicted is None:
-            lines += ["The simulator's predictions are left out: `pipeschedule.compiler.offload.evaluate_offload` is missing.", ""]
+            lines += ["The simulator's predictions are left out: "
+                      "`pipeschedule.compiler.offload.evaluate_offload` is missing.", ""]
         lines += ["stream: whole stashes, or streamed in chunks of that many MiB ([Note: streamed offload]).", ""]
-        head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB | step s | "
-                "slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
+        head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB "
+                "| step s | slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for k, row in enumerate(fractions):
             r0 = row[0]
@@ -344,7 +347,8 @@ def render(report: dict, out_dir: Path | None) -> str:
             chunk = r0.get("chunk")
             line = (f"| {r0['fraction']:.2f} | {'whole' if chunk is None else f'{chunk / 2**20:g}'} | "
                     f"{_mb(r0['peak_allocated'])} | {_mb(fall)} | {_mb(r0['ledger_stash_peak'])} | "
-                    f"{_mb(r0['ledger_host_peak'])} | {r0['seconds']:.3f} | {r0['seconds'] / base['seconds'] - 1:+.1%} |")
+                    f"{_mb(r0['ledger_host_peak'])} | {r0['seconds']:.3f} "
+                    f"| {r0['seconds'] / base['seconds'] - 1:+.1%} |")
             if predicted:
                 p = predicted[k]
                 line += f" {_mb(p['predicted_fall'])} | {p['slowdown']:+.1%} |"
@@ -375,7 +379,8 @@ def render(report: dict, out_dir: Path | None) -> str:
     engine_rows = report.get("engine", [])
     if engine_rows:
         base = engine_rows[0]["ranks"][0]
-        lines += [f"## Offload chosen in `pp_engine`, through nanotron's engine interface (1f1b, m={engine_rows[0]['m']})",
+        lines += [f"## Offload chosen in `pp_engine`, through nanotron's engine interface "
+                  f"(1f1b, m={engine_rows[0]['m']})",
                   "", "Stage 0 (rank 0) offloads; an AdamW step follows each step.", "",
                   "| pp_engine | stage 0 peak allocated MiB | fall MiB | step s | slowdown |", "|---|---|---|---|---|"]
         for row in engine_rows:
@@ -431,7 +436,8 @@ def main(argv=None) -> int:
         print("benchmarks.offload: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
         return 2
     out_dir = args.out if args.out is not None else (None if args.smoke else RESULTS)
-    report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip, commit=args.commit)
+    report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip,
+                     commit=args.commit)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "offload.json").write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -59,8 +59,9 @@ def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.world), "--master-port", str(port),
-               "-m", "integration.nanotron.train", "--config-file", str(path), "--record", str(record)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.world),
+               "--master-port", str(port), "-m", "integration.nanotron.train", "--config-file", str(path),
+               "--record", str(record)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if result.returncode != 0:
@@ -120,14 +121,15 @@ def render(report: dict) -> str:
         f"({report['versions']['date']})", "",
         "`python -m benchmarks.trainer`: nanotron's `DistributedTrainer` on its own `LlamaForTraining` "
         f"(hidden {report['model']['hidden']}, {report['model']['layers']} layers, seq {report['model']['seq']}, "
-        f"micro-batch {report['model']['micro_batch_size']}, bf16, fp32 gradient accumulation, AdamW), pp={report['pp']} "
-        f"as four ranks on one GPU (gloo, boundaries staged through host memory), m={report['microbatches']}, "
-        f"{report['steps']} steps per run, the first {report['warmup']} not measured, {report['rounds']} round(s) "
-        "over the engines in turn. Each run is `torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file CONFIG`, "
+        f"micro-batch {report['model']['micro_batch_size']}, bf16, fp32 gradient accumulation, AdamW), "
+        f"pp={report['pp']} as four ranks on one GPU (gloo, boundaries staged through host memory), "
+        f"m={report['microbatches']}, {report['steps']} steps per run, the first {report['warmup']} not measured, "
+        f"{report['rounds']} round(s) over the engines in turn. Each run is "
+        "`torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file CONFIG`, "
         "the engine chosen by `pp_engine` alone; every run starts from the same saved weights.", "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
-        f"| pp_engine | step time (median) | vs {reference} | peak allocated per stage (GiB) | peak reserved per stage (GiB) "
-        "| ledger stash peak per stage (MiB) |",
+        f"| pp_engine | step time (median) | vs {reference} | peak allocated per stage (GiB) "
+        "| peak reserved per stage (GiB) | ledger stash peak per stage (MiB) |",
         "|---|---|---|---|---|---|",
     ]
     for engine, row in report["engines"].items():
@@ -141,7 +143,8 @@ def render(report: dict) -> str:
               "give bitwise equal losses and weights (tests/test_nanotron_trainer.py); on the GPU nondeterministic "
               "kernels (atomic adds in backward) make any two runs drift, the same engine's included: compare "
               "the engines' gaps with that of a repeated run.", "",
-              "| pp_engine | " + " | ".join(f"step {i + 1}" for i in range(len(ref["losses"][0]))) + f" | max |Δ| vs {reference} (any round) |",
+              "| pp_engine | " + " | ".join(f"step {i + 1}" for i in range(len(ref["losses"][0])))
+              + f" | max |Δ| vs {reference} (any round) |",
               "|---|" + "---|" * (len(ref["losses"][0]) + 1)]
     for engine, row in report["engines"].items():
         gaps = [abs(a - b) for rnd in row["losses"] for a, b in zip(rnd, ref["losses"][0])]

@@ -338,7 +338,8 @@ def worst_term(rank: dict, prediction: dict) -> str:
         if name in measured:
             p = sum(float(prediction.get(k, 0.0)) for k in keys)
             if abs(p - measured[name]) > gap:
-                worst, gap = f"{name}: measured {gib(measured[name])} GiB, predicted {gib(p)} GiB", abs(p - measured[name])
+                worst, gap = (f"{name}: measured {gib(measured[name])} GiB, predicted {gib(p)} GiB",
+                              abs(p - measured[name]))
     return worst
 
 

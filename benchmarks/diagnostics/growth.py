@@ -93,7 +93,8 @@ def render(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.diagnostics.growth", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.diagnostics.growth",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
     parser.add_argument("--commit", help="commit to record")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
         return 2
     report = measure(smoke=args.smoke, commit=args.commit, engines=tuple(args.engines.split(",")), seq=args.seq)
     text = render(report) if not args.smoke else json.dumps(
-        [{"engine": r["engine"], "m": r["m"], "ledger": [x["ledger_stash"] for x in r["ranks"]]} for r in report["rows"]])
+        [{"engine": r["engine"], "m": r["m"], "ledger": [x["ledger_stash"] for x in r["ranks"]]}
+         for r in report["rows"]])
     if not args.smoke:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "growth.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -125,7 +125,8 @@ def worker(rank: int, world: int, store, cfg, fractions: list[float]) -> list[di
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.diagnostics.offload_anatomy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.diagnostics.offload_anatomy",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--fractions", default="0,0.25", help="comma-separated offload fractions of rank 0")
     parser.add_argument("--out", type=Path, default=None, help="write offload_anatomy.json here")
     parser.add_argument("--smoke", action="store_true", help="tiny model (still needs a GPU)")

@@ -183,7 +183,8 @@ def stage_stash(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: b
                                     attention_lse_pad=attention_lse_pad, attention_rng_bytes=attention_rng_bytes)
         out[f"decoder layer {i}"] = sum(layer.values())
     if last:
-        out["final norm + LM head + loss"] = sum(head_stash(model, setup, input_received=not first and layers == 0).values())
+        out["final norm + LM head + loss"] = sum(
+            head_stash(model, setup, input_received=not first and layers == 0).values())
     return out
 
 
@@ -229,9 +230,11 @@ def llama_footprints(model: ModelSpec, setup: TrainingSetup, split: Sequence[int
     packed boundary sent (0 on the last stage)."""
     setup.check_model(model)
     if sum(split) != model.layers:
-        raise ParameterError(f"split {list(split)} sums to {sum(split)}, but the model has {model.layers} decoder layers")
+        raise ParameterError(
+            f"split {list(split)} sums to {sum(split)}, but the model has {model.layers} decoder layers")
     last = len(split) - 1
-    sent = [0 if s == last else packed_boundary_bytes(model, setup, with_mask=split[s + 1] > 0) for s in range(len(split))]
+    sent = [0 if s == last else packed_boundary_bytes(model, setup, with_mask=split[s + 1] > 0)
+            for s in range(len(split))]
     out = []
     for s, layers in enumerate(split):
         params = stage_params(model, layers, first=s == 0, last=s == last, tp=setup.tp)
@@ -247,7 +250,9 @@ def llama_footprints(model: ModelSpec, setup: TrainingSetup, split: Sequence[int
     return out
 
 
-def ledger_buffers(footprints: Sequence[StageFootprint]) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
+def ledger_buffers(
+    footprints: Sequence[StageFootprint]
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]]]:
     """(stash, p2p) buffer_bytes for the simulator, kind by kind as the ledger counts them
     ([Note: what the ledger counts] in pipeschedule/runtime/ledger.py)."""
     sent = tuple(fp.boundary for fp in footprints)
@@ -268,7 +273,8 @@ def predict_ranks(model: ModelSpec, setup: TrainingSetup, split: Sequence[int], 
     accumulation (the integration keeps gradients in `.grad`), param_bytes / act_bytes
     the dtype's, optimizer "adam" (AdamW in the param dtype) or "none"."""
     if len(split) != schedule.num_stages:
-        raise ParameterError(f"split {list(split)} has {len(split)} stages; schedule {schedule.name!r} has {schedule.num_stages}")
+        raise ParameterError(
+            f"split {list(split)} has {len(split)} stages; schedule {schedule.name!r} has {schedule.num_stages}")
     if setup.tp != 1 or setup.dp != 1 or setup.fp32_grad_accum:
         raise ParameterError(
             f"the integration Llama runs tp=1, dp=1 without fp32 gradient accumulation; got tp={setup.tp}, "

@@ -6,8 +6,8 @@
 Both return one dict per pp rank, term -> bytes, with the keys of
 `benchmarks.llama.memory.TERMS` (measure leaves out the working set, which needs an
 allocator's statistics; on CUDA it adds "allocator peak", torch.cuda.max_memory_allocated
-over the last step). `predict` is pure arithmetic
-([Note: what the integration Llama saves] in benchmarks/llama/memory.py) over the same model, split and lowered schedule;
+over the last step). `predict` is pure arithmetic ([Note: what the integration Llama saves] in
+benchmarks/llama/memory.py) over the same model, split and lowered schedule;
 `measure` runs real training steps through pipeschedule's nanotron engines in pp gloo
 processes (`pipeschedule.runtime.launch.spawn`) and reads:
 
@@ -61,7 +61,8 @@ from pipeschedule.compiler.ir import Schedule  # noqa: E402
 from pipeschedule.plan.memory import ModelSpec, TrainingSetup  # noqa: E402
 from pipeschedule.runtime.launch import spawn  # noqa: E402
 
-MEASURED_TERMS = tuple(t for t in TERMS if t not in ("working set (transient)", "step peak"))  # predicted only: CPU has no allocator peak
+# the working set and the step peak are predicted only: CPU has no allocator peak
+MEASURED_TERMS = tuple(t for t in TERMS if t not in ("working set (transient)", "step peak"))
 OPTIMIZERS = ("adamw", "none")
 P2P_KINDS = ("act_in", "act_out", "grad_out", "grad_in")
 
@@ -102,7 +103,8 @@ def engine_schedule(engine: str, *, pp: int, microbatches: int) -> Schedule:
     return build_engine(parse_engine(engine)).compile(pp=pp, microbatches=microbatches)
 
 
-def layers_per_stage(cfg: ModelConfig, pp: int, split: Sequence[int] | None, placement: Sequence[int] | None = None) -> tuple[int, ...]:
+def layers_per_stage(cfg: ModelConfig, pp: int, split: Sequence[int] | None,
+                     placement: Sequence[int] | None = None) -> tuple[int, ...]:
     """Decoder layers of each stage as the model is built (nanotron's split when None)."""
     ranks = llama_block_ranks(cfg, pp, split=split, placement=placement)
     counts: list[int] = []
@@ -156,7 +158,8 @@ def predict(cfg: ModelConfig, *, pp: int, split: Sequence[int] | None, schedule:
 
 def measure(cfg: ModelConfig, *, pp: int, engine: str, microbatches: int, microbatch_size: int,
             split: Sequence[int] | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-            optimizer: str = "adamw", steps: int = 2, data_seed: int = 1234, timeout: float = 120.0) -> list[dict[str, float]]:
+            optimizer: str = "adamw", steps: int = 2, data_seed: int = 1234,
+            timeout: float = 120.0) -> list[dict[str, float]]:
     """Measured bytes per rank, by term (module docstring): `steps` training steps of the
     integration Llama under the pipeschedule engine `engine` (a pp_engine value) in pp
     gloo processes. device "cpu" or "cuda" (rank r on GPU r % device_count; boundary
@@ -179,7 +182,8 @@ def measure_runs(cfg: ModelConfig, *, pp: int, runs: Sequence[ProbeRun], microba
     return [[per_rank[r][i] for r in range(pp)] for i in range(len(runs))]
 
 
-def _probe_worker(rank, world_size, store, cfg, runs, microbatch_size, dtype, device, optimizer, steps, data_seed) -> list:
+def _probe_worker(rank, world_size, store, cfg, runs, microbatch_size, dtype, device, optimizer, steps,
+                  data_seed) -> list:
     context = cpu_parallel_context(tp=1, pp=world_size, dp=1)
     p2p = cpu_p2p(context.pp_pg)
     where = torch.device("cpu")
@@ -201,7 +205,8 @@ def _probe_once(cfg, run: ProbeRun, context, p2p, microbatch_size, dtype, device
     placement = None
     if engine.virtual > 1:
         placement = engine.compile(pp=pp, microbatches=run.microbatches).placement
-    model = build_llama(cfg, p2p, llama_block_ranks(cfg, pp, split=split, placement=placement), device=device, dtype=dtype)
+    model = build_llama(cfg, p2p, llama_block_ranks(cfg, pp, split=split, placement=placement), device=device,
+                        dtype=dtype)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params) if optimizer == "adamw" and params else None
     m = run.microbatches
@@ -275,7 +280,8 @@ def _ledger_terms(ledger) -> dict[str, float]:
 # -- comparison ---------------------------------------------------------------------------
 
 
-def relative_errors(measured: Sequence[dict], predicted: Sequence[dict], terms: Sequence[str] = MEASURED_TERMS) -> list[dict[str, float]]:
+def relative_errors(measured: Sequence[dict], predicted: Sequence[dict],
+                    terms: Sequence[str] = MEASURED_TERMS) -> list[dict[str, float]]:
     """Per rank, term -> (predicted - measured) / measured (0 when both are 0, inf when only
     the measurement is 0)."""
     out = []
@@ -315,7 +321,8 @@ CALIBRATION_SPLIT_CASES = (  # split backward (B, then W): the stash shrinks at 
 CALIBRATION_MICROBATCH_SIZE = 2
 
 
-def summary_table(rows: Sequence[tuple[str, Sequence[dict], Sequence[dict]]], terms: Sequence[str] = MEASURED_TERMS) -> str:
+def summary_table(rows: Sequence[tuple[str, Sequence[dict], Sequence[dict]]],
+                  terms: Sequence[str] = MEASURED_TERMS) -> str:
     """Markdown, one line per (case, rank): "predicted / measured (error)" per term, in KiB.
     rows: (case label, measured per rank, predicted per rank)."""
     lines = ["| case | rank | " + " | ".join(terms) + " |", "|---|---:|" + "---:|" * len(terms)]
@@ -343,7 +350,8 @@ def calibration_rows(cases, dtype: torch.dtype = torch.float32) -> list[tuple[st
 
 def main() -> None:
     print(f"{CALIBRATION_MODEL}, micro-batch size {CALIBRATION_MICROBATCH_SIZE}, AdamW; KiB predicted / measured\n")
-    for name, cases, dtype in (("fp32", CALIBRATION_CASES, torch.float32), ("bf16", CALIBRATION_BF16_CASES, torch.bfloat16)):
+    for name, cases, dtype in (("fp32", CALIBRATION_CASES, torch.float32),
+                               ("bf16", CALIBRATION_BF16_CASES, torch.bfloat16)):
         print(f"{name} on CPU:\n\n" + summary_table(calibration_rows(cases, dtype)) + "\n")
 
 
