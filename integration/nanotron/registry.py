@@ -45,7 +45,8 @@ def _entry(family: Family) -> EngineEntry:
     """A family's engine name: its virtual stages (required where it takes any), its cap
     where it takes one, and a split of decoder layers for every family."""
     syntax = {"virtual": "virtual=V", "cap": "cap=N|N0/N1/...", "split": "split=A/B/..."}
-    own = [key for key, taken in (("virtual", family.takes_virtual), ("cap", family.takes_cap), ("split", True)) if taken]
+    own = [key for key, taken in (("virtual", family.takes_virtual), ("cap", family.takes_cap), ("split", True))
+           if taken]
     required = tuple(key for key in own if key == "virtual")
     optional = ",".join(syntax[key] for key in own if key not in required)
     if required:

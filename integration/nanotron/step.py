@@ -160,7 +160,8 @@ class ModelStages:
         schedule, rank = self.schedule, self.runner.rank
         micro_batch = self.micro_batch(mb)
         layout = self._layout(stage - 1) if stage > 0 else None
-        sender = None if stage == 0 else (-1 if schedule.placement[stage - 1] == rank else schedule.placement[stage - 1])
+        sender = None if stage == 0 else (-1 if schedule.placement[stage - 1] == rank
+                                          else schedule.placement[stage - 1])
         call = StageCall(stage, mb, self.stage_of, sender_rank=sender,
                          act_in=act_in if stage > 0 else None, layout=layout)
         with one_stage(self.blocks, self.stage_of, call, rank):

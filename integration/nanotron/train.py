@@ -53,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: NCCL with one GPU per local rank, else gloo")
     parser.add_argument("--record", metavar="DIR", help="write per-rank losses, step times and peak memory here")
-    parser.add_argument("--record-weights", action="store_true", help="with --record: also the weights after the last step")
+    parser.add_argument("--record-weights", action="store_true",
+                        help="with --record: also the weights after the last step")
     return parser.parse_args(argv)
 
 

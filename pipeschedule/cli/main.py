@@ -1,7 +1,8 @@
 """The `pipeschedule` command.
 
     pipeschedule compile NAME --pp P --microbatches M [--virtual V] [--cap C|C0,C1,..] --json PATH
-                              [--offload fraction=F[,lead=L][,ranks=..]|auto[,budget=B]][,stream=MiB]] [--host-bandwidth GB/s]
+                              [--offload fraction=F[,lead=L][,ranks=..]|auto[,budget=B]][,stream=MiB]]
+                              [--host-bandwidth GB/s]
     pipeschedule verify PATH                  exit 0 valid, 1 invalid, 2 unusable input
     pipeschedule simulate NAME|--schedule PATH [...] [--cost PATH] [--json] [--trace PATH] [--png PATH]
     pipeschedule show NAME ...                ASCII timeline
@@ -71,10 +72,12 @@ def _virtual_help() -> str:
 def _schedule_args(parser: argparse.ArgumentParser, *, name_required: bool = True) -> None:
     parser.add_argument("name", nargs=None if name_required else "?", help="schedule family: " + ", ".join(FAMILIES))
     parser.add_argument("--pp", type=int_arg("--pp"), default=None, help="pipeline ranks")
-    parser.add_argument("--microbatches", "-m", type=int_arg("--microbatches"), default=None, help="microbatches per step")
+    parser.add_argument("--microbatches", "-m", type=int_arg("--microbatches"), default=None,
+                        help="microbatches per step")
     parser.add_argument("--virtual", type=int_arg("--virtual"), default=None,
                         help=f"chunks per rank ({_virtual_help()})")
-    parser.add_argument("--cap", type=str, default=None, help="in-flight cap: one int for all ranks or C0,C1,... per rank")
+    parser.add_argument("--cap", type=str, default=None,
+                        help="in-flight cap: one int for all ranks or C0,C1,... per rank")
 
 
 def _build(args, cost=None):
@@ -165,7 +168,8 @@ def cmd_compile(args) -> int:
     if args.csv:
         _write(args.csv, write_csv(schedule, form=args.csv_form))
     count = sum(len(p) for p in schedule.programs)
-    print(f"compiled {schedule.name}: pp={schedule.pp} virtual={schedule.virtual} microbatches={schedule.microbatches}, {count} instructions, verified")
+    print(f"compiled {schedule.name}: pp={schedule.pp} virtual={schedule.virtual} "
+          f"microbatches={schedule.microbatches}, {count} instructions, verified")
     if choice is not None:
         print(_offload_line(choice))
     return 0
@@ -192,8 +196,8 @@ def cmd_verify(args) -> int:
     count = sum(len(p) for p in schedule.programs)
     how = ", lowered from its compute order" if lowered else ""
     kind = ", forward only" if schedule.forward_only else ""
-    print(f"{args.path}: valid ({schedule.name}, pp={schedule.pp}, virtual={schedule.virtual}, microbatches={schedule.microbatches}, "
-          f"{count} instructions{how}{kind})")
+    print(f"{args.path}: valid ({schedule.name}, pp={schedule.pp}, virtual={schedule.virtual}, "
+          f"microbatches={schedule.microbatches}, {count} instructions{how}{kind})")
     return 0
 
 
@@ -221,7 +225,8 @@ def cmd_simulate(args) -> int:
         png(schedule, result, args.png)
     if args.json:
         extra = {"offload": choice.to_dict()} if choice is not None else {}
-        print(json.dumps(result.to_dict() | {"name": schedule.name, "pp": schedule.pp, "virtual": schedule.virtual, "microbatches": schedule.microbatches} | extra))
+        print(json.dumps(result.to_dict() | {"name": schedule.name, "pp": schedule.pp, "virtual": schedule.virtual,
+                                             "microbatches": schedule.microbatches} | extra))
     else:
         print(_summary(schedule, result))
         if choice is not None:
@@ -263,19 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", metavar="PATH", help="write PyTorch's pipeline CSV")
     p.add_argument("--csv-form", choices=("compute_only", "compute_comms"), default="compute_comms")
     _offload_args(p)
-    p.add_argument("--cost", metavar="PATH", help="cost model JSON: list-scheduled families order by its times and messages are placed by them; --offload auto simulates with it (default: unit costs)")
+    p.add_argument("--cost", metavar="PATH",
+                   help="cost model JSON: list-scheduled families order by its times and messages are placed by them; "
+                        "--offload auto simulates with it (default: unit costs)")
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser("verify", help="check a schedule file (JSON, text or PyTorch CSV) against every rule")
     p.add_argument("path")
     p.set_defaults(run=cmd_verify)
 
-    for name, run, helptext in (("simulate", cmd_simulate, "simulate time and memory"), ("show", cmd_show, "print the ASCII timeline")):
+    for name, run, helptext in (("simulate", cmd_simulate, "simulate time and memory"),
+                                ("show", cmd_show, "print the ASCII timeline")):
         p = sub.add_parser(name, help=helptext)
         _schedule_args(p, name_required=False)
         p.add_argument("--schedule", metavar="PATH", help="a schedule file instead of NAME")
         if name == "simulate":
-            p.add_argument("--cost", metavar="PATH", help="cost model JSON (per-stage times, buffer bytes, p2p latency/bandwidth)")
+            p.add_argument("--cost", metavar="PATH",
+                           help="cost model JSON (per-stage times, buffer bytes, p2p latency/bandwidth)")
             p.add_argument("--json", action="store_true", help="print one JSON object")
             p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace")
             p.add_argument("--png", metavar="PATH", help="write a PNG (needs matplotlib)")

@@ -41,8 +41,8 @@ from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
 from pipeschedule.runtime.transport import DistTransport, HostStagedTransport, P2P, Pending, Transport
 
 __all__ = [
-    "BufferPool", "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline", "InProcessTransport",
-    "HostPool", "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "Offloader", "P2P", "Pending", "RemoteOutput",
-    "RuntimeScheduleError", "SavedTensor", "ScheduleMismatchError", "ScheduleSummary", "Shapes", "SplitReport", "Stages",
-    "Stash", "StepTimes", "TensorMeta", "Transport", "WeightGrads", "run_in_process",
+    "BufferPool", "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline",
+    "InProcessTransport", "HostPool", "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "Offloader", "P2P",
+    "Pending", "RemoteOutput", "RuntimeScheduleError", "SavedTensor", "ScheduleMismatchError", "ScheduleSummary",
+    "Shapes", "SplitReport", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport", "WeightGrads", "run_in_process",
 ]

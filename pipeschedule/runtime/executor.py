@@ -125,9 +125,11 @@ class Executor:
         measure_stash: str = "first", offload_chunk: int | None = None, reload_window: int = 2,
     ):
         if measure_stash not in MEASURE_STASH:
-            raise ParameterError(f"measure_stash={measure_stash!r}: accepted values are {', '.join(map(repr, MEASURE_STASH))}")
+            raise ParameterError(f"measure_stash={measure_stash!r}: accepted values are "
+                                 f"{', '.join(map(repr, MEASURE_STASH))}")
         if not 0 <= rank < schedule.pp:
-            raise ParameterError(f"rank {rank} is not a rank of {schedule.name!r} (pp={schedule.pp}: ranks 0..{schedule.pp - 1})")
+            raise ParameterError(f"rank {rank} is not a rank of {schedule.name!r} "
+                                 f"(pp={schedule.pp}: ranks 0..{schedule.pp - 1})")
         self.measure_stash = measure_stash
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = schedule.programs[rank]
@@ -157,7 +159,8 @@ class Executor:
 
     # -- the step ----------------------------------------------------------------------
 
-    def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None, *, timeout: float | None = None) -> list:
+    def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None, *,
+             timeout: float | None = None) -> list:
         """One step; returns `_outputs()`. Raises RuntimeScheduleError (and makes every
         other rank raise) on any failure, or when one wait exceeds `timeout` seconds
         (default: the executor's)."""
@@ -437,8 +440,8 @@ class Executor:
     def _pooled(self, buf: str, stage: int) -> bool:
         """Whether (buf, stage) is a boundary buffer the pool serves ([Note: buffer pool])."""
         schedule = self.schedule
-        return {"act_in": schedule.recvs_forward, "grad_out": schedule.recvs_backward, "act_out": schedule.sends_forward,
-                "grad_in": schedule.sends_backward}.get(buf, lambda _: False)(stage)
+        return {"act_in": schedule.recvs_forward, "grad_out": schedule.recvs_backward,
+                "act_out": schedule.sends_forward, "grad_in": schedule.sends_backward}.get(buf, lambda _: False)(stage)
 
     # -- host offload ([Note: host offload]) ---------------------------------------------
 
@@ -475,7 +478,8 @@ class Executor:
         return P2P(True, i.peer, grad.contiguous(), i)
 
     def _recv_b(self, i: Instr) -> P2P:
-        return P2P(False, i.peer, self._allocate(("grad_out", i.stage, i.mb), self.buffers.need("stash", i).out_meta), i)
+        return P2P(False, i.peer,
+                   self._allocate(("grad_out", i.stage, i.mb), self.buffers.need("stash", i).out_meta), i)
 
     def _allocate(self, key: tuple[str, int, int], meta: TensorMeta) -> torch.Tensor:
         if self.pool is not None and math.prod(meta.shape) > 0:
@@ -512,7 +516,8 @@ class Executor:
     def stopped_by(self, message: str, local: str = "") -> RuntimeScheduleError:
         """The error of a rank that stops because another rank failed with `message`."""
         quoted = "\n    ".join(message.splitlines())
-        return self.error(f"stopped because another rank failed:\n    {quoted}" + (f"\n  here: {local}" if local else ""), remote=True)
+        return self.error(f"stopped because another rank failed:\n    {quoted}"
+                          + (f"\n  here: {local}" if local else ""), remote=True)
 
     def _fail(self, err: Exception) -> RuntimeScheduleError:
         """Locates `err` and, unless another rank failed first, tells every rank to stop."""

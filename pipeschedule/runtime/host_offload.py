@@ -80,7 +80,8 @@ class Offloader:
     def __init__(self, device: torch.device, ledger, chunk: int | None = None, window: int = 2):
         if chunk is not None:
             if not (is_number(chunk) and 1 <= chunk < math.inf):
-                raise ParameterError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, or None to move stashes whole")
+                raise ParameterError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, "
+                                     "or None to move stashes whole")
             chunk = math.ceil(chunk)
         if not (is_int(window) and window >= 1):
             raise ParameterError(f"reload_window={window!r}: give a number of chunks >= 1")
@@ -163,7 +164,8 @@ class Offloader:
         moving = self.moving.get(key)
         if moving is None or moving.reloaded:
             state = "already reloaded" if moving is not None else "not offloaded"
-            raise RuntimeScheduleError(f"{where}: RELOAD of the stash of (stage {key[1]}, mb {key[2]}), which is {state}")
+            raise RuntimeScheduleError(f"{where}: RELOAD of the stash of (stage {key[1]}, mb {key[2]}), "
+                                       f"which is {state}")
         self.poll()
         moving.reloaded = True
         if not moving.on_host:  # the offload's copy is still running: its device storages never went

@@ -107,7 +107,8 @@ class InProcessPipeline:
     def __init__(self, schedule: Schedule, stages: Stages, **executor_args: Any):
         world = InProcessWorld(schedule.pp)
         self.schedule = schedule
-        self.executors = [Executor(schedule, r, stages, world.transport(r), **executor_args) for r in range(schedule.pp)]
+        self.executors = [Executor(schedule, r, stages, world.transport(r), **executor_args)
+                          for r in range(schedule.pp)]
 
     def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None) -> list[list]:
         """One step of every rank; returns each rank's outputs (`Executor.run`)."""

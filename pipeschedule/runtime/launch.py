@@ -163,7 +163,8 @@ def _rank_main(rank, world_size, settings, fn, args, reports) -> None:
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=timeout))
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
         payload = pickle.dumps(fn(rank, world_size, store, *args))  # plain pickle: tensors travel by value
         dist.destroy_process_group()
     except BaseException as err:

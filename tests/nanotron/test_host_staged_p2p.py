@@ -62,7 +62,8 @@ def exchange(rank, world_size, store, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_received_tensors_look_like_nanotrons_and_live_on_the_device(device):
-    for rank, (received, p2p_device, first_meta, second_meta) in enumerate(spawn(exchange, 2, args=(device,), timeout=60)):
+    for rank, (received, p2p_device, first_meta, second_meta) in enumerate(
+            spawn(exchange, 2, args=(device,), timeout=60)):
         assert (first_meta, second_meta) == ("cpu", "cpu")  # gloo reads the metadata buffers
         expected = sent_tensors(1 - rank, "cpu")
         assert len(received) == len(expected)

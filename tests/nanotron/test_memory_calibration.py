@@ -230,14 +230,16 @@ def test_prediction_rejects_a_split_that_does_not_fit_the_schedule():
 def test_cuda_counts_the_flash_kernels_rng_state():
     """Measured on an H200 (docs/memory_calibration.md): 16 bytes per layer more than CPU."""
     run = ProbeRun("ps_1f1b", 4, (2, 2))
-    kwargs = {"pp": 2, "split": run.split, "schedule": run.engine, "microbatches": 4, "microbatch_size": B, "dtype_bytes": 2}
+    kwargs = {"pp": 2, "split": run.split, "schedule": run.engine, "microbatches": 4, "microbatch_size": B,
+              "dtype_bytes": 2}
     cpu, cuda = predict(CFG, **kwargs), predict(CFG, device="cuda", **kwargs)
     assert [g["stash per microbatch"] - c["stash per microbatch"] for c, g in zip(cpu, cuda)] == [32, 32]
     with pytest.raises(ValueError, match="'tpu'"):
         predict(CFG, device="tpu", **kwargs)
 
 
-@pytest.mark.parametrize("name,split", [("zb_h1", (2, 2, 2, 2)), ("zb_h1", (3, 0, 2, 3)), ("zbv", (1, 1, 2, 1, 1, 1, 0, 1))])
+@pytest.mark.parametrize("name,split", [("zb_h1", (2, 2, 2, 2)), ("zb_h1", (3, 0, 2, 3)),
+                                        ("zbv", (1, 1, 2, 1, 1, 1, 0, 1))])
 def test_weight_stash_equals_the_ledgers_resize_to_the_byte(name, split):
     """What W keeps of each stash after B (`benchmarks.llama.memory.weight_stash`) against the
     ledger's `resized` of a real in-process run of the integration Llama's blocks, fp32,

@@ -56,7 +56,8 @@ def test_the_runtime_raises_only_pipeschedule_errors():
         module = importlib.import_module(module_name.removesuffix(".__init__"))
         for line, name in raised_names(path):
             raised = getattr(module, name, getattr(builtins, name, None))
-            if isinstance(raised, type) and issubclass(raised, BaseException) and not issubclass(raised, PipescheduleError):
+            if (isinstance(raised, type) and issubclass(raised, BaseException)
+                    and not issubclass(raised, PipescheduleError)):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: raise {name}")
     assert not found, "the runtime raises only PipescheduleError subclasses:\n" + "\n".join(found)
 
@@ -78,6 +79,7 @@ def test_the_nanotron_adapter_raises_only_pipeschedule_errors():
                                          else "integration.nanotron")
         for line, name in raised_names(path):
             raised = getattr(module, name, getattr(builtins, name, None))
-            if isinstance(raised, type) and issubclass(raised, BaseException) and not issubclass(raised, PipescheduleError):
+            if (isinstance(raised, type) and issubclass(raised, BaseException)
+                    and not issubclass(raised, PipescheduleError)):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: raise {name}")
     assert not found, "raise a PipescheduleError subclass (integration/nanotron/errors.py):\n" + "\n".join(found)

@@ -107,7 +107,8 @@ def exact_worker(rank: int, world: int, store) -> dict:
         row = {}
         executor, outputs, row["grads"] = run_one(schedule, rank, plain, inputs, targets, timeout=30)
         row["losses"], row["sizes"] = losses_of(outputs), executor.ledger.sizes
-        row["high_total"], row["left"] = executor.ledger.high_total, (dict(executor.buffers.held), executor.ledger.live_total)
+        row["high_total"], row["left"] = (executor.ledger.high_total,
+                                          (dict(executor.buffers.held), executor.ledger.live_total))
         _, staged_outputs, row["staged_grads"] = run_one(schedule, rank, staged, inputs, targets, timeout=30)
         row["staged_losses"] = losses_of(staged_outputs)
         if rank == 0:
@@ -139,7 +140,8 @@ def memory_worker(rank: int, world: int, store, steps: int = 50) -> dict:
         for step in range(steps):
             executor.step(inputs, targets)
             tensors = _live_tensors() if step in (2, steps - 1) else None
-            per_step.append((len(executor.buffers), executor.ledger.live_total, len(executor.ledger.trace), executor.ledger.high_total, tensors))
+            per_step.append((len(executor.buffers), executor.ledger.live_total, len(executor.ledger.trace),
+                             executor.ledger.high_total, tensors))
         out[f"{name}{kwargs}"] = {
             "per_step": per_step,
             "stash_high": executor.ledger.high["stash"],

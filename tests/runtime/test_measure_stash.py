@@ -22,7 +22,8 @@ def sigmoid_chunks(num_stages: int, seed: int = 0) -> list[nn.Module]:
     """Each stage ends in a sigmoid, which saves its output: the stage output that the
     executor empties after the send is a saved tensor."""
     torch.manual_seed(seed)
-    return [nn.Sequential(nn.Linear(width(s), width(s) + 4), nn.GELU(), nn.Linear(width(s) + 4, width(s + 1)), nn.Sigmoid())
+    return [nn.Sequential(nn.Linear(width(s), width(s) + 4), nn.GELU(), nn.Linear(width(s) + 4, width(s + 1)),
+                          nn.Sigmoid())
             for s in range(num_stages)]
 
 

@@ -93,7 +93,8 @@ def gloo_runs():
 EXPECTED = {  # scenario -> (fields named, words in every rank's message)
     "m": (("m",), ("m (5 vs 4)", "m (4 vs 5)")),
     "cap": (("params.cap",), ("params.cap ([1, 1] vs [2, 1])", "params.cap ([2, 1] vs [1, 1])")),
-    "placement": (("placement",), ("placement ([0, 1, 0, 1] vs [0, 1, 1, 0])", "placement ([0, 1, 1, 0] vs [0, 1, 0, 1])")),
+    "placement": (("placement",),
+                  ("placement ([0, 1, 0, 1] vs [0, 1, 1, 0])", "placement ([0, 1, 1, 0] vs [0, 1, 0, 1])")),
     "programs": (("programs",), ("the programs of rank 1", "the programs of rank 1")),
 }
 

@@ -49,7 +49,8 @@ def test_losses_and_gradients_equal_the_reference(exact):
             row = ranks[rank][label]
             if rank != last:
                 assert row["losses"] is None, label
-            assert row["grads"].keys() == {k for k in ref["ref_grads"] if int(k.split(".")[0]) in schedule.stages_of(rank)}
+            assert row["grads"].keys() == {k for k in ref["ref_grads"]
+                                           if int(k.split(".")[0]) in schedule.stages_of(rank)}
             for name, grad in row["grads"].items():
                 assert torch.equal(grad, ref["ref_grads"][name]), f"{label}: rank {rank} {name}"
 
@@ -72,7 +73,8 @@ def test_host_staged_transport_equals_plain_gloo(exact):
     for label, _ in configs(pp):
         for rank in range(pp):
             row = ranks[rank][label]
-            assert row["staged_losses"] is None if row["losses"] is None else _equal(row["staged_losses"], row["losses"])
+            assert (row["staged_losses"] is None if row["losses"] is None
+                    else _equal(row["staged_losses"], row["losses"]))
             assert row["staged_grads"].keys() == row["grads"].keys()
             assert all(torch.equal(row["staged_grads"][k], g) for k, g in row["grads"].items()), label
 

@@ -62,5 +62,6 @@ def test_failing_forward_on_one_rank_stops_every_rank():
 
 def test_wrong_shape_is_named_with_the_expected_one():
     messages = _run("wrong_shape", 2)
-    assert "0SEND_F1@1 sends float32[3, 13] for microbatch 1, but rank 1 (stage 1) receives float32[3, 12]" in messages[0]
+    assert ("0SEND_F1@1 sends float32[3, 13] for microbatch 1, but rank 1 (stage 1) receives float32[3, 12]"
+            in messages[0])
     assert "another rank failed" in messages[1] and "float32[3, 13]" in messages[1]

@@ -1,7 +1,8 @@
 """Stage outputs that are not contiguous ([Note: contiguous boundaries] in executor):
 every stage computes tanh(F.linear(x, W)) and returns it transposed, a view with
-strides (1, n), so the shapes alternate (rows, n) -> (n, rows) from stage to stage. Run over gloo at pp 2 and 3 (one spawn of three processes; pp
-2 on a subgroup of two) and in one process at pp 1, 2 and 3, for 1F1B, interleaved and a
+strides (1, n), so the shapes alternate (rows, n) -> (n, rows) from stage to stage. Run
+over gloo at pp 2 and 3 (one spawn of three processes; pp 2 on a subgroup of two) and in
+one process at pp 1, 2 and 3, for 1F1B, interleaved and a
 V-shape placement (zbv, which also splits the backward), with and without the buffer
 pool: every gradient and loss equals, bitwise, the single-process model whose stage
 outputs are made contiguous. Before the boundaries were made contiguous, a same-rank

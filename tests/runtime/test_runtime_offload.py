@@ -99,7 +99,8 @@ def offload_worker(rank: int, world: int, store) -> dict:
         offloaded = with_offload(plain)
         inputs, targets = make_data(plain.num_stages, m)
         row = {}
-        runs = [("plain", plain, False, None), ("offload+pool", offloaded, True, None), ("offload", offloaded, False, None),
+        runs = [("plain", plain, False, None), ("offload+pool", offloaded, True, None),
+                ("offload", offloaded, False, None),
                 # streamed ([Note: streamed offload]): every storage its own chunk, and a few per chunk
                 ("stream", offloaded, True, 1), ("stream 512", with_offload(plain, lead=0), False, 512)]
         module = offload_pass()
@@ -252,7 +253,8 @@ def test_use_without_reload_raises_in_process():
 def missing_reload_worker(rank: int, world: int, store, timeout: float) -> None:
     torch.set_num_threads(1)
     schedule = with_offload(compile_schedule("zb_h1", pp=world, microbatches=4), drop_reload=(1, 2))
-    executor = Executor(schedule, rank, ModuleStages(make_chunks(world), loss_fn), DistTransport(store), timeout=timeout)
+    executor = Executor(schedule, rank, ModuleStages(make_chunks(world), loss_fn), DistTransport(store),
+                        timeout=timeout)
     executor.step(*make_data(world, 4))
     time.sleep(2 * timeout)  # a rank that wrongly finishes must not look like one that stopped
 
@@ -407,7 +409,8 @@ def test_streamed_ledger_holds_less_than_one_stash():
 
     plain = compile_schedule("1f1b", pp=2, microbatches=6)
     offloaded = with_offload(plain, lead=0, ranks=(0,))
-    (base, plain_grads), (whole, _), (streamed, streamed_grads) = run(plain, None), run(offloaded, None), run(offloaded, 1)
+    (base, plain_grads), (whole, _), (streamed, streamed_grads) = (run(plain, None), run(offloaded, None),
+                                                                   run(offloaded, 1))
     stash = base[0].ledger.sizes["stash", 0, 0]
     assert base[0].ledger.high["stash"] == 2 * stash
     assert whole[0].ledger.high["stash"] >= stash
@@ -457,8 +460,8 @@ def test_streamed_offload_on_cuda_is_bitwise_exact():
 
     def stages():
         torch.manual_seed(0)
-        return [torch.nn.Sequential(torch.nn.Linear(1024, 4096), _Unread(), torch.nn.GELU(), torch.nn.Linear(4096, 1024),
-                                    torch.nn.GELU()).to(device) for _ in range(2)]
+        return [torch.nn.Sequential(torch.nn.Linear(1024, 4096), _Unread(), torch.nn.GELU(),
+                                    torch.nn.Linear(4096, 1024), torch.nn.GELU()).to(device) for _ in range(2)]
 
     generator = torch.Generator().manual_seed(1)
     inputs = [torch.randn(512, 1024, generator=generator).to(device) for _ in range(6)]
@@ -558,7 +561,8 @@ def test_offload_between_b_and_w_of_a_streamed_stash():
     executor, got = run(schedule, offload_chunk=1)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert executor.ledger.live_total == executor.ledger.host_total == 0
-    assert executor.offloader.copied_to_host > sum(executor.ledger.sizes[k] for k in executor.ledger.sizes if k[0] == "stash")
+    assert executor.offloader.copied_to_host > sum(executor.ledger.sizes[k] for k in executor.ledger.sizes
+                                                   if k[0] == "stash")
 
 
 # -- copies that land late: the CUDA paths on CPU -------------------------------------------------
@@ -617,8 +621,8 @@ def test_offload_with_copies_landing_late(name, kwargs):
         pipeline = InProcessPipeline(s, ModuleStages(chunks, loss_fn), **args)
         if late is not None:
             for e in pipeline.executors:
-                e.offloader = _LateOffloader(e.device, e.ledger, args.get("offload_chunk"), args.get("reload_window", 2),
-                                             late=late)
+                e.offloader = _LateOffloader(e.device, e.ledger, args.get("offload_chunk"),
+                                             args.get("reload_window", 2), late=late)
         pipeline.step(*make_data(s.num_stages, 5))
         return pipeline.executors, grads(chunks, range(s.num_stages))
 

@@ -180,7 +180,8 @@ def test_losses_and_gradients_equal_the_reference(split_runs):
         assert _equal(ref["inproc_losses"], ref["ref_losses"]), label
         for rank in range(pp):
             row = ranks[rank][label]
-            assert row["grads"].keys() == {k for k in ref["ref_grads"] if int(k.split(".")[0]) in schedule.stages_of(rank)}
+            assert row["grads"].keys() == {k for k in ref["ref_grads"]
+                                           if int(k.split(".")[0]) in schedule.stages_of(rank)}
             for name, grad in row["grads"].items():
                 assert torch.equal(grad, ref["ref_grads"][name]), f"{label}: rank {rank} {name}"
                 assert torch.equal(ref["inproc_grads"][name], grad), f"{label}: in-process {name}"

@@ -40,7 +40,8 @@ def v_shape(m: int) -> Schedule:
     """pp=2, 4 stages placed 0,1,1,0: stages 1 and 2 share rank 1 (local hand-off), as
     do 3 and 0 across the turn. All forwards of a stage, then all backwards."""
     def order(first, second):
-        return [Instr(op, s, mb) for op, stages in ((Op.F, (first, second)), (Op.B, (second, first))) for s in stages for mb in range(m)]
+        return [Instr(op, s, mb) for op, stages in ((Op.F, (first, second)), (Op.B, (second, first)))
+                for s in stages for mb in range(m)]
     return lower(Schedule("v_shape", 2, 2, m, (0, 1, 1, 0), (tuple(order(0, 3)), tuple(order(1, 2)))))
 
 
@@ -83,7 +84,8 @@ def test_free_of_a_missing_buffer_and_a_leftover_buffer_raise():
     with pytest.raises(RuntimeScheduleError, match=r"FREE of stash of \(stage 1, mb 0\), which is not held"):
         _pipeline(twice)[0].step(*make_data(2, 2))
     kept = _edit(schedule, 0, drop="0FREE1:stash")
-    with pytest.raises(RuntimeScheduleError, match=r"buffers still held at the end of the step \(never freed\): stash\(0, 1\)"):
+    with pytest.raises(RuntimeScheduleError,
+                       match=r"buffers still held at the end of the step \(never freed\): stash\(0, 1\)"):
         _pipeline(kept)[0].step(*make_data(2, 2))
 
 
@@ -197,7 +199,9 @@ def test_in_process_mismatch_names_both_shapes():
         Executor(schedule, 0, stages, world.transport(0), shapes={0: TensorMeta((BATCH, width(1)), torch.float32)}),
         Executor(schedule, 1, stages, world.transport(1), shapes={0: TensorMeta((BATCH, 5), torch.float32)}),
     ]
-    with pytest.raises(RuntimeScheduleError, match=r"rank 0 sends float32\[3, 12\] \(0SEND_F0@1\) but rank 1 receives float32\[3, 5\] \(1RECV_F0@0\)"):
+    with pytest.raises(RuntimeScheduleError,
+                       match=r"rank 0 sends float32\[3, 12\] \(0SEND_F0@1\) but rank 1 receives float32\[3, 5\] "
+                             r"\(1RECV_F0@0\)"):
         run_in_process(executors, *make_data(2, 1))
 
 
