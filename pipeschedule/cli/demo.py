@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 
+from pipeschedule import compile_schedule
+from pipeschedule.simulate import CostModel, simulate
+from pipeschedule.simulate.render import ascii_timeline
+
 PP, MICROBATCHES = 4, 8
 CASES = (
     ("1f1b", dict(name="1f1b")),
@@ -23,10 +27,6 @@ CASES = (
 
 
 def run_demo() -> int:
-    from pipeschedule import compile_schedule
-    from pipeschedule.simulate.render import ascii_timeline
-    from pipeschedule.simulate import CostModel, simulate
-
     rows = []
     for label, params in CASES:
         params = dict(params)

@@ -46,14 +46,17 @@ def test_trains_from_the_yaml_and_records(tmp_path):
     ("capped_1f1b:caps=2", "unknown parameter 'caps' for capped_1f1b; capped_1f1b accepts: cap, split"),
     ("zbv:split=1/1/1", "split lists 3 stages but"),
 ])
-def test_bad_pp_engine_stops_every_rank_with_one_line(tmp_path, engine, expected):
+def test_bad_pp_engine_is_refused_in_one_line_and_every_rank_ends(tmp_path, engine, expected):
     result = launch(tmp_path, engine, timeout=120)
     assert result.returncode != 0
     lines = our_lines(result)
-    # one line per rank: the refusal, or (where torchrun ended a rank before it got there) that it was stopped
-    assert sorted(line.split(":")[0] for line in lines) == [f"integration.nanotron.train rank {r}" for r in (0, 1)]
+    # The rank that fails first says why; torchrun then ends the others, which say so in one
+    # line where they are in Python when SIGTERM comes (a rank still importing torch, or inside
+    # a C++ call, ends with torchrun's own report only). Nobody hangs: launch() has a timeout.
+    ranks = [line.split(":")[0] for line in lines]
+    assert len(ranks) == len(set(ranks)) and set(ranks) <= {f"integration.nanotron.train rank {r}" for r in (0, 1)}
     refusals = [line for line in lines if expected in line]
-    assert refusals, lines
+    assert refusals, result.stderr[-3000:]
     assert all(line in refusals or "stopped by SIGTERM" in line for line in lines), lines
     assert "Traceback" not in "\n".join(lines)
 
