@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 from integration.nanotron.example import TrainerConfig
-from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, versions
+from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, versions, write_results
 
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
 AFAB_MAX_M = 8  # AFAB keeps every microbatch's activations: at m = 32 stage 0 alone needs ~64 GiB here
@@ -209,9 +209,7 @@ def main(argv=None) -> int:
     report = {"versions": versions(args.commit), "pp": PP, "warmup": WARMUP, "rounds": args.rounds, "rows": rows}
     text = render(report)
     if not args.smoke:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "engine_vs_nanotron.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "engine_vs_nanotron.md").write_text(text)
+        write_results("engine_vs_nanotron", report, text, out=args.out)
     print(text)
     return 0
 

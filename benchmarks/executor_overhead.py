@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import time
 
 import torch
 from torch import nn
 
-from benchmarks.common import RESULTS, git_commit, machine
+from benchmarks.common import RESULTS, git_commit, machine, write_results
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import DistTransport, Executor, InProcessPipeline
@@ -180,9 +179,7 @@ def main(argv=None) -> None:
     worst = max(row["overhead_us"] for row in rows)
     print(f"\nworst executor overhead: {worst:.2f} us per instruction (target <= {TARGET_US:g})")
     if not args.quick:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "executor_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "executor_overhead.md").write_text(markdown(result))
+        write_results("executor_overhead", result, markdown(result))
         print(f"wrote {RESULTS / 'executor_overhead.md'} and {RESULTS / 'executor_overhead.json'}")
 
 

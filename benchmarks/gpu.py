@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions, write_results
 from benchmarks.calibration import run_calibration, simulate_cases
 from benchmarks.costs import P2P_GBPS, P2P_LATENCY_MS, stage_costs
 from benchmarks.training import (
@@ -326,10 +326,8 @@ def main(argv=None) -> int:
             return 2
         report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip,
                          commit=args.commit, split=args.split_backward)
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if args.render is None:
-            (out_dir / "gpu.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    if out_dir is not None and args.render is None:
+        write_results("gpu", report, out=out_dir)
     print(render(report, out_dir), flush=True)
     return 0
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL, WARMUP, versions
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL, WARMUP, versions, write_results
 from benchmarks.llama.model import ModelConfig
 from benchmarks.llama.reference import microbatch
 from benchmarks.llama.stages import LlamaStages
@@ -290,9 +289,7 @@ def main(argv=None) -> int:
               "dtype": str(dtype).replace("torch.", ""), "overhead": result}
     print(f"model {cfg}, micro-batch size {args.microbatch_size}\n" + "\n".join(overhead_lines([result])))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = f"gpu_overhead{'_' + args.label if args.label else ''}.json"
-        (args.out / name).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_results(f"gpu_overhead{'_' + args.label if args.label else ''}", report, out=args.out)
     return 0
 
 

@@ -40,7 +40,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.common import PP, RESULTS
+from benchmarks.common import PP, RESULTS, write_results
 from benchmarks.costs import stage_costs
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.families import FAMILIES, generate
@@ -217,10 +217,7 @@ def main(argv=None) -> int:
     results = {m: evaluate(saved, m) for m in ms}
     text, _ = render(saved, results)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "moonshot.md").write_text(text)
-        (args.out / "moonshot.json").write_text(json.dumps({str(m): frontier(rows) for m, rows in results.items()},
-                                                           indent=1) + "\n")
+        write_results("moonshot", {str(m): frontier(rows) for m, rows in results.items()}, text, out=args.out)
     print(text)
     return 0
 

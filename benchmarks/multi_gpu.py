@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.common import PP, RESULTS, versions
+from benchmarks.common import PP, RESULTS, versions, write_results
 from benchmarks.calibration import simulate_cases
 from benchmarks.costs import stage_costs
 from benchmarks.training import NANOTRON, OURS, Case, cases, gib, model_split
@@ -204,11 +204,9 @@ def main(argv=None) -> int:
     meta = {"versions": versions(args.commit), "transport": "NCCL" if multi else "gloo on CPU"}
     text, checks = report(cfg, rows, skipped, sims, meta)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
         payload = {**meta, "model": asdict(cfg), "pp": PP, "rows": rows, "skipped": skipped, "checks": checks,
                    "simulated": [{"case": asdict(c), **s} for c, s in sims.items()]}
-        (out_dir / "multi_gpu.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-        (out_dir / "multi_gpu.md").write_text(text)
+        write_results("multi_gpu", payload, text, out=out_dir)
         if rows:
             plot(cfg, rows, sims, out_dir / "multi_gpu.png")
     print(text, flush=True)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import json
 import statistics
 import sys
 import time
@@ -51,7 +50,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions, write_results
 from benchmarks.llama.model import ModelConfig
 from benchmarks.llama.stages import LlamaStages
 from benchmarks.training import model_split, sync, to_device
@@ -439,8 +438,7 @@ def main(argv=None) -> int:
     report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip,
                      commit=args.commit)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "offload.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_results("offload", report, out=out_dir)
     print(render(report, out_dir), flush=True)
     return 0
 

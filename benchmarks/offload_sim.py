@@ -21,11 +21,10 @@ Stage 0's stash is reported in microbatches' worth (one stash of (stage 0, mb)).
 from __future__ import annotations
 
 import argparse
-import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks.common import RESULTS
+from benchmarks.common import write_results
 from pipeschedule import compile_schedule
 from pipeschedule.plan.presets import HOST_LINKS
 from pipeschedule.plan.offload import AutoOffload, choose_offload
@@ -112,9 +111,7 @@ def main(argv=None) -> int:
               "layer": layer_rows(), "users": users_rows()}
     text = render(report)
     if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "offload_sim.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        (RESULTS / "offload_sim.md").write_text(text, encoding="utf-8")
+        write_results("offload_sim", report, text)
     print(text)
     return 0
 

@@ -25,7 +25,6 @@ Writes benchmarks/results/trainer.json (raw) and trainer.md (tables); prints the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_TRAINER, versions
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_TRAINER, versions, write_results
 from integration.nanotron.example import TrainerConfig
 
 ENGINES = ("1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1")
@@ -173,9 +172,7 @@ def main(argv=None) -> int:
                      steps=WARMUP + 1 if args.smoke else args.steps, engines=tuple(args.engines.split(",")))
     text = render(report)
     if not args.smoke:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "trainer.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "trainer.md").write_text(text)
+        write_results("trainer", report, text, out=args.out)
     print(text)
     return 0
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.trainer import WARMUP, launch
-from benchmarks.common import MICROBATCH_SIZE, MODEL, RESULTS, SMOKE_TRAINER, versions
+from benchmarks.common import MICROBATCH_SIZE, MODEL, RESULTS, SMOKE_TRAINER, versions, write_results
 from integration.nanotron.example import TrainerConfig
 
 ENGINES = ("1f1b", "ps_1f1b", "capped_1f1b:cap=1")
@@ -109,9 +109,7 @@ def main(argv=None) -> int:
         [{"engine": r["engine"], "m": r["m"], "ledger": [x["ledger_stash"] for x in r["ranks"]]}
          for r in report["rows"]])
     if not args.smoke:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "growth.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "growth.md").write_text(text)
+        write_results("growth", report, text, out=args.out)
     print(text)
     return 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from collections import defaultdict
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import MODEL, PP, SMOKE_MODEL
+from benchmarks.common import MODEL, PP, SMOKE_MODEL, write_results
 from benchmarks.llama.model import ModelConfig
 from benchmarks.offload import LEAD, OFFLOAD_M, RankStages, offload_schedule, stage_data
 from benchmarks.training import model_split, sync
@@ -158,8 +157,7 @@ def main(argv=None) -> int:
             print("  allocated MiB after each instruction: " + ", ".join(
                 f"{pc}:{text}={alloc / 2**20:.0f}" for pc, text, _, alloc in instrs))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "offload_anatomy.json").write_text(json.dumps(rows, indent=1) + "\n")
+        write_results("offload_anatomy", rows, out=args.out)
     return 0
 
 
