@@ -74,7 +74,8 @@ from pipeschedule.checks import MAX_DIMENSION, MAX_LAYERS, is_int, shown
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 OPTIMIZERS = ("adam", "none")
-ACTIVATION_FORMULAS = ("korthikanti", "llama")
+ACTIVATION_FORMULAS = ("nanotron", "korthikanti", "llama")
+ATTENTIONS = ("flash-attn", "sdpa-standin")
 GiB = 1 << 30
 
 
@@ -175,8 +176,10 @@ class TrainingSetup:
     act_bytes: int = 2
     fp32_grad_accum: bool = True
     ddp_buckets: bool = True
-    activation_formula: str = "korthikanti"
+    activation_formula: str = "nanotron"
     optimizer: str = "adam"
+    tp_async: bool = False
+    attention: str = "flash-attn"
 
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
@@ -189,6 +192,8 @@ class TrainingSetup:
             raise ParameterError(
                 f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, got {shown(self.activation_formula)}"
             )
+        if self.attention not in ATTENTIONS:
+            raise ParameterError(f"attention must be one of {', '.join(ATTENTIONS)}, got {shown(self.attention)}")
         if self.optimizer not in OPTIMIZERS:
             raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
         if self.sequence_parallel and self.seq % self.tp:
@@ -209,9 +214,81 @@ class TrainingSetup:
 # -- activations ---------------------------------------------------------------------------
 
 
+def _tokens(setup: TrainingSetup) -> tuple[int, int, int]:
+    """(s*b, tokens a norm sees, tokens a column-parallel linear saves) on one TP rank.
+    With sequence parallel a norm sees s*b/t tokens; a column-parallel linear saves the
+    all-gathered s*b unless its communication is async, whose autograd function saves the
+    sharded input and gathers it again in backward
+    (nanotron/parallel/tensor_parallel/functional.py:119-144 against 341-359)."""
+    sb, t = setup.seq * setup.micro_batch, setup.tp
+    local = sb // t if setup.sequence_parallel else sb
+    gathered = sb // t if setup.sequence_parallel and setup.tp_async else sb
+    return sb, local, gathered
+
+
+def nanotron_layer_stash(model: ModelSpec, setup: TrainingSetup, recompute: str | None = None) -> dict[str, int]:
+    """Bytes one nanotron `LlamaDecoderLayer` saves for backward per microbatch on one TP
+    rank, by tensor ([Note: nanotron's Llama stash])."""
+    recompute = setup.recompute if recompute is None else recompute
+    sb, local, gathered = _tokens(setup)
+    h, a, f, t, e = model.hidden, model.heads, model.ffn, setup.tp, setup.act_bytes
+    kv = 2 * model.kv_heads * model.head_dim
+    if recompute == "full":
+        return {"layer input (checkpoint)": local * h * e, "sequence mask (bool)": sb}
+    standin = setup.attention == "sdpa-standin"
+    norm = local * (2 * max(e, 4) * h + 4) if standin else local * (h * e + 4)
+    out = {"input norm": norm, "qkv_proj input": gathered * h * e}
+    if standin:
+        out["rotary cos, sin (fp32)"] = 8 * setup.seq * model.head_dim
+    if recompute == "selective":
+        out["attention q, k, v (checkpoint inputs)"] = sb * (h + kv) * e // t
+        out["attention output"] = sb * h * e // t
+    else:
+        out["attention q, k, v"] = sb * (3 * h if standin else h + kv) * e // t
+        out["attention output"] = sb * h * e // t * (2 if standin else 1)
+        out["attention logsumexp (fp32)"] = sb * a * 4 // t
+        out["attention RNG state"] = 16
+    out["post norm"] = norm
+    out["gate_up_proj input"] = gathered * h * e
+    out["SwiGLU: gate_up out, silu, product"] = 4 * sb * f * e // t
+    if standin:
+        out["unattributed (measured)"] = 4 * sb // t
+    return out
+
+
+def weight_stash_layer(model: ModelSpec, setup: TrainingSetup) -> int:
+    """Bytes one decoder layer keeps from its B to its W under a split backward, on one
+    TP rank: each deferred linear's input and the gradient of its output
+    ([Note: split backward] in pipeschedule/runtime/split_backward.py). Inputs: the
+    gathered input of qkv_proj and of gate_up_proj (s*b*h each), o_proj's (s*b*h/t) and
+    down_proj's (s*b*f/t); output gradients: qkv (s*b*(q+kv)/t), o_proj and down_proj
+    before their reduce-scatter (s*b*h each), gate_up (2*s*b*f/t). About 0.9 GiB for
+    Llama3-70B at tp=4, seq 8192."""
+    sb, t, e = setup.seq * setup.micro_batch, setup.tp, setup.act_bytes
+    h, f, kv = model.hidden, model.ffn, 2 * model.kv_heads * model.head_dim
+    inputs = 2 * sb * h + sb * h // t + sb * f // t
+    grads = sb * (h + kv) // t + 2 * sb * h + 2 * sb * f // t
+    return (inputs + grads) * e
+
+
+def weight_stash_head(model: ModelSpec, setup: TrainingSetup) -> int:
+    """The LM head's share of the W stash: its gathered input and its logits' gradient."""
+    sb = setup.seq * setup.micro_batch
+    return (sb * model.hidden + sb * model.padded_vocab(setup.tp) // setup.tp) * setup.act_bytes
+
+
+def weight_stash_bytes(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool) -> int:
+    """A stage's W stash: its layers' (none when recomputed: a rerun layer computes its
+    weight gradients at B, integration/nanotron/recompute.py) and the LM head's."""
+    kept = 0 if setup.recompute == "full" else layers * weight_stash_layer(model, setup)
+    return kept + (weight_stash_head(model, setup) if last else 0)
+
+
 def layer_activation_bytes(model: ModelSpec, setup: TrainingSetup, recompute: str | None = None) -> int:
     """Bytes one decoder layer saves for backward per microbatch ([Note: memory terms])."""
     recompute = setup.recompute if recompute is None else recompute
+    if setup.activation_formula == "nanotron":
+        return sum(nanotron_layer_stash(model, setup, recompute).values())
     s, b, h, a, t = setup.seq, setup.micro_batch, model.hidden, model.heads, setup.tp
     sp = setup.sequence_parallel
     scale = setup.act_bytes / 2
@@ -229,6 +306,20 @@ def layer_activation_bytes(model: ModelSpec, setup: TrainingSetup, recompute: st
     if recompute == "none" and not setup.flash:
         per += scores
     return math.ceil(per * scale)
+
+
+def head_stash(model: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
+    """What the last stage's final norm, LM head and loss save per microbatch. nanotron:
+    the norm (as a layer's), the LM head's input (gathered unless async), the fp32
+    `exp_logits` of `_ShardedCrossEntropy` (functional.py:86) and its targets and masks
+    (12 bytes per token, measured by the ledger, and two scalars)."""
+    if setup.activation_formula != "nanotron":
+        boundary = boundary_bytes(model, setup)
+        return {"final norm + LM head inputs": 2 * boundary, "loss softmax (fp32)": 4 * logits_values(model, setup)}
+    sb, local, gathered = _tokens(setup)
+    layer = nanotron_layer_stash(model, setup, "none")
+    return {"final norm": layer["input norm"], "LM head input": gathered * model.hidden * setup.act_bytes,
+            "loss exp_logits (fp32)": 4 * logits_values(model, setup), "loss targets and masks": 12 * sb + 8}
 
 
 def boundary_bytes(model: ModelSpec, setup: TrainingSetup) -> int:
@@ -260,15 +351,42 @@ def static_per_param(setup: TrainingSetup) -> dict[str, float]:
         out["gradients"] = float(setup.param_bytes)
         if adam:
             out["Adam moments"] = 2 * setup.param_bytes / shard
-    if setup.dp > 1 and setup.ddp_buckets:
+    if builds_ddp(setup) and setup.ddp_buckets:
         out["DDP grad buckets"] = float(setup.param_bytes)
     return out
 
 
+def builds_ddp(setup: TrainingSetup) -> bool:
+    """nanotron wraps the model in torch DDP only when dp > 1 and not (fp32 accumulation
+    with ZeRO): `make_ddp` in nanotron/trainer.py:608-610. Under ZeRO-1 with fp32
+    accumulation there are no DDP buckets; the trainer all-reduces the fp32 gradients
+    itself after the pipeline step (trainer.py:341-350)."""
+    return setup.dp > 1 and not (setup.fp32_grad_accum and setup.zero_stage > 0)
+
+
 def transient_per_param(setup: TrainingSetup) -> float:
-    """bf16 `.grad` bytes per parameter that exist at the end of a backward before the
-    fp32 accumulator takes them (fp32 accumulation only)."""
-    return float(setup.param_bytes) if setup.fp32_grad_accum else 0.0
+    """bf16 `.grad` bytes per parameter that outlive a backward: none. With fp32
+    accumulation nanotron's accumulator adds each bf16 gradient to its fp32 buffer as it
+    is produced and frees it (`half_param.grad = None`,
+    nanotron/optim/gradient_accumulator.py:212-223), so one parameter's gradient exists at
+    a time (counted in the working set); without it the gradients are static."""
+    return 0.0
+
+
+def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool) -> tuple[str, int]:
+    """The largest short-lived allocation of a stage's step, with its name: a decoder
+    layer's backward (SwiGLU's gradients, 4*s*b*f/t values, and gate_up's bf16 weight
+    gradient before the accumulator takes it; under full recompute also the rerun layer's
+    whole stash), or the last stage's fp32 logits (nanotron's `cast_to_fp32`) with the LM
+    head's weight gradient."""
+    e, sb, t = setup.act_bytes, setup.seq * setup.micro_batch, setup.tp
+    layer = 0
+    if layers:
+        layer = 4 * sb * model.ffn * e // t + 2 * model.hidden * model.ffn * setup.param_bytes // t
+        if setup.recompute == "full":
+            layer += layer_activation_bytes(model, setup, recompute="none")
+    head = 4 * logits_values(model, setup) + model.padded_vocab(t) * model.hidden * setup.param_bytes // t if last else 0
+    return ("logits fp32 (transient)", head) if head > layer else ("layer backward (transient)", layer)
 
 
 @dataclass(frozen=True)
@@ -336,12 +454,8 @@ def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, firs
     boundary = boundary_bytes(model, setup)
     stash = {"decoder layers": layers * layer_activation_bytes(model, setup)}
     if last:
-        stash["final norm + LM head inputs"] = 2 * boundary
-        stash["loss softmax (fp32)"] = 4 * logits_values(model, setup)
-    working = ("layer working set (transient)", layer_activation_bytes(model, setup, recompute="none") if layers else 0)
-    logits = (2 + 4) * logits_values(model, setup) if last else 0
-    if logits > working[1]:
-        working = ("logits bf16 + fp32 (transient)", logits)
+        stash.update(head_stash(model, setup))
+    working = working_set(model, setup, layers, last=last)
     return StageFootprint(
         layers=layers, first=first, last=last, params=params,
         static={k: v * params for k, v in static_per_param(setup).items()},

@@ -26,11 +26,13 @@ from pipeschedule.compiler.families import FAMILIES, generate
 from pipeschedule.plan.memory import (
     GiB,
     boundary_bytes,
+    head_stash,
     layer_activation_bytes,
-    logits_values,
     stage_footprints,
     static_per_param,
     transient_per_param,
+    weight_stash_bytes,
+    weight_stash_layer,
 )
 from pipeschedule.plan.partition import (
     SplitInfeasible,
@@ -97,7 +99,11 @@ class _Planner:
         footprints = stage_footprints(config.model, config.setup, split)
         sb = schedule.split_backward
         timing = self.simulate(schedule, self.cost(split, split_backward=sb))
-        stash = self.simulate(schedule, self.cost(split, stash_buffers(footprints), sb))
+        stash_cost = self.cost(split, stash_buffers(footprints), sb)
+        if sb:
+            kept = tuple(weight_stash_bytes(config.model, config.setup, fp.layers, last=fp.last) for fp in footprints)
+            stash_cost = replace(stash_cost, weight_stash=kept)
+        stash = self.simulate(schedule, stash_cost)
         p2p = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb))
         memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
                              peak_inflight=stash.peak_inflight, budget=config.budget)
@@ -111,7 +117,10 @@ class _Planner:
         S, L = schedule.num_stages, model.layers
         per_param = sum(static_per_param(setup).values()) + transient_per_param(setup)
         (f, b, w), (hf, hb, hw) = self.compute_costs(schedule.split_backward)
-        head_stash = 2 * self.boundary + 4 * logits_values(model, setup)
+        head = float(sum(head_stash(model, setup).values()))
+        layer_stash = float(layer_activation_bytes(model, setup))
+        if schedule.split_backward and setup.recompute != "full":
+            layer_stash = max(layer_stash, float(weight_stash_layer(model, setup)))  # a bound: W may keep more
         static = [0.0] * S
         static[0] += per_param * model.embedding_params(setup.tp)
         static[-1] += per_param * model.head_params(setup.tp)
@@ -126,8 +135,8 @@ class _Planner:
             stage_forward=(0.0,) * (S - 1) + (hf,), stage_backward=(0.0,) * (S - 1) + (hb,),
             stage_weight=(0.0,) * (S - 1) + (hw,),
             layer_static=(per_param * model.layer_params(setup.tp),) * L,
-            layer_stash=(float(layer_activation_bytes(model, setup)),) * L,
-            stage_static=tuple(static), stage_stash=(0.0,) * (S - 1) + (float(head_stash),),
+            layer_stash=(layer_stash,) * L,
+            stage_static=tuple(static), stage_stash=(0.0,) * (S - 1) + (head,),
             rank_bytes=tuple(p + w for p, w in zip(p2p, working)),
             budget=(config.budget,) * schedule.pp, boundary=(float(self.boundary),) * S,
             latency=config.p2p_latency, bandwidth=config.p2p_bandwidth,
