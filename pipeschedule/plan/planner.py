@@ -42,6 +42,7 @@ from pipeschedule.plan.partition import (
 )
 from pipeschedule.compiler.passes import lower
 from pipeschedule.plan.candidate import Candidate, cap_label, fitted_caps
+from pipeschedule.plan.dp_step import step_tail
 from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, layer_seconds, weight_seconds
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
@@ -107,8 +108,14 @@ class _Planner:
         p2p = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb))
         memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
                              peak_inflight=stash.peak_inflight, budget=config.budget)
-        return Candidate(family, cap_label(cap), virtual, tuple(split), kind, timing.step_time,
-                         config.tokens_per_gpu / timing.step_time, tuple(memory), proven)
+        cost = self.cost(split, split_backward=sb)
+        backward = [b + w for b, w in zip(cost.backward, cost.weight)]
+        tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,
+                                dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
+        step = timing.step_time + tail
+        return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
+                         config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=timing.step_time,
+                         tail=parts, recompute=config.setup.recompute)
 
     def problem(self, family: str, cap, virtual: int) -> SplitProblem:
         """The split problem of `optimal_split` with this planner's costs and memory."""
@@ -180,6 +187,7 @@ class Plan:
     zero1_default: Candidate | None = None  # nanotron's default again with ZeRO-1, when dp > 1 without it
     stats: dict = field(default_factory=dict, compare=False)  # work done: simulations, searches, nodes
     offload: dict | None = field(default=None, compare=False)  # what offload adds to `recommended` (config.offload)
+    dropped: tuple = ()  # (family, why) not listed: the engines cannot run them under this config
 
     def to_dict(self) -> dict:
         return plan_to_dict(self)
@@ -210,6 +218,8 @@ def _families(config: PlanConfig, planner: _Planner):
         v = config.virtual if f.takes_virtual else f.chunks()
         if (f.takes_virtual and v == 1) or (pp == 1 and (v > 1 or f.split_backward)) or L < pp * v:
             continue  # the same as another candidate, nothing to gain at pp=1, or a stage without a layer
+        if f.split_backward and config.setup.tp_async and config.setup.tp > 1:
+            continue  # [Note: dropped candidates]
         usable[name] = (f, v)
     order = [n for n in FAST if n in usable] + [n for n in usable if n not in FAST and n not in SLOW]
     out = [(name, None, usable[name][1]) for name in order if usable[name][0].default_cap is None]
@@ -229,6 +239,21 @@ def _families(config: PlanConfig, planner: _Planner):
     return out
 
 
+def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:
+    """[Note: dropped candidates] (family, why) of the families the planner does not list
+    because the engines cannot run them as planned under this config: with
+    `tp_linear_async_communication: true` at tp > 1 nanotron's linears are autograd
+    functions that compute the weight gradient inside their own backward
+    (nanotron/parallel/tensor_parallel/functional.py:119-160, 362-400), so a split backward
+    defers nothing and W is empty: zb_h1 and the V shapes would run as their 1F1B-like
+    order with B = the whole backward."""
+    if not (config.setup.tp_async and config.setup.tp > 1):
+        return ()
+    why = ("tp_linear_async_communication: true: nanotron's async TP linears compute weight gradients "
+           "in their own backward, so the split backward defers nothing")
+    return tuple((name, why) for name, f in FAMILIES.items() if f.split_backward)
+
+
 def plan(config: PlanConfig | None = None, **options) -> Plan:
     """Evaluate nanotron's default and every alternative; see the module docstring.
 
@@ -243,7 +268,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
     base_split = nanotron_split(config.model, config.pp)
     default = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
     candidates = [default]
-    best = default.step_time if default.fits else math.inf
+    best = default.pipeline_time if default.fits else math.inf  # a cutoff: the searches time the pipeline
     for family, cap, virtual in _families(config, planner):
         try:
             nanotron = nanotron_split(config.model, config.pp * virtual)
@@ -255,7 +280,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
             if same is not default:
                 candidates.append(same)
                 if same.fits:
-                    best = min(best, same.step_time)
+                    best = min(best, same.pipeline_time)
         seeds = [nanotron] if nanotron else []
         row = planner.optimise(family, cap, virtual, seeds, cutoff=best)
         if same is not None and row.split == same.split and row.memory and row.split_kind != "best found":
@@ -265,7 +290,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
             continue
         candidates.append(row)
         if row.fits:
-            best = min(best, row.step_time)
+            best = min(best, row.pipeline_time)
     # Per-rank caps: for each split found so far, the least capping that fits it (p2p
     # buffers as 1F1B has them: the most a capped schedule holds).
     p2p = [r.terms["p2p buffers"] for r in default.memory]
@@ -280,7 +305,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
         tried.add(("capped_1f1b", caps))
         candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best))
         if candidates[-1].fits:
-            best = min(best, candidates[-1].step_time)
+            best = min(best, candidates[-1].pipeline_time)
     base = default.tokens_per_gpu
     candidates = [replace(c, relative=c.tokens_per_gpu / base if c.tokens_per_gpu else None) for c in candidates]
     # The fastest that fits; among equals (1e-9) the earliest, i.e. the simplest change.
@@ -296,7 +321,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
     stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.schedules))
     # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
     offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
-    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload)
+    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload, dropped(config))
 
 
 def offload_report(planner: _Planner, candidate: Candidate) -> dict:

@@ -28,9 +28,9 @@ MODELS = {
 # Nominal capacity read as GiB (nvidia-smi reports totals within about 1% of it).
 # Dense bf16 peak TFLOP/s, for absolute time estimates only.
 GPUS = {
-    "gh200": {"memory": 96 * GiB, "tflops": 989.0, "label": "NVIDIA GH200 96 GB"},
+    "gh200": {"memory": 96 * GiB, "tflops": 989.0, "hbm": 4.0, "label": "NVIDIA GH200 96 GB"},
     "h100": {"memory": 80 * GiB, "tflops": 989.0, "label": "NVIDIA H100 80 GB"},
-    "h200": {"memory": 141 * GiB, "tflops": 989.0, "label": "NVIDIA H200 141 GB"},
+    "h200": {"memory": 141 * GiB, "tflops": 989.0, "hbm": 4.8, "label": "NVIDIA H200 141 GB"},
 }
 
 # Host link bandwidth per direction, GB/s, by GPU preset: GH200's NVLink-C2C (900 GB/s
