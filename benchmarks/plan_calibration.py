@@ -82,7 +82,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for file, engine, m, r, pred, meas, stash, ledger in rows():
         ledger_text = f"{ledger / GiB:.3f}" if ledger else "-"
-        print(f"| {file} | `{engine}` | {m} | {r} | {pred / GiB:.2f} | {meas / GiB:.2f} | {100 * (pred / meas - 1):+.1f}% "
+        error = 100 * (pred / meas - 1)
+        print(f"| {file} | `{engine}` | {m} | {r} | {pred / GiB:.2f} | {meas / GiB:.2f} | {error:+.1f}% "
               f"| {stash / GiB:.3f} | {ledger_text} |")
 
 

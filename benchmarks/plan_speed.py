@@ -20,7 +20,6 @@ import argparse
 import datetime
 import sys
 import time
-from pathlib import Path
 
 from benchmarks.common import RESULTS, git_commit, machine as common_machine
 from pipeschedule.plan.memory import GiB, TrainingSetup
@@ -77,7 +76,8 @@ def report(rows: list[dict], meta: dict) -> str:
         "searches: exact split searches run (proven: finished, so optimal or proven unable to beat the",
         "best before it); splits simulated: by the searches (seeds, probes, leaves); simulations: all.",
         "",
-        "| recompute | wall s (runs) | CPU s (best) | schedules | candidates (rows) | searches (proven) | search nodes | splits simulated | simulations | recommended |",
+        "| recompute | wall s (runs) | CPU s (best) | schedules | candidates (rows) | searches (proven) | search nodes "
+        "| splits simulated | simulations | recommended |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:

@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--microbatches", type=int_arg("--microbatches"), required=True,
                         help="microbatches per replica per step (nanotron batch_accumulation_per_replica)")
     layout.add_argument("--seq", type=int_arg("--seq"), default=8192, help="sequence length (default 8192, Llama3's)")
-    layout.add_argument("--micro-batch", type=int_arg("--micro-batch"), default=1, help="sequences per microbatch (default 1)")
+    layout.add_argument("--micro-batch", type=int_arg("--micro-batch"), default=1,
+                        help="sequences per microbatch (default 1)")
     layout.add_argument("--recompute", choices=RECOMPUTE_MODES + ("auto",), default="auto",
                         help="activation recompute, or auto: plan none, selective and full (default auto)")
     layout.add_argument("--tp-async", action=argparse.BooleanOptionalAction, default=False,
@@ -64,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--reserve", type=number_arg("--reserve"), default=2.0,
                      help="GiB kept back for CUDA context, NCCL buffers, allocator slack (default 2)")
     gpu.add_argument("--gpu-tflops", type=number_arg("--gpu-tflops"), help="peak bf16 TFLOP/s (default: the preset's)")
-    gpu.add_argument("--mfu", type=number_arg("--mfu"), default=0.5, help="fraction of peak the matmuls reach (default 0.5)")
-    gpu.add_argument("--p2p-bandwidth", type=number_arg("--p2p-bandwidth"), default=25.0, help="GB/s between stages (default 25)")
+    gpu.add_argument("--mfu", type=number_arg("--mfu"), default=0.5,
+                     help="fraction of peak the matmuls reach (default 0.5)")
+    gpu.add_argument("--p2p-bandwidth", type=number_arg("--p2p-bandwidth"), default=25.0,
+                     help="GB/s between stages (default 25)")
     gpu.add_argument("--dp-bandwidth", type=number_arg("--dp-bandwidth"), default=25.0,
                      help="GB/s per GPU of the data-parallel gradient collectives (default 25)")
     gpu.add_argument("--p2p-latency", type=number_arg("--p2p-latency"), default=20.0,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.memory import RECOMPUTE_MODES, GiB
-from pipeschedule.plan.planner import Plan, plan
+from pipeschedule.plan.planner import plan
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,10 @@ def yaml_lines(key, candidate, pp: int) -> list[str]:
             + ["optimizer:", f"  zero_stage: {zero}"])
 
 
+def tail_text(cand) -> str:
+    return " + ".join(f"{k} {v:.2f} s" for k, v in cand.tail.items() if k != "rank")
+
+
 def baseline(result: LeverPlan):
     """(key, candidate): the fastest nanotron default that fits over the levers planned,
     else nanotron's default at the first combination."""
@@ -96,7 +100,7 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
     out.append(f"Recommended: ZeRO-{key[0]}, recompute {key[1]}, {cand.label} split {'/'.join(map(str, cand.split))}: "
                f"{base.step_time / cand.step_time:.3f}x, peak {peak.total / GiB:.1f} of {peak.budget / GiB:.1f} GiB "
                f"(rank {peak.rank}, margin {-peak.overflow / GiB:.1f} GiB); step {cand.step_time:.2f} s = pipeline "
-               f"{cand.pipeline_time:.2f} s + " + " + ".join(f"{k} {v:.2f} s" for k, v in cand.tail.items() if k != "rank"))
+               f"{cand.pipeline_time:.2f} s + " + tail_text(cand))
     out += ["  " + line for line in yaml_lines(key, cand, c.pp)]
     if tables != "none":
         out += ["", result.plans[key].to_text(tables=tables)]

@@ -145,7 +145,8 @@ class ModelSpec:
         return self.embedding_params() + self.layers * self.layer_params() + head
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("name", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied_embeddings")}
+        return {k: getattr(self, k) for k in ("name", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
+                                              "tied_embeddings")}
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,8 @@ class TrainingSetup:
             raise ParameterError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {shown(self.recompute)}")
         if self.activation_formula not in ACTIVATION_FORMULAS:
             raise ParameterError(
-                f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, got {shown(self.activation_formula)}"
+                f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, "
+                f"got {shown(self.activation_formula)}"
             )
         if self.attention not in ATTENTIONS:
             raise ParameterError(f"attention must be one of {', '.join(ATTENTIONS)}, got {shown(self.attention)}")
@@ -385,7 +387,8 @@ def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bo
         layer = 4 * sb * model.ffn * e // t + 2 * model.hidden * model.ffn * setup.param_bytes // t
         if setup.recompute == "full":
             layer += layer_activation_bytes(model, setup, recompute="none")
-    head = 4 * logits_values(model, setup) + model.padded_vocab(t) * model.hidden * setup.param_bytes // t if last else 0
+    head = 4 * logits_values(model,
+                             setup) + model.padded_vocab(t) * model.hidden * setup.param_bytes // t if last else 0
     return ("logits fp32 (transient)", head) if head > layer else ("layer backward (transient)", layer)
 
 

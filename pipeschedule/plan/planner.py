@@ -158,7 +158,8 @@ class _Planner:
         except SplitInfeasible as err:
             self.stats["proven"] += 1
             return Candidate(family, cap_label(cap), virtual, err.split, "least overflow",
-                             note=f"no split fits: the best still overflows rank {err.rank} by {err.overflow / GiB:.1f} GiB")
+                             note=f"no split fits: the best still overflows rank {err.rank} "
+                                  f"by {err.overflow / GiB:.1f} GiB")
         self.stats["proven"] += found.proven
         self.stats["search_nodes"] += found.nodes
         self.stats["search_simulations"] += found.simulations
@@ -276,7 +277,8 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
             nanotron = None
         same = None  # the row with nanotron's split, which the search may confirm
         if nanotron is not None:
-            same = default if (family, virtual) == ("1f1b", 1) else planner.evaluate(family, cap, virtual, nanotron, "nanotron")
+            same = default if (family, virtual) == ("1f1b", 1) else planner.evaluate(family, cap, virtual, nanotron,
+                                                                                     "nanotron")
             if same is not default:
                 candidates.append(same)
                 if same.fits:
@@ -285,7 +287,8 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
         row = planner.optimise(family, cap, virtual, seeds, cutoff=best)
         if same is not None and row.split == same.split and row.memory and row.split_kind != "best found":
             # The search kept nanotron's split (or proved nothing beats the rows before): one row.
-            kind = "nanotron" if same is default else "nanotron=optimal" if row.split_kind == "optimal" else same.split_kind
+            kind = ("nanotron" if same is default
+                    else "nanotron=optimal" if row.split_kind == "optimal" else same.split_kind)
             candidates[candidates.index(same)] = replace(same, split_kind=kind, proven=row.proven)
             continue
         candidates.append(row)
@@ -352,7 +355,8 @@ def offload_report(planner: _Planner, candidate: Candidate) -> dict:
         "host_bandwidth": config.host_bandwidth, "auto": isinstance(config.offload, AutoOffload),
         "budget": config.offload.budget if isinstance(config.offload, AutoOffload) else None,
         "step_time_s": choice.base_step_time, "step_time_offload_s": choice.step_time, "slowdown": choice.slowdown,
-        "activations": [float(x) for x in before.peak_bytes], "activations_offload": [float(x) for x in after.peak_bytes],
+        "activations": [float(x) for x in before.peak_bytes],
+        "activations_offload": [float(x) for x in after.peak_bytes],
         "host_bytes": [float(x) for x in after.peak_host_bytes], "tightest_rank": tightest,
         "saved_on_tightest": float(before.peak_bytes[tightest] - after.peak_bytes[tightest]),
         "simulations": choice.simulations, "chunk": choice.policy.chunk,

@@ -52,7 +52,8 @@ _KEYS = {
 def model_preset(name: str) -> ModelSpec:
     key = name.lower().replace("_", "-")
     if key not in MODELS:
-        raise ParameterError(f"unknown model {shown(name)}; presets: {', '.join(MODELS)} (or give --model-file / the sizes as flags)")
+        raise ParameterError(f"unknown model {shown(name)}; presets: {', '.join(MODELS)} "
+                             "(or give --model-file / the sizes as flags)")
     return MODELS[key]
 
 
@@ -227,7 +228,8 @@ def _mapping(lines, index, indent, source):
         index += 1
         if rest:
             out[key] = parse_scalar(rest)
-        elif index < len(lines) and (lines[index][1] > indent or (lines[index][1] == indent and lines[index][2].startswith("-"))):
+        elif index < len(lines) and (lines[index][1] > indent
+                                     or (lines[index][1] == indent and lines[index][2].startswith("-"))):
             out[key], index = _block(lines, index, lines[index][1], source)
         else:
             out[key] = None
@@ -265,4 +267,5 @@ def _sequence(lines, index, indent, source):
     return out, index
 
 
-__all__ = ["GPUS", "HOST_LINKS", "MODELS", "gpu_preset", "host_bandwidth", "load_model", "model_from_mapping", "model_preset", "parse_scalar", "parse_yaml"]
+__all__ = ["GPUS", "HOST_LINKS", "MODELS", "gpu_preset", "host_bandwidth", "load_model", "model_from_mapping",
+           "model_preset", "parse_scalar", "parse_yaml"]

@@ -29,7 +29,8 @@ def assumptions(config) -> list[str]:
                  f"moments{' sharded over dp (ZeRO-1)' if st.zero_stage == 1 else ''} "
                  "(nanotron accumulate_grad_in_fp32: true); bf16 grads counted at the end of each backward")
     else:
-        state = (f"bf16 weights and grads; Adam moments in bf16{' sharded over dp (ZeRO-1)' if st.zero_stage == 1 else ''} "
+        sharded = " sharded over dp (ZeRO-1)" if st.zero_stage == 1 else ""
+        state = (f"bf16 weights and grads; Adam moments in bf16{sharded} "
                  "(accumulate_grad_in_fp32: false)")
     ddp = "; DDP bf16 grad buckets (dp > 1 without ZeRO)" if builds_ddp(st) and st.ddp_buckets else ""
     lines = [
@@ -114,7 +115,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         f"vocab {m.vocab}: {m.total_params() / 1e9:.1f} B parameters"),
         (f"Layout: pp={c.pp} tp={st.tp} dp={st.dp} ZeRO-{st.zero_stage}; seq {st.seq}, micro-batch {st.micro_batch}, "
         f"{c.microbatches} microbatches per replica"),
-        f"GPU: {c.gpu_name}, {_gib(c.gpu_memory)} GiB, reserve {_gib(c.reserve)} GiB -> budget {_gib(c.budget)} GiB per GPU",
+        (f"GPU: {c.gpu_name}, {_gib(c.gpu_memory)} GiB, reserve {_gib(c.reserve)} GiB -> budget {_gib(c.budget)} GiB "
+         "per GPU"),
     ]
     out += ["Assumptions:"] + ["  " + line for line in assumptions(c)]
     out.append("")
@@ -153,7 +155,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         peak = z.peak
         verdict = "fits" if z.fits else f"still does not fit ({_gib(peak.overflow)} GiB over)"
         out.append(f"Hint: with ZeRO-1 (optimizer.zero_stage: 1) at dp={st.dp}, nanotron's default {verdict}: "
-                   f"peak {_gib(peak.total)} of {_gib(peak.budget)} GiB (rank {peak.rank}) at {z.relative or 0:.3f}x the default's throughput.")
+                   f"peak {_gib(peak.total)} of {_gib(peak.budget)} GiB (rank {peak.rank}) at "
+                   f"{z.relative or 0:.3f}x the default's throughput.")
     if tables != "none":
         shown = plan.candidates if tables == "all" else [x for x in (plan.default, rec) if x is not None]
         seen = set()
@@ -176,7 +179,8 @@ def offload_lines(plan) -> list[str]:
     lines.append("  activations GiB per rank: " + ", ".join(
         f"{_gib(a)} -> {_gib(b)}" for a, b in zip(o["activations"], o["activations_offload"]))
         + "; on the host: " + ", ".join(_gib(h) for h in o["host_bytes"]))
-    lines.append(f"  saves {_gib(o['saved_on_tightest'])} GiB on rank {o['tightest_rank']} (the tightest) at a predicted "
+    lines.append(f"  saves {_gib(o['saved_on_tightest'])} GiB on rank {o['tightest_rank']} (the tightest) "
+                 "at a predicted "
                  f"slowdown of {o['slowdown']:.2%} (step {o['step_time_s']:.3f} s -> {o['step_time_offload_s']:.3f} s)")
     return lines
 

@@ -21,7 +21,6 @@ acts in nanotron's REDUCE_SCATTER mode), flash attention, nanotron's split 21/20
   until the step ends (test_microbatch_observations_imply_a_leak).
 """
 
-import itertools
 import math
 
 import pytest
@@ -77,15 +76,19 @@ def ranks(setup, split=SPLIT, family="1f1b", cap=None, microbatches=16):
 def test_korthikanti_formulas(s, b, h, a, t):
     model = ModelSpec("m", layers=2, hidden=h, heads=a, kv_heads=a, ffn=4 * h, vocab=1000)
     sbh = s * b * h
-    tp_only = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False, flash=False)
+    tp_only = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False,
+                            flash=False)
     assert layer_activation_bytes(model, tp_only) == math.ceil(sbh * (10 + 24 / t) + 5 * a * s * s * b / t)
     sp = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=True, flash=True)
     assert layer_activation_bytes(model, sp) == math.ceil(sbh * 34 / t)
-    selective = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False, flash=False, recompute="selective")
+    selective = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False,
+                              flash=False, recompute="selective")
     assert layer_activation_bytes(model, selective) == math.ceil(sbh * (10 + 24 / t))
-    full = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=True, recompute="full")
+    full = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=True,
+                         recompute="full")
     assert layer_activation_bytes(model, full) == 2 * sbh // t
-    full_tp = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False, recompute="full")
+    full_tp = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False,
+                            recompute="full")
     assert layer_activation_bytes(model, full_tp) == 2 * sbh
 
 
@@ -279,7 +282,8 @@ def test_a_nanotron_config_is_a_model_file(tmp_path):
     path = tmp_path / "llama.yaml"
     path.write_text(NANOTRON_CONFIG)
     model = load_model(str(path))
-    assert (model.layers, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab) == (80, 8192, 64, 8, 28672, 128256)
+    assert (model.layers, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab) == (80, 8192, 64, 8,
+                                                                                                 28672, 128256)
     parsed = parse_yaml(NANOTRON_CONFIG)
     assert parsed["parallelism"]["pp_engine"] == "capped_1f1b:cap=2,split=19/21/21/19"
     assert parsed["data_stages"][0] == {"data": {"seed": 42}, "name": "stable"}

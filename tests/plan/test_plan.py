@@ -113,7 +113,8 @@ def test_cli_text_json_png(capsys, tmp_path):
 def test_cli_model_from_sizes(capsys):
     argv = ["--zero", "0", "--recompute", "none",
             "--layers", "8", "--hidden", "256", "--heads", "8", "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
-            "--pp", "2", "--microbatches", "4", "--seq", "128", "--gpu-memory", "1", "--reserve", "0", "--tables", "none"]
+            "--pp", "2", "--microbatches", "4", "--seq", "128", "--gpu-memory", "1", "--reserve", "0",
+            "--tables", "none"]
     code, out = run(argv, capsys)
     assert code == 0 and "Plan for custom: 8 layers" in out
 
@@ -144,7 +145,8 @@ def test_cli_bad_input_names_the_value(argv, message):
 
 
 def test_nothing_fits_returns_1(capsys):
-    code, out = run(["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--gpu", "h100", "--recompute", "none", "--zero", "0",
+    code, out = run(["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--gpu", "h100",
+                     "--recompute", "none", "--zero", "0",
                      "--tables", "none"], capsys)
     assert code == 1
     assert "Recommended: nothing fits" in out
