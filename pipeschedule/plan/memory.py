@@ -279,10 +279,10 @@ def weight_stash_head(model: ModelSpec, setup: TrainingSetup) -> int:
     return (sb * model.hidden + sb * model.padded_vocab(setup.tp) // setup.tp) * setup.act_bytes
 
 
-def weight_stash_bytes(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool) -> int:
+def weight_stash_bytes(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool, recomputed: int = 0) -> int:
     """A stage's W stash: its layers' (none when recomputed: a rerun layer computes its
     weight gradients at B, integration/nanotron/recompute.py) and the LM head's."""
-    kept = 0 if setup.recompute == "full" else layers * weight_stash_layer(model, setup)
+    kept = 0 if setup.recompute == "full" else (layers - min(recomputed, layers)) * weight_stash_layer(model, setup)
     return kept + (weight_stash_head(model, setup) if last else 0)
 
 
@@ -375,7 +375,8 @@ def transient_per_param(setup: TrainingSetup) -> float:
     return 0.0
 
 
-def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool) -> tuple[str, int]:
+def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool,
+                rerun: bool = False) -> tuple[str, int]:
     """The largest short-lived allocation of a stage's step, with its name: a decoder
     layer's backward (SwiGLU's gradients, 4*s*b*f/t values, and gate_up's bf16 weight
     gradient before the accumulator takes it; under full recompute also the rerun layer's
@@ -385,7 +386,7 @@ def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bo
     layer = 0
     if layers:
         layer = 4 * sb * model.ffn * e // t + 2 * model.hidden * model.ffn * setup.param_bytes // t
-        if setup.recompute == "full":
+        if setup.recompute == "full" or rerun:
             layer += layer_activation_bytes(model, setup, recompute="none")
     head = 4 * logits_values(model,
                              setup) + model.padded_vocab(t) * model.hidden * setup.param_bytes // t if last else 0
@@ -416,6 +417,7 @@ class StageFootprint:
     boundary: int
     input_bytes: int
     working: tuple[str, int]
+    recomputed: int = 0  # layers of this stage that recompute (on top of setup.recompute)
 
     @property
     def stash_bytes(self) -> int:
@@ -449,31 +451,39 @@ def stage_params(model: ModelSpec, layers: int, *, first: bool, last: bool, tp: 
     return params
 
 
-def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: bool, last: bool) -> StageFootprint:
+def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: bool, last: bool,
+                    recomputed: int = 0) -> StageFootprint:
     """The footprint of one stage holding `layers` decoder layers (plus the embedding when
     `first`, the final norm, LM head and loss when `last`)."""
     _check_int("layers", layers, 0)
     params = stage_params(model, layers, first=first, last=last, tp=setup.tp)
     boundary = boundary_bytes(model, setup)
-    stash = {"decoder layers": layers * layer_activation_bytes(model, setup)}
+    recomputed = min(recomputed, layers)
+    stash = {"decoder layers": (layers - recomputed) * layer_activation_bytes(model, setup)}
+    if recomputed:
+        stash["recomputed layers' inputs"] = recomputed * layer_activation_bytes(model, setup, recompute="full")
     if last:
         stash.update(head_stash(model, setup))
-    working = working_set(model, setup, layers, last=last)
+    working = working_set(model, setup, layers, last=last, rerun=recomputed > 0)
     return StageFootprint(
         layers=layers, first=first, last=last, params=params,
         static={k: v * params for k, v in static_per_param(setup).items()},
         grads_transient=transient_per_param(setup) * params,
         stash=stash, boundary=boundary,
         input_bytes=8 * setup.seq * setup.micro_batch if first else boundary,
-        working=working,
+        working=working, recomputed=recomputed,
     )
 
 
-def stage_footprints(model: ModelSpec, setup: TrainingSetup, split: Sequence[int]) -> list[StageFootprint]:
-    """Footprints of every stage of `split` (decoder layers per stage, in stage order)."""
+def stage_footprints(model: ModelSpec, setup: TrainingSetup, split: Sequence[int],
+                     recomputed: Sequence[int] | None = None) -> list[StageFootprint]:
+    """Footprints of every stage of `split` (decoder layers per stage, in stage order);
+    recomputed[s]: how many of stage s's layers recompute (the engine's `recompute=N0/N1/..`)."""
     setup.check_model(model)
     last = len(split) - 1
-    return [stage_footprint(model, setup, n, first=s == 0, last=s == last) for s, n in enumerate(split)]
+    recomputed = recomputed or (0,) * len(split)
+    return [stage_footprint(model, setup, n, first=s == 0, last=s == last, recomputed=recomputed[s])
+            for s, n in enumerate(split)]
 
 
 # -- per rank, under a schedule ([Note: memory terms]) ----------------------------------------------

@@ -83,39 +83,48 @@ class _Planner:
         w, hw = self.weight
         return (f, b - w, w), (hf, hb - hw, hw)
 
-    def cost(self, split: Sequence[int], buffers=None, split_backward: bool = False) -> CostModel:
+    def cost(self, split: Sequence[int], buffers=None, split_backward: bool = False,
+             recomputed: Sequence[int] | None = None) -> CostModel:
+        """Per-stage costs; recomputed[s] layers of stage s rerun their forward in B (and,
+        under a split backward, compute their weight gradients there: W has none of them)."""
         (f, b, w), (hf, hb, hw) = self.compute_costs(split_backward)
         last = len(split) - 1
+        r = recomputed or (0,) * len(split)
         forward = tuple(n * f + (hf if s == last else 0) for s, n in enumerate(split))
-        backward = tuple(n * b + (hb if s == last else 0) for s, n in enumerate(split))
-        weight = tuple(n * w + (hw if s == last else 0) for s, n in enumerate(split))
+        backward = tuple(n * b + r[s] * (self.layer[0] + w) + (hb if s == last else 0) for s, n in enumerate(split))
+        weight = tuple((n - r[s]) * w + (hw if s == last else 0) for s, n in enumerate(split))
         bytes_ = buffers or {"act_out": (self.boundary,) * len(split), "grad_in": (self.boundary,) * len(split)}
         return CostModel(forward, backward, weight, bytes_,
                          latency=self.config.p2p_latency, bandwidth=self.config.p2p_bandwidth)
 
-    def evaluate(self, family: str, cap, virtual: int, split: Sequence[int], kind: str, proven=None) -> Candidate:
+    def evaluate(self, family: str, cap, virtual: int, split: Sequence[int], kind: str, proven=None,
+                 recomputed: Sequence[int] | None = None) -> Candidate:
+        """One candidate's memory table and step time; recomputed: layers per stage that
+        recompute on top of the setup's mode ([Note: partial recompute])."""
         config = self.config
         self.stats["evaluations"] += 1
         schedule = self.schedule(family, cap, virtual)
-        footprints = stage_footprints(config.model, config.setup, split)
+        footprints = stage_footprints(config.model, config.setup, split, recomputed)
         sb = schedule.split_backward
-        timing = self.simulate(schedule, self.cost(split, split_backward=sb))
-        stash_cost = self.cost(split, stash_buffers(footprints), sb)
+        timing = self.simulate(schedule, self.cost(split, split_backward=sb, recomputed=recomputed))
+        stash_cost = self.cost(split, stash_buffers(footprints), sb, recomputed)
         if sb:
-            kept = tuple(weight_stash_bytes(config.model, config.setup, fp.layers, last=fp.last) for fp in footprints)
+            kept = tuple(weight_stash_bytes(config.model, config.setup, fp.layers, last=fp.last,
+                                            recomputed=fp.recomputed) for fp in footprints)
             stash_cost = replace(stash_cost, weight_stash=kept)
         stash = self.simulate(schedule, stash_cost)
-        p2p = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb))
+        p2p = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb, recomputed))
         memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
                              peak_inflight=stash.peak_inflight, budget=config.budget)
-        cost = self.cost(split, split_backward=sb)
+        cost = self.cost(split, split_backward=sb, recomputed=recomputed)
         backward = [b + w for b, w in zip(cost.backward, cost.weight)]
         tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,
                                 dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
         step = timing.step_time + tail
         return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
                          config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=timing.step_time,
-                         tail=parts, recompute=config.setup.recompute)
+                         tail=parts, recompute=config.setup.recompute,
+                         recomputed=tuple(recomputed) if recomputed and any(recomputed) else None)
 
     def problem(self, family: str, cap, virtual: int) -> SplitProblem:
         """The split problem of `optimal_split` with this planner's costs and memory."""
@@ -240,6 +249,45 @@ def _families(config: PlanConfig, planner: _Planner):
     return out
 
 
+def fitted_recompute(planner: _Planner, cand: Candidate) -> Candidate | None:
+    """[Note: partial recompute] The fewest layers per stage to recompute (the first N_s
+    of stage s, the engine's `recompute=N0/N1/..`) for `cand` (one stage per rank, no
+    recompute) to fit: each recomputed layer keeps only its input, saving (stash - input)
+    per microbatch in flight on that rank, and its rerun adds one layer's stash to the
+    working set and one layer forward to B. Raised rank by rank until the table fits or
+    every layer recomputes; None when it cannot fit."""
+    config = planner.config
+    model, setup = config.model, config.setup
+    saving = layer_activation_bytes(model, setup) - layer_activation_bytes(model, setup, recompute="full")
+    counts = [0] * len(cand.split)
+    for _ in range(4):
+        over = [r.overflow for r in cand.memory]
+        if all(o <= 0 for o in over):
+            return replace(cand, split_kind=cand.split_kind, note="recomputes the first N_s layers of each stage")
+        for r, o in enumerate(over):
+            if o > 0:
+                rerun = layer_activation_bytes(model, setup) if counts[r] == 0 else 0
+                per_layer = saving * max(1, cand.memory[r].inflight)
+                counts[r] = min(cand.split[r], counts[r] + math.ceil((o + rerun) / per_layer))
+        cand = planner.evaluate(cand.family, cand.cap, 1, cand.split, cand.split_kind, recomputed=tuple(counts))
+    return cand if cand.fits else None
+
+
+def partial_recompute(planner: _Planner, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Rows with partial recompute fitted ([Note: partial recompute]) for the 1F1B and
+    ZB-H1 rows with nanotron's split that do not fit, when the setup recomputes nothing."""
+    if planner.config.setup.recompute != "none":
+        return []
+    out = []
+    for cand in candidates:
+        if cand.family in ("1f1b", "zb_h1") and cand.virtual == 1 and cand.memory and not cand.fits \
+                and cand.split_kind.startswith("nanotron"):
+            fitted = fitted_recompute(planner, cand)
+            if fitted is not None:
+                out.append(fitted)
+    return out
+
+
 def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:
     """[Note: dropped candidates] (family, why) of the families the planner does not list
     because the engines cannot run them as planned under this config: with
@@ -309,6 +357,8 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
         candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best))
         if candidates[-1].fits:
             best = min(best, candidates[-1].pipeline_time)
+    for cand in partial_recompute(planner, candidates):
+        candidates.append(cand)
     base = default.tokens_per_gpu
     candidates = [replace(c, relative=c.tokens_per_gpu / base if c.tokens_per_gpu else None) for c in candidates]
     # The fastest that fits; among equals (1e-9) the earliest, i.e. the simplest change.
