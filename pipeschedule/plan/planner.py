@@ -106,14 +106,15 @@ class _Planner:
         schedule = self.schedule(family, cap, virtual)
         footprints = stage_footprints(config.model, config.setup, split, recomputed)
         sb = schedule.split_backward
-        timing = self.simulate(schedule, self.cost(split, split_backward=sb, recomputed=recomputed))
         stash_cost = self.cost(split, stash_buffers(footprints), sb, recomputed)
         if sb:
             kept = tuple(weight_stash_bytes(config.model, config.setup, fp.layers, last=fp.last,
                                             recomputed=fp.recomputed) for fp in footprints)
             stash_cost = replace(stash_cost, weight_stash=kept)
         stash = self.simulate(schedule, stash_cost)
-        p2p = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb, recomputed))
+        # Messages are timed from act_out and grad_in, which p2p_buffers sets to the boundary
+        # as the timing cost does: this run is also the step's timing.
+        p2p = timing = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb, recomputed))
         memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
                              peak_inflight=stash.peak_inflight, budget=config.budget)
         cost = self.cost(split, split_backward=sb, recomputed=recomputed)
