@@ -1,7 +1,8 @@
 """The users' case: Llama3-70B, pp=4, tp=4 with sequence parallel and async TP linears,
 seq 8192, micro-batch 1, GH200 96 GiB (2 GiB reserve), 128 microbatches, dp = 1..16.
 
-    python -m benchmarks.users_case > docs/users_case_table.md
+    python -m benchmarks.users_case            # the tables of docs/users_case.md
+    python -m benchmarks.users_case --quick    # dp 1 and 2 only
 
 Prints, per dp, nanotron's default (1F1B, its split 21/20/20/19) under each reading of
 the users' setup, and the planner's recommendation over every lever (`plan_levers`: ZeRO
@@ -10,6 +11,8 @@ fp32 gradient accumulation, its YAML and its margin. Pure arithmetic, about a mi
 """
 
 from __future__ import annotations
+
+import argparse
 
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.levers import plan_levers, tail_text, yaml_lines
@@ -43,6 +46,11 @@ def stages(cand) -> str:
 
 
 def main() -> None:
+    global DPS, RESERVES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="dp 1 and 2, reserve 2 GiB only (a smoke run)")
+    if parser.parse_args().quick:
+        DPS, RESERVES = (1, 2), (2,)
     base = default(1, 0, **READINGS["A: fp32 accumulation, full recompute"])
     print("## nanotron's default per reading (peak GiB per stage, budget 94.0)\n")
     print("| reading | dp | ZeRO | stage 0 / 1 / 2 / 3 | fits | stage 0 margin GiB | step s |")
