@@ -166,6 +166,9 @@ class _Planner:
             found = optimal_split(self.problem(family, cap, virtual), schedule, seeds=seeds,
                                   node_limit=self.config.node_limit, cutoff=cutoff)
         except SplitInfeasible as err:
+            if err.overflow <= 0:  # the per-stage bound refused, the rank totals fit: evaluate it
+                row = self.evaluate(family, cap, virtual, err.split, "best found")
+                return replace(row, note="the search's per-stage bound admits no split; this one fits its rank totals")
             self.stats["proven"] += 1
             return Candidate(family, cap_label(cap), virtual, err.split, "least overflow",
                              note=f"no split fits: the best still overflows rank {err.rank} "
