@@ -8,7 +8,8 @@ against the engine's ledger.
 Reads benchmarks/results/trainer.json (pp=4, m=8, seq 4096, ZeRO 0) and growth.json
 (dp=2 x pp=2, ZeRO-1, seq 2048, m=16 and 128). Both ran nanotron's LlamaForTraining with
 the adapter's SDPA stand-in for flash-attn (attention="sdpa-standin"), tp=1, bf16, fp32
-gradient accumulation, AdamW. Pure arithmetic: no torch, no GPU.
+gradient accumulation, AdamW (foreach: `torch_adam_is_fused: false`). Pure arithmetic:
+no torch, no GPU.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def rows() -> list[tuple]:
     out = []
     trainer = json.loads((RESULTS / "trainer.json").read_text())
     model = model_of(trainer)
-    setup = TrainingSetup(tp=1, seq=trainer["model"]["seq"], sequence_parallel=False, attention="sdpa-standin")
+    setup = TrainingSetup(tp=1, seq=trainer["model"]["seq"], sequence_parallel=False, attention="sdpa-standin",
+                          adam_fused=False)
     planner = _Planner(PlanConfig(model, setup, pp=trainer["pp"], microbatches=trainer["microbatches"],
                                   gpu_memory=139 * GiB))
     for name, record in trainer["engines"].items():
@@ -62,7 +64,8 @@ def rows() -> list[tuple]:
     growth = json.loads((RESULTS / "growth.json").read_text())
     model = model_of(growth)
     setup = TrainingSetup(tp=1, dp=growth["dp"], zero_stage=growth["zero_stage"], seq=growth["model"]["seq"],
-                          sequence_parallel=False, attention="sdpa-standin")
+                          sequence_parallel=False, attention="sdpa-standin",
+                          adam_fused=False)
     for row in growth["rows"]:
         family, cap, virtual = ENGINES[row["engine"]]
         planner = _Planner(PlanConfig(model, setup, pp=growth["pp"], microbatches=row["m"], gpu_memory=139 * GiB))

@@ -47,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="activation recompute, or auto: plan none, selective and full (default auto)")
     layout.add_argument("--tp-async", action=argparse.BooleanOptionalAction, default=False,
                         help="nanotron tp_linear_async_communication (default off, nanotron's default)")
+    layout.add_argument("--adam-fused", action=argparse.BooleanOptionalAction, default=True,
+                        help="nanotron torch_adam_is_fused (default on); off adds foreach Adam's temporary")
     layout.add_argument("--attention", choices=ATTENTIONS, default="flash-attn",
                         help="attention kernel: flash-attn, or the adapter's sdpa-standin (default flash-attn)")
     layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
@@ -110,7 +112,7 @@ def config_from_args(args):
         model_from_args(args), pp=args.pp, microbatches=args.microbatches, tp=args.tp, dp=args.dp,
         zero_stage=0 if args.zero == "auto" else int(args.zero), seq=args.seq, micro_batch=args.micro_batch,
         recompute="none" if args.recompute == "auto" else args.recompute, tp_async=args.tp_async,
-        attention=args.attention, dp_bandwidth=args.dp_bandwidth,
+        attention=args.attention, dp_bandwidth=args.dp_bandwidth, adam_fused=args.adam_fused,
         sequence_parallel=args.sequence_parallel, flash=args.flash, fp32_grad_accum=args.fp32_grad_accum,
         ddp_buckets=args.ddp_buckets, activation_formula=args.activation_formula, gpu=args.gpu,
         gpu_memory=args.gpu_memory, reserve=args.reserve, gpu_tflops=args.gpu_tflops, mfu=args.mfu,

@@ -156,7 +156,7 @@ def build_config(
     gpu: str | None = "gh200", gpu_memory: float | None = None, reserve: float = 2.0,
     gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
     virtual: int = 2, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
-    dp_bandwidth: float = 25.0, tp_async: bool = False, attention: str = "flash-attn",
+    dp_bandwidth: float = 25.0, tp_async: bool = False, attention: str = "flash-attn", adam_fused: bool = True,
 ):
     """A PlanConfig in the command line's units: `model` a preset name, a model file path
     or a ModelSpec; gpu_memory and reserve in GiB (gpu_memory overrides the `gpu` preset),
@@ -170,6 +170,7 @@ def build_config(
         tp=tp, dp=dp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute,
         sequence_parallel=sequence_parallel, flash=flash, fp32_grad_accum=fp32_grad_accum,
         ddp_buckets=ddp_buckets, activation_formula=activation_formula, tp_async=tp_async, attention=attention,
+        adam_fused=adam_fused,
     )
     if gpu_memory is None and gpu is None:
         raise ParameterError("give a GPU preset (gpu=) or its memory in GiB (gpu_memory=)")

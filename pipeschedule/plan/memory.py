@@ -162,7 +162,10 @@ class TrainingSetup:
     bucket buffers when dp > 1. activation_formula: "korthikanti" or "llama"
     ([Note: memory terms]). optimizer: "adam" (Adam/AdamW: two moments per parameter,
     plus fp32 master weights under fp32_grad_accum) or "none" (no optimizer state, as in
-    a gradient-only measurement).
+    a gradient-only measurement). tp_async: `tp_linear_async_communication`.
+    attention: "flash-attn" or the adapter's "sdpa-standin". adam_fused: nanotron's
+    `torch_adam_is_fused` (its example configs: true); false adds foreach Adam's
+    temporary to the optimizer step (`optimizer_step_transient`).
     """
 
     tp: int = 1
@@ -181,6 +184,7 @@ class TrainingSetup:
     optimizer: str = "adam"
     tp_async: bool = False
     attention: str = "flash-attn"
+    adam_fused: bool = True
 
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
@@ -506,6 +510,24 @@ def p2p_buffers(footprints: Sequence[StageFootprint]) -> dict[str, tuple[int, ..
 # -- one rank under a schedule ---------------------------------------------------------------
 
 ACTIVATIONS, P2P, GRADS = "activations", "p2p buffers", "bf16 gradients (transient)"
+OPTIMIZER_STEP = "optimizer step (transient, above the pipeline)"
+
+
+def optimizer_step_transient(setup: TrainingSetup, params: int) -> float:
+    """Bytes the optimizer step allocates above the static terms, for `params` parameters
+    on the GPU: torch's foreach Adam (nanotron's `torch_adam_is_fused: false`) allocates
+    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one moment's worth over the
+    rank's shard (torch/optim/adam.py, `_multi_tensor_adam`; the fused kernel allocates
+    none); under ZeRO-1 `ZeroDistributedOptimizer._all_gather_params`
+    (nanotron/optim/zero.py:217-245) calls `all_gather_coalesced`, whose backend flattens
+    the shard (2 P / dp bytes) and the gathered output (2 P)."""
+    if setup.optimizer != "adam":
+        return 0.0
+    shard = params / (setup.dp if setup.zero_stage else 1)
+    moment = 4 if setup.fp32_grad_accum else setup.param_bytes
+    sqrt = 0.0 if setup.adam_fused else moment * shard
+    gather = setup.param_bytes * (params + shard) if setup.zero_stage and setup.dp > 1 else 0.0
+    return sqrt + gather
 
 
 @dataclass(frozen=True)
@@ -571,11 +593,14 @@ def rank_memory(
     peak_p2p: Sequence[float],
     peak_inflight: Sequence[int],
     budget: float,
+    setup: TrainingSetup | None = None,
 ) -> list[RankMemory]:
     """Combine stage footprints with a schedule's simulated peaks, one entry per rank.
 
     peak_stash[r] / peak_p2p[r]: the simulator's `peak_bytes` of rank r with
-    `stash_buffers` / `p2p_buffers` as the cost model's buffer_bytes.
+    `stash_buffers` / `p2p_buffers` as the cost model's buffer_bytes. With `setup`, a
+    rank whose optimizer step peaks above its pipeline gets the difference as the term
+    "optimizer step (transient, above the pipeline)" (`optimizer_step_transient`).
     """
     out = []
     for r in range(len(peak_stash)):
@@ -592,6 +617,11 @@ def rank_memory(
         name, value = max((footprints[s].working for s in stages), key=lambda w: w[1], default=("", 0))
         if value:
             terms[name] = float(value)
+        if setup is not None:  # the optimizer step's peak, where it is above the pipeline's
+            static = sum(sum(footprints[s].static.values()) for s in stages)
+            step = static + optimizer_step_transient(setup, sum(footprints[s].params for s in stages))
+            if step > sum(terms.values()):
+                terms[OPTIMIZER_STEP] = step - sum(terms.values())
         out.append(RankMemory(
             rank=r, stages=stages, layers=tuple(footprints[s].layers for s in stages),
             inflight=int(peak_inflight[r]), terms=terms, budget=float(budget),
@@ -606,6 +636,7 @@ __all__ = [
     "GiB",
     "ModelSpec",
     "OPTIMIZERS",
+    "OPTIMIZER_STEP",
     "P2P",
     "RECOMPUTE_MODES",
     "RankMemory",
@@ -614,6 +645,7 @@ __all__ = [
     "boundary_bytes",
     "layer_activation_bytes",
     "logits_values",
+    "optimizer_step_transient",
     "p2p_buffers",
     "rank_memory",
     "stage_footprint",

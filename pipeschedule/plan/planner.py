@@ -116,7 +116,7 @@ class _Planner:
         # as the timing cost does: this run is also the step's timing.
         p2p = timing = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb, recomputed))
         memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
-                             peak_inflight=stash.peak_inflight, budget=config.budget)
+                             peak_inflight=stash.peak_inflight, budget=config.budget, setup=config.setup)
         cost = self.cost(split, split_backward=sb, recomputed=recomputed)
         backward = [b + w for b, w in zip(cost.backward, cost.weight)]
         tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,

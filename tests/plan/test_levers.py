@@ -92,3 +92,15 @@ def test_bad_lever_input_is_one_line(capsys):
         code = main(["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "16", *argv])
         err = capsys.readouterr().err.strip()
         assert code == 2 and len(err.splitlines()) == 1 and argv[0] in err, err
+
+
+def test_optimizer_step_transient_closed_form():
+    from pipeschedule.plan.memory import optimizer_step_transient
+
+    P = 1000
+    assert optimizer_step_transient(TrainingSetup(adam_fused=False), P) == 4 * P
+    assert optimizer_step_transient(TrainingSetup(), P) == 0  # fused Adam allocates nothing
+    zero1 = TrainingSetup(dp=4, zero_stage=1, adam_fused=False)
+    assert optimizer_step_transient(zero1, P) == 4 * P / 4 + 2 * (P + P / 4)
+    assert optimizer_step_transient(TrainingSetup(fp32_grad_accum=False, adam_fused=False), P) == 2 * P
+    assert optimizer_step_transient(TrainingSetup(optimizer="none", adam_fused=False), P) == 0

@@ -17,7 +17,7 @@ acts in nanotron's REDUCE_SCATTER mode), flash attention, nanotron's split 21/20
   if another ~6 GiB is lost to fragmentation (not asserted).
 - No set reproduces "128 microbatches OOM at dp=2,4 with ZeRO-1, but dp=8 fits": 1F1B's
   peak does not depend on the number of microbatches. Under set A the four ZeRO-1
-  observations are consistent with about 0.26-0.31 GiB per microbatch retained on stage 0
+  observations are consistent with about 0.34-0.40 GiB per microbatch retained on stage 0
   until the step ends (test_microbatch_observations_imply_a_leak).
 """
 
@@ -244,7 +244,7 @@ def test_microbatch_observations_imply_a_leak():
     low = (budget - peak[4].total) / 128
     high = min((budget - peak[8].total) / 128, (budget - peak[2].total) / 16)
     assert low < high
-    assert 0.35 < low / GiB < 0.4 and 0.4 < high / GiB < 0.45
+    assert 0.3 < low / GiB < 0.35 and 0.35 < high / GiB < 0.4
 
 
 # -- model files -----------------------------------------------------------------------------------
