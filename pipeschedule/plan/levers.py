@@ -16,7 +16,8 @@ from dataclasses import dataclass, replace
 
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.memory import RECOMPUTE_MODES, GiB
-from pipeschedule.plan.planner import plan
+from pipeschedule.plan.planner import Plan, plan
+from pipeschedule.plan.report import offload_lines
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,16 @@ class LeverPlan:
     def to_text(self, tables: str = "none") -> str:
         return levers_text(self, tables)
 
+    @property
+    def best_plan(self) -> Plan:
+        """The plan of the best combination (the first one when nothing fits)."""
+        return self.plans[self.best[0]] if self.best else next(iter(self.plans.values()))
+
     def to_dict(self) -> dict:
-        return {"levers": [{"zero_stage": z, "recompute": r, "plan": p.to_dict()} for (z, r), p in self.plans.items()],
-                "best": None if self.best is None else {"zero_stage": self.best[0][0], "recompute": self.best[0][1],
-                                                         "candidate": self.best[1].to_dict()}}
+        out = {"levers": [{"zero_stage": z, "recompute": r, "plan": p.to_dict()} for (z, r), p in self.plans.items()],
+               "best": None if self.best is None else {"zero_stage": self.best[0][0], "recompute": self.best[0][1],
+                                                        "candidate": self.best[1].to_dict()}}
+        return out | ({"offload": self.best_plan.offload} if self.best_plan.offload is not None else {})
 
 
 def plan_levers(config: PlanConfig, zero=None, recompute=None) -> LeverPlan:
@@ -94,6 +101,8 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
     if result.best is None:
         out.append("Recommended: nothing fits at any ZeRO stage and recompute mode. Use more GPUs (pp, tp, dp with "
                    "ZeRO-1) or a smaller micro-batch or sequence.")
+        if result.best_plan.offload is not None:
+            out += offload_lines(result.best_plan)
         return "\n".join(out) + "\n"
     key, cand = result.best
     peak = cand.peak
@@ -102,6 +111,8 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
                f"(rank {peak.rank}, margin {-peak.overflow / GiB:.1f} GiB); step {cand.step_time:.2f} s = pipeline "
                f"{cand.pipeline_time:.2f} s + " + tail_text(cand))
     out += ["  " + line for line in yaml_lines(key, cand, c.pp)]
+    if result.best_plan.offload is not None:
+        out += offload_lines(result.best_plan)
     if tables != "none":
         out += ["", result.plans[key].to_text(tables=tables)]
     return "\n".join(out) + "\n"
