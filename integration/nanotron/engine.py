@@ -52,7 +52,7 @@ from integration.nanotron.engine_spec import EngineSpec, parse_engine  # noqa: E
 from integration.nanotron.errors import EngineRuntimeError, ParameterError  # noqa: E402
 from integration.nanotron.layout import ModelLayout, engine_layout, layer_mask, model_stages  # noqa: E402
 from integration.nanotron.recompute import apply_recompute  # noqa: E402
-from integration.nanotron.registry import ENGINES  # noqa: E402
+from integration.nanotron.registry import AUTO_ENGINE, ENGINES  # noqa: E402
 from integration.nanotron.step import Runner, pipeline_blocks, unwrap  # noqa: E402
 from pipeschedule import compile_schedule  # noqa: E402
 from pipeschedule.compiler.families import FAMILIES  # noqa: E402
@@ -226,10 +226,82 @@ class PipescheduleEngine(PipelineEngine):
         return f"{type(self).__name__}({self.spec.to_string()!r})"
 
 
+class AutoEngine(PipescheduleEngine):
+    """`pp_engine: auto[:reserve=GiB]`.
+
+    [Note: auto engine] The model is built with 1F1B's layout (nanotron's split, one stage
+    per rank), and the first step runs capped 1F1B with cap 1, the least memory that
+    layout can run with. That step measures, per rank, the stash of one microbatch (the
+    executor's ledger, `high["stash"]`) and what the rank holds besides it (the
+    allocator's peak of the step minus that stash, plus the Adam moments that do not
+    exist before the first optimizer step: 8 bytes per parameter of the rank, an upper
+    bound under ZeRO-1); the pp ranks exchange them, and each picks, with
+    `pipeschedule.plan.auto.choose_cap`, the fastest 1F1B-family schedule that fits the
+    GPU's memory less `reserve` GiB (default 2). From the second step on the engine runs
+    exactly that engine (the first step's losses are those of any 1F1B-family engine: the
+    same computation in another order, bitwise equal on CPU). It logs the choice and the
+    YAML line that pins it. On CPU, where the allocator reports nothing, the budget is
+    unbounded and 1F1B is chosen. When not even cap 1 fits, it raises with the rank and
+    its figures. The split and V-shape schedules are not chosen: they need another layout
+    (`pipeschedule plan` recommends those, with the YAML to pin them).
+    """
+
+    DEFAULT_RESERVE = 2
+
+    def __init__(self, spec: EngineSpec):
+        super().__init__(EngineSpec("capped_1f1b", cap=1))
+        self.auto = spec
+        self.choice = None
+        self._switch = False
+
+    @property
+    def name(self) -> str:
+        return self.auto.name if self.choice is None else self.spec.name
+
+    def train_batch_iter(self, model, pg, batch: Iterable[dict], nb_microbatches: int, grad_accumulator):
+        first = self.choice is None
+        if self._switch:  # the first step's runner stays until now: its ledger is that step's record
+            self._runners, self._switch = {}, False
+        if first and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        out = super().train_batch_iter(model, pg, batch, nb_microbatches, grad_accumulator)
+        if first:
+            self._choose(model, pg, nb_microbatches)
+        return out
+
+    def _choose(self, model, pg, m: int) -> None:
+        from pipeschedule.plan.auto import choose_cap  # noqa: PLC0415  (pure; only auto needs it)
+
+        stash = float(self.training_ledger().high["stash"])
+        device = _device_of(model)
+        params = sum(p.numel() for p in unwrap(model).parameters())
+        if device.type == "cuda":
+            static = torch.cuda.max_memory_allocated(device) - stash + 8 * params
+            reserve = self.DEFAULT_RESERVE if self.auto.reserve is None else self.auto.reserve
+            budget = torch.cuda.get_device_properties(device).total_memory - reserve * 2**30
+        else:
+            static, budget = 0.0, float("inf")
+        figures = [None] * pg.size()
+        dist.all_gather_object(figures, (static, stash, budget), group=pg)
+        statics, stashes, budgets = zip(*figures)
+        self.choice = choose_cap(pg.size(), m, statics, stashes, budgets)
+        self.spec = parse_engine(self.choice.engine)
+        self.family = FAMILIES[self.spec.family]
+        self._switch = True
+        _LOG.warning("pipeschedule pp_engine auto (rank %d): %s: running %s from step 2 on; predicted peak GiB "
+                     "per rank %s; pin it with\n  parallelism:\n    pp_engine: %s", dist.get_rank(pg),
+                     self.choice.why, self.choice.engine, "/".join(f"{p / 2**30:.2f}" for p in self.choice.peaks),
+                     self.choice.engine)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.auto.to_string()!r}, running {self.spec.to_string()!r})"
+
+
 def build_engine(spec: EngineSpec | str) -> PipescheduleEngine:
     """The engine of a pipeschedule `pp_engine` value (an `EngineSpec`, or its text,
     parsed); what nanotron's config loader builds for our names."""
-    return PipescheduleEngine(spec if isinstance(spec, EngineSpec) else parse_engine(spec))
+    spec = spec if isinstance(spec, EngineSpec) else parse_engine(spec)
+    return AutoEngine(spec) if spec.name == AUTO_ENGINE else PipescheduleEngine(spec)
 
 
 def _block_costs(model, blocks) -> list[int]:
@@ -245,4 +317,4 @@ def _device_of(model) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-__all__ = ["DEFAULT_VIRTUAL", "PipescheduleEngine", "build_engine"]
+__all__ = ["DEFAULT_VIRTUAL", "AutoEngine", "PipescheduleEngine", "build_engine"]

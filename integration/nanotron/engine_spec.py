@@ -55,13 +55,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from integration.nanotron.registry import ENGINES, NANOTRON_ENGINES, accepted_summary
+from integration.nanotron.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES, accepted_summary
 from pipeschedule.checks import is_int, parse_int
 from pipeschedule.compiler.families import family_virtual
 from pipeschedule.compiler.offload import OffloadPolicy
 from pipeschedule.errors import ParameterError
 
-PARAM_ORDER = ("virtual", "cap", "split", "recompute", "offload", "lead", "stream")
+PARAM_ORDER = ("virtual", "cap", "split", "recompute", "offload", "lead", "stream", "reserve")
 RECOMPUTE_MODES = ("full", "selective")
 
 
@@ -85,6 +85,7 @@ class EngineSpec:
     offload: tuple[int, ...] | None = None
     lead: int | None = None
     stream: int | None = None
+    reserve: int | None = None  # auto only: GiB of the GPU kept back (default 2)
 
     @property
     def is_nanotron_builtin(self) -> bool:
@@ -95,6 +96,8 @@ class EngineSpec:
         """The pipeschedule generator family (`pipeschedule.compiler.families.FAMILIES`)."""
         if self.is_nanotron_builtin:
             return self.name
+        if self.name == AUTO_ENGINE:
+            return "capped_1f1b"  # its first step; the layout is 1F1B's
         return ENGINES[self.name].family
 
     def params(self) -> dict[str, Any]:
@@ -176,6 +179,14 @@ def parse_engine(value: Any) -> EngineSpec:
                 f"for pipeschedule's engine write ps_{name}",
             )
         return EngineSpec(name)
+    if name == AUTO_ENGINE:
+        unknown = [key for key in raw if key != "reserve"]
+        if unknown:
+            raise _error(value, f"unknown parameter {unknown[0]!r} for auto; auto accepts: reserve (GiB)")
+        reserve = _integer(value, "reserve", raw["reserve"]) if "reserve" in raw else None
+        if reserve is not None and reserve < 0:
+            raise _error(value, f"reserve is GiB kept back, an integer >= 0, got {reserve}")
+        return EngineSpec(name, reserve=reserve)
     entry = ENGINES.get(name)
     if entry is None:
         raise _error(value, f"unknown engine {name!r}")

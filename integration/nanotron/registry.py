@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pipeschedule.compiler.families import FAMILIES, Family
 
 NANOTRON_ENGINES = ("afab", "1f1b")  # nanotron's own; loaded and saved by nanotron's functions
+AUTO_ENGINE = "auto"  # auto[:reserve=GiB]: chosen at the first step ([Note: auto engine] in engine.py)
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,10 @@ def accepted_summary() -> str:
         f"{', '.join(NANOTRON_ENGINES)} (nanotron's own engines, no parameters); {ours} "
         "(pipeschedule, each also taking recompute=full|selective|N|N0/N1.. and "
         "offload=R0/R1..[,lead=L][,stream=MiB]); "
+        "auto[:reserve=GiB] (the fastest 1F1B-family schedule that fits, chosen at the first step); "
         "or the mapping form {name: capped_1f1b, cap: 2}"
     )
 
 
-__all__ = ["COMMON_PARAMS", "ENGINES", "NANOTRON_ENGINES", "OFFLOAD_PARAMS", "EngineEntry", "accepted_summary"]
+__all__ = ["AUTO_ENGINE", "COMMON_PARAMS", "ENGINES", "NANOTRON_ENGINES", "OFFLOAD_PARAMS", "EngineEntry",
+           "accepted_summary"]

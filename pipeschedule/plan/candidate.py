@@ -38,6 +38,10 @@ class Candidate:
     proven: bool | None = None
     note: str = ""
     relative: float | None = field(default=None, compare=False)
+    pipeline_time: float | None = None  # the pipeline alone; step_time adds the tail
+    tail: dict = field(default_factory=dict, compare=False)  # [Note: step tail], the slowest rank's parts
+    recompute: str = "none"  # the setup's recompute mode, written into pp_engine when not none
+    recomputed: tuple[int, ...] | None = None  # layers per stage recomputed on top (pp_engine recompute=N0/N1/..)
 
     @property
     def fits(self) -> bool:
@@ -54,17 +58,21 @@ class Candidate:
             name += f" v={self.virtual}"
         if self.cap is not None:
             name += f" cap={cap_text(self.cap)}"
+        if self.recomputed:
+            name += " rc=" + "/".join(str(n) for n in self.recomputed)
         return name
 
     def engine(self, nanotron_default: bool = False) -> str:
         """The `parallelism.pp_engine` value our nanotron integration reads (see
         integration/nanotron/engine_spec.py): nanotron's own engine when it is nanotron's
         default, else pipeschedule's with virtual, cap and split inside the value."""
-        if nanotron_default:
+        if nanotron_default and self.recompute == "none" and not self.recomputed:
             return "1f1b"
         family = FAMILIES[self.family]
         name = family.engine
-        params = []
+        params = [] if self.recompute == "none" else [f"recompute={self.recompute}"]
+        if self.recomputed:
+            params = ["recompute=" + "/".join(str(n) for n in self.recomputed)]
         if self.virtual > 1 and family.takes_virtual:
             params.append(f"virtual={self.virtual}")
         if self.cap is not None:
@@ -81,7 +89,8 @@ class Candidate:
             "schedule": self.family, "cap": list(self.cap) if isinstance(self.cap, tuple) else self.cap,
             "virtual": self.virtual, "label": self.label,
             "split": list(self.split) if self.split else None, "split_kind": self.split_kind,
-            "step_time_s": self.step_time, "tokens_per_s_per_gpu": self.tokens_per_gpu,
+            "step_time_s": self.step_time, "pipeline_time_s": self.pipeline_time, "tail_s": self.tail,
+            "tokens_per_s_per_gpu": self.tokens_per_gpu,
             "relative_throughput": self.relative, "fits": self.fits, "proven_optimal": self.proven,
             "pp_engine": self.engine(), "note": self.note,
             "memory": [r.to_dict() for r in self.memory],

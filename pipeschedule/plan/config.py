@@ -9,9 +9,8 @@ adds the attention matmuls. A split-backward schedule (zb_h1, zbv, v_half, v_min
 the weight-gradient matmuls, 2 * P * s*b / tp, as W and the rest of the backward
 (recompute included) as B. The LM head costs 2 * V * h * s*b / tp forward, twice that
 backward; the embedding lookup nothing. Seconds = FLOPs / (peak TFLOP/s * mfu). A message
-costs latency + bytes / bandwidth. DP gradient sync and the optimizer step are the same
-for every candidate of a plan and are left out, so the throughput is that of the
-pipeline alone.
+costs latency + bytes / bandwidth. The step time adds the data-parallel gradient
+reduction and the optimizer step ([Note: step tail] in dp_step.py).
 """
 
 from __future__ import annotations
@@ -61,11 +60,13 @@ class PlanConfig:
     gpu_name: str = "custom"
     offload: object = None  # offload.OffloadPolicy or AutoOffload: what `plan` reports offload would add
     host_bandwidth: float | None = None  # bytes/s per direction of the host link (None: unknown)
+    dp_bandwidth: float = 25e9  # bytes/s per GPU of the data-parallel collectives ([Note: step tail])
+    hbm_bandwidth: float = 4e12  # bytes/s of GPU memory, for the optimizer step
 
     def __post_init__(self) -> None:
         for key in ("pp", "microbatches", "virtual", "node_limit"):
             check_int(key, getattr(self, key))
-        for key in ("gpu_memory", "gpu_tflops", "mfu", "p2p_bandwidth"):
+        for key in ("gpu_memory", "gpu_tflops", "mfu", "p2p_bandwidth", "dp_bandwidth", "hbm_bandwidth"):
             check_number(key, getattr(self, key), above=True)
         if not 0 < self.mfu <= 1:
             raise ParameterError(f"mfu is a fraction of peak in (0, 1], got {shown(self.mfu)}")
@@ -151,14 +152,15 @@ def _gib(flag: str, value: float, minimum_exclusive: bool = True) -> float:
 def build_config(
     model, *, pp: int, microbatches: int, tp: int = 1, dp: int = 1, zero_stage: int = 0, seq: int = 8192,
     micro_batch: int = 1, recompute: str = "none", sequence_parallel: bool = True, flash: bool = True,
-    fp32_grad_accum: bool = True, ddp_buckets: bool = True, activation_formula: str = "korthikanti",
+    fp32_grad_accum: bool = True, ddp_buckets: bool = True, activation_formula: str = "nanotron",
     gpu: str | None = "gh200", gpu_memory: float | None = None, reserve: float = 2.0,
     gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
     virtual: int = 2, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
+    dp_bandwidth: float = 25.0, tp_async: bool = False, attention: str = "flash-attn", adam_fused: bool = True,
 ):
     """A PlanConfig in the command line's units: `model` a preset name, a model file path
     or a ModelSpec; gpu_memory and reserve in GiB (gpu_memory overrides the `gpu` preset),
-    p2p_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds; offload an
+    p2p_bandwidth, dp_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds; offload an
     `--offload` spec, an OffloadPolicy or an AutoOffload."""
     if isinstance(model, str):
         model = load_model(model) if model.endswith((".yaml", ".yml", ".json")) else model_preset(model)
@@ -167,7 +169,8 @@ def build_config(
     setup = TrainingSetup(
         tp=tp, dp=dp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute,
         sequence_parallel=sequence_parallel, flash=flash, fp32_grad_accum=fp32_grad_accum,
-        ddp_buckets=ddp_buckets, activation_formula=activation_formula,
+        ddp_buckets=ddp_buckets, activation_formula=activation_formula, tp_async=tp_async, attention=attention,
+        adam_fused=adam_fused,
     )
     if gpu_memory is None and gpu is None:
         raise ParameterError("give a GPU preset (gpu=) or its memory in GiB (gpu_memory=)")
@@ -185,7 +188,14 @@ def build_config(
         virtual=virtual, node_limit=node_limit, gpu_name=gpu if gpu_memory is None else f"{gpu_memory:g} GiB",
         offload=parse_offload(offload) if isinstance(offload, str) else offload,
         host_bandwidth=link * 1e9 if (link := host_link(gpu, host_bandwidth)) is not None else None,
+        dp_bandwidth=_positive("--dp-bandwidth", dp_bandwidth) * 1e9, hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
     )
+
+
+def _positive(flag: str, value: float) -> float:
+    if value is None or not value > 0 or math.isinf(value):
+        raise ParameterError(f"{flag} must be a number > 0 (GB/s), got {value}")
+    return value
 
 
 __all__ = ["PlanConfig", "build_config", "head_seconds", "layer_seconds", "weight_seconds"]

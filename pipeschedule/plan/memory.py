@@ -74,7 +74,8 @@ from pipeschedule.checks import MAX_DIMENSION, MAX_LAYERS, is_int, shown
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 OPTIMIZERS = ("adam", "none")
-ACTIVATION_FORMULAS = ("korthikanti", "llama")
+ACTIVATION_FORMULAS = ("nanotron", "korthikanti", "llama")
+ATTENTIONS = ("flash-attn", "sdpa-standin")
 GiB = 1 << 30
 
 
@@ -144,7 +145,8 @@ class ModelSpec:
         return self.embedding_params() + self.layers * self.layer_params() + head
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("name", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "tied_embeddings")}
+        return {k: getattr(self, k) for k in ("name", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
+                                              "tied_embeddings")}
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,10 @@ class TrainingSetup:
     bucket buffers when dp > 1. activation_formula: "korthikanti" or "llama"
     ([Note: memory terms]). optimizer: "adam" (Adam/AdamW: two moments per parameter,
     plus fp32 master weights under fp32_grad_accum) or "none" (no optimizer state, as in
-    a gradient-only measurement).
+    a gradient-only measurement). tp_async: `tp_linear_async_communication`.
+    attention: "flash-attn" or the adapter's "sdpa-standin". adam_fused: nanotron's
+    `torch_adam_is_fused` (its example configs: true); false adds foreach Adam's
+    temporary to the optimizer step (`optimizer_step_transient`).
     """
 
     tp: int = 1
@@ -175,8 +180,11 @@ class TrainingSetup:
     act_bytes: int = 2
     fp32_grad_accum: bool = True
     ddp_buckets: bool = True
-    activation_formula: str = "korthikanti"
+    activation_formula: str = "nanotron"
     optimizer: str = "adam"
+    tp_async: bool = False
+    attention: str = "flash-attn"
+    adam_fused: bool = True
 
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
@@ -187,8 +195,11 @@ class TrainingSetup:
             raise ParameterError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {shown(self.recompute)}")
         if self.activation_formula not in ACTIVATION_FORMULAS:
             raise ParameterError(
-                f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, got {shown(self.activation_formula)}"
+                f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, "
+                f"got {shown(self.activation_formula)}"
             )
+        if self.attention not in ATTENTIONS:
+            raise ParameterError(f"attention must be one of {', '.join(ATTENTIONS)}, got {shown(self.attention)}")
         if self.optimizer not in OPTIMIZERS:
             raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
         if self.sequence_parallel and self.seq % self.tp:
@@ -209,9 +220,81 @@ class TrainingSetup:
 # -- activations ---------------------------------------------------------------------------
 
 
+def _tokens(setup: TrainingSetup) -> tuple[int, int, int]:
+    """(s*b, tokens a norm sees, tokens a column-parallel linear saves) on one TP rank.
+    With sequence parallel a norm sees s*b/t tokens; a column-parallel linear saves the
+    all-gathered s*b unless its communication is async, whose autograd function saves the
+    sharded input and gathers it again in backward
+    (nanotron/parallel/tensor_parallel/functional.py:119-144 against 341-359)."""
+    sb, t = setup.seq * setup.micro_batch, setup.tp
+    local = sb // t if setup.sequence_parallel else sb
+    gathered = sb // t if setup.sequence_parallel and setup.tp_async else sb
+    return sb, local, gathered
+
+
+def nanotron_layer_stash(model: ModelSpec, setup: TrainingSetup, recompute: str | None = None) -> dict[str, int]:
+    """Bytes one nanotron `LlamaDecoderLayer` saves for backward per microbatch on one TP
+    rank, by tensor ([Note: nanotron's Llama stash])."""
+    recompute = setup.recompute if recompute is None else recompute
+    sb, local, gathered = _tokens(setup)
+    h, a, f, t, e = model.hidden, model.heads, model.ffn, setup.tp, setup.act_bytes
+    kv = 2 * model.kv_heads * model.head_dim
+    if recompute == "full":
+        return {"layer input (checkpoint)": local * h * e, "sequence mask (bool)": sb}
+    standin = setup.attention == "sdpa-standin"
+    norm = local * (2 * max(e, 4) * h + 4) if standin else local * (h * e + 4)
+    out = {"input norm": norm, "qkv_proj input": gathered * h * e}
+    if standin:
+        out["rotary cos, sin (fp32)"] = 8 * setup.seq * model.head_dim
+    if recompute == "selective":
+        out["attention q, k, v (checkpoint inputs)"] = sb * (h + kv) * e // t
+        out["attention output"] = sb * h * e // t
+    else:
+        out["attention q, k, v"] = sb * (3 * h if standin else h + kv) * e // t
+        out["attention output"] = sb * h * e // t * (2 if standin else 1)
+        out["attention logsumexp (fp32)"] = sb * a * 4 // t
+        out["attention RNG state"] = 16
+    out["post norm"] = norm
+    out["gate_up_proj input"] = gathered * h * e
+    out["SwiGLU: gate_up out, silu, product"] = 4 * sb * f * e // t
+    if standin:
+        out["unattributed (measured)"] = 4 * sb // t
+    return out
+
+
+def weight_stash_layer(model: ModelSpec, setup: TrainingSetup) -> int:
+    """Bytes one decoder layer keeps from its B to its W under a split backward, on one
+    TP rank: each deferred linear's input and the gradient of its output
+    ([Note: split backward] in pipeschedule/runtime/split_backward.py). Inputs: the
+    gathered input of qkv_proj and of gate_up_proj (s*b*h each), o_proj's (s*b*h/t) and
+    down_proj's (s*b*f/t); output gradients: qkv (s*b*(q+kv)/t), o_proj and down_proj
+    before their reduce-scatter (s*b*h each), gate_up (2*s*b*f/t). About 0.9 GiB for
+    Llama3-70B at tp=4, seq 8192."""
+    sb, t, e = setup.seq * setup.micro_batch, setup.tp, setup.act_bytes
+    h, f, kv = model.hidden, model.ffn, 2 * model.kv_heads * model.head_dim
+    inputs = 2 * sb * h + sb * h // t + sb * f // t
+    grads = sb * (h + kv) // t + 2 * sb * h + 2 * sb * f // t
+    return (inputs + grads) * e
+
+
+def weight_stash_head(model: ModelSpec, setup: TrainingSetup) -> int:
+    """The LM head's share of the W stash: its gathered input and its logits' gradient."""
+    sb = setup.seq * setup.micro_batch
+    return (sb * model.hidden + sb * model.padded_vocab(setup.tp) // setup.tp) * setup.act_bytes
+
+
+def weight_stash_bytes(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool, recomputed: int = 0) -> int:
+    """A stage's W stash: its layers' (none when recomputed: a rerun layer computes its
+    weight gradients at B, integration/nanotron/recompute.py) and the LM head's."""
+    kept = 0 if setup.recompute == "full" else (layers - min(recomputed, layers)) * weight_stash_layer(model, setup)
+    return kept + (weight_stash_head(model, setup) if last else 0)
+
+
 def layer_activation_bytes(model: ModelSpec, setup: TrainingSetup, recompute: str | None = None) -> int:
     """Bytes one decoder layer saves for backward per microbatch ([Note: memory terms])."""
     recompute = setup.recompute if recompute is None else recompute
+    if setup.activation_formula == "nanotron":
+        return sum(nanotron_layer_stash(model, setup, recompute).values())
     s, b, h, a, t = setup.seq, setup.micro_batch, model.hidden, model.heads, setup.tp
     sp = setup.sequence_parallel
     scale = setup.act_bytes / 2
@@ -229,6 +312,20 @@ def layer_activation_bytes(model: ModelSpec, setup: TrainingSetup, recompute: st
     if recompute == "none" and not setup.flash:
         per += scores
     return math.ceil(per * scale)
+
+
+def head_stash(model: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
+    """What the last stage's final norm, LM head and loss save per microbatch. nanotron:
+    the norm (as a layer's), the LM head's input (gathered unless async), the fp32
+    `exp_logits` of `_ShardedCrossEntropy` (functional.py:86) and its targets and masks
+    (12 bytes per token, measured by the ledger, and two scalars)."""
+    if setup.activation_formula != "nanotron":
+        boundary = boundary_bytes(model, setup)
+        return {"final norm + LM head inputs": 2 * boundary, "loss softmax (fp32)": 4 * logits_values(model, setup)}
+    sb, local, gathered = _tokens(setup)
+    layer = nanotron_layer_stash(model, setup, "none")
+    return {"final norm": layer["input norm"], "LM head input": gathered * model.hidden * setup.act_bytes,
+            "loss exp_logits (fp32)": 4 * logits_values(model, setup), "loss targets and masks": 12 * sb + 8}
 
 
 def boundary_bytes(model: ModelSpec, setup: TrainingSetup) -> int:
@@ -260,15 +357,44 @@ def static_per_param(setup: TrainingSetup) -> dict[str, float]:
         out["gradients"] = float(setup.param_bytes)
         if adam:
             out["Adam moments"] = 2 * setup.param_bytes / shard
-    if setup.dp > 1 and setup.ddp_buckets:
+    if builds_ddp(setup) and setup.ddp_buckets:
         out["DDP grad buckets"] = float(setup.param_bytes)
     return out
 
 
+def builds_ddp(setup: TrainingSetup) -> bool:
+    """nanotron wraps the model in torch DDP only when dp > 1 and not (fp32 accumulation
+    with ZeRO): `make_ddp` in nanotron/trainer.py:608-610. Under ZeRO-1 with fp32
+    accumulation there are no DDP buckets; the trainer all-reduces the fp32 gradients
+    itself after the pipeline step (trainer.py:341-350)."""
+    return setup.dp > 1 and not (setup.fp32_grad_accum and setup.zero_stage > 0)
+
+
 def transient_per_param(setup: TrainingSetup) -> float:
-    """bf16 `.grad` bytes per parameter that exist at the end of a backward before the
-    fp32 accumulator takes them (fp32 accumulation only)."""
-    return float(setup.param_bytes) if setup.fp32_grad_accum else 0.0
+    """bf16 `.grad` bytes per parameter that outlive a backward: none. With fp32
+    accumulation nanotron's accumulator adds each bf16 gradient to its fp32 buffer as it
+    is produced and frees it (`half_param.grad = None`,
+    nanotron/optim/gradient_accumulator.py:212-223), so one parameter's gradient exists at
+    a time (counted in the working set); without it the gradients are static."""
+    return 0.0
+
+
+def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool,
+                rerun: bool = False) -> tuple[str, int]:
+    """The largest short-lived allocation of a stage's step, with its name: a decoder
+    layer's backward (SwiGLU's gradients, 4*s*b*f/t values, and gate_up's bf16 weight
+    gradient before the accumulator takes it; under full recompute also the rerun layer's
+    whole stash), or the last stage's fp32 logits (nanotron's `cast_to_fp32`) with the LM
+    head's weight gradient."""
+    e, sb, t = setup.act_bytes, setup.seq * setup.micro_batch, setup.tp
+    layer = 0
+    if layers:
+        layer = 4 * sb * model.ffn * e // t + 2 * model.hidden * model.ffn * setup.param_bytes // t
+        if setup.recompute == "full" or rerun:
+            layer += layer_activation_bytes(model, setup, recompute="none")
+    head = 4 * logits_values(model,
+                             setup) + model.padded_vocab(t) * model.hidden * setup.param_bytes // t if last else 0
+    return ("logits fp32 (transient)", head) if head > layer else ("layer backward (transient)", layer)
 
 
 @dataclass(frozen=True)
@@ -295,6 +421,7 @@ class StageFootprint:
     boundary: int
     input_bytes: int
     working: tuple[str, int]
+    recomputed: int = 0  # layers of this stage that recompute (on top of setup.recompute)
 
     @property
     def stash_bytes(self) -> int:
@@ -328,35 +455,39 @@ def stage_params(model: ModelSpec, layers: int, *, first: bool, last: bool, tp: 
     return params
 
 
-def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: bool, last: bool) -> StageFootprint:
+def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: bool, last: bool,
+                    recomputed: int = 0) -> StageFootprint:
     """The footprint of one stage holding `layers` decoder layers (plus the embedding when
     `first`, the final norm, LM head and loss when `last`)."""
     _check_int("layers", layers, 0)
     params = stage_params(model, layers, first=first, last=last, tp=setup.tp)
     boundary = boundary_bytes(model, setup)
-    stash = {"decoder layers": layers * layer_activation_bytes(model, setup)}
+    recomputed = min(recomputed, layers)
+    stash = {"decoder layers": (layers - recomputed) * layer_activation_bytes(model, setup)}
+    if recomputed:
+        stash["recomputed layers' inputs"] = recomputed * layer_activation_bytes(model, setup, recompute="full")
     if last:
-        stash["final norm + LM head inputs"] = 2 * boundary
-        stash["loss softmax (fp32)"] = 4 * logits_values(model, setup)
-    working = ("layer working set (transient)", layer_activation_bytes(model, setup, recompute="none") if layers else 0)
-    logits = (2 + 4) * logits_values(model, setup) if last else 0
-    if logits > working[1]:
-        working = ("logits bf16 + fp32 (transient)", logits)
+        stash.update(head_stash(model, setup))
+    working = working_set(model, setup, layers, last=last, rerun=recomputed > 0)
     return StageFootprint(
         layers=layers, first=first, last=last, params=params,
         static={k: v * params for k, v in static_per_param(setup).items()},
         grads_transient=transient_per_param(setup) * params,
         stash=stash, boundary=boundary,
         input_bytes=8 * setup.seq * setup.micro_batch if first else boundary,
-        working=working,
+        working=working, recomputed=recomputed,
     )
 
 
-def stage_footprints(model: ModelSpec, setup: TrainingSetup, split: Sequence[int]) -> list[StageFootprint]:
-    """Footprints of every stage of `split` (decoder layers per stage, in stage order)."""
+def stage_footprints(model: ModelSpec, setup: TrainingSetup, split: Sequence[int],
+                     recomputed: Sequence[int] | None = None) -> list[StageFootprint]:
+    """Footprints of every stage of `split` (decoder layers per stage, in stage order);
+    recomputed[s]: how many of stage s's layers recompute (the engine's `recompute=N0/N1/..`)."""
     setup.check_model(model)
     last = len(split) - 1
-    return [stage_footprint(model, setup, n, first=s == 0, last=s == last) for s, n in enumerate(split)]
+    recomputed = recomputed or (0,) * len(split)
+    return [stage_footprint(model, setup, n, first=s == 0, last=s == last, recomputed=recomputed[s])
+            for s, n in enumerate(split)]
 
 
 # -- per rank, under a schedule ([Note: memory terms]) ----------------------------------------------
@@ -379,6 +510,24 @@ def p2p_buffers(footprints: Sequence[StageFootprint]) -> dict[str, tuple[int, ..
 # -- one rank under a schedule ---------------------------------------------------------------
 
 ACTIVATIONS, P2P, GRADS = "activations", "p2p buffers", "bf16 gradients (transient)"
+OPTIMIZER_STEP = "optimizer step (transient, above the pipeline)"
+
+
+def optimizer_step_transient(setup: TrainingSetup, params: int) -> float:
+    """Bytes the optimizer step allocates above the static terms, for `params` parameters
+    on the GPU: torch's foreach Adam (nanotron's `torch_adam_is_fused: false`) allocates
+    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one moment's worth over the
+    rank's shard (torch/optim/adam.py, `_multi_tensor_adam`; the fused kernel allocates
+    none); under ZeRO-1 `ZeroDistributedOptimizer._all_gather_params`
+    (nanotron/optim/zero.py:217-245) calls `all_gather_coalesced`, whose backend flattens
+    the shard (2 P / dp bytes) and the gathered output (2 P)."""
+    if setup.optimizer != "adam":
+        return 0.0
+    shard = params / (setup.dp if setup.zero_stage else 1)
+    moment = 4 if setup.fp32_grad_accum else setup.param_bytes
+    sqrt = 0.0 if setup.adam_fused else moment * shard
+    gather = setup.param_bytes * (params + shard) if setup.zero_stage and setup.dp > 1 else 0.0
+    return sqrt + gather
 
 
 @dataclass(frozen=True)
@@ -444,11 +593,14 @@ def rank_memory(
     peak_p2p: Sequence[float],
     peak_inflight: Sequence[int],
     budget: float,
+    setup: TrainingSetup | None = None,
 ) -> list[RankMemory]:
     """Combine stage footprints with a schedule's simulated peaks, one entry per rank.
 
     peak_stash[r] / peak_p2p[r]: the simulator's `peak_bytes` of rank r with
-    `stash_buffers` / `p2p_buffers` as the cost model's buffer_bytes.
+    `stash_buffers` / `p2p_buffers` as the cost model's buffer_bytes. With `setup`, a
+    rank whose optimizer step peaks above its pipeline gets the difference as the term
+    "optimizer step (transient, above the pipeline)" (`optimizer_step_transient`).
     """
     out = []
     for r in range(len(peak_stash)):
@@ -465,6 +617,11 @@ def rank_memory(
         name, value = max((footprints[s].working for s in stages), key=lambda w: w[1], default=("", 0))
         if value:
             terms[name] = float(value)
+        if setup is not None:  # the optimizer step's peak, where it is above the pipeline's
+            static = sum(sum(footprints[s].static.values()) for s in stages)
+            step = static + optimizer_step_transient(setup, sum(footprints[s].params for s in stages))
+            if step > sum(terms.values()):
+                terms[OPTIMIZER_STEP] = step - sum(terms.values())
         out.append(RankMemory(
             rank=r, stages=stages, layers=tuple(footprints[s].layers for s in stages),
             inflight=int(peak_inflight[r]), terms=terms, budget=float(budget),
@@ -479,6 +636,7 @@ __all__ = [
     "GiB",
     "ModelSpec",
     "OPTIMIZERS",
+    "OPTIMIZER_STEP",
     "P2P",
     "RECOMPUTE_MODES",
     "RankMemory",
@@ -487,6 +645,7 @@ __all__ = [
     "boundary_bytes",
     "layer_activation_bytes",
     "logits_values",
+    "optimizer_step_transient",
     "p2p_buffers",
     "rank_memory",
     "stage_footprint",

@@ -11,7 +11,6 @@ The pass that places OFFLOAD / RELOAD is `pipeschedule.compiler.offload.add_offl
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 from pipeschedule.checks import check_number, is_int, parse_int, parse_number, shown
@@ -93,7 +92,8 @@ def _as_tuple(value, n: int) -> tuple:
 def offload_counts(schedule: Schedule) -> tuple[tuple[int, int], ...]:
     """Per rank: (stashes it offloads, (stage, mb) stashes it has)."""
     return tuple(
-        (sum(1 for i in p if i.op is OFFLOAD and i.buf == "stash"), sum(1 for i in p if i.op is F)) for p in schedule.programs
+        (sum(1 for i in p if i.op is OFFLOAD and i.buf == "stash"),
+         sum(1 for i in p if i.op is F)) for p in schedule.programs
     )
 
 
@@ -144,7 +144,8 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
             for count in counts:
                 trial_f, trial_l = list(fractions), list(leads)
                 trial_f[rank], trial_l[rank] = count / n, lead
-                result = simulate(add_offload(schedule, OffloadPolicy(tuple(trial_f), None, tuple(trial_l))), trial_cost)
+                result = simulate(add_offload(schedule, OffloadPolicy(tuple(trial_f), None, tuple(trial_l))),
+                                  trial_cost)
                 runs += 1
                 if result.step_time > limit:
                     break
@@ -199,7 +200,8 @@ def parse_offload(text: str) -> OffloadPolicy | AutoOffload:
         if "stream" in values:
             mib = numbers("stream", float)
             if len(mib) != 1 or not mib[0] * MIB >= 1:
-                raise ParameterError(f"stream takes one number of MiB, at least one byte ({1 / MIB:.3g} MiB: the chunk), "
+                raise ParameterError(f"stream takes one number of MiB, at least one byte "
+                                     f"({1 / MIB:.3g} MiB: the chunk), "
                                      f"got {shown(values['stream'])}")
             chunk = mib[0] * MIB
         if auto:
@@ -211,7 +213,8 @@ def parse_offload(text: str) -> OffloadPolicy | AutoOffload:
             raise ParameterError("fraction= is missing")
         fraction = numbers("fraction", float)
         lead = numbers("lead", int) if "lead" in values else (1,)
-        return OffloadPolicy(fraction[0] if len(fraction) == 1 else fraction, ranks, lead[0] if len(lead) == 1 else lead, chunk)
+        return OffloadPolicy(fraction[0] if len(fraction) == 1 else fraction, ranks,
+                             lead[0] if len(lead) == 1 else lead, chunk)
     except ParameterError as err:
         if str(err).startswith("--offload"):
             raise

@@ -28,9 +28,9 @@ MODELS = {
 # Nominal capacity read as GiB (nvidia-smi reports totals within about 1% of it).
 # Dense bf16 peak TFLOP/s, for absolute time estimates only.
 GPUS = {
-    "gh200": {"memory": 96 * GiB, "tflops": 989.0, "label": "NVIDIA GH200 96 GB"},
+    "gh200": {"memory": 96 * GiB, "tflops": 989.0, "hbm": 4.0, "label": "NVIDIA GH200 96 GB"},
     "h100": {"memory": 80 * GiB, "tflops": 989.0, "label": "NVIDIA H100 80 GB"},
-    "h200": {"memory": 141 * GiB, "tflops": 989.0, "label": "NVIDIA H200 141 GB"},
+    "h200": {"memory": 141 * GiB, "tflops": 989.0, "hbm": 4.8, "label": "NVIDIA H200 141 GB"},
 }
 
 # Host link bandwidth per direction, GB/s, by GPU preset: GH200's NVLink-C2C (900 GB/s
@@ -52,7 +52,8 @@ _KEYS = {
 def model_preset(name: str) -> ModelSpec:
     key = name.lower().replace("_", "-")
     if key not in MODELS:
-        raise ParameterError(f"unknown model {shown(name)}; presets: {', '.join(MODELS)} (or give --model-file / the sizes as flags)")
+        raise ParameterError(f"unknown model {shown(name)}; presets: {', '.join(MODELS)} "
+                             "(or give --model-file / the sizes as flags)")
     return MODELS[key]
 
 
@@ -227,7 +228,8 @@ def _mapping(lines, index, indent, source):
         index += 1
         if rest:
             out[key] = parse_scalar(rest)
-        elif index < len(lines) and (lines[index][1] > indent or (lines[index][1] == indent and lines[index][2].startswith("-"))):
+        elif index < len(lines) and (lines[index][1] > indent
+                                     or (lines[index][1] == indent and lines[index][2].startswith("-"))):
             out[key], index = _block(lines, index, lines[index][1], source)
         else:
             out[key] = None
@@ -265,4 +267,5 @@ def _sequence(lines, index, indent, source):
     return out, index
 
 
-__all__ = ["GPUS", "HOST_LINKS", "MODELS", "gpu_preset", "host_bandwidth", "load_model", "model_from_mapping", "model_preset", "parse_scalar", "parse_yaml"]
+__all__ = ["GPUS", "HOST_LINKS", "MODELS", "gpu_preset", "host_bandwidth", "load_model", "model_from_mapping",
+           "model_preset", "parse_scalar", "parse_yaml"]

@@ -5,7 +5,7 @@ matplotlib is imported inside `plan_png` only, so the rest never needs it.
 
 from __future__ import annotations
 
-from pipeschedule.plan.memory import GiB
+from pipeschedule.plan.memory import GiB, builds_ddp
 
 
 def _gib(value: float) -> str:
@@ -29,15 +29,18 @@ def assumptions(config) -> list[str]:
                  f"moments{' sharded over dp (ZeRO-1)' if st.zero_stage == 1 else ''} "
                  "(nanotron accumulate_grad_in_fp32: true); bf16 grads counted at the end of each backward")
     else:
-        state = (f"bf16 weights and grads; Adam moments in bf16{' sharded over dp (ZeRO-1)' if st.zero_stage == 1 else ''} "
+        sharded = " sharded over dp (ZeRO-1)" if st.zero_stage == 1 else ""
+        state = (f"bf16 weights and grads; Adam moments in bf16{sharded} "
                  "(accumulate_grad_in_fp32: false)")
+    ddp = "; DDP bf16 grad buckets (dp > 1 without ZeRO)" if builds_ddp(st) and st.ddp_buckets else ""
     lines = [
-        "memory: " + state + ("; DDP bf16 grad buckets (dp > 1)" if st.dp > 1 and st.ddp_buckets else ""),
-        (f"activations: {st.activation_formula} formula, recompute {st.recompute}, sequence parallel "
-        f"{'on' if st.sequence_parallel else 'off'}, flash attention {'on' if st.flash else 'off'}; loss softmax in fp32 "
-        "on the last stage; peaks of different kinds added"),
+        "memory: " + state + ddp,
+        (f"activations: {st.activation_formula} formula ({st.attention}), recompute {st.recompute}, sequence "
+         f"parallel {'on' if st.sequence_parallel else 'off'}, async TP linears {'on' if st.tp_async else 'off'}; "
+         "peaks of different kinds added"),
         (f"time: {config.gpu_tflops:g} TFLOP/s x mfu {config.mfu:g}; p2p {config.p2p_bandwidth / 1e9:g} GB/s, "
-        f"{config.p2p_latency * 1e6:g} us; pipeline only (DP gradient sync and optimizer step left out)"),
+         f"{config.p2p_latency * 1e6:g} us; plus DP gradient reduction at {config.dp_bandwidth / 1e9:g} GB/s and the "
+         f"optimizer step at {config.hbm_bandwidth / 1e12:g} TB/s (step s = pipeline + that tail)"),
     ]
     return lines
 
@@ -51,7 +54,8 @@ def plan_to_dict(plan) -> dict:
                    "seq": c.setup.seq, "micro_batch": c.setup.micro_batch, "microbatches": c.microbatches,
                    "recompute": c.setup.recompute, "sequence_parallel": c.setup.sequence_parallel,
                    "flash": c.setup.flash, "fp32_grad_accum": c.setup.fp32_grad_accum,
-                   "activation_formula": c.setup.activation_formula},
+                   "activation_formula": c.setup.activation_formula,
+                   "tp_async": c.setup.tp_async, "attention": c.setup.attention},
         "gpu": {"name": c.gpu_name, "memory": c.gpu_memory, "reserve": c.reserve, "budget": c.budget,
                 "tflops": c.gpu_tflops, "mfu": c.mfu},
         "assumptions": assumptions(c),
@@ -60,6 +64,7 @@ def plan_to_dict(plan) -> dict:
         "yaml": (plan.recommended.yaml_lines(c.pp, plan.recommended is plan.default) if plan.recommended else None),
         "candidates": [x.to_dict() for x in plan.candidates],
         "zero1_default": plan.zero1_default.to_dict() if plan.zero1_default else None,
+        "dropped": [{"schedule": name, "why": why} for name, why in plan.dropped],
         "stats": dict(plan.stats),
     } | ({"offload": plan.offload} if plan.offload is not None else {})
 
@@ -110,7 +115,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         f"vocab {m.vocab}: {m.total_params() / 1e9:.1f} B parameters"),
         (f"Layout: pp={c.pp} tp={st.tp} dp={st.dp} ZeRO-{st.zero_stage}; seq {st.seq}, micro-batch {st.micro_batch}, "
         f"{c.microbatches} microbatches per replica"),
-        f"GPU: {c.gpu_name}, {_gib(c.gpu_memory)} GiB, reserve {_gib(c.reserve)} GiB -> budget {_gib(c.budget)} GiB per GPU",
+        (f"GPU: {c.gpu_name}, {_gib(c.gpu_memory)} GiB, reserve {_gib(c.reserve)} GiB -> budget {_gib(c.budget)} GiB "
+         "per GPU"),
     ]
     out += ["Assumptions:"] + ["  " + line for line in assumptions(c)]
     out.append("")
@@ -121,6 +127,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         out.append(_row(plan, i, cand))
         if cand.note and not cand.memory:
             out.append(f"{'':6}{cand.note}")
+    for name, why in plan.dropped:
+        out.append(f"  not listed: {name}: {why}")
     out += [
         "split: nanotron = nanotron's own; optimal = the least simulated step time of all splits that fit (proven);",
         "  nanotron=optimal = both; no better = proven unable to beat a row above (split: the best it simulated);",
@@ -147,7 +155,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         peak = z.peak
         verdict = "fits" if z.fits else f"still does not fit ({_gib(peak.overflow)} GiB over)"
         out.append(f"Hint: with ZeRO-1 (optimizer.zero_stage: 1) at dp={st.dp}, nanotron's default {verdict}: "
-                   f"peak {_gib(peak.total)} of {_gib(peak.budget)} GiB (rank {peak.rank}) at unchanged throughput.")
+                   f"peak {_gib(peak.total)} of {_gib(peak.budget)} GiB (rank {peak.rank}) at "
+                   f"{z.relative or 0:.3f}x the default's throughput.")
     if tables != "none":
         shown = plan.candidates if tables == "all" else [x for x in (plan.default, rec) if x is not None]
         seen = set()
@@ -170,7 +179,8 @@ def offload_lines(plan) -> list[str]:
     lines.append("  activations GiB per rank: " + ", ".join(
         f"{_gib(a)} -> {_gib(b)}" for a, b in zip(o["activations"], o["activations_offload"]))
         + "; on the host: " + ", ".join(_gib(h) for h in o["host_bytes"]))
-    lines.append(f"  saves {_gib(o['saved_on_tightest'])} GiB on rank {o['tightest_rank']} (the tightest) at a predicted "
+    lines.append(f"  saves {_gib(o['saved_on_tightest'])} GiB on rank {o['tightest_rank']} (the tightest) "
+                 "at a predicted "
                  f"slowdown of {o['slowdown']:.2%} (step {o['step_time_s']:.3f} s -> {o['step_time_offload_s']:.3f} s)")
     return lines
 

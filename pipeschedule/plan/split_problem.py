@@ -63,7 +63,8 @@ class SplitProblem:
     def __post_init__(self) -> None:
         layers, stages = len(self.layer_forward), len(self.stage_forward)
         if layers < 1 or stages < 1:
-            raise ParameterError(f"a split needs at least one layer and one stage, got {layers} layers, {stages} stages")
+            raise ParameterError(f"a split needs at least one layer and one stage, "
+                                 f"got {layers} layers, {stages} stages")
         if layers < stages:
             raise ParameterError(
                 f"{stages} stages but only {layers} decoder layers: every stage needs at least one layer "
@@ -88,7 +89,8 @@ class SplitProblem:
     @property
     def homogeneous(self) -> bool:
         """All layers alike: a stage's cost and bytes depend on its layer count only."""
-        return all(len(set(getattr(self, k))) == 1 for k in ("layer_forward", "layer_backward", "layer_weight", "layer_static", "layer_stash"))
+        return all(len(set(getattr(self, k))) == 1 for k in ("layer_forward", "layer_backward", "layer_weight",
+                                                             "layer_static", "layer_stash"))
 
 
 def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
@@ -137,7 +139,8 @@ class Evaluator:
     def costs(self, split: Sequence[int]):
         p, bounds = self.p, [0, *accumulate(split)]
         out = []
-        for key, extra in (("layer_forward", p.stage_forward), ("layer_backward", p.stage_backward), ("layer_weight", p.stage_weight)):
+        for key, extra in (("layer_forward", p.stage_forward), ("layer_backward", p.stage_backward), ("layer_weight",
+                                                                                                      p.stage_weight)):
             out.append(tuple(self._range(key, bounds[s], bounds[s + 1]) + extra[s] for s in range(len(split))))
         return out
 

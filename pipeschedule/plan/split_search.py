@@ -47,11 +47,11 @@ class Cut:
             units = [math.inf] * L
             for s in range(S - 1, -1, -1):
                 pre = self.prefix[s]
-                units = [min(u, pre[l + 1] - pre[l]) for l, u in enumerate(units)]
+                units = [min(u, pre[i + 1] - pre[i]) for i, u in enumerate(units)]
                 row, total = table[s], 0.0
-                for l in range(L - 1, first[s] - 1, -1):
-                    total += units[l]
-                    row[l] = total
+                for i in range(L - 1, first[s] - 1, -1):
+                    total += units[i]
+                    row[i] = total
             return table
         for s in range(S - 1, -1, -1):
             stages = sorted(range(s, S), key=lambda t: self.unit[t])
@@ -85,7 +85,7 @@ def stage_caps(cuts: list, S: int, L: int, limit: float, memory_caps: list) -> l
                 n = caps[t]
                 while n >= 1:
                     rest, value = L - n, cut.const + unit * n
-                    for a, c in others:  # one layer each, then cheapest first
+                    for a, _c in others:  # one layer each, then cheapest first
                         value += a
                     rest -= len(others)
                     for a, c in others:
@@ -129,7 +129,7 @@ def boundary_tables(ev: Evaluator):
 def balanced_seed(ev: Evaluator, maxe, feasible) -> tuple[int, ...] | None:
     """Least largest stage time (F+B+W) by bisection with greedy packing: a good start."""
     L, S = ev.p.num_layers, ev.p.num_stages
-    one = [ev.p.layer_forward[l] + ev.p.layer_backward[l] + ev.p.layer_weight[l] for l in range(L)]
+    one = [ev.p.layer_forward[i] + ev.p.layer_backward[i] + ev.p.layer_weight[i] for i in range(L)]
     extra = [ev.p.stage_forward[s] + ev.p.stage_backward[s] + ev.p.stage_weight[s] for s in range(S)]
     prefix = [0.0, *accumulate(one)]
 
@@ -244,7 +244,8 @@ class Search:
         if len(partial) == len(self.cuts):
             return partial
         bounds = [0, *accumulate(self.chosen)]
-        extra = [cut.const + sum(cut.prefix[t][bounds[t + 1]] - cut.prefix[t][bounds[t]] for t in range(len(self.chosen)))
+        extra = [cut.const + sum(cut.prefix[t][bounds[t + 1]] - cut.prefix[t][bounds[t]]
+                                 for t in range(len(self.chosen)))
                  for cut in self.cuts[len(partial):]]
         return partial + extra
 

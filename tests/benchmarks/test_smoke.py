@@ -20,6 +20,8 @@ SCRIPTS = [
     ("benchmarks.compile_speed", ["--quick"], "compile speed: interleaved_1f1b"),
     ("benchmarks.executor_overhead", ["--quick"], "in-process"),
     ("benchmarks.plan_speed", ["--quick"], "Plan speed:"),
+    ("benchmarks.plan_calibration", [], "trainer.json"),
+    ("benchmarks.users_case", ["--quick"], "## The recommendation"),
     ("benchmarks.moonshot", ["--microbatches", "8", "--out", "{tmp}"], "1f1b"),
     ("benchmarks.offload_sim", ["--no-write"], "gh200"),
     ("benchmarks.zero_bubble_table", ["--pp", "2", "-m", "4"], "zbv"),

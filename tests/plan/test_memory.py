@@ -17,11 +17,10 @@ acts in nanotron's REDUCE_SCATTER mode), flash attention, nanotron's split 21/20
   if another ~6 GiB is lost to fragmentation (not asserted).
 - No set reproduces "128 microbatches OOM at dp=2,4 with ZeRO-1, but dp=8 fits": 1F1B's
   peak does not depend on the number of microbatches. Under set A the four ZeRO-1
-  observations are consistent with about 0.26-0.31 GiB per microbatch retained on stage 0
+  observations are consistent with about 0.34-0.40 GiB per microbatch retained on stage 0
   until the step ends (test_microbatch_observations_imply_a_leak).
 """
 
-import itertools
 import math
 
 import pytest
@@ -77,15 +76,19 @@ def ranks(setup, split=SPLIT, family="1f1b", cap=None, microbatches=16):
 def test_korthikanti_formulas(s, b, h, a, t):
     model = ModelSpec("m", layers=2, hidden=h, heads=a, kv_heads=a, ffn=4 * h, vocab=1000)
     sbh = s * b * h
-    tp_only = TrainingSetup(tp=t, seq=s, micro_batch=b, sequence_parallel=False, flash=False)
+    tp_only = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False,
+                            flash=False)
     assert layer_activation_bytes(model, tp_only) == math.ceil(sbh * (10 + 24 / t) + 5 * a * s * s * b / t)
-    sp = TrainingSetup(tp=t, seq=s, micro_batch=b, sequence_parallel=True, flash=True)
+    sp = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=True, flash=True)
     assert layer_activation_bytes(model, sp) == math.ceil(sbh * 34 / t)
-    selective = TrainingSetup(tp=t, seq=s, micro_batch=b, sequence_parallel=False, flash=False, recompute="selective")
+    selective = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False,
+                              flash=False, recompute="selective")
     assert layer_activation_bytes(model, selective) == math.ceil(sbh * (10 + 24 / t))
-    full = TrainingSetup(tp=t, seq=s, micro_batch=b, sequence_parallel=True, recompute="full")
+    full = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=True,
+                         recompute="full")
     assert layer_activation_bytes(model, full) == 2 * sbh // t
-    full_tp = TrainingSetup(tp=t, seq=s, micro_batch=b, sequence_parallel=False, recompute="full")
+    full_tp = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False,
+                            recompute="full")
     assert layer_activation_bytes(model, full_tp) == 2 * sbh
 
 
@@ -112,7 +115,9 @@ def test_optimizer_state_per_parameter():
     terms = static_per_param(zero)
     assert terms["fp32 grad accumulator"] == 4  # nanotron keeps it for every parameter
     assert terms["fp32 master weights"] + terms["Adam moments"] == 3  # 12 / dp
-    assert terms["DDP grad buckets"] == 2
+    assert "DDP grad buckets" not in terms  # no DDP under ZeRO with fp32 accumulation (trainer.py:608-610)
+    assert static_per_param(TrainingSetup(dp=4))["DDP grad buckets"] == 2
+    assert "DDP grad buckets" in static_per_param(TrainingSetup(dp=4, zero_stage=1, fp32_grad_accum=False))
     bf16 = static_per_param(TrainingSetup(fp32_grad_accum=False))
     assert bf16 == {"weights": 2, "gradients": 2, "Adam moments": 4}
 
@@ -128,7 +133,7 @@ def test_small_model_exposes_separate_numbers():
     assert first.gradient_bytes == 4 * params
     assert first.optimizer_bytes == 12 * params
     assert first.stash["decoder layers"] == 2 * layer_activation_bytes(model, setup)
-    assert last.stash["loss softmax (fp32)"] == 4 * 32 * 2 * 256
+    assert last.stash["loss exp_logits (fp32)"] == 4 * 32 * 2 * 256
     assert boundary_bytes(model, setup) == 32 * 2 * 64 * 4
 
 
@@ -191,19 +196,22 @@ def test_set_a_dp1_fits_and_stage0_is_about_10gb_above_stage1():
     cand = ranks(setup_a())
     totals = [r.total / GiB for r in cand.memory]
     assert cand.fits
-    assert 88 < totals[0] <= 94
+    assert 80 < totals[0] <= 94
     assert 8.5 < (totals[0] - totals[1]) * GiB / 1e9 < 11.5
 
 
-def test_set_a_dp2_without_zero_overflows_the_first_stage_only():
+def test_set_a_dp2_without_zero_leaves_stage_0_alone_within_2_gib():
     """dp only changes per-GPU memory through ZeRO sharding and, without ZeRO, through
-    torch DDP's bf16 gradient buckets (DDP wraps the model only when dp > 1): 2 bytes per
-    parameter, 8.9 GiB on stage 0. That alone tips stage 0 over, and only stage 0."""
-    cand = ranks(setup_a(dp=2))
-    fits = [r.fits for r in cand.memory]
-    assert fits == [False, True, True, True]
+    torch DDP's bf16 gradient buckets (DDP wraps the model when dp > 1 without ZeRO):
+    2 bytes per parameter, 8.9 GiB on stage 0. With nanotron's activations (async TP
+    linears) stage 0 comes within 2 GiB of the 94 GiB budget and the others keep 10 GiB:
+    the users' "stage 0 alone OOM at dp=2" needs about 1.5 GiB more kept back than the
+    2 GiB reserve (NCCL's dp communicators and allocator slack), not another stage."""
+    cand = ranks(setup_a(dp=2, tp_async=True))
+    margins = [-r.overflow / GiB for r in cand.memory]
+    assert margins[0] < 2 and min(margins[1:]) > 10
     assert cand.memory[0].terms["DDP grad buckets"] / GiB == pytest.approx(8.86, abs=0.05)
-    assert ranks(setup_a(dp=4)).memory[0].total == cand.memory[0].total  # DDP's cost does not grow with dp
+    assert ranks(setup_a(dp=4)).memory[0].total == ranks(setup_a(dp=2)).memory[0].total  # DDP's cost does not grow
 
 
 def test_set_a_zero1_fits_at_dp2_with_16_microbatches():
@@ -212,16 +220,15 @@ def test_set_a_zero1_fits_at_dp2_with_16_microbatches():
     assert cand.memory[0].total / GiB < 80
 
 
-def test_set_b_stage_memory_falls_about_10gb_per_stage():
-    """Set B (module docstring): with ~11 GiB of activations per in-flight microbatch
-    and 1F1B's 4/3/2/1 in flight, each stage needs about 10 GB less than the one before."""
-    cand = ranks(setup_b())
-    totals = [r.total / GiB for r in cand.memory]
+def test_set_b_fits_at_dp1_and_overflows_stage_0_alone_at_dp2():
+    """Set B (bf16 gradients and optimizer state, no recompute, async TP linears): with
+    nanotron's activations (SwiGLU's 8*s*f bytes, the norms' inputs) stage 0's four
+    microbatches take 53.2 GiB; dp=1 fits, and DDP's buckets at dp=2 tip stage 0 alone
+    over. Stages fall by 19, 13 and 11 GiB: more than the users' "about 10 GB"."""
+    cand = ranks(setup_b(tp_async=True))
     assert cand.fits
-    steps = [(a - b) * GiB / 1e9 for a, b in itertools.pairwise(totals)]
-    assert all(7 < step < 19 for step in steps), steps
-    assert ranks(setup_b(dp=2)).memory[0].total - cand.memory[0].total == pytest.approx(
-        cand.memory[0].terms["weights"])  # + the DDP buckets, 2 bytes per parameter
+    assert cand.memory[0].terms["activations"] / GiB == pytest.approx(53.2, abs=0.1)
+    assert [r.fits for r in ranks(setup_b(tp_async=True, dp=2)).memory] == [False, True, True, True]
 
 
 def test_microbatch_observations_imply_a_leak():
@@ -237,7 +244,7 @@ def test_microbatch_observations_imply_a_leak():
     low = (budget - peak[4].total) / 128
     high = min((budget - peak[8].total) / 128, (budget - peak[2].total) / 16)
     assert low < high
-    assert 0.2 < low / GiB < 0.3 and 0.25 < high / GiB < 0.35
+    assert 0.3 < low / GiB < 0.35 and 0.35 < high / GiB < 0.4
 
 
 # -- model files -----------------------------------------------------------------------------------
@@ -275,7 +282,8 @@ def test_a_nanotron_config_is_a_model_file(tmp_path):
     path = tmp_path / "llama.yaml"
     path.write_text(NANOTRON_CONFIG)
     model = load_model(str(path))
-    assert (model.layers, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab) == (80, 8192, 64, 8, 28672, 128256)
+    assert (model.layers, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab) == (80, 8192, 64, 8,
+                                                                                                 28672, 128256)
     parsed = parse_yaml(NANOTRON_CONFIG)
     assert parsed["parallelism"]["pp_engine"] == "capped_1f1b:cap=2,split=19/21/21/19"
     assert parsed["data_stages"][0] == {"data": {"seed": 42}, "name": "stable"}

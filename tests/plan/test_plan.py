@@ -16,7 +16,9 @@ from pipeschedule.plan.presets import MODELS
 L70 = MODELS["llama3-70b"]
 # integration/nanotron/engine_spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
 # integer or integers joined by '/'.
-ENGINE = re.compile(r"^(1f1b|afab|ps_1f1b|ps_afab|capped_1f1b|interleaved_1f1b|zb_h1|zbv|v_half|v_min)(:[a-z]+=\d+(/\d+)*(,[a-z]+=\d+(/\d+)*)*)?$")
+FAMILY_NAMES = "1f1b|afab|ps_1f1b|ps_afab|capped_1f1b|interleaved_1f1b|zb_h1|zbv|v_half|v_min"
+VALUE = r"[a-z]+=(\d+(/\d+)*|full|selective)"
+ENGINE = re.compile(rf"^({FAMILY_NAMES})(:{VALUE}(,{VALUE})*)?$")
 
 
 def config(**kw):
@@ -51,14 +53,13 @@ def test_default_is_nanotron_1f1b_with_its_split():
         assert ENGINE.match(cand.engine()), cand.engine()
 
 
-def test_dp2_without_zero_recommends_something_that_fits():
-    """Set A of test_memory.py at dp=2: nanotron's default overflows stage 0; the planner
-    finds a schedule and split that fit, and points out that ZeRO-1 fits unchanged."""
+def test_dp2_without_zero_leaves_stage_0_within_2_gib_and_hints_zero1():
+    """Set A of test_memory.py at dp=2: nanotron's default fits stage 0 with under 2 GiB
+    to spare (DDP's buckets); the recommendation fits, and the ZeRO-1 hint is shown."""
     result = plan(config(setup={"dp": 2}))
-    assert not result.default.fits
+    assert result.default.fits and -result.default.peak.overflow < 2 * GiB
     rec = result.recommended
     assert rec is not None and rec.fits
-    assert rec.split != (21, 20, 20, 19)
     assert result.zero1_default is not None and result.zero1_default.fits
     text = result.to_text(tables="top")
     assert "Hint: with ZeRO-1" in text
@@ -92,12 +93,13 @@ def test_compute_costs():
 
 
 def test_cli_text_json_png(capsys, tmp_path):
-    argv = ["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--recompute", "full"]
+    argv = ["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--recompute", "full",
+            "--zero", "0"]
     code, out = run(argv + ["--tables", "top"], capsys)
     assert code == 0
     assert "Recommended:" in out and "Memory per GPU in GiB, #1 1f1b, nanotron default 21/20/20/19" in out
     for term in ("weights", "fp32 grad accumulator", "fp32 master weights", "Adam moments", "activations",
-                 "bf16 gradients (transient)", "total", "budget"):
+                 "layer backward (transient)", "total", "budget"):
         assert term in out
     png = tmp_path / "plan.png"
     code, out = run(argv + ["--json", "--png", str(png)], capsys)
@@ -109,8 +111,10 @@ def test_cli_text_json_png(capsys, tmp_path):
 
 
 def test_cli_model_from_sizes(capsys):
-    argv = ["--layers", "8", "--hidden", "256", "--heads", "8", "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
-            "--pp", "2", "--microbatches", "4", "--seq", "128", "--gpu-memory", "1", "--reserve", "0", "--tables", "none"]
+    argv = ["--zero", "0", "--recompute", "none",
+            "--layers", "8", "--hidden", "256", "--heads", "8", "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
+            "--pp", "2", "--microbatches", "4", "--seq", "128", "--gpu-memory", "1", "--reserve", "0",
+            "--tables", "none"]
     code, out = run(argv, capsys)
     assert code == 0 and "Plan for custom: 8 layers" in out
 
@@ -142,6 +146,7 @@ def test_cli_bad_input_names_the_value(argv, message):
 
 def test_nothing_fits_returns_1(capsys):
     code, out = run(["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--gpu", "h100",
+                     "--recompute", "none", "--zero", "0",
                      "--tables", "none"], capsys)
     assert code == 1
     assert "Recommended: nothing fits" in out
@@ -165,7 +170,7 @@ def test_search_memory_equals_the_reported_memory():
 def test_keyword_api():
     result = plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full")
     assert result.config.budget == 94 * GiB
-    assert result.recommended.engine() == "capped_1f1b:cap=4/2/2/1,split=19/21/21/19"
+    assert result.recommended.engine() == "zb_h1:recompute=full"
     with pytest.raises(ParameterError, match="model must be a preset name"):
         plan(pp=4, microbatches=16)
 
@@ -177,7 +182,7 @@ def test_split_backward_candidates_are_evaluated_with_v_placement():
     from pipeschedule.compiler.families import FAMILIES
 
     result = planned()
-    rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron")}
+    rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron") and not c.recomputed}
     for family in ("zb_h1", "zbv", "v_half", "v_min"):
         row = rows[family]
         assert row.step_time and row.memory and row.virtual == FAMILIES[family].chunks()
@@ -196,7 +201,7 @@ def test_split_backward_candidates_are_evaluated_with_v_placement():
     # Without recompute (layer activations dominate; with full recompute the LM head's
     # logits, which a V keeps on rank 0, do): V-Half and V-Min hold less on the first rank.
     result = plan(config(setup={"recompute": "none"}))
-    rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron")}
+    rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron") and not c.recomputed}
     acts = {f: rows[f].memory[0].terms["activations"] for f in ("1f1b", "zbv", "v_half", "v_min")}
     assert acts["v_min"] < 0.55 * acts["1f1b"] and acts["v_half"] < 0.8 * acts["1f1b"]
     assert acts["zbv"] < 1.1 * acts["1f1b"]
@@ -233,8 +238,6 @@ def test_split_search_memory_equals_the_reported_memory_for_v_shapes():
         split = (11, 10, 10, 10, 10, 10, 10, 9) if virtual == 2 else (21, 20, 20, 19)
         row = planner.evaluate(family, None, virtual, split, "x")
         table = [r.total for r in row.memory]
-        if virtual == 1:
-            assert ev.rank_bytes(split) == pytest.approx(table, rel=1e-12)
-        else:
-            assert all(a >= b * (1 - 1e-12) for a, b in zip(ev.rank_bytes(split), table))
-        assert ev.simulate(split)[0] == pytest.approx(row.step_time, rel=1e-12)
+        # an upper bound: the search counts max(F stash, W stash) per layer from F to W
+        assert all(a >= b * (1 - 1e-12) for a, b in zip(ev.rank_bytes(split), table))
+        assert ev.simulate(split)[0] == pytest.approx(row.pipeline_time, rel=1e-12)
