@@ -56,6 +56,7 @@ from integration.nanotron.registry import AUTO_ENGINE, ENGINES  # noqa: E402
 from integration.nanotron.step import Runner, pipeline_blocks, unwrap  # noqa: E402
 from pipeschedule import compile_schedule  # noqa: E402
 from pipeschedule.compiler.families import FAMILIES  # noqa: E402
+from pipeschedule.plan.auto import choose_cap  # noqa: E402
 from pipeschedule.compiler.ir import Schedule  # noqa: E402
 from pipeschedule.compiler.offload import add_offload  # noqa: E402
 from pipeschedule.compiler.passes import forward_only  # noqa: E402
@@ -270,8 +271,6 @@ class AutoEngine(PipescheduleEngine):
         return out
 
     def _choose(self, model, pg, m: int) -> None:
-        from pipeschedule.plan.auto import choose_cap  # noqa: PLC0415  (pure; only auto needs it)
-
         stash = float(self.training_ledger().high["stash"])
         device = _device_of(model)
         params = sum(p.numel() for p in unwrap(model).parameters())
