@@ -140,7 +140,8 @@ def _merged(program, rank_gaps) -> tuple:
         if gap is not None:
             if len(gap) > 1:
                 gap.sort()
-            out += [entry[4] for entry in gap]
+            for entry in gap:
+                append(entry[4])
         if pc < len(program):
             append(program[pc])
     return tuple(out)
