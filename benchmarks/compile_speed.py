@@ -34,12 +34,9 @@ import io
 import json
 import math
 import os
-import platform
 import pstats
-import subprocess
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks.common import RESULTS, git_commit, machine, torch_version
@@ -315,11 +312,13 @@ def markdown(result: dict) -> str:
         "",
         f"Command: `{result['command']}`  ",
         f"Date: {meta['date']}  ",
-        f"Machine: {meta['machine']['cpu_model']} ({meta['machine']['processor']}), {meta['machine']['cpu_count']} CPUs "
+        f"Machine: {meta['machine']['cpu_model']} ({meta['machine']['processor']}), "
+        f"{meta['machine']['cpu_count']} CPUs "
         f"({meta['affinity']}), {meta['machine']['platform']}  ",
         f"Python {meta['machine']['python']}, torch {meta['machine']['torch']}; "
         f"1-minute load average at the start: {meta.get('load_average_1m_at_start')}, at the end: "
-        f"{meta['machine']['load_average_1m_at_end']} ({meta['machine']['cpu_count']} CPUs; other processes share them)  ",
+        f"{meta['machine']['load_average_1m_at_end']} ({meta['machine']['cpu_count']} CPUs; "
+        "other processes share them)  ",
         f"Commit: {meta['commit']}",
         "",
         f"## Headline: interleaved 1F1B, pp={h['pp']}, virtual={h['virtual']}, microbatches={h['microbatches']}",
@@ -353,13 +352,15 @@ def markdown(result: dict) -> str:
     ]
     # The headline is a best of several runs; say how far a single run of the same size
     # (the grid's cell, timed once) was from it, so a narrow margin is visible.
-    same = [c for c in result["grid"] if (c["pp"], c["virtual"], c["microbatches"]) == (h["pp"], h["virtual"], h["microbatches"])]
+    size = (h["pp"], h["virtual"], h["microbatches"])
+    same = [c for c in result["grid"] if (c["pp"], c["virtual"], c["microbatches"]) == size]
     if same:
         lines += [f"A single run of the same size in the grid below took {same[0]['ours_total']:.3f} s "
                   f"({100 * (same[0]['ours_total'] / h['ours_total'] - 1):+.0f}% against the best of {h['repeat']}); "
                   "runs on this shared machine vary by that much.", ""]
     lines += [
-        f"## Growth (virtual={result['grid'][0]['virtual']}; one run per cell, best of {SMALL_REPEAT} below {SMALL_S} s)",
+        f"## Growth (virtual={result['grid'][0]['virtual']}; one run per cell, "
+        f"best of {SMALL_REPEAT} below {SMALL_S} s)",
         "",
         "| pp | m | instructions | ours s | µs/instr | PyTorch s | ratio |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -376,7 +377,8 @@ def markdown(result: dict) -> str:
                   + (" ..." if len(skipped) > 3 else "")]
     lines += ["", "Fitted exponents (ours):", "", "```", *_fmt_exponents(result["growth"]["ours"]), "```"]
     if result["growth"].get("torch"):
-        lines += ["", "Fitted exponents (PyTorch, cells run):", "", "```", *_fmt_exponents(result["growth"]["torch"]), "```"]
+        lines += ["", "Fitted exponents (PyTorch, cells run):", "", "```",
+                  *_fmt_exponents(result["growth"]["torch"]), "```"]
     lines += ["", result["growth_summary"], ""]
     if result.get("profile"):
         lines += ["## Profile of ours (headline)", "", "```", result["profile"].strip(), "```", ""]
@@ -434,7 +436,8 @@ def main(argv=None) -> int:
     else:
         print("  PyTorch: torch is not installed; no comparison")
     print(f"  target ours <= {TARGET_OURS_S} s: {'met' if ours_total <= TARGET_OURS_S else 'NOT met'}; "
-          f"ratio >= {TARGET_RATIO:.0f}x: {'met' if headline['ratio'] and headline['ratio'] >= TARGET_RATIO else 'NOT met'}")
+          f"ratio >= {TARGET_RATIO:.0f}x: "
+          f"{'met' if headline['ratio'] and headline['ratio'] >= TARGET_RATIO else 'NOT met'}")
 
     grid_pp, grid_m = (QUICK_PP, QUICK_M) if args.quick else (GRID_PP, GRID_M)
     print(f"\ngrowth (virtual={virtual}); PyTorch budget {args.torch_budget:g} s")

@@ -27,7 +27,7 @@ from __future__ import annotations
 from pipeschedule.compiler.gcpause import gc_paused
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.ir import BUFFERS, Instr, Op, Schedule
 
 # Plain names for the ops: enum attribute lookups dominate loops over a million steps.
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -91,11 +91,14 @@ def check_coverage(schedule: Schedule) -> None:
             if peer is not None and (peer >= pp or peer == rank):
                 raise _fail(schedule, "coverage", rank, index, f"peer {peer} is not another rank in 0..{pp - 1}")
             if forward_only and (op is B or op is W or op is SEND_B or op is RECV_B):
-                raise _fail(schedule, "coverage", rank, index, f"{op.value} of (stage {stage}, mb {mb}) in a forward-only schedule, which runs no backward (accepted: F, SEND_F, RECV_F, FREE, OFFLOAD, RELOAD)")
+                raise _fail(schedule, "coverage", rank, index,
+                            f"{op.value} of (stage {stage}, mb {mb}) in a forward-only schedule, which runs no "
+                            "backward (accepted: F, SEND_F, RECV_F, FREE, OFFLOAD, RELOAD)")
             if op is F or op is B or op is W:
                 key = (op, stage, mb)
                 if key in seen:
-                    raise _fail(schedule, "coverage", rank, index, f"second {op.value} of (stage {stage}, mb {mb}); the first is at step {seen[key]}")
+                    raise _fail(schedule, "coverage", rank, index,
+                                f"second {op.value} of (stage {stage}, mb {mb}); the first is at step {seen[key]}")
                 seen[key] = index
                 if op is B and (F, stage, mb) not in seen:
                     raise _fail(schedule, "coverage", rank, index, f"B of (stage {stage}, mb {mb}) before its F")
@@ -112,7 +115,8 @@ def check_coverage(schedule: Schedule) -> None:
             for mb in range(m):
                 for op in ops:
                     if (op, stage, mb) not in seen:
-                        raise _fail(schedule, "coverage", rank, len(program), f"no {op.value} for (stage {stage}, mb {mb})")
+                        raise _fail(schedule, "coverage", rank, len(program),
+                                    f"no {op.value} for (stage {stage}, mb {mb})")
 
 
 # -- rule 2: data dependencies ---------------------------------------------------------
@@ -142,21 +146,27 @@ def check_dependencies(schedule: Schedule) -> None:
                 if need is not None:
                     key = (need, s, mb) if need is RECV_F else (F, s - 1, mb)
                     if key not in done:
-                        raise _fail(schedule, "dependency", rank, index, f"F(stage {s}, mb {mb}) runs before its input arrives: no {need.value} of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
+                        raise _fail(schedule, "dependency", rank, index,
+                                    f"F(stage {s}, mb {mb}) runs before its input arrives: no {need.value} of (stage "
+                                    f"{key[1]}, mb {mb}) earlier on rank {rank}")
             elif op is B:
                 need = b_needs[s]
                 if need is not None:
                     key = (need, s, mb) if need is RECV_B else (B, s + 1, mb)
                     if key not in done:
-                        raise _fail(schedule, "dependency", rank, index, f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
+                        raise _fail(schedule, "dependency", rank, index,
+                                    f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} "
+                                    f"of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
             else:
                 if op is OFFLOAD or op is RELOAD:
                     continue  # moves between device and host: no data dependency, no message
                 other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
                 if not 0 <= other < S or placement[other] == rank:
-                    raise _fail(schedule, "dependency", rank, index, f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
+                    raise _fail(schedule, "dependency", rank, index,
+                                f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
                 if i.peer != placement[other]:
-                    raise _fail(schedule, "dependency", rank, index, f"peer is {i.peer}, but stage {other} runs on rank {placement[other]}")
+                    raise _fail(schedule, "dependency", rank, index,
+                                f"peer is {i.peer}, but stage {other} runs on rank {placement[other]}")
                 key = (op, s, mb)
                 if key in done:
                     raise _fail(schedule, "dependency", rank, index, f"second {op.value} of (stage {s}, mb {mb})")
@@ -179,7 +189,9 @@ def check_dependencies(schedule: Schedule) -> None:
                 if needed:
                     for mb in range(schedule.microbatches):
                         if (op, s, mb) not in done:
-                            raise _fail(schedule, "dependency", rank, len(program), f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never gets it")
+                            raise _fail(schedule, "dependency", rank, len(program),
+                                        f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never "
+                                        "gets it")
 
 
 def _needed_per_microbatch(schedule: Schedule, stages) -> int:
@@ -451,7 +463,8 @@ class _RankBuffers:
             if state >= 0 or state <= host
         )
         where = " on the host" if self.states[buf][s, mb] <= host else ""
-        return _fail(self.schedule, "liveness", self.rank, index, f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
+        return _fail(self.schedule, "liveness", self.rank, index,
+                     f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
 
 
 def _liveness_forward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
@@ -512,7 +525,8 @@ def check_caps(schedule: Schedule) -> None:
             if i.op is F:
                 inflight += 1
                 if inflight > caps[rank]:
-                    raise _fail(schedule, "cap", rank, index, f"{inflight} microbatch-stages in flight, cap is {caps[rank]}")
+                    raise _fail(schedule, "cap", rank, index,
+                                f"{inflight} microbatch-stages in flight, cap is {caps[rank]}")
             elif i.op is B:
                 inflight -= 1
 
