@@ -169,8 +169,15 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
         pending: list[Instr] = []  # frees waiting for the current comm run to end
         for i in program:
             op = i.op
-            if pending and op is not SEND_F and op is not SEND_B and op is not RECV_F and op is not RECV_B:
-                out.extend(pending)
+            if op is SEND_F or op is SEND_B:
+                append(i)
+                pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out" if op is SEND_F else "grad_in"))
+                continue
+            if op is RECV_F or op is RECV_B:
+                append(i)
+                continue
+            if pending:  # the run of communication ended: its frees go before what follows
+                out += pending
                 pending = []
             append(i)
             if op is F:
@@ -186,10 +193,6 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
                     append(make_instr(FREE, stage, mb, None, "grad_out"))
             elif op is W:
                 append(make_instr(FREE, i.stage, i.mb, None, "stash"))
-            elif op is SEND_F:
-                pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out"))
-            elif op is SEND_B:
-                pending.append(make_instr(FREE, i.stage, i.mb, None, "grad_in"))
         out.extend(pending)
         programs.append(tuple(out))
     return schedule._with_trusted_programs(tuple(programs))
