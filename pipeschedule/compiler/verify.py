@@ -575,13 +575,15 @@ def _passes_walked_rules(schedule: Schedule):
     S, m = schedule.num_stages, schedule.microbatches
     states = {buf: [None] * (S * m) for buf in BUFFERS}  # [Note: buffer states], at stage * m + mb
     done = {op: [False] * (S * m) for op in (F, B, W, SEND_F, SEND_B)}
+    nowhere = [None] * (S * m)  # the states of a name that is no buffer: never produced
+    tables = (states, done, nowhere, *_walk_tables(schedule, states))
     stages_by_rank: list[list[int]] = [[] for _ in range(schedule.pp)]
     for s, r in enumerate(schedule.placement):
         stages_by_rank[r].append(s)
     sends, recvs, batches, rank_batches = {}, {}, [], []
     for rank in range(schedule.pp):
         stages = stages_by_rank[rank]
-        counts = _walk_rank(schedule, rank, frozenset(stages), states, done, sends, recvs, batches, rank_batches)
+        counts = _walk_rank(schedule, rank, frozenset(stages), tables, sends, recvs, batches, rank_batches)
         if counts is None:
             return None
         computes, comm, made, frees = counts
@@ -596,12 +598,13 @@ def _passes_walked_rules(schedule: Schedule):
     return sends, recvs, batches, rank_batches
 
 
-def _walk_rank(schedule: Schedule, rank: int, own, states, done, sends, recvs, batches, rank_batches):
+def _walk_rank(schedule: Schedule, rank: int, own, tables, sends, recvs, batches, rank_batches):
     """One rank of [Note: merged walk]: None at the first failed check, else (F, B and W
     run, communication instructions, buffers produced, FREEs); adds the rank's messages
-    and batches to the tables as `_communication` does."""
+    and batches to the tables as `_communication` does. `tables`: the buffer states and
+    done-flags by stage * m + mb, states for no buffer, and `_walk_tables`."""
     S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
-    makes, uses = _walk_tables(schedule, states)
+    states, done, nowhere, makes, uses = tables
     b_done = done[B]
     carried = {SEND_F: states["act_out"], SEND_B: states["grad_in"], RECV_F: states["act_in"],
                RECV_B: states["grad_out"]}  # the buffer a message moves
@@ -614,7 +617,7 @@ def _walk_rank(schedule: Schedule, rank: int, own, states, done, sends, recvs, b
             return None
         key = s * m + mb
         if op is FREE:
-            states_of = states[i.buf]
+            states_of = states.get(i.buf, nowhere)
             state = states_of[key]
             if i.peer is not None or state is None or host < state < 0:  # never produced, or freed
                 return None
@@ -632,7 +635,7 @@ def _walk_rank(schedule: Schedule, rank: int, own, states, done, sends, recvs, b
                 if states_of[key] is None or states_of[key] < 0:
                     return None
         elif op is OFFLOAD or op is RELOAD:
-            if i.peer is not None or not _moved(op, states[i.buf], key, index, host):
+            if i.peer is not None or not _moved(op, states.get(i.buf, nowhere), key, index, host):
                 return None
         else:  # SEND_F, RECV_F, SEND_B, RECV_B: a remote neighbour stage, which is the peer
             other, peer = s + 1 if (op is SEND_F or op is RECV_B) else s - 1, i.peer
