@@ -15,7 +15,7 @@ from typing import NamedTuple, Sequence
 
 from pipeschedule.checks import is_number, shown
 from pipeschedule.compiler.ir import Instr, Op, make_instr
-from pipeschedule.errors import ParameterError
+from pipeschedule.errors import ParameterError, ScheduleError
 
 UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}  # B is the whole backward
 SPLIT_UNIT_COST = {Op.F: 1, Op.B: 1, Op.W: 1}  # the backward's 2 split in B (input) and W (weights)
@@ -206,12 +206,15 @@ _STAGE, _MB = attrgetter("stage"), attrgetter("mb")
 def _dense(programs, num_stages: int):
     """(programs, span) for [Note: asap keys]: the programs as given when their mb values
     are below a bound about their length, else with every mb renumbered densely (in
-    increasing order; asap only compares them). Raises ValueError for a stage outside
-    0..num_stages-1."""
+    increasing order; asap only compares them). Raises ScheduleError (rule coverage) for
+    a stage outside 0..num_stages-1."""
     every = list(chain.from_iterable(programs))
     if every and max(map(_STAGE, every)) >= num_stages:
-        bad = next(i for i in every if i.stage >= num_stages)
-        raise ValueError(f"asap: instruction {bad} names stage {bad.stage}; there are {num_stages} stages")
+        rank, index, bad = next((r, k, i) for r, program in enumerate(programs)
+                                for k, i in enumerate(program) if i.stage >= num_stages)
+        raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {bad}: stage {bad.stage} belongs "
+                            f"to no rank (there are {num_stages} stages)",
+                            rule="coverage", rank=rank, index=index, instr=bad, mb=bad.mb)
     span = 1 + max(map(_MB, every), default=0)
     if span <= 2 * len(every) + 64:
         return programs, span
