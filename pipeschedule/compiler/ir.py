@@ -180,7 +180,9 @@ class _UncheckedInstr:
 make_instr = _UncheckedInstr
 
 
-_TOKEN = re.compile(r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$")
+_TOKEN = re.compile(
+    r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$"
+)
 
 
 Program = tuple  # tuple[Instr, ...]: one rank's instructions in order

@@ -51,6 +51,16 @@ def _fraction(value) -> bool:
     return is_number(value) and 0 <= value <= 1
 
 
+def _count(x) -> bool:
+    """Whether x is an integer >= 0 (a lead)."""
+    return is_int(x) and x >= 0
+
+
+def _joined(value) -> str:
+    """One number, or one per rank joined by '/', as `--offload` writes them."""
+    return "/".join(f"{x:g}" for x in value) if isinstance(value, tuple) else f"{value:g}"
+
+
 @dataclass(frozen=True)
 class OffloadPolicy:
     """What `add_offload` moves to the host ([Note: offload placement]).
@@ -72,15 +82,17 @@ class OffloadPolicy:
         check_chunk(self.chunk)
         fraction = tuple(self.fraction) if isinstance(self.fraction, (list, tuple)) else self.fraction
         if not (_fraction(fraction) or (isinstance(fraction, tuple) and fraction and all(map(_fraction, fraction)))):
-            raise ParameterError(f"offload fraction must be a number in [0, 1] or one per rank, got {shown(self.fraction)}")
+            raise ParameterError(f"offload fraction must be a number in [0, 1] or one per rank, "
+                                 f"got {shown(self.fraction)}")
         lead = tuple(self.lead) if isinstance(self.lead, (list, tuple)) else self.lead
-        ok = lambda x: is_int(x) and x >= 0
-        if not (ok(lead) or (isinstance(lead, tuple) and lead and all(map(ok, lead)))):
-            raise ParameterError(f"offload lead must be an integer >= 0 (computes) or one per rank, got {shown(self.lead)}")
+        if not (_count(lead) or (isinstance(lead, tuple) and lead and all(map(_count, lead)))):
+            raise ParameterError(f"offload lead must be an integer >= 0 (computes) or one per rank, "
+                                 f"got {shown(self.lead)}")
         ranks = self.ranks
         if ranks is not None:
             ranks = tuple(ranks) if isinstance(ranks, (list, tuple)) else ranks
-            if not isinstance(ranks, tuple) or not all(is_int(r) and r >= 0 for r in ranks) or len(set(ranks)) != len(ranks):
+            if (not isinstance(ranks, tuple) or not all(is_int(r) and r >= 0 for r in ranks)
+                    or len(set(ranks)) != len(ranks)):
                 raise ParameterError(f"offload ranks must be distinct integers >= 0, got {shown(self.ranks)}")
         object.__setattr__(self, "fraction", fraction)
         object.__setattr__(self, "lead", lead)
@@ -91,13 +103,13 @@ class OffloadPolicy:
         if not isinstance(value, tuple):
             return (value,) * pp
         if len(value) != pp:
-            raise ParameterError(f"offload {name} has {len(value)} entries {shown(value)}; the schedule has pp={pp} ranks")
+            raise ParameterError(f"offload {name} has {len(value)} entries {shown(value)}; "
+                                 f"the schedule has pp={pp} ranks")
         return value
 
     def text(self) -> str:
         """The `--offload` spec that gives this policy back (`parse_offload`)."""
-        join = lambda v: "/".join(f"{x:g}" for x in v) if isinstance(v, tuple) else f"{v:g}"
-        parts = [f"fraction={join(self.fraction)}", f"lead={join(self.lead)}"]
+        parts = [f"fraction={_joined(self.fraction)}", f"lead={_joined(self.lead)}"]
         if self.ranks is not None:
             parts.append("ranks=" + "/".join(map(str, self.ranks)))
         if self.chunk is not None:
@@ -173,7 +185,8 @@ def add_offload(schedule: Schedule, policy: OffloadPolicy | None = None) -> Sche
     for rank in ranks:
         program = programs[rank]
         if any(i.op is OFFLOAD or i.op is RELOAD for i in program):
-            raise ParameterError(f"rank {rank} of {shown(schedule.name)} already has OFFLOAD/RELOAD; add_offload takes a schedule without")
+            raise ParameterError(f"rank {rank} of {shown(schedule.name)} already has OFFLOAD/RELOAD; "
+                                 "add_offload takes a schedule without")
         waits = stash_waits(program)
         count = math.floor(fractions[rank] * len(waits) + 1e-9)
         lead = leads[rank]
@@ -189,10 +202,10 @@ def add_offload(schedule: Schedule, policy: OffloadPolicy | None = None) -> Sche
             elif i.op is Op.FREE and computes and computes[-1] == pc - 1:
                 computes[-1] = pc
         after: dict[int, list] = {}  # pc -> instructions that go right after it
-        for _, f, b, stage, mb in sorted(chosen, key=lambda w: w[1]):
+        for _, f, _b, stage, mb in sorted(chosen, key=lambda w: w[1]):
             after.setdefault(computes[f], []).append(make_instr(OFFLOAD, stage, mb, None, "stash"))
         offloaded_f = {w[1] for w in chosen}
-        for _, f, b, stage, mb in sorted(chosen, key=lambda w: w[2]):
+        for _, _f, b, stage, mb in sorted(chosen, key=lambda w: w[2]):
             at = b - lead - 1
             while at < b - 1 and at in offloaded_f:  # not beside a copy out: see the Note
                 at += 1

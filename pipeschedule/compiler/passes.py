@@ -21,131 +21,130 @@ F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 
 
+# [Note: message placement] The compute order is first timed as soon as possible
+# (`asap`, under unit costs or `cost`: [Note: cost-aware timing] in timing.py). A message
+# is sent right after its producer, so the sender never waits to send. It is received
+# right before the receiver's first compute that starts no earlier than min(the sender's
+# next compute, the consumer): as late as possible (so its buffer lives no longer than
+# needed; in 1F1B this is Megatron's pairing, a forward send travelling with the next
+# backward receive and a backward send with the next forward receive), yet early enough
+# for rule 4. By induction on start times: when a rank reaches the batch before a
+# compute starting at t, each partner of the batch is either a send right after a
+# compute that started before t, or a receive before a compute whose predecessor
+# started before the sender's next compute, and so before t; its rank has run that far
+# and posted it, so no batch waits forever. (Receiving right before the consumer alone
+# can deadlock interleaved schedules: the sender's batch then waits for a consumer that
+# waits for the sender.) Between two ranks, receives keep the order of the sends
+# (rule 3): a receive that would come after a later message's receive is moved up to
+# it, and within one gap messages go in the order they were produced.
+
+
 def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
     """Adds SEND_F right after each F whose output leaves the rank, SEND_B right after
-    each B whose input gradient leaves it, and the matching RECV_F / RECV_B early enough.
-    Input: compute only. Output: compute + communication, deadlock-free under rule 4
-    whenever the compute order itself is free of cycles.
+    each B whose input gradient leaves it, and the matching RECV_F / RECV_B early enough
+    ([Note: message placement]). Input: compute only. Output: compute + communication,
+    deadlock-free under rule 4 whenever the compute order itself is free of cycles.
 
-    [Note: message placement] The compute order is first timed as soon as possible
-    (`asap`, under unit costs or `cost`: [Note: cost-aware timing] in
-    generators/common.py). A message is sent right after its
-    producer, so the sender never waits to send. It is received right before the receiver's first compute that starts
-    no earlier than min(the sender's next compute, the consumer): as late as possible
-    (so its buffer lives no longer than needed; in 1F1B this is Megatron's pairing, a
-    forward send travelling with the next backward receive and a backward send with the
-    next forward receive), yet early enough for rule 4. By induction on start times:
-    when a rank reaches the batch before a compute starting at t, each partner of the
-    batch is either a send right after a compute that started before t, or a receive
-    before a compute whose predecessor started before the sender's next compute, and so
-    before t; its rank has run that far and posted it, so no batch waits forever.
-    (Receiving right before the consumer alone can deadlock interleaved schedules: the
-    sender's batch then waits for a consumer that waits for the sender.) Between two
-    ranks, receives keep the order of the sends (rule 3): a receive that would come after
-    a later message's receive is moved up to it, and within one gap messages go in the
-    order they were produced.
-    """
+    gaps[r][pc] holds the messages that go right before rank r's pc-th compute (pc ==
+    len: after the last one), each as (production time, sender rank, sender pc, kind,
+    instr), kind 0 for the send and 1 for the receive. Sorting a gap orders its messages
+    by when they were produced; (time, rank, pc, kind) never ties (a producer sends one
+    message), so the sort never compares instructions."""
     times = stage_times(cost, schedule.num_stages)  # None for None: unit costs
     starts, stuck = asap(schedule.num_stages, schedule.programs, times)
     if stuck:
         rank = stuck[0]
         pc = starts[rank].index(None)
+        instr = schedule.programs[rank][pc]
         raise ScheduleError(
             f"rule deadlock: the compute order cannot finish: ranks {stuck} wait on each other "
-            f"(rank {rank} is blocked at step {pc}, {schedule.programs[rank][pc]})",
-            rule="deadlock", rank=rank, index=pc, instr=schedule.programs[rank][pc],
-            mb=schedule.programs[rank][pc].mb,
+            f"(rank {rank} is blocked at step {pc}, {instr})",
+            rule="deadlock", rank=rank, index=pc, instr=instr, mb=instr.mb,
         )
-    placement, pp = schedule.placement, schedule.pp
-    # gaps[r][pc]: the messages that go right before rank r's pc-th compute (pc == len:
-    # after the last one), each as (production time, sender rank, sender pc, kind, instr);
-    # kind 0 is the send, 1 the receive. Sorting a gap orders its messages by when they
-    # were produced; (time, rank, pc, kind) never ties (a producer sends one message),
-    # so the sort never compares instructions.
     gaps = [[None] * (len(program) + 1) for program in schedule.programs]
-    sends_forward = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
-    sends_backward = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
-    # f_pc[s][mb] / b_pc[s][mb]: the pc of F(s, mb) / B(s, mb) on its rank, for the stages
-    # whose F / B consume a message (lists: cheaper to fill and read than a dict)
-    m = schedule.microbatches
-    f_pc = [[0] * m if s and sends_forward[s - 1] else None for s in range(schedule.num_stages)]
-    b_pc = [[0] * m if sends_backward[s + 1] else None for s in range(schedule.num_stages - 1)] + [None]
-    for program in schedule.programs:
-        for pc, i in enumerate(program):
-            row = (f_pc if i.op is F else b_pc if i.op is B else None)
-            if row is not None:
-                row = row[i.stage]
-                if row is not None:
-                    row[i.mb] = pc
-    # channel src * pp + dst -> (the due gap of each receive, the receive's gap entry),
-    # in send order (src and dst are both ranks, so the int names the pair)
-    channels: dict[int, tuple[list[int], list[tuple]]] = {}
-    durations = durations_of(schedule.programs, schedule.num_stages, times)
+    channels = _send_and_due(schedule, starts, durations_of(schedule.programs, schedule.num_stages, times), gaps)
+    for channel, (dues, receives) in channels.items():
+        dst_gaps = gaps[channel % schedule.pp]
+        at = len(dst_gaps)  # NCCL matches by order: a receive never goes after a later message's receive
+        for due, entry in zip(reversed(dues), reversed(receives)):
+            if due < at:
+                at = due
+            if dst_gaps[at] is None:
+                dst_gaps[at] = [entry]
+            else:
+                dst_gaps[at].append(entry)
+    return schedule._with_trusted_programs(tuple(_merged(p, g) for p, g in zip(schedule.programs, gaps)))
+
+
+def _send_and_due(schedule: Schedule, starts, durations, gaps) -> dict:
+    """Puts each send in the gap right after its producer and returns, per channel
+    (src * pp + dst), the gap each receive is due in ([Note: message placement]) and the
+    receive's gap entry, in send order."""
+    placement, pp = schedule.placement, schedule.pp
+    sends_fwd = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
+    sends_bwd = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
+    f_pc, b_pc = _consumer_pcs(schedule, sends_fwd, sends_bwd)
     cost_f, cost_b = durations.forward, durations.backward  # per stage
-    inf = float("inf")
+    channels: dict[int, tuple[list[int], list[tuple]]] = {}
     for rank, program in enumerate(schedule.programs):
         rank_starts, rank_gaps = starts[rank], gaps[rank]
-        n = len(program)
+        rank_starts.append(float("inf"))  # the sender's next compute after its last
         for pc, i in enumerate(program):
             op, stage, mb = i.op, i.stage, i.mb
-            if op is F and sends_forward[stage]:
-                recv = make_instr(RECV_F, stage + 1, mb, rank)
-                send = make_instr(SEND_F, stage, mb, placement[stage + 1])
+            if op is F and sends_fwd[stage]:
                 c_rank, c_pc = placement[stage + 1], f_pc[stage + 1][mb]
                 produced = rank_starts[pc] + cost_f[stage]  # the message exists from its producer's end
-            elif op is B and sends_backward[stage]:
-                recv = make_instr(RECV_B, stage - 1, mb, rank)
-                send = make_instr(SEND_B, stage, mb, placement[stage - 1])
+                send, recv = make_instr(SEND_F, stage, mb, c_rank), make_instr(RECV_F, stage + 1, mb, rank)
+            elif op is B and sends_bwd[stage]:
                 c_rank, c_pc = placement[stage - 1], b_pc[stage - 1][mb]
                 produced = rank_starts[pc] + cost_b[stage]
+                send, recv = make_instr(SEND_B, stage, mb, c_rank), make_instr(RECV_B, stage - 1, mb, rank)
             else:
                 continue
-            gap = rank_gaps[pc + 1]
-            if gap is None:
-                rank_gaps[pc + 1] = [(produced, rank, pc, 0, send)]
-            else:
-                gap.append((produced, rank, pc, 0, send))
-            sender_next = rank_starts[pc + 1] if pc + 1 < n else inf
+            rank_gaps[pc + 1] = [(produced, rank, pc, 0, send)]  # the first entry of that gap
+            # due: the consumer rank's first compute that starts no earlier than
+            # min(sender's next, consumer's start); starts on a rank never decrease.
             c_starts = starts[c_rank]
-            # at: the consumer rank's first compute that starts no earlier than
-            # min(sender_next, the consumer's start). Starts on a rank never decrease, so
-            # the search can stop at the consumer itself.
-            if sender_next < c_starts[c_pc]:
-                at = bisect_left(c_starts, sender_next, 0, c_pc)
-            else:
-                at = bisect_left(c_starts, c_starts[c_pc], 0, c_pc)
+            due = c_starts[c_pc]
+            if rank_starts[pc + 1] < due:
+                due = rank_starts[pc + 1]
             channel = channels.get(rank * pp + c_rank)
             if channel is None:
                 channel = channels[rank * pp + c_rank] = ([], [])
-            channel[0].append(at)
+            channel[0].append(bisect_left(c_starts, due, 0, c_pc))
             channel[1].append((produced, rank, pc, 1, recv))
-    for channel, (ats, entries) in channels.items():
-        dst_gaps = gaps[channel % pp]
-        # NCCL matches by order: a receive never goes after a later message's receive.
-        at = len(dst_gaps)
-        for at_k, entry in zip(reversed(ats), reversed(entries)):
-            if at_k < at:
-                at = at_k
-            gap = dst_gaps[at]
-            if gap is None:
-                dst_gaps[at] = [entry]
-            else:
-                gap.append(entry)
-    programs = []
-    for program, rank_gaps in zip(schedule.programs, gaps):
-        out: list[Instr] = []
-        append = out.append
-        n = len(program)
-        for pc, gap in enumerate(rank_gaps):
-            if gap is not None:
-                if len(gap) > 1:
-                    gap.sort()
-                for entry in gap:
-                    append(entry[4])
-            if pc < n:
-                append(program[pc])
-        programs.append(tuple(out))
-    return schedule._with_trusted_programs(tuple(programs))
+    return channels
+
+
+def _consumer_pcs(schedule: Schedule, sends_fwd, sends_bwd) -> tuple[list, list]:
+    """f_pc[s][mb] / b_pc[s][mb]: the pc of F(s, mb) / B(s, mb) on its rank, for the
+    stages whose F / B consume a message (None for the others)."""
+    m, stages = schedule.microbatches, schedule.num_stages
+    f_pc = [[0] * m if s and sends_fwd[s - 1] else None for s in range(stages)]
+    b_pc = [[0] * m if s + 1 < stages and sends_bwd[s + 1] else None for s in range(stages)]
+    for program in schedule.programs:
+        for pc, i in enumerate(program):
+            op = i.op
+            row = f_pc[i.stage] if op is F else b_pc[i.stage] if op is B else None
+            if row is not None:
+                row[i.mb] = pc
+    return f_pc, b_pc
+
+
+def _merged(program, rank_gaps) -> tuple:
+    """One rank's compute order with each gap's messages, in production order, before
+    the compute they precede."""
+    out: list[Instr] = []
+    append = out.append
+    for pc, gap in enumerate(rank_gaps):
+        if gap is not None:
+            if len(gap) > 1:
+                gap.sort()
+            for entry in gap:
+                append(entry[4])
+        if pc < len(program):
+            append(program[pc])
+    return tuple(out)
 
 
 def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
@@ -170,8 +169,15 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
         pending: list[Instr] = []  # frees waiting for the current comm run to end
         for i in program:
             op = i.op
-            if pending and op is not SEND_F and op is not SEND_B and op is not RECV_F and op is not RECV_B:
-                out.extend(pending)
+            if op is SEND_F or op is SEND_B:
+                append(i)
+                pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out" if op is SEND_F else "grad_in"))
+                continue
+            if op is RECV_F or op is RECV_B:
+                append(i)
+                continue
+            if pending:  # the run of communication ended: its frees go before what follows
+                out += pending
                 pending = []
             append(i)
             if op is F:
@@ -187,10 +193,6 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
                     append(make_instr(FREE, stage, mb, None, "grad_out"))
             elif op is W:
                 append(make_instr(FREE, i.stage, i.mb, None, "stash"))
-            elif op is SEND_F:
-                pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out"))
-            elif op is SEND_B:
-                pending.append(make_instr(FREE, i.stage, i.mb, None, "grad_in"))
         out.extend(pending)
         programs.append(tuple(out))
     return schedule._with_trusted_programs(tuple(programs))

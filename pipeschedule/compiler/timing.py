@@ -9,11 +9,13 @@ every message by them ([Note: message placement] in passes.py); a compute order 
 from __future__ import annotations
 
 import math
+from itertools import chain
+from operator import attrgetter
 from typing import NamedTuple, Sequence
 
 from pipeschedule.checks import is_number, shown
-from pipeschedule.compiler.ir import Instr, Op
-from pipeschedule.errors import ParameterError
+from pipeschedule.compiler.ir import Instr, Op, make_instr
+from pipeschedule.errors import ParameterError, ScheduleError
 
 UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}  # B is the whole backward
 SPLIT_UNIT_COST = {Op.F: 1, Op.B: 1, Op.W: 1}  # the backward's 2 split in B (input) and W (weights)
@@ -73,7 +75,8 @@ def stage_times(cost, num_stages: int) -> StageTimes | None:
         )
     for name, column in zip(("forward", "backward", "weight"), columns):
         if len(column) != num_stages:
-            raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: {shown(list(column))}")
+            raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: "
+                                 f"{shown(list(column))}")
         for s, x in enumerate(column):
             if not (is_number(x) and 0 <= x < math.inf):
                 raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {shown(x)}")
@@ -90,11 +93,29 @@ def unit_stage_times(programs: Sequence[Sequence[Instr]], num_stages: int) -> St
     return StageTimes(*((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W)))
 
 
+# [Note: asap keys] (stage, mb) is packed into one int, stage * span + mb, with span
+# above every mb in the programs: distinct for every stage, and it indexes flat lists
+# (the ends of F and B, the ranks parked on each) where dicts of tuples cost twice as
+# much in this loop, which runs once per compute instruction. Only the ends of F and B
+# are ever waited for, so only those are kept. Programs whose mb values lie far apart
+# (not a schedule's: a valid one has every mb below m) are renumbered densely first, so
+# that the lists stay as long as the programs.
+#
+# [Note: asap worklist] A start depends only on the end of the rank's previous
+# instruction and on the end it waits for, never on the order in which ranks are
+# visited; so each rank runs as far as it can, and a rank that needs an end not yet
+# known is parked on that end (in f_parked / b_parked) and put back on the worklist when
+# it is produced. Every instruction is timed once and every rank parks at most once per
+# instruction: O(instructions), where sweeping all ranks until none moves took O(pp)
+# sweeps (minutes at pp=100000).
+
+
 def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     """Start time of every compute instruction when each runs as soon as its rank is
     free and its inputs exist, under integer unit costs (`unit_cost(programs)`) unless
     `cost` (`StageTimes`, or an {op: time} dict for every stage) is given
-    ([Note: cost-aware timing]); communication takes no time.
+    ([Note: cost-aware timing]); communication takes no time. Every stage is one of
+    0..num_stages-1.
 
     F(s, mb) waits for F(s-1, mb); B(s, mb) for F(s, mb) and B(s+1, mb); W(s, mb) for
     B(s, mb). Returns (starts, stuck): starts[r][k] is the start of rank r's k-th
@@ -105,75 +126,53 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     waits on that one end and is resumed when it is produced ([Note: asap worklist]).
     """
     F, B = Op.F, Op.B
-    if cost is None:
-        cost = unit_cost(programs)
-    if isinstance(cost, StageTimes):
-        cost_f, cost_b, cost_w = cost
-    else:
-        cost_f, cost_b, cost_w = ((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W))
-    # [Note: asap keys] (stage, mb) is packed into one int, stage * span + mb, with span
-    # above every mb in the programs: distinct for every stage >= 0, and cheaper to build
-    # and hash than a tuple (this loop runs once per compute instruction). Only the ends
-    # of F and B are ever waited for, so only those are kept.
-    # [Note: asap worklist] A start depends only on the end of the rank's previous
-    # instruction and on the end it waits for, never on the order in which ranks are
-    # visited; so each rank runs as far as it can, and a rank that needs an end not yet
-    # known is parked on that end (waiting[key] for an F's end, waiting[~key] for a B's)
-    # and put back on the worklist when it is produced. Every instruction is timed once
-    # and every rank parks at most once per instruction: O(instructions), where sweeping
-    # all ranks until none moves took O(pp) sweeps (minutes at pp=100000).
-    span = 1 + max((i.mb for program in programs for i in program), default=0)
-    f_end: dict[int, int] = {}
-    b_end: dict[int, int] = {}
-    waiting: dict[int, list[int]] = {}
-    pcs = [0] * len(programs)
-    free_at = [0] * len(programs)
+    cost_f, cost_b, cost_w = _per_stage(programs, num_stages, cost)
+    programs, span = _dense(programs, num_stages)
+    f_end, b_end = [None] * ((num_stages + 1) * span), [None] * ((num_stages + 1) * span)  # [Note: asap keys]
+    f_parked, b_parked = [None] * len(f_end), [None] * len(b_end)  # ranks waiting for that end
+    pcs, free_at = [0] * len(programs), [0] * len(programs)
     starts = [[None] * len(p) for p in programs]
     last = num_stages - 1
     worklist = list(range(len(programs) - 1, -1, -1))  # popped from the end: rank 0 first
-    resume = worklist.append
     while worklist:
         r = worklist.pop()
-        program = programs[r]
-        pc, n, t_free, rank_starts = pcs[r], len(program), free_at[r], starts[r]
+        program, pc, t_free, rank_starts = programs[r], pcs[r], free_at[r], starts[r]
+        n = len(program)
         while pc < n:
             i = program[pc]
             op, s = i.op, i.stage
             key = s * span + i.mb
             if op is F:
-                if s == 0:
-                    ready = 0
-                else:
-                    ready = f_end.get(key - span)  # F(s - 1, mb)
-                    if ready is None:
-                        waiting.setdefault(key - span, []).append(r)
-                        break
+                ready = f_end[key - span] if s else 0  # F(s - 1, mb)
+                if ready is None:
+                    _park(f_parked, key - span, r)
+                    break
                 start = ready if ready > t_free else t_free
                 t_free = f_end[key] = start + cost_f[s]
-                if key in waiting:
-                    for q in waiting.pop(key):
-                        resume(q)
+                if f_parked[key] is not None:
+                    worklist += f_parked[key]
+                    f_parked[key] = None
             elif op is B:
-                ready = f_end.get(key)
+                ready = f_end[key]
                 if ready is None:
-                    waiting.setdefault(key, []).append(r)
+                    _park(f_parked, key, r)
                     break
                 if s != last:
-                    after = b_end.get(key + span)  # B(s + 1, mb)
+                    after = b_end[key + span]  # B(s + 1, mb)
                     if after is None:
-                        waiting.setdefault(~(key + span), []).append(r)
+                        _park(b_parked, key + span, r)
                         break
                     if after > ready:
                         ready = after
                 start = ready if ready > t_free else t_free
                 t_free = b_end[key] = start + cost_b[s]
-                if ~key in waiting:
-                    for q in waiting.pop(~key):
-                        resume(q)
+                if b_parked[key] is not None:
+                    worklist += b_parked[key]
+                    b_parked[key] = None
             else:
-                ready = b_end.get(key)
+                ready = b_end[key]
                 if ready is None:
-                    waiting.setdefault(~key, []).append(r)
+                    _park(b_parked, key, r)
                     break
                 start = ready if ready > t_free else t_free
                 t_free = start + cost_w[s]
@@ -182,6 +181,45 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
         pcs[r], free_at[r] = pc, t_free
     stuck = [r for r, program in enumerate(programs) if pcs[r] < len(program)]
     return starts, stuck
+
+
+def _park(parked: list, key: int, rank: int) -> None:
+    """Rank `rank` waits for the end at `key` ([Note: asap worklist])."""
+    if parked[key] is None:
+        parked[key] = [rank]
+    else:
+        parked[key].append(rank)
+
+
+def _per_stage(programs, num_stages: int, cost) -> tuple:
+    """asap's (forward, backward, weight) durations, each indexed by stage."""
+    if cost is None:
+        cost = unit_cost(programs)
+    if isinstance(cost, StageTimes):
+        return cost
+    return tuple((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W))
+
+
+_STAGE, _MB = attrgetter("stage"), attrgetter("mb")
+
+
+def _dense(programs, num_stages: int):
+    """(programs, span) for [Note: asap keys]: the programs as given when their mb values
+    are below a bound about their length, else with every mb renumbered densely (in
+    increasing order; asap only compares them). Raises ScheduleError (rule coverage) for
+    a stage outside 0..num_stages-1."""
+    every = list(chain.from_iterable(programs))
+    if every and max(map(_STAGE, every)) >= num_stages:
+        rank, index, bad = next((r, k, i) for r, program in enumerate(programs)
+                                for k, i in enumerate(program) if i.stage >= num_stages)
+        raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {bad}: stage {bad.stage} belongs "
+                            f"to no rank (there are {num_stages} stages)",
+                            rule="coverage", rank=rank, index=index, instr=bad, mb=bad.mb)
+    span = 1 + max(map(_MB, every), default=0)
+    if span <= 2 * len(every) + 64:
+        return programs, span
+    dense = {mb: k for k, mb in enumerate(sorted(set(map(_MB, every))))}
+    return [[make_instr(i.op, i.stage, dense[i.mb]) for i in program] for program in programs], len(dense)
 
 
 def durations_of(programs: Sequence[Sequence[Instr]], num_stages: int, times: StageTimes | None) -> StageTimes:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from pipeschedule.compiler.gcpause import gc_paused
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.ir import BUFFERS, Instr, Op, Schedule
 
 # Plain names for the ops: enum attribute lookups dominate loops over a million steps.
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -91,11 +91,14 @@ def check_coverage(schedule: Schedule) -> None:
             if peer is not None and (peer >= pp or peer == rank):
                 raise _fail(schedule, "coverage", rank, index, f"peer {peer} is not another rank in 0..{pp - 1}")
             if forward_only and (op is B or op is W or op is SEND_B or op is RECV_B):
-                raise _fail(schedule, "coverage", rank, index, f"{op.value} of (stage {stage}, mb {mb}) in a forward-only schedule, which runs no backward (accepted: F, SEND_F, RECV_F, FREE, OFFLOAD, RELOAD)")
+                raise _fail(schedule, "coverage", rank, index,
+                            f"{op.value} of (stage {stage}, mb {mb}) in a forward-only schedule, which runs no "
+                            "backward (accepted: F, SEND_F, RECV_F, FREE, OFFLOAD, RELOAD)")
             if op is F or op is B or op is W:
                 key = (op, stage, mb)
                 if key in seen:
-                    raise _fail(schedule, "coverage", rank, index, f"second {op.value} of (stage {stage}, mb {mb}); the first is at step {seen[key]}")
+                    raise _fail(schedule, "coverage", rank, index,
+                                f"second {op.value} of (stage {stage}, mb {mb}); the first is at step {seen[key]}")
                 seen[key] = index
                 if op is B and (F, stage, mb) not in seen:
                     raise _fail(schedule, "coverage", rank, index, f"B of (stage {stage}, mb {mb}) before its F")
@@ -112,7 +115,8 @@ def check_coverage(schedule: Schedule) -> None:
             for mb in range(m):
                 for op in ops:
                     if (op, stage, mb) not in seen:
-                        raise _fail(schedule, "coverage", rank, len(program), f"no {op.value} for (stage {stage}, mb {mb})")
+                        raise _fail(schedule, "coverage", rank, len(program),
+                                    f"no {op.value} for (stage {stage}, mb {mb})")
 
 
 # -- rule 2: data dependencies ---------------------------------------------------------
@@ -142,21 +146,27 @@ def check_dependencies(schedule: Schedule) -> None:
                 if need is not None:
                     key = (need, s, mb) if need is RECV_F else (F, s - 1, mb)
                     if key not in done:
-                        raise _fail(schedule, "dependency", rank, index, f"F(stage {s}, mb {mb}) runs before its input arrives: no {need.value} of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
+                        raise _fail(schedule, "dependency", rank, index,
+                                    f"F(stage {s}, mb {mb}) runs before its input arrives: no {need.value} of (stage "
+                                    f"{key[1]}, mb {mb}) earlier on rank {rank}")
             elif op is B:
                 need = b_needs[s]
                 if need is not None:
                     key = (need, s, mb) if need is RECV_B else (B, s + 1, mb)
                     if key not in done:
-                        raise _fail(schedule, "dependency", rank, index, f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
+                        raise _fail(schedule, "dependency", rank, index,
+                                    f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} "
+                                    f"of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
             else:
                 if op is OFFLOAD or op is RELOAD:
                     continue  # moves between device and host: no data dependency, no message
                 other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
                 if not 0 <= other < S or placement[other] == rank:
-                    raise _fail(schedule, "dependency", rank, index, f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
+                    raise _fail(schedule, "dependency", rank, index,
+                                f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
                 if i.peer != placement[other]:
-                    raise _fail(schedule, "dependency", rank, index, f"peer is {i.peer}, but stage {other} runs on rank {placement[other]}")
+                    raise _fail(schedule, "dependency", rank, index,
+                                f"peer is {i.peer}, but stage {other} runs on rank {placement[other]}")
                 key = (op, s, mb)
                 if key in done:
                     raise _fail(schedule, "dependency", rank, index, f"second {op.value} of (stage {s}, mb {mb})")
@@ -179,7 +189,9 @@ def check_dependencies(schedule: Schedule) -> None:
                 if needed:
                     for mb in range(schedule.microbatches):
                         if (op, s, mb) not in done:
-                            raise _fail(schedule, "dependency", rank, len(program), f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never gets it")
+                            raise _fail(schedule, "dependency", rank, len(program),
+                                        f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never "
+                                        "gets it")
 
 
 def _needed_per_microbatch(schedule: Schedule, stages) -> int:
@@ -197,28 +209,24 @@ def _needed_per_microbatch(schedule: Schedule, stages) -> int:
 
 def _communication(schedule: Schedule):
     """One walk over the programs for rules 3 and 4: per (src, dst), the sends in src's
-    order and the receives in dst's order, each as (tensor, step, batch), batch being the
-    index of its step's batch; and the batches, every maximal run of communication
-    instructions as (rank, start, end), with per rank its batches in program order.
-    `verify` finds this once and hands it to rules 3 and 4 (nothing is kept on the
-    schedule).
+    order and the receives in dst's order, each as two lists (the tensor of every
+    message, the batch of every message), a batch being the index of a maximal run of
+    communication instructions in `batches`, which holds each as (rank, start, end);
+    and per rank its batches in program order. `verify` finds this once and hands it to
+    rules 3 and 4 (nothing is kept on the schedule).
 
     [Note: tensor ints] A tensor is named by the receive that takes it, RECV_F or RECV_B
-    of (stage, mb), as one int: (stage * m + mb) * 2, plus 1 for a gradient. One int per
-    message rather than a tuple: the tables hold one per send and per receive (260k at
-    pp=64, v=2, m=512), and making then freeing tuples of them cost 0.05 s of verify."""
+    of (stage, mb), as one int: (stage * m + mb) * 2, plus 1 for a gradient. Ints in
+    plain lists, one list per column: rule 3 then compares a channel's two tensor lists
+    at once, and nothing is built per message beyond the ints (260k messages at pp=64,
+    v=2, m=512)."""
     m = schedule.microbatches
     sends, recvs = {}, {}
     batches: list[tuple[int, int, int]] = []
     rank_batches: list[list[int]] = []
     for rank, program in enumerate(schedule.programs):
-        # This rank's sends and receives by peer: an int key per step is cheaper than a
-        # (src, dst) tuple (this loop sees every instruction); merged below.
-        to_peer: dict[int, list] = {}
-        from_peer: dict[int, list] = {}
         mine: list[int] = []
-        run_start = run_end = -1  # the current run of communication steps: [run_start, run_end)
-        batch = -1
+        run_start = run_end = batch = -1  # the current run of communication steps: [run_start, run_end)
         for index, i in enumerate(program):
             op = i.op
             if op is not SEND_F and op is not SEND_B and op is not RECV_F and op is not RECV_B:
@@ -230,26 +238,24 @@ def _communication(schedule: Schedule):
                 mine.append(batch)
             run_end = index + 1
             if op is SEND_F or op is SEND_B:
-                entries = to_peer.get(i.peer)
-                if entries is None:
-                    entries = to_peer[i.peer] = []
-                if op is SEND_F:
-                    entries.append(((((i.stage + 1) * m + i.mb) << 1), index, batch))  # [Note: tensor ints]
-                else:
-                    entries.append(((((i.stage - 1) * m + i.mb) << 1 | 1), index, batch))
+                other = i.stage + 1 if op is SEND_F else i.stage - 1
+                tensors, at = sends.setdefault((rank, i.peer), ([], []))
+                tensors.append((other * m + i.mb) << 1 | (op is SEND_B))  # [Note: tensor ints]
             else:
-                entries = from_peer.get(i.peer)
-                if entries is None:
-                    entries = from_peer[i.peer] = []
-                entries.append((((i.stage * m + i.mb) << 1 | (op is RECV_B)), index, batch))
+                tensors, at = recvs.setdefault((i.peer, rank), ([], []))
+                tensors.append((i.stage * m + i.mb) << 1 | (op is RECV_B))
+            at.append(batch)
         if run_end >= 0:
             batches.append((rank, run_start, run_end))
         rank_batches.append(mine)
-        for peer, entries in to_peer.items():
-            sends[rank, peer] = entries
-        for peer, entries in from_peer.items():
-            recvs[peer, rank] = entries
     return sends, recvs, batches, rank_batches
+
+
+def _step_of_message(schedule: Schedule, rank: int, peer: int, sending: bool, k: int) -> int:
+    """The step of rank's k-th send to `peer` (or k-th receive from it)."""
+    ops = (SEND_F, SEND_B) if sending else (RECV_F, RECV_B)
+    steps = [index for index, i in enumerate(schedule.programs[rank]) if i.op in ops and i.peer == peer]
+    return steps[k]
 
 
 def check_matching(schedule: Schedule, communication=None) -> None:
@@ -259,16 +265,22 @@ def check_matching(schedule: Schedule, communication=None) -> None:
     sends, recvs, _, _ = communication or _communication(schedule)
     m = schedule.microbatches
     for src, dst in sorted(set(sends) | set(recvs)):
-        out, into = sends.get((src, dst), []), recvs.get((src, dst), [])
-        for k, ((sent, s_index, _), (wanted, r_index, _)) in enumerate(zip(out, into)):
-            if sent != wanted:
-                def name(tensor):
-                    stage, mb = divmod(tensor >> 1, m)
-                    return f"{'gradient' if tensor & 1 else 'activation'} for (stage {stage}, mb {mb})"
-                raise _fail(schedule, "matching", dst, r_index, f"receive #{k} from rank {src} expects the {name(wanted)}, but rank {src}'s send #{k} (step {s_index}) carries the {name(sent)}")
-        if len(out) != len(into):
-            rank, index = (src, out[len(into)][1]) if len(out) > len(into) else (dst, into[len(out)][1])
-            raise _fail(schedule, "matching", rank, index, f"rank {src} sends {len(out)} messages to rank {dst}, which receives {len(into)}")
+        out, into = sends.get((src, dst), ([], []))[0], recvs.get((src, dst), ([], []))[0]
+        if out == into:
+            continue
+        k = next((k for k, (sent, wanted) in enumerate(zip(out, into)) if sent != wanted), None)
+        if k is not None:
+            def name(tensor):
+                stage, mb = divmod(tensor >> 1, m)
+                return f"{'gradient' if tensor & 1 else 'activation'} for (stage {stage}, mb {mb})"
+            s_index = _step_of_message(schedule, src, dst, True, k)
+            raise _fail(schedule, "matching", dst, _step_of_message(schedule, dst, src, False, k),
+                        f"receive #{k} from rank {src} expects the {name(into[k])}, but rank {src}'s send #{k} "
+                        f"(step {s_index}) carries the {name(out[k])}")
+        rank, index = ((src, _step_of_message(schedule, src, dst, True, len(into))) if len(out) > len(into)
+                       else (dst, _step_of_message(schedule, dst, src, False, len(out))))
+        raise _fail(schedule, "matching", rank, index, f"rank {src} sends {len(out)} messages to rank {dst}, "
+                    f"which receives {len(into)}")
 
 
 # -- rule 4: deadlock ------------------------------------------------------------------
@@ -280,8 +292,8 @@ def comm_batches(schedule: Schedule):
     operations are matched with (rule 3's order)."""
     sends, recvs, batches, rank_batches = _communication(schedule)
     partners: list[set[int]] = [set() for _ in batches]
-    for key, out in sends.items():
-        for (_, _, a), (_, _, b) in zip(out, recvs.get(key, ())):
+    for key, (_, out) in sends.items():
+        for a, b in zip(out, recvs.get(key, ((), ()))[1]):
             partners[a].add(b)
             partners[b].add(a)
     return batches, rank_batches, partners
@@ -299,11 +311,11 @@ def check_deadlock(schedule: Schedule, communication=None) -> None:
     # this rule. Counting messages instead of partner batches changes nothing: a batch
     # waits until each of its messages' partners is posted either way.
     partners: list[list[int]] = [[] for _ in batches]
-    for key, out in sends.items():
-        for (_, _, a), (_, _, b) in zip(out, recvs.get(key, ())):
+    for key, (_, out) in sends.items():
+        for a, b in zip(out, recvs.get(key, ((), ()))[1]):
             partners[a].append(b)
             partners[b].append(a)
-    unposted = [len(p) for p in partners]  # messages whose partner batch is not yet posted
+    unposted = list(map(len, partners))  # messages whose partner batch is not yet posted
     posted = [False] * len(batches)
     nexts = [0] * schedule.pp  # per rank: index of its next batch in rank_batches
     waiting: dict[int, int] = {}  # batch -> the rank blocked on it
@@ -330,7 +342,8 @@ def check_deadlock(schedule: Schedule, communication=None) -> None:
         rank = blocked[0]
         states = ", ".join(f"rank {r} at step {pcs[r]} ({schedule.programs[r][pcs[r]]})" for r in blocked[:8])
         more = f" and {len(blocked) - 8} more ranks" if len(blocked) > 8 else ""
-        raise _fail(schedule, "deadlock", rank, pcs[rank], f"the programs cannot finish: {states}{more} wait for partners that never post")
+        raise _fail(schedule, "deadlock", rank, pcs[rank],
+                    f"the programs cannot finish: {states}{more} wait for partners that never post")
 
 
 # -- rule 5: liveness ------------------------------------------------------------------
@@ -450,7 +463,8 @@ class _RankBuffers:
             if state >= 0 or state <= host
         )
         where = " on the host" if self.states[buf][s, mb] <= host else ""
-        return _fail(self.schedule, "liveness", self.rank, index, f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
+        return _fail(self.schedule, "liveness", self.rank, index,
+                     f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
 
 
 def _liveness_forward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
@@ -511,7 +525,8 @@ def check_caps(schedule: Schedule) -> None:
             if i.op is F:
                 inflight += 1
                 if inflight > caps[rank]:
-                    raise _fail(schedule, "cap", rank, index, f"{inflight} microbatch-stages in flight, cap is {caps[rank]}")
+                    raise _fail(schedule, "cap", rank, index,
+                                f"{inflight} microbatch-stages in flight, cap is {caps[rank]}")
             elif i.op is B:
                 inflight -= 1
 
@@ -522,209 +537,172 @@ RULES = (check_coverage, check_dependencies, check_matching, check_deadlock, che
 # -- the merged walk -------------------------------------------------------------------
 
 
-def _passes_walked_rules(schedule: Schedule):
-    """One walk per rank that answers whether check_coverage, check_dependencies and
-    check_liveness all pass: what `_communication(schedule)` returns when they do (it
-    collects the same on the way), None when any fails.
+# [Note: merged walk] Rules 1, 2 and 5 each walk every instruction (717k at pp=64, v=2,
+# m=512). `_passes_walked_rules` walks once, reads each instruction's fields once, and
+# drops the checks that the others imply (below). The rules name the first error by
+# rule, then rank, then step, which one walk cannot reproduce cheaply, so the walk never
+# raises: any failed check returns None and `verify` runs the separate rules, which
+# raise the right error. None is therefore always safe (only slower); tables must come
+# back only when each of the three rules would pass. Checks left out because, when
+# every check here passes, they cannot fail:
+# - liveness "produced a second time": each buffer key has one producer, unique by
+#   coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
+#   dependency checks (RECV_F / RECV_B only of a stage whose neighbour is remote, once);
+# - dependency's "F runs before its input arrives": F's use of act_in needs it
+#   produced, by RECV_F of a remote neighbour or by F(s-1) of a local one, which is
+#   exactly what dependency asks for (stage 0 needs nothing); likewise B's use of
+#   grad_out covers B's input gradient (the last stage needs nothing);
+# - coverage's "B before its F": B's use of stash needs it produced, and only F(s, mb)
+#   produces stash (s, mb).
+# The per-rank counts at the end are the rules' own: each key is one a rule wants, each
+# once, so a count that agrees means nothing is missing; and since every buffer is
+# produced once (above), a rank whose FREEs (each of a produced buffer, once) number
+# its productions has no leak. States live in flat lists indexed by stage * m + mb
+# (lists over the whole schedule: a rank touches only its own stages' keys, so ranks
+# never share an entry), with check_liveness' encoding ([Note: buffer states]).
+# tests/compiler/test_verify_walk.py pins this walk to the three rules (a differential
+# test on valid and edited schedules of every family, with offload); a check added here
+# or there without the other fails it. A forward-only schedule is left to the separate
+# rules (None): evaluation schedules are small and rare.
 
-    [Note: merged walk] Each of those rules walks every instruction (717k at pp=64, v=2,
-    m=512). Walking once, reading each instruction's fields once, and dropping the
-    checks that the others imply (below) took about a fifth of `verify`'s time off.
-    The rules name the first error by rule, then rank, then step, which one walk cannot
-    reproduce cheaply, so this walk never raises: any failed check returns None and
-    `verify` runs the separate rules, which raise the right error. None is therefore
-    always safe (only slower); tables must come back only when each of the three rules
-    would pass. Checks left out because, when every check here passes, they cannot fail:
-    - liveness "produced a second time": each buffer key has one producer, unique by
-      coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
-      dependency checks (RECV_F / RECV_B only of a stage whose neighbour is remote, once);
-    - dependency's "F runs before its input arrives": F's use of act_in needs it
-      produced, by RECV_F of a remote neighbour or by F(s-1) of a local one, which is
-      exactly what dependency asks for (stage 0 needs nothing); likewise B's use of
-      grad_out covers B's input gradient (the last stage needs nothing);
-    - coverage's "B before its F": B's use of stash needs it produced, and only F(s, mb)
-      produces stash (s, mb).
-    The per-rank counts at the end are the rules' own: each key is one a rule wants,
-    each once, so a count that agrees means nothing is missing.
-    tests/test_verify_walk.py pins this walk to the three rules (a differential test on
-    valid and edited schedules of every family, with offload); a check added here or
-    there without the other fails it. A forward-only schedule
-    is left to the separate rules (None): evaluation schedules are small and rare.
-    """
+
+def _passes_walked_rules(schedule: Schedule):
+    """What `_communication(schedule)` returns when check_coverage, check_dependencies
+    and check_liveness all pass, None when any fails, from one walk per rank
+    ([Note: merged walk])."""
     if schedule.forward_only:
         return None
-    S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
-    placement = schedule.placement
-    last = S - 1
-    sends_fwd = [schedule.sends_forward(s) for s in range(S)]
-    sends_bwd = [schedule.sends_backward(s) for s in range(S)]
-    n_ops = 3 if schedule.split_backward else 2
-    stages_by_rank: list[list[int]] = [[] for _ in range(pp)]
-    for s, r in enumerate(placement):
+    S, m = schedule.num_stages, schedule.microbatches
+    states = {buf: [None] * (S * m) for buf in BUFFERS}  # [Note: buffer states], at stage * m + mb
+    done = {op: [False] * (S * m) for op in (F, B, W, SEND_F, SEND_B)}
+    nowhere = [None] * (S * m)  # the states of a name that is no buffer: never produced
+    tables = (states, done, nowhere, *_walk_tables(schedule, states))
+    stages_by_rank: list[list[int]] = [[] for _ in range(schedule.pp)]
+    for s, r in enumerate(schedule.placement):
         stages_by_rank[r].append(s)
-    sends, recvs = {}, {}
-    batches: list[tuple[int, int, int]] = []
-    rank_batches: list[list[int]] = []
-    for rank, program in enumerate(schedule.programs):
+    sends, recvs, batches, rank_batches = {}, {}, [], []
+    for rank in range(schedule.pp):
         stages = stages_by_rank[rank]
-        own = frozenset(stages)  # coverage: stage in range and on this rank (and >= 0)
-        # check_liveness' states ([Note: buffer states]); stash's keys are exactly the
-        # F's (only F produces stash), so it is also coverage's record of them.
-        act_in: dict = {}
-        act_out: dict = {}
-        stash: dict = {}
-        grad_out: dict = {}
-        grad_in: dict = {}
-        states = {"act_in": act_in, "act_out": act_out, "stash": stash, "grad_out": grad_out, "grad_in": grad_in}
-        host = -(len(program) + 1)
-        frees = 0
-        # Coverage's B and W, dependency's sends, by (stage, mb); receives are unique
-        # exactly when their act_in / grad_out is produced once (checked there).
-        b_done: set = set()
-        w_done: set = set()
-        sent_f: set = set()
-        sent_b: set = set()
-        comm = 0  # communication instructions
-        # _communication's collections, built as there.
-        to_peer: dict[int, list] = {}
-        from_peer: dict[int, list] = {}
-        mine: list[int] = []
-        run_start = run_end = -1
-        batch = -1
-        for index, i in enumerate(program):
-            op, s, mb = i.op, i.stage, i.mb
-            if s not in own or mb >= m:
-                return None
-            peer = i.peer
-            key = (s, mb)
-            if op is FREE:
-                if peer is not None:
-                    return None
-                states_of = states.get(i.buf)
-                if states_of is None:
-                    return None  # not a buffer name: let the rules decide what fails first
-                state = states_of.get(key)
-                if state is None or (host < state < 0):
-                    return None
-                states_of[key] = ~index
-                frees += 1
-            elif op is F:
-                if peer is not None or key in stash:  # second F
-                    return None
-                stash[key] = index
-                if s == 0:
-                    act_in[key] = index
-                if sends_fwd[s]:
-                    act_out[key] = index
-                elif s < last:  # local hand-off
-                    act_in[(s + 1, mb)] = index
-                state = act_in.get(key)
-                if state is None or state < 0:
-                    return None
-            elif op is B:
-                if peer is not None or key in b_done:
-                    return None
-                b_done.add(key)
-                if sends_bwd[s]:
-                    grad_in[key] = index
-                elif s > 0:  # local hand-off
-                    grad_out[(s - 1, mb)] = index
-                state = act_in.get(key)
-                if state is None or state < 0:
-                    return None
-                state = stash.get(key)
-                if state is None or state < 0:
-                    return None
-                if s < last:
-                    state = grad_out.get(key)
-                    if state is None or state < 0:
-                        return None
-            elif op is W:
-                if peer is not None or key in w_done or key not in b_done:
-                    return None
-                w_done.add(key)
-                state = stash.get(key)
-                if state is None or state < 0:
-                    return None
-            elif op is OFFLOAD or op is RELOAD:
-                if peer is not None:
-                    return None
-                states_of = states.get(i.buf)
-                if states_of is None:
-                    return None
-                state = states_of.get(key)
-                if op is OFFLOAD:
-                    if state is None or state < 0:
-                        return None
-                    states_of[key] = host - index
-                else:
-                    if state is None or state > host:
-                        return None
-                    states_of[key] = index
-            else:  # SEND_F, RECV_F, SEND_B, RECV_B
-                # dependency: a remote neighbour stage, which is the peer (so the peer is
-                # in range and not this rank, as coverage wants)
-                other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
-                if not 0 <= other < S or placement[other] == rank or peer != placement[other]:
-                    return None
-                comm += 1
-                if index != run_end:  # a new batch, as in _communication
-                    if run_end >= 0:
-                        batches.append((rank, run_start, run_end))
-                    run_start, batch = index, len(batches)
-                    mine.append(batch)
-                run_end = index + 1
-                if op is SEND_F:
-                    if key in sent_f:
-                        return None
-                    sent_f.add(key)
-                    state = act_out.get(key)
-                    if state is None or state < 0:
-                        return None
-                    entries = to_peer.get(peer)
-                    if entries is None:
-                        entries = to_peer[peer] = []
-                    entries.append(((((s + 1) * m + mb) << 1), index, batch))  # [Note: tensor ints]
-                elif op is SEND_B:
-                    if key in sent_b:
-                        return None
-                    sent_b.add(key)
-                    state = grad_in.get(key)
-                    if state is None or state < 0:
-                        return None
-                    entries = to_peer.get(peer)
-                    if entries is None:
-                        entries = to_peer[peer] = []
-                    entries.append(((((s - 1) * m + mb) << 1 | 1), index, batch))
-                else:
-                    if op is RECV_F:
-                        if key in act_in:  # second RECV_F
-                            return None
-                        act_in[key] = index
-                    else:
-                        if key in grad_out:  # second RECV_B
-                            return None
-                        grad_out[key] = index
-                    entries = from_peer.get(peer)
-                    if entries is None:
-                        entries = from_peer[peer] = []
-                    entries.append((((s * m + mb) << 1 | (op is RECV_B)), index, batch))
-        if run_end >= 0:
-            batches.append((rank, run_start, run_end))
-        rank_batches.append(mine)
-        for p, entries in to_peer.items():
-            sends[rank, p] = entries
-        for p, entries in from_peer.items():
-            recvs[p, rank] = entries
-        # The end-of-rank checks of the three rules, by their counts.
-        fb = len(stash) + len(b_done)
-        if fb + len(w_done) != n_ops * len(stages) * m:  # coverage: an F, B or W missing
+        counts = _walk_rank(schedule, rank, frozenset(stages), tables, sends, recvs, batches, rank_batches)
+        if counts is None:
             return None
+        computes, comm, made, frees = counts
+        n_ops = 3 if schedule.split_backward else 2
+        if computes != n_ops * len(stages) * m:  # coverage: an F, B or W missing
+            return None
+        fb = computes - (len(stages) * m if schedule.split_backward else 0)  # F and B alone
         if fb + comm != _needed_per_microbatch(schedule, stages) * m:  # dependency: a send missing
             return None
-        if len(act_in) + len(act_out) + len(stash) + len(grad_out) + len(grad_in) > frees:  # liveness: a leak
+        if made != frees:  # liveness: a leak
             return None
     return sends, recvs, batches, rank_batches
+
+
+def _walk_rank(schedule: Schedule, rank: int, own, tables, sends, recvs, batches, rank_batches):
+    """One rank of [Note: merged walk]: None at the first failed check, else (F, B and W
+    run, communication instructions, buffers produced, FREEs); adds the rank's messages
+    and batches to the tables as `_communication` does. `tables`: the buffer states and
+    done-flags by stage * m + mb, states for no buffer, and `_walk_tables`."""
+    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+    states, done, nowhere, makes, uses = tables
+    b_done = done[B]
+    carried = {SEND_F: states["act_out"], SEND_B: states["grad_in"], RECV_F: states["act_in"],
+               RECV_B: states["grad_out"]}  # the buffer a message moves
+    host = -(len(schedule.programs[rank]) + 1)
+    computes = comm = made = frees = 0
+    out_to, in_from, mine, run_start, run_end, batch = {}, {}, [], -1, -1, -1
+    for index, i in enumerate(schedule.programs[rank]):
+        op, s, mb = i.op, i.stage, i.mb
+        if s not in own or mb >= m:  # coverage: stage in range and on this rank
+            return None
+        key = s * m + mb
+        if op is FREE:
+            states_of = states.get(i.buf, nowhere)
+            state = states_of[key]
+            if i.peer is not None or state is None or host < state < 0:  # never produced, or freed
+                return None
+            states_of[key] = ~index
+            frees += 1
+        elif op is F or op is B or op is W:
+            if i.peer is not None or done[op][key] or (op is W and not b_done[key]):  # a second one, W before B
+                return None
+            done[op][key] = True
+            computes += 1
+            for states_of, shift in makes[op][s]:
+                states_of[key + shift] = index
+            made += len(makes[op][s])
+            for states_of in uses[op][s]:
+                if states_of[key] is None or states_of[key] < 0:
+                    return None
+        elif op is OFFLOAD or op is RELOAD:
+            if i.peer is not None or not _moved(op, states.get(i.buf, nowhere), key, index, host):
+                return None
+        else:  # SEND_F, RECV_F, SEND_B, RECV_B: a remote neighbour stage, which is the peer
+            other, peer = s + 1 if (op is SEND_F or op is RECV_B) else s - 1, i.peer
+            if not 0 <= other < S or placement[other] == rank or peer != placement[other]:
+                return None
+            comm += 1
+            if index != run_end:  # a new batch, as in _communication
+                if run_end >= 0:
+                    batches.append((rank, run_start, run_end))
+                run_start, batch = index, len(batches)
+                mine.append(batch)
+            run_end = index + 1
+            buffer = carried[op]
+            state = buffer[key]
+            if op is SEND_F or op is SEND_B:
+                if done[op][key] or state is None or state < 0:  # a second send, or its tensor not live
+                    return None
+                done[op][key] = True
+                channel = out_to.get(peer) or out_to.setdefault(peer, ([], []))
+                channel[0].append((other * m + mb) << 1 | (op is SEND_B))  # [Note: tensor ints]
+            else:
+                if state is not None:  # a second receive
+                    return None
+                buffer[key] = index
+                made += 1
+                channel = in_from.get(peer) or in_from.setdefault(peer, ([], []))
+                channel[0].append(key << 1 | (op is RECV_B))
+            channel[1].append(batch)
+    if run_end >= 0:
+        batches.append((rank, run_start, run_end))
+    rank_batches.append(mine)
+    sends.update(((rank, peer), channel) for peer, channel in out_to.items())
+    recvs.update(((peer, rank), channel) for peer, channel in in_from.items())
+    return computes, comm, made, frees
+
+
+def _walk_tables(schedule: Schedule, states):
+    """Per op (F, B, W) and stage, what [Note: merged walk] does to buffers: the buffers
+    it produces, each as (states, shift: the key's offset, one stage's m for the hand-off
+    to a neighbour stage on this rank), and those it then reads ([Note: buffers])."""
+    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+    act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
+    makes = {F: [], B: [], W: [()] * S}
+    uses = {F: [(act_in,)] * S, B: [], W: [(stash,)] * S}
+    for s in range(S):
+        onward = () if s == S - 1 else ((act_out, 0),) if placement[s + 1] != placement[s] else ((act_in, m),)
+        makes[F].append(((stash, 0),) + (((act_in, 0),) if s == 0 else ()) + onward)
+        makes[B].append(() if s == 0 else ((grad_in, 0),) if placement[s - 1] != placement[s] else ((grad_out, -m),))
+        uses[B].append((act_in, stash, grad_out) if s < S - 1 else (act_in, stash))
+    return makes, uses
+
+
+def _moved(op: Op, states_of: list, key: int, index: int, host: int) -> bool:
+    """OFFLOAD or RELOAD of one buffer in [Note: merged walk]: whether its check_liveness
+    check passes; if so, the buffer's new state is written."""
+    state = states_of[key]
+    if state is None:
+        return False
+    if op is OFFLOAD:
+        if state < 0:
+            return False
+        states_of[key] = host - index
+    else:
+        if state > host:
+            return False
+        states_of[key] = index
+    return True
 
 
 @gc_paused

@@ -92,7 +92,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
             f"pp*virtual = {schedule.pp}*{schedule.virtual} = {schedule.num_stages}"
         )
     if cost.weight_stash is not None and schedule.split_backward:
-        moved = next(((r, i) for r, program in enumerate(schedule.programs) for i in program if i.op is Op.OFFLOAD), None)
+        moved = next(((r, i) for r, program in enumerate(schedule.programs) for i in program
+                      if i.op is Op.OFFLOAD), None)
         if moved is not None:
             raise ParameterError(f"cost 'weight_stash' (a stash resized at its B) is not modelled together with "
                                  f"OFFLOAD (rank {moved[0]} runs {moved[1]}); leave one of them out")

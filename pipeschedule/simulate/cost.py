@@ -137,7 +137,8 @@ class CostModel:
         if not isinstance(buffers, dict):
             raise FormatError(f"cost 'buffer_bytes' must be an object of buffer kind -> bytes, got {shown(buffers)}")
         values["buffer_bytes"] = dict(base.buffer_bytes) | {  # an unknown kind is refused by the constructor
-            k: _per_stage(f"buffer_bytes.{k}", v, stages, FormatError) if k in BUFFERS else v for k, v in buffers.items()}
+            k: _per_stage(f"buffer_bytes.{k}", v, stages, FormatError) if k in BUFFERS else v
+            for k, v in buffers.items()}
         if obj.get("weight_stash") is not None:
             values["weight_stash"] = _per_stage("weight_stash", obj["weight_stash"], stages, FormatError)
         for key in ("bandwidth", "offload_bandwidth", "reload_bandwidth"):

@@ -2,7 +2,8 @@
 
 [Note: critical path bound] Under the simulator's semantics ([Note: simulated semantics]
 in engine.py) every instruction's end is a max over fixed predecessors plus its own cost:
-the previous instruction on its rank, and for a message the partner's batch post. Which instruction precedes which depends on program order and on send/receive
+the previous instruction on its rank, and for a message the partner's batch post. Which
+instruction precedes which depends on program order and on send/receive
 matching only, never on costs. So a chain found by walking back from the last instruction
 to finish (each step taking the predecessor that set the start time) is a path of a fixed
 graph: its length under ANY other compute costs, with the same message times, is a lower

@@ -137,7 +137,8 @@ class EventLog(Sequence[Event]):
     def __init__(self, programs, ends, waits=None, channels=None) -> None:
         self._programs, self._ends = programs, ends
         self._waits = waits or [{} for _ in programs]  # per rank: pc -> start of a compute that waited for a RELOAD
-        self._channels = channels or {}  # as `run` keeps them: (src << 32 | dst) -> (send posts, message times, receive posts)
+        # as `run` keeps them: (src << 32 | dst) -> (send posts, message times, receive posts)
+        self._channels = channels or {}
         self._times: dict[int, tuple[list, list]] = {}  # rank -> (starts, ends), on demand
         self._offsets = [0, *accumulate(len(p) for p in programs)]
 

@@ -211,7 +211,8 @@ def png(schedule: Schedule, result: SimResult, path) -> None:
     blocks = _compute_blocks(schedule, result)
     fig = Figure(figsize=(12, 2.5 + 0.45 * min(pp, 40)), dpi=100)
     FigureCanvasAgg(fig)
-    timeline, memory = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [max(1.5, 0.45 * min(pp, 40)), 2.5]})
+    timeline, memory = fig.subplots(2, 1, sharex=True,
+                                    gridspec_kw={"height_ratios": [max(1.5, 0.45 * min(pp, 40)), 2.5]})
     count = sum(len(b) for b in blocks)
     for rank, rank_blocks in enumerate(blocks):
         groups: dict[tuple, list] = {}

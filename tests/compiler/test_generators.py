@@ -164,3 +164,20 @@ def test_asap_is_linear_in_pp():
 
     small, large = min(seconds(2000) for _ in range(3)), seconds(40000)
     assert large < 2.0 and large < 100 * max(small, 1e-3)  # 20x the ranks: linear ~20x, quadratic ~400x
+
+
+@pytest.mark.parametrize("pp", range(1, 9))
+def test_megatron_regime_never_blocks(pp):
+    """[Note: Megatron's regime]: the interleaved generator skips asap there, so the
+    order must be free of cycles without its warmups raised."""
+    from pipeschedule.compiler.generators import interleaved
+    from pipeschedule.compiler.generators.common import interleave_1f1b
+    from pipeschedule.compiler.timing import asap
+    for virtual in range(1, 5):
+        for microbatches in range(pp, 4 * pp + 1, pp):
+            warm = interleaved._megatron_warmups(pp, virtual, pp)
+            if max(warm) > virtual * microbatches or not interleaved.megatron_regime(pp, microbatches, pp, warm, warm):
+                continue
+            orders = [interleaved._orders(pp, virtual, microbatches, r, pp) for r in range(pp)]
+            programs = [interleave_1f1b(f, b, w) for (f, b), w in zip(orders, warm)]
+            assert asap(pp * virtual, programs)[1] == [], (pp, virtual, microbatches)

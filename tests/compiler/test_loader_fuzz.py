@@ -211,7 +211,8 @@ def mutated_text(draw):
             tokens = line.split()
             if tokens:
                 tokens[draw(st.integers(0, len(tokens) - 1))] = draw(
-                    st.sampled_from(["0F", "F0", "0X0", "-1F0", "0F0@", "0FREE0:junk", "0SEND_F0", "0F0@-1", "\u00b2F0"])
+                    st.sampled_from(["0F", "F0", "0X0", "-1F0", "0F0@", "0FREE0:junk", "0SEND_F0", "0F0@-1",
+                                     "\u00b2F0"])
                     | st.text(min_size=1, max_size=6)
                 )
             lines[index] = " ".join(tokens)
@@ -283,7 +284,8 @@ REGRESSIONS = {
         '{"format": "pipeschedule/1", "name": "x", "pp": 1' + "0" * 3000 + ', "virtual": 1' + "0" * 2000
         + ', "microbatches": 1, "placement": [], "programs": []}',
     ),
-    "text_value_over_4300_digits": (ir.Schedule.from_text, _TEXT_HEAD.replace("pp: 1", "pp: " + HUGE_DIGITS) + "rank 0: 0F0 0B0\n"),
+    "text_value_over_4300_digits": (ir.Schedule.from_text,
+                                    _TEXT_HEAD.replace("pp: 1", "pp: " + HUGE_DIGITS) + "rank 0: 0F0 0B0\n"),
     "text_token_over_4300_digits": (ir.Schedule.from_text, _TEXT_HEAD + "rank 0: " + HUGE_DIGITS + "F0\n"),
     "parse_token_over_4300_digits": (ir.Instr.parse, HUGE_DIGITS + "F0"),
     # str.isdigit accepts superscripts that int() refuses.

@@ -335,7 +335,8 @@ def test_pytorch_reads_our_csv(tmp_path, pp, virtual, microbatches, form):
     # PyTorch's dry run raises on the UNSHARD/RESHARD/REDUCE_GRAD its own lowering adds,
     # so they are left out of what it simulates.
     pipeline = {
-        rank: [a for a in actions if a.computation_type.value in ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")]
+        rank: [a for a in actions
+               if a.computation_type.value in ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")]
         for rank, actions in runtime.pipeline_order_with_comms.items()
     }
     schedules._simulate_comms_compute(pipeline, lambda s: runtime.stage_index_to_group_rank[s], pp * virtual)

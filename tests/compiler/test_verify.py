@@ -87,7 +87,8 @@ def test_freeing_too_early_is_a_use_after_free(schedule, data):
     rank, k = data.draw(st.sampled_from(where(schedule, lambda i: i.op is Op.FREE)))
     program = list(schedule.programs[rank])
     free = program.pop(k)
-    use = next(j for j, i in enumerate(program) if i.op is LAST_USE[free.buf] and (i.stage, i.mb) == (free.stage, free.mb))
+    use = next(j for j, i in enumerate(program)
+               if i.op is LAST_USE[free.buf] and (i.stage, i.mb) == (free.stage, free.mb))
     program.insert(use, free)
     err = rule_of(mutated(schedule, rank, program))
     assert err.rule == "liveness" and "freed at step" in str(err)
@@ -229,7 +230,8 @@ def test_dropping_a_reload_leaves_the_stash_on_the_host(schedule, data):
     program = list(schedule.programs[rank])
     reload = program.pop(k)
     err = rule_of(mutated(schedule, rank, program))
-    assert err.rule == "liveness" and f"uses {reload.buf} of (stage {reload.stage}, mb {reload.mb}), which is on the host" in str(err)
+    assert err.rule == "liveness"
+    assert f"uses {reload.buf} of (stage {reload.stage}, mb {reload.mb}), which is on the host" in str(err)
 
 
 @settings(max_examples=examples(40))

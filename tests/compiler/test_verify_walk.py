@@ -137,7 +137,7 @@ def walked_rules(schedule):
     """The first error of rules 1, 2 and 5 run in RULES' order (each may assume that
     the rules before it passed), or None."""
     for rule in (checks.check_coverage, checks.check_dependencies, checks.check_liveness):
-        found = outcome(lambda: rule(schedule))
+        found = outcome(lambda rule=rule: rule(schedule))
         if found is not None:
             return found
     return None

@@ -76,7 +76,7 @@ def test_every_split_schedule_passes_every_rule(case):
         assert stash_peak(program) <= limits[rank]
     if cap is not None:
         caps = cap if isinstance(cap, list) else [cap] * pp
-        assert schedule.caps() == limits and all(l <= c for l, c in zip(limits, caps))
+        assert schedule.caps() == limits and all(limit <= c for limit, c in zip(limits, caps))
 
 
 @pytest.mark.parametrize("name", SPLIT_FAMILIES)
@@ -225,7 +225,8 @@ def test_zb_h1_under_a_cap_is_no_slower_than_the_list_schedule(cap):
     pp, m = 4, 12
     schedule, result = run("zb_h1", pp, m, cap=cap)
     limits = schedule.params["stash_limit"]
-    listed = Schedule("zb_h1", pp, 1, m, tuple(range(pp)), tuple(map(tuple, split_list_schedule(pp, m, list(range(pp)), limits))),
+    listed = Schedule("zb_h1", pp, 1, m, tuple(range(pp)),
+                      tuple(map(tuple, split_list_schedule(pp, m, list(range(pp)), limits))),
                       {"stash_limit": limits, "cap": limits})
     listed = lower(listed)
     verify(listed)
@@ -301,11 +302,12 @@ def _with(schedule, rank, program, params=None):
                     tuple(programs), schedule.params if params is None else params)
 
 
-@pytest.mark.parametrize("name, cap", [("zb_h1", 2), ("zb_h1", [3, 2, 2, 1]), ("zbv", 3), ("v_half", [4, 3, 2, 2]), ("v_min", 2)])
+@pytest.mark.parametrize("name, cap",
+                         [("zb_h1", 2), ("zb_h1", [3, 2, 2, 1]), ("zbv", 3), ("v_half", [4, 3, 2, 2]), ("v_min", 2)])
 def test_capped_variant_keeps_its_cap(name, cap):
     schedule, result = run(name, 4, 12, cap=cap)
     caps = cap if isinstance(cap, list) else [cap] * 4
-    assert schedule.caps() == [min(c, l) for c, l in zip(caps, schedule.params["stash_limit"])]
+    assert schedule.caps() == [min(c, limit) for c, limit in zip(caps, schedule.params["stash_limit"])]
     assert all(p <= c for p, c in zip(result.peak_inflight, caps))
     assert all(p <= c for p, c in zip(result.peak_bytes, caps))  # the stash too, F to W
     # the same programs with a lower cap in params break rule 6

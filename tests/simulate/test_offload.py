@@ -41,7 +41,8 @@ def find(program, text):
 
 def stash_only(schedule, out=float("inf"), into=float("inf")):
     base = CostModel.default(schedule)
-    return CostModel(base.forward, base.backward, base.weight, {"stash": 1}, offload_bandwidth=out, reload_bandwidth=into)
+    return CostModel(base.forward, base.backward, base.weight, {"stash": 1},
+                     offload_bandwidth=out, reload_bandwidth=into)
 
 
 # -- verifier -------------------------------------------------------------------------------------
@@ -117,7 +118,8 @@ def test_offload_ends_a_communication_batch_like_free():
     s = lowered("1f1b", pp=2, microbatches=3)
     p = s.programs[0]
     k = next(k for k in range(len(p) - 1) if p[k].op is Op.SEND_F and p[k + 1].op is Op.RECV_B)
-    split = with_rank(s, 0, insert_after(p, k, Instr(Op.OFFLOAD, 0, p[k].mb, buf="act_in"), Instr(Op.RELOAD, 0, p[k].mb, buf="act_in")))
+    split = with_rank(s, 0, insert_after(p, k, Instr(Op.OFFLOAD, 0, p[k].mb, buf="act_in"),
+                                         Instr(Op.RELOAD, 0, p[k].mb, buf="act_in")))
     assert len(comm_batches(split)[1][0]) == len(comm_batches(s)[1][0]) + 1
 
 
@@ -127,7 +129,8 @@ def test_offload_ends_a_communication_batch_like_free():
 def test_placement_in_1f1b():
     s = add_offload(lowered("1f1b", pp=2, microbatches=3), OffloadPolicy(1.0, ranks=(0,), lead=0))
     text = " ".join(map(str, s.programs[0]))
-    assert text.startswith("0F0 0OFFLOAD0:stash 0SEND_F0@1 0FREE0:act_out 0F1 0OFFLOAD1:stash 0RELOAD0:stash 0SEND_F1@1")
+    assert text.startswith("0F0 0OFFLOAD0:stash 0SEND_F0@1 0FREE0:act_out 0F1 0OFFLOAD1:stash "
+                           "0RELOAD0:stash 0SEND_F1@1")
     verify(s)
     assert s.programs[1] == lowered("1f1b", pp=2, microbatches=3).programs[1]
 
@@ -277,14 +280,16 @@ def test_gh200_halves_stage_0_at_no_cost_and_pcie_cannot():
     assert gh200.peak_host == (4 * STASH, 3 * STASH, 0, 0)
     # Reloading only right before the B (lead 0) gets no lower and costs 11%.
     lead0 = simulate(add_offload(schedule, OffloadPolicy(1.0, (0,), 0)), claim_cost(450))
-    assert lead0.peak_bytes[0] == 2 * STASH and lead0.step_time / gh200.base_step_time - 1 == pytest.approx(0.1129, abs=1e-4)
+    assert lead0.peak_bytes[0] == 2 * STASH
+    assert lead0.step_time / gh200.base_step_time - 1 == pytest.approx(0.1129, abs=1e-4)
 
     # On the H200's PCIe link a copy (41.2 ms) outlasts a whole F+B (25.8 ms): no fraction
     # lowers stage 0's peak within 3% (the warmup's four stashes cannot leave in time).
     h200 = choose_offload(schedule, claim_cost(55.4), 0.03)
     assert h200.counts == ((0, 16),) * 4 and h200.peak_after == h200.peak_before
     full = simulate(add_offload(schedule, OffloadPolicy(1.0, (0,), 1)), claim_cost(55.4))
-    assert full.peak_bytes[0] == 5 * STASH and full.step_time / h200.base_step_time - 1 == pytest.approx(0.9457, abs=1e-4)
+    assert full.peak_bytes[0] == 5 * STASH
+    assert full.step_time / h200.base_step_time - 1 == pytest.approx(0.9457, abs=1e-4)
 
 
 # -- the --offload spec and the CLI ---------------------------------------------------------------
@@ -324,7 +329,8 @@ def test_bad_offload_specs(spec, words):
 
 def test_cli_offload(tmp_path, capsys):
     path = tmp_path / "s.json"
-    assert main(["compile", "1f1b", "--pp", "4", "-m", "8", "--offload", "fraction=1,ranks=0,lead=1", "--json", str(path)]) == 0
+    assert main(["compile", "1f1b", "--pp", "4", "-m", "8", "--offload", "fraction=1,ranks=0,lead=1",
+                 "--json", str(path)]) == 0
     assert "stashes offloaded per rank 8/8, 0/8, 0/8, 0/8" in capsys.readouterr().out
     assert main(["verify", str(path)]) == 0
     capsys.readouterr()
@@ -335,8 +341,10 @@ def test_cli_offload(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,words", [
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--offload", "fraction=7"], ["fraction=7", "[0, 1]"]),
-    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--offload", "auto", "--host-bandwidth", "0"], ["--host-bandwidth", "> 0"]),
-    (["compile", "1f1b", "--pp", "2", "-m", "2", "--json", "x", "--offload", "fraction=1,ranks=3"], ["ranks [3]", "0..1"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--offload", "auto", "--host-bandwidth", "0"],
+     ["--host-bandwidth", "> 0"]),
+    (["compile", "1f1b", "--pp", "2", "-m", "2", "--json", "x", "--offload", "fraction=1,ranks=3"],
+     ["ranks [3]", "0..1"]),
     (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--gpu", "h100", "--offload", "auto"],
      ["--host-bandwidth", "h100"]),
 ])
@@ -416,7 +424,8 @@ def stream_cases():
 def fraction_cost(schedule, stash, bandwidth, **extra):
     base = CostModel.default(schedule)
     return CostModel(tuple(map(Fraction, base.forward)), tuple(map(Fraction, base.backward)),
-                     tuple(map(Fraction, base.weight)), {"stash": stash, "act_out": 1, "grad_in": 1}, latency=Fraction(1, 10),
+                     tuple(map(Fraction, base.weight)), {"stash": stash, "act_out": 1, "grad_in": 1},
+                     latency=Fraction(1, 10),
                      offload_bandwidth=bandwidth or math.inf, reload_bandwidth=bandwidth or math.inf, **extra)
 
 
@@ -475,7 +484,8 @@ def test_streamed_offload_reaches_the_gh200_target():
     whole = choose_offload(schedule, cost, 0.03)
     assert whole.peak_after[0] >= 2 * STASH
     # and on the H200's PCIe link streaming does not help either: copies outlast compute
-    pcie = choose_offload(schedule, replace(claim_cost(55.4), offload_slowdown=0.02), AutoOffload(0.03, chunk=STASH // LAYERS))
+    pcie = choose_offload(schedule, replace(claim_cost(55.4), offload_slowdown=0.02),
+                          AutoOffload(0.03, chunk=STASH // LAYERS))
     assert pcie.peak_after == pcie.peak_before
 
 

@@ -109,7 +109,7 @@ def test_chrome_trace_tracks_never_overlap(name, params):
     result = simulate(schedule, cost)
     tracks = tracks_of(json.loads(json.dumps(chrome_trace(schedule, result))))
     kinds = {"compute": 0, "comm": 0, "copy": 0}
-    for tid, (track, events) in tracks.items():
+    for track, events in tracks.values():
         events.sort(key=lambda e: (e["ts"], e["dur"]))
         for a, b in zip(events, events[1:]):
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-9, (track, a["name"], b["name"])
@@ -121,12 +121,13 @@ def test_chrome_trace_tracks_never_overlap(name, params):
         assert track == f"rank {rank}" if category == "compute" else track.startswith(
             f"rank {rank} {'messages' if category == 'comm' else 'copies'}")
     programs = [i for p in schedule.programs for i in p]
-    assert kinds == {"compute": sum(i.op in COMPUTE_OPS for i in programs), "comm": sum(i.op in COMM_OPS for i in programs),
+    assert kinds == {"compute": sum(i.op in COMPUTE_OPS for i in programs),
+                     "comm": sum(i.op in COMM_OPS for i in programs),
                      "copy": sum(i.op.value in ("OFFLOAD", "RELOAD") for i in programs)}
     assert kinds["copy"] > 0
     # a send spans its post to its message's completion, the matching receive's end
     sends = {}
-    for tid, (track, events) in tracks.items():
+    for _, events in tracks.values():
         for e in events:
             if e["name"].startswith("SEND"):
                 sends[e["name"]] = e

@@ -242,7 +242,8 @@ def test_events_cover_every_instruction():
             assert e.start <= e.end
             if e.instr.op in COMPUTE_OPS:
                 assert e.start == clock
-                assert math.isclose(e.end - e.start, {Op.F: cost.forward, Op.B: cost.backward}[e.instr.op][e.instr.stage])
+                spent = {Op.F: cost.forward, Op.B: cost.backward}[e.instr.op][e.instr.stage]
+                assert math.isclose(e.end - e.start, spent)
             elif e.instr.op is Op.FREE:
                 assert e.start == e.end == clock
             clock = max(clock, e.end)
@@ -448,7 +449,8 @@ def test_weight_stash_replays_the_ledgers_resize(name, virtual, m):
     schedule = lower(generate(name, pp=4, microbatches=m, virtual=virtual))
     n = schedule.num_stages
     whole, kept = tuple(10 * (s + 1) for s in range(n)), tuple(3 * (s + 1) + s % 2 for s in range(n))
-    sizes = {(kind, s, mb): (whole[s] if kind == "stash" else 0) for kind in BUFFERS for s in range(n) for mb in range(m)}
+    sizes = {(kind, s, mb): (whole[s] if kind == "stash" else 0)
+             for kind in BUFFERS for s in range(n) for mb in range(m)}
     resized = {("stash", s, mb): kept[s] for s in range(n) for mb in range(m)}
     unit = ((1.0,) * n, (1.0,) * n, (1.0,) * n)
     result = simulate(schedule, CostModel(*unit, {"stash": whole}, weight_stash=kept))
@@ -514,7 +516,8 @@ def test_weight_stash_with_boundaries_exceeds_the_ledger_by_at_most_one_gradient
     sizes = {(kind, s, mb): size for kind, size in sizes_by_kind.items() for s in range(n) for mb in range(3)}
     resized = {("stash", s, mb): 2 for s in range(n) for mb in range(3)}
     unit = ((1.0,) * n, (1.0,) * n, (1.0,) * n)
-    result = simulate(schedule, CostModel(*unit, {k: (v,) * n for k, v in sizes_by_kind.items()}, weight_stash=(2,) * n))
+    result = simulate(schedule, CostModel(*unit, {k: (v,) * n for k, v in sizes_by_kind.items()},
+                                          weight_stash=(2,) * n))
     for rank in range(schedule.pp):
         ledger = replay_high_water(schedule, rank, sizes, resized)
         assert ledger <= result.peak_bytes[rank] <= ledger + sizes_by_kind["grad_in"], (rank, ledger, result.peak_bytes)

@@ -7,10 +7,10 @@ Every rank holds all m microbatches in flight at its peak.
 """
 
 from pipeschedule.compiler.generators.common import check_common, make
-from pipeschedule.compiler.ir import Op, make_instr
+from pipeschedule.compiler.ir import Op, Schedule, make_instr
 
 
-def afab(pp: int, microbatches: int) -> "Schedule":
+def afab(pp: int, microbatches: int) -> Schedule:
     check_common(pp, microbatches)
     programs = []
     for r in range(pp):

@@ -30,7 +30,8 @@ def per_rank_caps(cap, pp: int) -> list[int]:
     """A cap as given (one int for all ranks, or one per rank) as a list of pp ints."""
     if isinstance(cap, (list, tuple)):
         if len(cap) != pp:
-            raise ParameterError(f"cap list has {len(cap)} entries, but pp = {pp}: give one cap per rank or a single integer")
+            raise ParameterError(f"cap list has {len(cap)} entries, but pp = {pp}: "
+                                 "give one cap per rank or a single integer")
         for r, c in enumerate(cap):
             check_int(f"cap[{r}]", c)
         return list(cap)

@@ -14,7 +14,8 @@ Capped: rank r may hold at most k_r = min(cap_r, pp - r, m, k_{r-1}) in flight. 
 "k_r forwards, then alternate" order is a poor way to honour a cap: at pp=8, cap 7 it
 runs at 57% of 1F1B's throughput, because every rank then waits for the slowest round
 trip in lock step. Instead the order is found by list scheduling under unit costs
-(F = 1, B = 2; or a given cost's per-stage times, [Note: cost-aware timing]): whenever a rank is free it runs its next backward if that is ready, else
+(F = 1, B = 2; or a given cost's per-stage times, [Note: cost-aware timing]): whenever a
+rank is free it runs its next backward if that is ready, else
 its next forward if that is ready and the rank is under its cap, else it waits. This
 gives about c/pp of 1F1B's throughput (pp=8, cap 7: 90%; cap 4: 56%), never breaks the
 cap, and with no effective cap it is 1F1B instruction for instruction (tested).
@@ -80,7 +81,8 @@ def list_schedule(pp: int, microbatches: int, caps: list[int], cost: StageTimes 
             programs[r].append(make_instr(Op.B, r, b))
             end = b_end[r][b] = free_at[r] = t + b_cost[r]
             next_b[r], inflight[r] = b + 1, inflight[r] - 1
-        elif f < microbatches and inflight[r] < caps[r] and (r == 0 or (f_end[r - 1][f] is not None and f_end[r - 1][f] <= t)):
+        elif (f < microbatches and inflight[r] < caps[r]
+              and (r == 0 or (f_end[r - 1][f] is not None and f_end[r - 1][f] <= t))):
             programs[r].append(make_instr(Op.F, r, f))
             end = f_end[r][f] = free_at[r] = t + f_cost[r]
             next_f[r], inflight[r] = f + 1, inflight[r] + 1
@@ -93,7 +95,8 @@ def list_schedule(pp: int, microbatches: int, caps: list[int], cost: StageTimes 
     # loudly if it ever does not.
     done = sum(len(p) for p in programs)
     if done != 2 * pp * microbatches:
-        raise AssertionError(f"capped list schedule blocked after {done} of {2 * pp * microbatches} instructions (caps {caps})")
+        raise AssertionError(f"capped list schedule blocked after {done} of {2 * pp * microbatches} instructions "
+                             f"(caps {caps})")
     return programs
 
 

@@ -36,7 +36,6 @@ the list schedule instead of unit costs ([Note: cost-aware timing]).
 
 from __future__ import annotations
 
-from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.generators.common import check_common, make
 from pipeschedule.compiler.timing import stage_times
 from pipeschedule.compiler.generators.zero_bubble import split_list_schedule, stage_limits

@@ -112,7 +112,8 @@ def split_list_schedule(pp: int, microbatches: int, placement: Sequence[int], li
         choice = None
         for s in local[r]:  # 1. a ready B, oldest microbatch first, then the later stage
             mb = next_b[s]
-            if mb < next_f[s] and f_end[s][mb] <= t and (s == last or (b_end[s + 1][mb] is not None and b_end[s + 1][mb] <= t)):
+            if (mb < next_f[s] and f_end[s][mb] <= t
+                    and (s == last or (b_end[s + 1][mb] is not None and b_end[s + 1][mb] <= t))):
                 if choice is None or (mb, -s) < (choice[2], -choice[1]):
                     choice = (Op.B, s, mb)
         if choice is None:
@@ -155,7 +156,8 @@ def split_list_schedule(pp: int, microbatches: int, placement: Sequence[int], li
     # [Note: split list scheduling] proves this cannot happen; fail loudly if it does.
     done = sum(len(p) for p in programs)
     if done != 3 * S * m:
-        raise AssertionError(f"split list schedule blocked after {done} of {3 * S * m} instructions (limits {list(limits)})")
+        raise AssertionError(f"split list schedule blocked after {done} of {3 * S * m} instructions "
+                             f"(limits {list(limits)})")
     return programs
 
 
