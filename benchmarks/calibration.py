@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 
 from benchmarks.training import Case, compiled, sync, to_device
-from integration.nanotron.llama import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
+from benchmarks.llama.model import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
 
 
 def _elapsed_ms(fn, device) -> float:
@@ -57,7 +57,7 @@ def _block_times(module, make_input, forward, device, repeats: int) -> dict:
                 continue
             grad = torch.ones_like(out) if out.dim() else None
             sync(device)
-            samples.append(_elapsed_ms(lambda: out.backward(grad), device))
+            samples.append(_elapsed_ms(lambda out=out, grad=grad: out.backward(grad), device))
         times[key] = statistics.median(samples[2:])
     for p in params:
         p.requires_grad_(True)
@@ -69,13 +69,14 @@ def _block_times(module, make_input, forward, device, repeats: int) -> dict:
 def run_calibration(cfg: ModelConfig, device, dtype, repeats: int, microbatch_size: int = 1) -> dict:
     """Forward / backward / input-only backward / weight times (ms) of one decoder layer,
     the embedding, and the final norm + LM head + loss, at `cfg`'s sequence length."""
-    from integration.nanotron.harness import microbatch
+    from benchmarks.llama.reference import microbatch
 
     batch = to_device(microbatch(cfg, microbatch_size, 0, 7), device)
     hidden = torch.randn(microbatch_size, cfg.seq, cfg.hidden, device=device, dtype=dtype)
     layer = DecoderLayer(cfg, 1).to(device=device, dtype=dtype)
     embedding = TokenEmbedding(cfg, 0).to(device=device, dtype=dtype)
-    norm, head, loss = FinalNorm(cfg, 2).to(device=device, dtype=dtype), LMHead(cfg, 3).to(device=device, dtype=dtype), Loss(cfg, 4)
+    norm, head, loss = (FinalNorm(cfg, 2).to(device=device, dtype=dtype), LMHead(cfg, 3).to(device=device, dtype=dtype),
+                        Loss(cfg, 4))
     tail = torch.nn.ModuleList([norm, head])
 
     def hidden_input(grad: bool):

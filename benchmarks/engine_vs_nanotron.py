@@ -41,20 +41,14 @@ import time
 from pathlib import Path
 
 from integration.nanotron.example import TrainerConfig
+from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, versions, write_results
 
-RESULTS = Path(__file__).parent / "results"
-PP = 4
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
 AFAB_MAX_M = 8  # AFAB keeps every microbatch's activations: at m = 32 stage 0 alone needs ~64 GiB here
 MICROBATCHES = (8, 32)
 WARMUP, ROUNDS = 2, 7
-SIZES = {
-    "host-bound": dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096,
-                       micro_batch_size=1),
-    "gpu-bound": dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096,
-                      micro_batch_size=4),
-}
-SMOKE = {"smoke": dict(hidden=32, heads=4, kv_heads=2, layers=8, vocab=128, seq=16, micro_batch_size=2)}
+SIZES = {"host-bound": dict(MODEL, micro_batch_size=1), "gpu-bound": dict(MODEL, micro_batch_size=4)}
+SMOKE = {"smoke": SMOKE_TRAINER}
 
 
 def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup: int, rounds: int) -> None:
@@ -69,7 +63,7 @@ def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup:
 
     from integration.nanotron import train
     from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.registry import build_engine
+    from integration.nanotron.engine import build_engine
 
     train.prepare("auto")
     trainer = train.make_trainer(config_path)
@@ -159,10 +153,10 @@ def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds
 def render(report: dict) -> str:
     lines = [f"# pipeschedule's engines against nanotron's, side by side ({report['versions']['date']})", "",
              "`python -m benchmarks.engine_vs_nanotron`: nanotron's `DistributedTrainer.training_step` (engine, "
-             "gradient sync, clipping, AdamW) on nanotron's `LlamaForTraining` (hidden 2048, 16 layers, seq 4096, bf16, "
-             f"fp32 accumulation), pp={report['pp']} as four ranks on one GPU, the two engines alternating on the same "
-             f"model: {report['warmup']} warm-up rounds, then {report['rounds']} measured rounds (A B, then B A). "
-             "Paired: 1 + median over rounds of (ours - theirs) / theirs.", "",
+             "gradient sync, clipping, AdamW) on nanotron's `LlamaForTraining` (hidden 2048, 16 layers, seq 4096, "
+             f"bf16, fp32 accumulation), pp={report['pp']} as four ranks on one GPU, the two engines alternating "
+             f"on the same model: {report['warmup']} warm-up rounds, then {report['rounds']} measured rounds "
+             "(A B, then B A). Paired: 1 + median over rounds of (ours - theirs) / theirs.", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
              "| size | m | nanotron | ours | nanotron median | ours median | ratio of medians | paired ratio "
              "| rounds ours faster | executor's own host time (rank 0) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -187,7 +181,8 @@ def main(argv=None) -> int:
         config_path, out_path, ms, warmup, rounds = argv[1:6]
         _rank_main(config_path, out_path, [int(m) for m in ms.split(",")], int(warmup), int(rounds))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_vs_nanotron", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_vs_nanotron",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
@@ -196,7 +191,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from benchmarks.training import versions
 
     if not args.smoke and not torch.cuda.is_available():
         print("benchmarks.engine_vs_nanotron: no CUDA GPU here; use --smoke on a CPU", file=sys.stderr)
@@ -215,9 +209,7 @@ def main(argv=None) -> int:
     report = {"versions": versions(args.commit), "pp": PP, "warmup": WARMUP, "rounds": args.rounds, "rows": rows}
     text = render(report)
     if not args.smoke:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "engine_vs_nanotron.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "engine_vs_nanotron.md").write_text(text)
+        write_results("engine_vs_nanotron", report, text, out=args.out)
     print(text)
     return 0
 

@@ -20,21 +20,18 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from benchmarks.compile_speed import git_commit, machine
-from pipeschedule.generators import generate
-from pipeschedule.passes import lower
+from benchmarks.common import RESULTS, git_commit, machine, write_results
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import DistTransport, Executor, InProcessPipeline
 from pipeschedule.runtime.launch import spawn
 
-RESULTS = Path(__file__).parent / "results"
 TARGET_US = 20.0
 CASES = [  # (transport, family, pp, microbatches, virtual)
     ("in-process", "1f1b", 4, 32, 1),
@@ -135,7 +132,8 @@ def markdown(result) -> str:
     lines = [
         "# Executor overhead", "",
         f"Date: {meta['date']}  ",
-        f"Machine: {meta['machine']['cpu_model']}, {meta['machine']['cpu_count']} CPUs, {meta['machine']['platform']}  ",
+        f"Machine: {meta['machine']['cpu_model']}, {meta['machine']['cpu_count']} CPUs, "
+        f"{meta['machine']['platform']}  ",
         f"Python {meta['machine']['python']}, torch {meta['machine']['torch']}; "
         f"1-minute load average at the end: {meta['machine']['load_average_1m_at_end']}  ",
         f"Commit: {meta['commit']}  ",
@@ -153,10 +151,12 @@ def markdown(result) -> str:
             return "-" if value is None else f"{value:.2f}"
         lines.append(
             f"| {row['transport']} | {row['family']} pp={row['pp']} m={row['microbatches']} v={row['virtual']} "
-            f"| {row['instructions_per_step']} | {us(row['overhead_us'])} | {us(row['transport_us'])} | {us(row['wait_us'])} |"
+            f"| {row['instructions_per_step']} | {us(row['overhead_us'])} | {us(row['transport_us'])} "
+            f"| {us(row['wait_us'])} |"
         )
     worst = max(row["overhead_us"] for row in result["rows"])
-    lines += ["", f"Worst overhead: {worst:.2f} us per instruction ({'meets' if worst <= TARGET_US else 'misses'} the target)."]
+    lines += ["", f"Worst overhead: {worst:.2f} us per instruction "
+                  f"({'meets' if worst <= TARGET_US else 'misses'} the target)."]
     return "\n".join(lines) + "\n"
 
 
@@ -179,9 +179,7 @@ def main(argv=None) -> None:
     worst = max(row["overhead_us"] for row in rows)
     print(f"\nworst executor overhead: {worst:.2f} us per instruction (target <= {TARGET_US:g})")
     if not args.quick:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "executor_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "executor_overhead.md").write_text(markdown(result))
+        write_results("executor_overhead", result, markdown(result))
         print(f"wrote {RESULTS / 'executor_overhead.md'} and {RESULTS / 'executor_overhead.json'}")
 
 

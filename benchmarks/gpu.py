@@ -11,14 +11,14 @@ gpu_release.png and the cost files gpu_cost_v1[_split].json, gpu_cost_v2[_split]
 that `pipeschedule simulate --cost` reads.
 
 1. Per-stage memory of real training. The Llama-style model of the nanotron integration
-   (integration/nanotron/llama.py; `MODEL` below, bf16) at pp=4 as four processes on the
+   (benchmarks/llama/model.py; `MODEL` below, bf16) at pp=4 as four processes on the
    one GPU: gloo between them, boundary tensors staged through pinned host memory
    (`HostStagedTransport`, which the engines pick when gloo runs on a CUDA machine). Each
    configuration (schedule x microbatches) runs `WARMUP` + `STEPS` training steps
    (nanotron engine `train_batch_iter`, then an AdamW step); before each step the peak
    statistics are reset, so `peak_allocated` / `peak_reserved` are the step's own peaks
    (`torch.cuda.max_memory_*` of the rank's process). Beside each: the memory model's
-   prediction (`integration.nanotron.memory_probe.predict`) and the measured terms
+   prediction (`benchmarks.llama.probe.predict`) and the measured terms
    (parameters, optimizer state, gradients, the runtime ledger's peak of live buffers,
    and the rest: the transient working set), so a miss names its term.
 2. Executor overhead (benchmarks/gpu_overhead.py). All four stages in ONE process on the
@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions, write_results
 from benchmarks.calibration import run_calibration, simulate_cases
 from benchmarks.costs import P2P_GBPS, P2P_LATENCY_MS, stage_costs
 from benchmarks.training import (
@@ -71,15 +72,10 @@ from benchmarks.training import (
     predicted_total,
 )
 from benchmarks.gpu_overhead import overhead_lines, run_overhead
-from integration.nanotron.llama import ModelConfig
+from benchmarks.llama.model import ModelConfig
 
-RESULTS = Path(__file__).parent / "results"
-PP = 4
-MODEL = ModelConfig(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=4096)
-SMOKE_MODEL = ModelConfig(hidden=64, layers=8, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32)
-MICROBATCH_SIZE = 1
 MICROBATCHES = (8, 32)
-WARMUP, STEPS = 1, 3
+STEPS = 3
 OVERHEAD_TARGET = 0.01
 OVERHEAD_STEPS = 15  # measured rounds per micro-batch size
 OVERHEAD_MICROBATCH_SIZES = (1, 2)  # 1: the memory runs' size (host-bound on the H200); 2: GPU-bound
@@ -151,7 +147,8 @@ def plot_release(curves: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, max(1, len(curves)), figsize=(7 * max(1, len(curves)), 4.5), squeeze=False)
     for ax, (label, ranks) in zip(axes[0], curves.items()):
         for rank, curve in enumerate(ranks):
-            for key, style in (("measured", {"linewidth": 3, "alpha": 0.45}), ("simulated", {"linestyle": "--", "linewidth": 1})):
+            for key, style in (("measured", {"linewidth": 3, "alpha": 0.45}),
+                               ("simulated", {"linestyle": "--", "linewidth": 1})):
                 xs, ys = zip(*curve[key])
                 ax.plot(xs, [y / 2**30 for y in ys], drawstyle="steps-post", color=f"C{rank}",
                         label=f"rank {rank} {key}" if key == "measured" or rank == 0 else None, **style)
@@ -171,7 +168,7 @@ def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     steps = 1 if smoke else STEPS
-    report = {"versions": training.versions(commit), "model": asdict(cfg), "pp": PP,
+    report = {"versions": versions(commit), "model": asdict(cfg), "pp": PP,
               "microbatch_size": MICROBATCH_SIZE, "dtype": str(dtype).replace("torch.", "")}
     print(f"model {cfg}, pp={PP}, {dtype}, {report['versions'].get('gpus', 'cpu')}", flush=True)
     if "calibration" not in skip:
@@ -207,9 +204,9 @@ def measure(cfg: ModelConfig, *, smoke: bool, skip: set[str], commit: str | None
 
 
 def _weight_stash(cfg: ModelConfig, split: tuple[int, ...], dtype_bytes: int) -> list[int]:
-    """Per stage, the bytes a stash keeps from B to W (`llama_memory.weight_stash`)."""
-    from integration.nanotron.memory_probe import model_spec, training_setup
-    from pipeschedule.llama_memory import weight_stash
+    """Per stage, the bytes a stash keeps from B to W (`benchmarks.llama.memory.weight_stash`)."""
+    from benchmarks.llama.probe import model_spec, training_setup
+    from benchmarks.llama.memory import weight_stash
 
     setup = training_setup(cfg, microbatch_size=MICROBATCH_SIZE, dtype_bytes=dtype_bytes, optimizer="adamw")
     return [weight_stash(model_spec(cfg), setup, layers, last=s == len(split) - 1) for s, layers in enumerate(split)]
@@ -254,9 +251,10 @@ def render(report: dict, out_dir: Path | None) -> str:
         lines += overhead_lines(results)
     calibration = report.get("calibration_ms")
     if calibration is not None:
-        lines += ["## Calibration (ms per block, median of 20)", "", "| block | forward | backward | input-only backward "
-                  "| weight |", "|---|---|---|---|---|"]
-        lines += [f"| {name} | {t['forward']:.3f} | {t['backward']:.3f} | {t['backward_input']:.3f} | {t['weight']:.3f} |"
+        lines += ["## Calibration (ms per block, median of 20)", "",
+                  "| block | forward | backward | input-only backward | weight |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {t['forward']:.3f} | {t['backward']:.3f} | {t['backward_input']:.3f} "
+                  f"| {t['weight']:.3f} |"
                   for name, t in calibration.items()]
         lines.append("")
     if calibration is not None and rows:
@@ -326,12 +324,10 @@ def main(argv=None) -> int:
         if not args.smoke and not torch.cuda.is_available():
             print("benchmarks.gpu: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
             return 2
-        report = measure(SMOKE_MODEL if args.smoke else MODEL, smoke=args.smoke, skip=skip, commit=args.commit,
-                         split=args.split_backward)
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if args.render is None:
-            (out_dir / "gpu.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip,
+                         commit=args.commit, split=args.split_backward)
+    if out_dir is not None and args.render is None:
+        write_results("gpu", report, out=out_dir)
     print(render(report, out_dir), flush=True)
     return 0
 

@@ -40,14 +40,25 @@ if the busy time is longer, the executor added device work.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import statistics
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-from integration.nanotron.llama import ModelConfig
-from integration.nanotron.plain_stages import LlamaStages
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL, WARMUP, versions, write_results
+from benchmarks.llama.model import ModelConfig
+from benchmarks.llama.reference import microbatch
+from benchmarks.llama.stages import LlamaStages
+from benchmarks.training import model_split, sync, to_device
+from pipeschedule import compile_schedule
+from pipeschedule.compiler.ir import Op
+from pipeschedule.runtime import InProcessPipeline
 
 
 
@@ -56,10 +67,9 @@ def compute_order(schedule) -> list[tuple[str, int, int]]:
     round-robin in rank order, each running its program's compute instructions until the
     next one needs a result not yet computed (F(s, mb) needs F(s-1, mb); B(s, mb) needs
     F(s, mb) and B(s+1, mb)). Every F and B appears once, each rank's in program order."""
-    from pipeschedule.ir import Op
-
     if schedule.split_backward:
-        raise ValueError(f"compute_order: {schedule.name} splits the backward (W); only F and B schedules are timed here")
+        raise ValueError(f"compute_order: {schedule.name} splits the backward (W); "
+                         "only F and B schedules are timed here")
     last = schedule.num_stages - 1
     programs = [[(i.op.value, i.stage, i.mb) for i in program if i.op in (Op.F, Op.B)] for program in schedule.programs]
     done: set[tuple[str, int, int]] = set()
@@ -89,7 +99,6 @@ def gpu_busy(fn, device) -> dict:
     activity (CPU) or fails."""
     if device.type != "cuda":
         return {}
-    from torch.profiler import ProfilerActivity, profile
 
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -128,11 +137,6 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
                  microbatch_size: int, split: tuple[int, ...]) -> dict:
     """`steps` measured rounds after `warmup` (see the module docstring); raw and summary
     figures in a dict (`overhead_lines` renders it)."""
-    from integration.nanotron.harness import microbatch
-    from benchmarks.training import sync, to_device
-    from pipeschedule import compile_schedule
-    from pipeschedule.runtime import InProcessPipeline
-
     stages = LlamaStages(cfg, split, device, dtype)
     batches = [to_device(microbatch(cfg, microbatch_size, i, 99), device) for i in range(m)]
     inputs = [{"input_ids": b["input_ids"]} for b in batches]
@@ -255,18 +259,9 @@ def overhead_lines(results: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     """`python -m benchmarks.gpu_overhead`: this part alone, at `benchmarks.gpu`'s model
     or a variant of it; prints the table and writes JSON to `--out` if given."""
-    import argparse
-    import dataclasses
-    import json
-    import sys
-    from pathlib import Path
-
-    from benchmarks.gpu import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL, WARMUP
-    from benchmarks.training import model_split, versions
-
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_overhead", description=main.__doc__.split(";")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on whatever device is here")
-    parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {MODEL.layers})")
+    parser.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {MODEL['layers']})")
     parser.add_argument("--microbatch-size", type=int, default=MICROBATCH_SIZE)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=15, help="measured rounds (each runs every variant once)")
@@ -277,7 +272,7 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
-    cfg = SMOKE_MODEL if args.smoke else MODEL
+    cfg = ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL))
     if args.layers is not None:
         if args.layers < PP:
             parser.error(f"--layers {args.layers}: at least one layer per stage (pp={PP})")
@@ -294,9 +289,7 @@ def main(argv=None) -> int:
               "dtype": str(dtype).replace("torch.", ""), "overhead": result}
     print(f"model {cfg}, micro-batch size {args.microbatch_size}\n" + "\n".join(overhead_lines([result])))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = f"gpu_overhead{'_' + args.label if args.label else ''}.json"
-        (args.out / name).write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_results(f"gpu_overhead{'_' + args.label if args.label else ''}", report, out=args.out)
     return 0
 
 

@@ -11,7 +11,7 @@ Model: the one-GPU benchmark's Llama (hidden 2048, 16 layers, seq 4096, bf16), p
 the embedding on stage 0 and the head and loss on the last stage. Costs per stage from
 the measured forward, backward and input-only backward times (a split-backward
 schedule's B is the input-gradient part, its W the rest); the stash of a (stage, mb)
-from the calibrated memory model (pipeschedule/llama_memory.py, `llama_footprints`);
+from the calibrated memory model (benchmarks/llama/memory.py, `llama_footprints`);
 boundaries of s*h bf16 values over an assumed 100 GB/s link. Every candidate is compiled
 with that cost (`compile_schedule(..., cost=)`): the list-scheduled families order by the
 measured times and lowering places the messages by them.
@@ -40,23 +40,21 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.common import PP, RESULTS, write_results
 from benchmarks.costs import stage_costs
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators import generate
-from pipeschedule.llama_memory import llama_footprints
-from pipeschedule.memory import ModelSpec, TrainingSetup
-from pipeschedule.passes import lower
+from pipeschedule.compiler.families import FAMILIES, generate
+from benchmarks.llama.memory import llama_footprints
+from pipeschedule.plan.memory import ModelSpec, TrainingSetup
+from pipeschedule.compiler.passes import lower
 from pipeschedule.simulate import CostModel, simulate
-from pipeschedule.verify import verify
+from pipeschedule.compiler.verify import verify
 
-RESULTS = Path(__file__).parent / "results"
-PP = 4
 MEMORY_BOUND = 0.5  # of 1F1B's first-stage activation memory
 TARGET = 0.95  # of 1F1B's throughput
-FAMILIES = (  # (family, stages per rank)
-    ("1f1b", 1), ("capped_1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2), ("v_half", 2), ("v_min", 2),
-)
-SPLIT_BACKWARD = {"zb_h1", "zbv", "v_half", "v_min"}
+SEARCHED = (  # (family, stages per rank): every family but AFAB (the most memory), interleaved at v=2
+    tuple((name, family.chunks(2 if family.takes_virtual else None)) for name, family in FAMILIES.items()
+          if name != "afab"))
 
 
 def model_and_setup(saved: dict) -> tuple[ModelSpec, TrainingSetup]:
@@ -102,11 +100,11 @@ def evaluate(saved: dict, m: int) -> list[dict]:
     first-stage activation and throughput vs the reference 1F1B."""
     rows = []
     layers = saved["model"]["layers"]
-    for family, per_rank in FAMILIES:
+    for family, per_rank in SEARCHED:
         virtual = 2 if family == "interleaved_1f1b" else None
         caps = [None] + list(range(2 if per_rank == 2 else 1, PP * per_rank + 1)) if family != "1f1b" else [None]
         for split in splits(layers, PP * per_rank):
-            costs = cost_for(saved, split, family in SPLIT_BACKWARD)
+            costs = cost_for(saved, split, FAMILIES[family].split_backward)
             times = list(zip(costs["forward"], costs["backward"], costs["weight"]))  # per stage (F, B, W)
             for cap in caps:
                 try:
@@ -121,7 +119,8 @@ def evaluate(saved: dict, m: int) -> list[dict]:
                              "peak_stash": list(result.peak_bytes)})
     ones = [r for r in rows if r["family"] == "1f1b"]
     fastest = min(r["step_ms"] for r in ones)
-    base = min((r for r in ones if r["step_ms"] <= fastest * (1 + REFERENCE_TIE)), key=lambda r: (r["rank0_stash"], r["step_ms"]))
+    base = min((r for r in ones if r["step_ms"] <= fastest * (1 + REFERENCE_TIE)),
+               key=lambda r: (r["rank0_stash"], r["step_ms"]))
     even = next(r for r in ones if len(set(r["split"])) == 1)
     for r in rows:
         r["memory_vs_1f1b"] = r["rank0_stash"] / base["rank0_stash"]
@@ -136,7 +135,7 @@ def best_within(rows: list[dict], bound: float, busiest: float = float("inf")) -
     """Per family, the fastest row whose rank-0 stash is within `bound` of the reference's
     (and whose largest per-rank peak is within `busiest` of the reference's largest)."""
     out = []
-    for family, _ in FAMILIES:
+    for family, _ in SEARCHED:
         fitting = [r for r in rows if r["family"] == family and r["memory_vs_1f1b"] <= bound + 1e-9
                    and r["max_rank_vs_1f1b"] <= busiest + 1e-9]
         if fitting:
@@ -218,10 +217,7 @@ def main(argv=None) -> int:
     results = {m: evaluate(saved, m) for m in ms}
     text, _ = render(saved, results)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "moonshot.md").write_text(text)
-        (args.out / "moonshot.json").write_text(json.dumps({str(m): frontier(rows) for m, rows in results.items()},
-                                                           indent=1) + "\n")
+        write_results("moonshot", {str(m): frontier(rows) for m, rows in results.items()}, text, out=args.out)
     print(text)
     return 0
 

@@ -35,12 +35,11 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
+from benchmarks.common import PP, RESULTS, versions, write_results
 from benchmarks.calibration import simulate_cases
 from benchmarks.costs import stage_costs
 from benchmarks.training import NANOTRON, OURS, Case, cases, gib, model_split
 
-RESULTS = Path(__file__).parent / "results"
-PP = 4
 MICROBATCHES = (8, 32)
 DRY_RUN_MODEL = training.ModelConfig(hidden=64, layers=8, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32)
 SPEED_NOISE = 0.98  # our 1f1b / nanotron's 1f1b at least this counts as "no slower"
@@ -102,7 +101,8 @@ def report(cfg, rows: list[dict], skipped: list[dict], sims: dict, meta: dict) -
     for row in rows:
         sim = sims.get(Case(**row["case"]))
         if sim is not None:
-            sim_errors.append(abs(tokens_per_s_per_gpu(cfg, row) - sim["tokens_per_s_per_gpu"]) / sim["tokens_per_s_per_gpu"])
+            sim_errors.append(abs(tokens_per_s_per_gpu(cfg, row) - sim["tokens_per_s_per_gpu"])
+                              / sim["tokens_per_s_per_gpu"])
     if sim_errors:
         checks["simulator_within_5pct"] = {"worst": max(sim_errors), "ok": max(sim_errors) <= SIM_TOLERANCE}
     table, checks["memory_model_within_5pct"] = training.memory_table(rows)
@@ -158,7 +158,8 @@ def write_predictions(calibration_path: Path, out_dir: Path) -> int:
              "nanotron's split, the p2p link assumed (0.02 ms, 100 GB/s). nanotron's own engines run the same "
              "schedules as ps_1f1b / ps_afab here; their blocking metadata exchanges are not modelled.", "",
              "| engine | m | step ms | bubble | tokens/s/GPU |", "|---|---|---|---|---|"]
-    lines += [f"| {c.label} | {c.microbatches} | {s['step_ms']:.1f} | {s['bubble']:.3f} | {s['tokens_per_s_per_gpu']:.0f} |"
+    lines += [f"| {c.label} | {c.microbatches} | {s['step_ms']:.1f} | {s['bubble']:.3f} "
+              f"| {s['tokens_per_s_per_gpu']:.0f} |"
               for c, s in sims.items()]
     text = "\n".join(lines) + "\n"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -200,14 +201,12 @@ def main(argv=None) -> int:
     rows, skipped = training.run_cases(
         cfg, case_list, pp=PP, mode="multi" if multi else "shared", warmup=1, steps=1 if args.dry_run else 4,
         timeout=300 if args.dry_run else 540, backend="nccl" if multi else "gloo")
-    meta = {"versions": training.versions(args.commit), "transport": "NCCL" if multi else "gloo on CPU"}
+    meta = {"versions": versions(args.commit), "transport": "NCCL" if multi else "gloo on CPU"}
     text, checks = report(cfg, rows, skipped, sims, meta)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
         payload = {**meta, "model": asdict(cfg), "pp": PP, "rows": rows, "skipped": skipped, "checks": checks,
                    "simulated": [{"case": asdict(c), **s} for c, s in sims.items()]}
-        (out_dir / "multi_gpu.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-        (out_dir / "multi_gpu.md").write_text(text)
+        write_results("multi_gpu", payload, text, out=out_dir)
         if rows:
             plot(cfg, rows, sims, out_dir / "multi_gpu.png")
     print(text, flush=True)

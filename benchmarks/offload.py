@@ -3,18 +3,18 @@
     python -m benchmarks.offload            # on one CUDA GPU (a few minutes on an H200)
     python -m benchmarks.offload --smoke    # a tiny model on CPU: checks the plumbing, writes nothing
 
-The integration's Llama (`benchmarks.gpu.MODEL`, bf16) at pp=4 as four processes on the
+The project's Llama (`benchmarks.common.MODEL`, bf16) at pp=4 as four processes on the
 one GPU, gloo between them, boundaries staged through pinned host memory
 (`HostStagedTransport`), as in `benchmarks.gpu`; each rank builds only its own stage's
 blocks on the GPU and runs pipeschedule's `Executor` directly (no nanotron engine).
 Before each step the peak statistics are reset, so peaks are the step's own.
 
 1. Offload fractions: 1f1b at m=8 with rank 0 (stage 0) offloading a fraction 0, 0.25,
-   0.5, 0.75, 1.0 of its stashes (`pipeschedule.offload.add_offload`, lead 1; the longest
+   0.5, 0.75, 1.0 of its stashes (`pipeschedule.compiler.offload.add_offload`, lead 1; the longest
    waits first), the other ranks none; and 0.25, 0.5, 1.0 streamed in 64 MiB chunks
    (`Executor(offload_chunk=)`, [Note: streamed offload]). Per fraction: stage 0's peak allocated memory,
    its ledger peaks (device stash, host) and the step time (median). Beside them, where
-   `pipeschedule.offload` and the simulator's host link exist, the simulator's predicted
+   `pipeschedule.compiler.offload` and the simulator's host link exist, the simulator's predicted
    fall in stage 0's peak and its slowdown, from costs calibrated here (one decoder
    layer, embedding, head; `benchmarks.calibration`) with the host link measured on the
    H200 lent here (55.4 GB/s each way, issue 9) and a 2% compute slowdown while copying.
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import json
 import statistics
 import sys
 import time
@@ -51,18 +50,18 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.gpu import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL
-from integration.nanotron.plain_stages import LlamaStages
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions, write_results
+from benchmarks.llama.model import ModelConfig
+from benchmarks.llama.stages import LlamaStages
 from benchmarks.training import model_split, sync, to_device
 
-RESULTS = Path(__file__).parent / "results"
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 STREAM_FRACTIONS = (0.25, 0.5, 1.0)  # streamed ([Note: streamed offload]) in chunks of:
 STREAM_CHUNK, SMOKE_CHUNK = 64 * 2**20, 4096
 OFFLOAD_M = 8
 POOL_MS = (8, 32, 128)
 LEAD = 1
-WARMUP, STEPS = 1, 3
+STEPS = 3
 H200_HOST_GBPS = 55.4  # pinned copies each way, measured on the H200 lent here (issue 9)
 COPY_SLOWDOWN = 0.02  # matmuls beside a 1 GiB device-to-host copy: 28.4 ms against 27.8 ms (issue 9)
 NANOTRON_LABEL = "nanotron 1f1b"
@@ -72,9 +71,9 @@ GROWTH_MIB = 64
 
 
 def offload_pass():
-    """`pipeschedule.offload` (the pass and its policy), or None where it does not exist yet."""
+    """`pipeschedule.compiler.offload` (the pass and its policy), or None where it does not exist yet."""
     try:
-        return importlib.import_module("pipeschedule.offload")
+        return importlib.import_module("pipeschedule.compiler.offload")
     except ImportError:
         return None
 
@@ -83,7 +82,7 @@ def offload_schedule(base, fraction: float):
     """`base` with rank 0 offloading `fraction` of its stashes, lead LEAD."""
     module = offload_pass()
     if module is None:
-        raise SystemExit("benchmarks.offload: pipeschedule.offload (add_offload) is not there yet")
+        raise SystemExit("benchmarks.offload: pipeschedule.compiler.offload (add_offload) is not there yet")
     return module.add_offload(base, module.OffloadPolicy(fraction=fraction, ranks=(0,), lead=LEAD))
 
 
@@ -105,8 +104,8 @@ class RankStages(LlamaStages):
             self.head.to(device)
 
 
-def _data(cfg, m: int, seed: int, device):
-    from integration.nanotron.harness import microbatch
+def stage_data(cfg, m: int, seed: int, device):
+    from benchmarks.llama.reference import microbatch
 
     batches = [to_device(microbatch(cfg, MICROBATCH_SIZE, i, seed), device) for i in range(m)]
     return [{"input_ids": b["input_ids"]} for b in batches], [
@@ -120,7 +119,7 @@ def _run(executor, stages, cfg, m: int, device, rank: int, steps: int) -> dict:
     params = [p for s in executor.schedule.stages_of(rank) for p in stages.parameters(s)]
     rows = []
     for step in range(WARMUP + steps):
-        inputs, targets = _data(cfg, m, 1234 + step, device)
+        inputs, targets = stage_data(cfg, m, 1234 + step, device)
         for p in params:
             p.grad = None
         sync(device)
@@ -159,7 +158,7 @@ def _run(executor, stages, cfg, m: int, device, rank: int, steps: int) -> dict:
 
 def worker(rank: int, world: int, store, cfg, plan: list[dict], steps: int) -> list[dict]:
     """One rank: every case of `plan` in order ({"part", "schedule" (JSON), "pool", ...})."""
-    from pipeschedule.ir import Schedule
+    from pipeschedule.compiler.ir import Schedule
     from pipeschedule.runtime import Executor, HostStagedTransport
 
     torch.set_num_threads(2)
@@ -266,8 +265,10 @@ def predictions(cfg, calibration: dict, fractions_rows: list[list[dict]], m: int
     out = []
     for row in fractions_rows:
         f, chunk = row[0]["fraction"], row[0].get("chunk")
-        choice = module.evaluate_offload(base, model, module.OffloadPolicy(fraction=f, ranks=(0,), lead=LEAD, chunk=chunk))
-        out.append({"fraction": f, "chunk": chunk, "peak_before": choice.peak_before[0], "peak_after": choice.peak_after[0],
+        choice = module.evaluate_offload(base, model,
+                                         module.OffloadPolicy(fraction=f, ranks=(0,), lead=LEAD, chunk=chunk))
+        out.append({"fraction": f, "chunk": chunk, "peak_before": choice.peak_before[0],
+                    "peak_after": choice.peak_after[0],
                     "predicted_fall": choice.peak_before[0] - choice.peak_after[0], "slowdown": choice.slowdown,
                     "step_ms": choice.step_time, "base_step_ms": choice.base_step_time})
     return out
@@ -278,12 +279,12 @@ def measure(cfg, *, smoke: bool, skip: set[str], commit: str | None) -> dict:
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    report = {"versions": training.versions(commit), "model": asdict(cfg), "pp": PP, "lead": LEAD,
+    report = {"versions": versions(commit), "model": asdict(cfg), "pp": PP, "lead": LEAD,
               "microbatch_size": MICROBATCH_SIZE, "dtype": str(dtype).replace("torch.", ""),
               "host_gbps": H200_HOST_GBPS, "copy_slowdown": COPY_SLOWDOWN}
     print(f"model {cfg}, pp={PP}, {dtype}, {report['versions'].get('gpus', 'cpu')}", flush=True)
     if "fractions" not in skip and offload_pass() is None:
-        print("pipeschedule.offload is not there yet: the fractions part is skipped", flush=True)
+        print("pipeschedule.compiler.offload is not there yet: the fractions part is skipped", flush=True)
         skip = skip | {"fractions"}
     if "fractions" not in skip:
         from benchmarks.calibration import run_calibration
@@ -333,10 +334,11 @@ def render(report: dict, out_dir: Path | None) -> str:
         base = fractions[0][0]
         lines += [f"## Stage 0 offloading a fraction of its stashes (1f1b, m={m}, lead {report['lead']})", ""]
         if predicted is None:
-            lines += ["The simulator's predictions are left out: `pipeschedule.offload.evaluate_offload` is missing.", ""]
+            lines += ["The simulator's predictions are left out: "
+                      "`pipeschedule.compiler.offload.evaluate_offload` is missing.", ""]
         lines += ["stream: whole stashes, or streamed in chunks of that many MiB ([Note: streamed offload]).", ""]
-        head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB | step s | "
-                "slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
+        head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB "
+                "| step s | slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
         for k, row in enumerate(fractions):
             r0 = row[0]
@@ -344,7 +346,8 @@ def render(report: dict, out_dir: Path | None) -> str:
             chunk = r0.get("chunk")
             line = (f"| {r0['fraction']:.2f} | {'whole' if chunk is None else f'{chunk / 2**20:g}'} | "
                     f"{_mb(r0['peak_allocated'])} | {_mb(fall)} | {_mb(r0['ledger_stash_peak'])} | "
-                    f"{_mb(r0['ledger_host_peak'])} | {r0['seconds']:.3f} | {r0['seconds'] / base['seconds'] - 1:+.1%} |")
+                    f"{_mb(r0['ledger_host_peak'])} | {r0['seconds']:.3f} "
+                    f"| {r0['seconds'] / base['seconds'] - 1:+.1%} |")
             if predicted:
                 p = predicted[k]
                 line += f" {_mb(p['predicted_fall'])} | {p['slowdown']:+.1%} |"
@@ -375,7 +378,8 @@ def render(report: dict, out_dir: Path | None) -> str:
     engine_rows = report.get("engine", [])
     if engine_rows:
         base = engine_rows[0]["ranks"][0]
-        lines += [f"## Offload chosen in `pp_engine`, through nanotron's engine interface (1f1b, m={engine_rows[0]['m']})",
+        lines += [f"## Offload chosen in `pp_engine`, through nanotron's engine interface "
+                  f"(1f1b, m={engine_rows[0]['m']})",
                   "", "Stage 0 (rank 0) offloads; an AdamW step follows each step.", "",
                   "| pp_engine | stage 0 peak allocated MiB | fall MiB | step s | slowdown |", "|---|---|---|---|---|"]
         for row in engine_rows:
@@ -431,10 +435,10 @@ def main(argv=None) -> int:
         print("benchmarks.offload: no CUDA GPU here; --smoke runs the plumbing on CPU", file=sys.stderr)
         return 2
     out_dir = args.out if args.out is not None else (None if args.smoke else RESULTS)
-    report = measure(SMOKE_MODEL if args.smoke else MODEL, smoke=args.smoke, skip=skip, commit=args.commit)
+    report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip,
+                     commit=args.commit)
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "offload.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        write_results("offload", report, out=out_dir)
     print(render(report, out_dir), flush=True)
     return 0
 

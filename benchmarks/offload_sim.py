@@ -21,19 +21,19 @@ Stage 0's stash is reported in microbatches' worth (one stash of (stage 0, mb)).
 from __future__ import annotations
 
 import argparse
-import json
 from datetime import datetime, timezone
 from pathlib import Path
 
+from benchmarks.common import write_results
 from pipeschedule import compile_schedule
-from pipeschedule.offload import AutoOffload, choose_offload
+from pipeschedule.plan.presets import HOST_LINKS
+from pipeschedule.plan.offload import AutoOffload, choose_offload
 from pipeschedule.simulate import CostModel
 
-RESULTS = Path(__file__).parent / "results"
 LAYERS, LAYER_STASH = 8, 34 * 4096 * 2048
 STASH = LAYERS * LAYER_STASH  # one microbatch's stash on a stage
 F_MS, B_MS = 1.03, 2.19
-LINKS = {"gh200": 450.0, "h200": 55.4}
+LINKS = HOST_LINKS  # GB/s per direction: GH200 and the H200 lent here
 SLOWDOWNS = (0.0, 0.02)
 CHUNKS = {"whole": None, "1 layer": LAYER_STASH, "1/4 layer": LAYER_STASH // 4}
 BUDGET = 0.03
@@ -111,9 +111,7 @@ def main(argv=None) -> int:
               "layer": layer_rows(), "users": users_rows()}
     text = render(report)
     if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "offload_sim.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-        (RESULTS / "offload_sim.md").write_text(text, encoding="utf-8")
+        write_results("offload_sim", report, text)
     print(text)
     return 0
 

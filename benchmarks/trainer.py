@@ -25,7 +25,6 @@ Writes benchmarks/results/trainer.json (raw) and trainer.md (tables); prints the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -36,18 +35,16 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_TRAINER, versions, write_results
 from integration.nanotron.example import TrainerConfig
-from benchmarks.training import versions
 
-RESULTS = Path(__file__).parent / "results"
 ENGINES = ("1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1")
-PP, MICROBATCHES, STEPS, WARMUP, ROUNDS = 4, 8, 6, 2, 2
-MODEL = dict(hidden=2048, ffn=5632, heads=16, kv_heads=8, layers=16, vocab=32000, seq=4096, micro_batch_size=1)
-SMOKE = dict(hidden=32, heads=4, kv_heads=2, layers=8, vocab=128, seq=16, micro_batch_size=2)
+MICROBATCHES, STEPS, WARMUP, ROUNDS = 8, 6, 2, 2
+SIZES = dict(MODEL, micro_batch_size=MICROBATCH_SIZE)
 
 
 def config_for(engine: str, *, smoke: bool, init_from: str | None, save: bool, steps: int) -> TrainerConfig:
-    sizes = SMOKE if smoke else MODEL
+    sizes = SMOKE_TRAINER if smoke else SIZES
     return TrainerConfig(engine=engine, pp=PP, microbatches=MICROBATCHES, steps=steps,
                          dtype="bfloat16", fp32_accumulation=True, save_initial_state=save, init_from=init_from,
                          **sizes)
@@ -61,8 +58,9 @@ def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.world), "--master-port", str(port),
-               "-m", "integration.nanotron.train", "--config-file", str(path), "--record", str(record)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.world),
+               "--master-port", str(port), "-m", "integration.nanotron.train", "--config-file", str(path),
+               "--record", str(record)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if result.returncode != 0:
@@ -82,7 +80,7 @@ def measure(*, smoke: bool, commit: str | None, rounds: int, steps: int, engines
                              timeout=600)
             runs[engine].append(records)
             print(f"round {round_index} {engine}: {summarise([records])['step_s']:.3f} s/step", flush=True)
-    report = {"versions": versions(commit), "model": MODEL if not smoke else SMOKE, "pp": PP,
+    report = {"versions": versions(commit), "model": SIZES if not smoke else SMOKE_TRAINER, "pp": PP,
               "microbatches": MICROBATCHES, "steps": steps, "warmup": WARMUP, "rounds": rounds,
               "engines": {engine: summarise(rounds) for engine, rounds in runs.items()}}
     return report
@@ -122,14 +120,15 @@ def render(report: dict) -> str:
         f"({report['versions']['date']})", "",
         "`python -m benchmarks.trainer`: nanotron's `DistributedTrainer` on its own `LlamaForTraining` "
         f"(hidden {report['model']['hidden']}, {report['model']['layers']} layers, seq {report['model']['seq']}, "
-        f"micro-batch {report['model']['micro_batch_size']}, bf16, fp32 gradient accumulation, AdamW), pp={report['pp']} "
-        f"as four ranks on one GPU (gloo, boundaries staged through host memory), m={report['microbatches']}, "
-        f"{report['steps']} steps per run, the first {report['warmup']} not measured, {report['rounds']} round(s) "
-        "over the engines in turn. Each run is `torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file CONFIG`, "
+        f"micro-batch {report['model']['micro_batch_size']}, bf16, fp32 gradient accumulation, AdamW), "
+        f"pp={report['pp']} as four ranks on one GPU (gloo, boundaries staged through host memory), "
+        f"m={report['microbatches']}, {report['steps']} steps per run, the first {report['warmup']} not measured, "
+        f"{report['rounds']} round(s) over the engines in turn. Each run is "
+        "`torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file CONFIG`, "
         "the engine chosen by `pp_engine` alone; every run starts from the same saved weights.", "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
-        f"| pp_engine | step time (median) | vs {reference} | peak allocated per stage (GiB) | peak reserved per stage (GiB) "
-        "| ledger stash peak per stage (MiB) |",
+        f"| pp_engine | step time (median) | vs {reference} | peak allocated per stage (GiB) "
+        "| peak reserved per stage (GiB) | ledger stash peak per stage (MiB) |",
         "|---|---|---|---|---|---|",
     ]
     for engine, row in report["engines"].items():
@@ -143,7 +142,8 @@ def render(report: dict) -> str:
               "give bitwise equal losses and weights (tests/test_nanotron_trainer.py); on the GPU nondeterministic "
               "kernels (atomic adds in backward) make any two runs drift, the same engine's included: compare "
               "the engines' gaps with that of a repeated run.", "",
-              "| pp_engine | " + " | ".join(f"step {i + 1}" for i in range(len(ref["losses"][0]))) + f" | max |Δ| vs {reference} (any round) |",
+              "| pp_engine | " + " | ".join(f"step {i + 1}" for i in range(len(ref["losses"][0])))
+              + f" | max |Δ| vs {reference} (any round) |",
               "|---|" + "---|" * (len(ref["losses"][0]) + 1)]
     for engine, row in report["engines"].items():
         gaps = [abs(a - b) for rnd in row["losses"] for a, b in zip(rnd, ref["losses"][0])]
@@ -172,9 +172,7 @@ def main(argv=None) -> int:
                      steps=WARMUP + 1 if args.smoke else args.steps, engines=tuple(args.engines.split(",")))
     text = render(report)
     if not args.smoke:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "trainer.json").write_text(json.dumps(report, indent=1) + "\n")
-        (args.out / "trainer.md").write_text(text)
+        write_results("trainer", report, text, out=args.out)
     print(text)
     return 0
 

@@ -13,7 +13,7 @@ are that step's own peaks (`torch.cuda.max_memory_*` of the rank's process), and
 `reserved_after` is what the allocator still reserves once the step has ended. Beside
 them: parameter, optimizer-state and gradient bytes, and for pipeschedule's engines the
 runtime ledger's peak of live buffers; and, for every case, the memory model's
-prediction (`integration.nanotron.memory_probe.predict`).
+prediction (`benchmarks.llama.probe.predict`).
 
 Each rank appends one JSON line per finished case to a progress file, so a case that
 fails (out of memory, say) loses only itself and the cases after it.
@@ -21,14 +21,11 @@ fails (out of memory, say) loses only itself and the cases after it.
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +39,10 @@ from integration.nanotron._compat import import_nanotron
 import_nanotron()
 
 from integration.nanotron import split as splits  # noqa: E402
-from integration.nanotron.llama import ModelConfig  # noqa: E402
+from benchmarks.llama.model import ModelConfig  # noqa: E402
+from integration.nanotron.registry import NANOTRON_ENGINES  # noqa: E402
+from pipeschedule.compiler.families import FAMILIES  # noqa: E402
+from pipeschedule.errors import LaunchError  # noqa: E402
 
 # The multi-GPU benchmark's model (about 3.6B parameters, Llama-3.2-3B's shape, seq 4096):
 # calibrated on one GPU by benchmarks.gpu, run on four by benchmarks.multi_gpu.
@@ -50,8 +50,6 @@ MODEL_X4 = ModelConfig(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, v
 FIT_TOLERANCE = 0.05  # the memory model's peak against measured allocated bytes
 CAP_DROP_SHARE = 0.90  # stage 0's measured fall under a cap, at least this share of the predicted fall
 CONTEXT_BYTES = 600 * 2**20  # a process's CUDA context and allocator slack (the fit check only)
-NANOTRON_ENGINES = {"1f1b": "1f1b", "afab": "afab"}  # nanotron's own engines -> the schedule they run
-PS_FAMILIES = {"ps_1f1b": "1f1b", "ps_afab": "afab"}
 
 OURS = (  # (label, pp_engine value, virtual); afab last: it needs the most memory
     ("1f1b", "ps_1f1b", 1),
@@ -63,9 +61,8 @@ OURS = (  # (label, pp_engine value, virtual); afab last: it needs the most memo
     ("afab", "ps_afab", 1),
 )
 NANOTRON = (("nanotron 1f1b", "1f1b", 1), ("nanotron afab", "afab", 1))
-SPLIT_BACKWARD = (  # zero-bubble and V-shape schedules (split backward: B, then W)
-    ("zb_h1", "zb_h1", 1), ("zbv", "zbv", 2), ("v_half", "v_half", 2), ("v_min", "v_min", 2),
-)
+SPLIT_BACKWARD = tuple(  # zero-bubble and V-shape schedules (split backward: B, then W)
+    (name, family.engine, family.chunks()) for name, family in FAMILIES.items() if family.split_backward)
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,7 @@ class Case:
 
     @property
     def nanotron_own(self) -> bool:
-        return self.engine in NANOTRON_ENGINES
+        return self.engine in NANOTRON_ENGINES  # the family of the same name
 
 def cases(schedules, microbatches) -> list[Case]:
     return [Case(label, engine, v, m) for m in microbatches for label, engine, v in schedules]
@@ -93,19 +90,19 @@ def model_split(cfg: ModelConfig, stages: int) -> tuple[int, ...]:
 def compiled(case: Case, pp: int):
     """The lowered schedule the case's engine runs (nanotron's own: the same family's)."""
     from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.registry import build_engine
+    from integration.nanotron.engine import build_engine
     from pipeschedule import compile_schedule
 
     if case.nanotron_own:
-        return compile_schedule(NANOTRON_ENGINES[case.engine], pp=pp, microbatches=case.microbatches)
+        return compile_schedule(case.engine, pp=pp, microbatches=case.microbatches)
     return build_engine(parse_engine(case.engine)).compile(pp=pp, microbatches=case.microbatches)
 
 
 def predicted(cfg: ModelConfig, case: Case, *, pp: int, microbatch_size: int, dtype_bytes: int,
               device: str) -> list[dict]:
-    """The memory model's terms per rank for this case (`memory_probe.predict`), plus on
+    """The memory model's terms per rank for this case (`benchmarks.llama.probe.predict`), plus on
     CUDA the cuBLAS workspace that the caching allocator holds from the first matmul."""
-    from integration.nanotron.memory_probe import predict
+    from benchmarks.llama.probe import predict
 
     ranks = predict(cfg, pp=pp, split=model_split(cfg, pp * case.virtual), schedule=compiled(case, pp),
                     microbatch_size=microbatch_size, dtype_bytes=dtype_bytes, optimizer="adamw", device=device)
@@ -114,7 +111,7 @@ def predicted(cfg: ModelConfig, case: Case, *, pp: int, microbatch_size: int, dt
     return ranks
 
 
-# What the memory model (pipeschedule.llama_memory) predicts as the allocator's peak of a
+# What the memory model (benchmarks.llama.memory) predicts as the allocator's peak of a
 # rank: its "step peak" (parameters, optimizer state, the peak of live buffers and
 # gradients together, the working set) plus, on CUDA, the cuBLAS workspace.
 PEAK_TERMS = ("step peak", "cuBLAS workspace")
@@ -163,7 +160,7 @@ def _build_engine(case: Case):
 
         return {"1f1b": OneForwardOneBackwardPipelineEngine, "afab": AllForwardAllBackwardPipelineEngine}[case.engine]()
     from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.registry import build_engine
+    from integration.nanotron.engine import build_engine
 
     return build_engine(parse_engine(case.engine))
 
@@ -172,10 +169,10 @@ def measure_case(case: Case, cfg: ModelConfig, *, pp: int, context, p2p, pp_rank
                  microbatch_size: int, warmup: int, steps: int, keep_trace: bool) -> dict:
     import torch.distributed as dist
 
-    from integration.nanotron.harness import _clear_shared_state, for_rank, microbatch
-    from integration.nanotron.llama import build_llama, llama_block_ranks
+    from benchmarks.llama.reference import clear_shared_state, for_rank, microbatch
+    from benchmarks.llama.model import build_llama, llama_block_ranks
 
-    _clear_shared_state()
+    clear_shared_state()
     split = model_split(cfg, pp * case.virtual)
     engine = _build_engine(case)
     placement = engine.placement(pp) if hasattr(engine, "placement") else None  # a V for the V-shape engines
@@ -235,7 +232,7 @@ def measure_case(case: Case, cfg: ModelConfig, *, pp: int, context, p2p, pp_rank
     return record
 
 
-def worker(rank: int, world_size: int, mode: str, cfg: ModelConfig, case_list: list[Case], settings: dict,
+def worker(rank: int, world_size: int, store, mode: str, cfg: ModelConfig, case_list: list[Case], settings: dict,
            progress: str) -> None:
     """One rank of `run_cases` (spawned). mode: 'shared' (every rank on cuda:0 if there is a
     GPU, else CPU), 'multi' (rank r on cuda:r)."""
@@ -277,7 +274,7 @@ def run_cases(cfg: ModelConfig, case_list: list[Case], *, pp: int, mode: str, mi
     with the reason. A case the memory model says cannot fit is not run (an out-of-memory
     rank would end every case after it): in 'shared' mode the processes' predicted peaks
     together against the one GPU, in 'multi' mode each rank's against its own GPU."""
-    from integration.nanotron.harness import ChildFailed, spawn
+    from pipeschedule.runtime.launch import spawn
 
     dtype_bytes = 2 if torch.cuda.is_available() else 4
     capacity = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else math.inf
@@ -296,9 +293,9 @@ def run_cases(cfg: ModelConfig, case_list: list[Case], *, pp: int, mode: str, mi
     settings = {"microbatch_size": microbatch_size, "warmup": warmup, "steps": steps, "trace_labels": trace_labels}
     with tempfile.TemporaryDirectory(prefix="pipeschedule-bench-") as progress:
         try:
-            spawn(worker, pp, (mode, cfg, runnable, settings, progress), timeout=timeout, threads=2,
+            spawn(worker, pp, args=(mode, cfg, runnable, settings, progress), timeout=timeout, threads=2,
                   **({"backend": backend} if backend else {}))
-        except (ChildFailed, TimeoutError) as err:
+        except LaunchError as err:
             print(f"[run_cases] a rank failed; keeping the cases that finished:\n{err}", file=sys.stderr, flush=True)
         records = []
         for r in range(pp):
@@ -341,7 +338,8 @@ def worst_term(rank: dict, prediction: dict) -> str:
         if name in measured:
             p = sum(float(prediction.get(k, 0.0)) for k in keys)
             if abs(p - measured[name]) > gap:
-                worst, gap = f"{name}: measured {gib(measured[name])} GiB, predicted {gib(p)} GiB", abs(p - measured[name])
+                worst, gap = (f"{name}: measured {gib(measured[name])} GiB, predicted {gib(p)} GiB",
+                              abs(p - measured[name]))
     return worst
 
 
@@ -396,31 +394,3 @@ def cap_checks(rows: list[dict]) -> list[dict]:
         out.append({"case": label, "m": m, "measured_fall": measured, "predicted_fall": predicted_fall,
                     "share": share, "ok": predicted_fall <= 0 or share >= CAP_DROP_SHARE})
     return out
-
-
-def versions(commit: str | None = None) -> dict:
-    """Date, machine and software versions for a results file. `commit` overrides git's
-    answer (the device machine's copy of the tree may not carry the current HEAD)."""
-    import nanotron
-
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "nanotron": getattr(nanotron, "__version__", None), "cpus": os.cpu_count(),
-    }
-    if torch.cuda.is_available():
-        info["gpus"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
-        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-        try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True, timeout=20).stdout.split()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            info["driver"] = None
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    timeout=10, cwd=Path(__file__).parent).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            commit = None
-    info["commit"] = commit
-    return info

@@ -9,10 +9,10 @@ The compiler (everything here outside `runtime/`) is pure Python and imports no 
 """
 
 from pipeschedule.errors import FormatError, ParameterError, PipescheduleError, ScheduleError
-from pipeschedule.generators import FAMILIES, generate
-from pipeschedule.ir import BUFFERS, Instr, Op, Schedule, dump, load
-from pipeschedule.passes import forward_only, lower
-from pipeschedule.verify import verify
+from pipeschedule.compiler.families import FAMILIES, Family, generate
+from pipeschedule.compiler.ir import BUFFERS, Instr, Op, Schedule, dump, load
+from pipeschedule.compiler.passes import forward_only, lower
+from pipeschedule.compiler.verify import verify
 
 
 def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None, cost=None,
@@ -32,6 +32,6 @@ def compile_schedule(name: str, *, pp: int, microbatches: int, virtual: int | No
 
 
 __all__ = [
-    "BUFFERS", "FAMILIES", "FormatError", "Instr", "Op", "ParameterError", "PipescheduleError",
+    "BUFFERS", "FAMILIES", "Family", "FormatError", "Instr", "Op", "ParameterError", "PipescheduleError",
     "Schedule", "ScheduleError", "compile_schedule", "dump", "forward_only", "generate", "load", "lower", "verify",
 ]

@@ -1,19 +1,26 @@
 """Hypothesis strategies over the whole schedule parameter space.
 
-The families and what each takes come from the package's own table
-(`pipeschedule.generators.FAMILIES`: function, takes virtual, takes cap), so a family
-added there is drawn here without a second list: split backward (W) and V placement
-come with their families; offload (OFFLOAD / RELOAD, `pipeschedule.offload.add_offload`)
+The families and what each takes come from the package's own records
+(`pipeschedule.compiler.families.FAMILIES`), so a family added there is drawn here
+without a second list: split backward (W) and V placement
+come with their families; offload (OFFLOAD / RELOAD, `pipeschedule.compiler.offload.add_offload`)
 is drawn on top of any of them by `schedules`.
 """
 
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 
 from pipeschedule import compile_schedule
-from pipeschedule.generators import FAMILIES, family_virtual
-from pipeschedule.offload import OffloadPolicy, add_offload
+from pipeschedule.compiler.families import FAMILIES, family_virtual
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 
 FAMILY_NAMES = tuple(sorted(FAMILIES))
+
+
+def examples(full: int) -> int:
+    """The examples a property test that wants `full` of them draws under the active
+    Hypothesis profile: all of them in the whole suite (profile max_examples 100), a
+    tenth in the inner loop (`-m "not spawn"`: profile "inner", 10; tests/conftest.py)."""
+    return max(10, full * settings().max_examples // 100)
 
 
 @st.composite
@@ -23,13 +30,13 @@ def schedule_params(draw, max_pp=16, max_m=64, max_v=4, families=FAMILY_NAMES):
     per rank, never below the stages a rank runs: each holds at least one microbatch in
     each of its stages)."""
     family = draw(st.sampled_from(families))
-    _, takes_virtual, takes_cap = FAMILIES[family]
+    record = FAMILIES[family]
     pp = draw(st.integers(1, max_pp))
     m = draw(st.integers(1, max_m))
     params = {"pp": pp, "microbatches": m}
-    if takes_virtual:
+    if record.takes_virtual:
         params["virtual"] = draw(st.integers(1, max_v))
-    if takes_cap and draw(st.booleans()):
+    if record.takes_cap and draw(st.booleans()):
         low = family_virtual(family, params.get("virtual"))
         cap = st.integers(low, low + 2 * pp)
         params["cap"] = draw(st.lists(cap, min_size=pp, max_size=pp) if draw(st.booleans()) else cap)

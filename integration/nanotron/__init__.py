@@ -8,22 +8,30 @@ other nanotron import:
 
     import integration.nanotron  # noqa: F401
 
-Modules (import the torch-heavy ones explicitly):
+Modules (everything here is what a user imports; the project's own Llama and the
+tests' and benchmarks' helpers live in benchmarks/llama/):
 
     _compat       import_nanotron(): the one import-time repair of nanotron 0.4
+    errors        the adapter's errors, in pipeschedule's one hierarchy
     engine_spec   EngineSpec, parse_engine(): the pp_engine value syntax
-    registry      engine name -> class path, resolved lazily
+    registry      pp_engine name -> schedule family and parameters, from the family records
     config        register() / unregister(): nanotron's pp_engine loader and saver
     hooks         install(): nanotron's build_model, tied-gradient sync and
                   ParallelismArgs taught pp_engine ([Note: nanotron hooks])
-    engine        the PipelineEngine classes; step: one step of one; layout: where
-                  each block goes; grad_sync: DDP, fp32 accumulation, shared weights;
-                  recompute: layer recompute; train: nanotron's trainer from a YAML
-    cpu           nanotron's ParallelContext and P2P on CPU with gloo
-    llama         a Llama-style model built from nanotron PipelineBlocks
-    split         layer splits: explicit, nanotron's default, interleaved placement
-    stash         saved-for-backward memory meter (saved_tensors_hooks)
-    harness       spawned gloo process groups; nanotron engine reference runs
+    engine        PipescheduleEngine, the one PipelineEngine of every family; build_engine
+    step          one step of it (Runner, ModelStages, NanotronExecutor); stage_call: one
+                  stage per model call; boundary: the packed boundary tensors
+    layout        where each block goes; the first-step check of the built model
+    grad_sync     DDP, fp32 accumulation, parameters shared by stages of one rank
+    recompute     layer recompute
+    split         layer splits: explicit, nanotron's default
+    gloo          nanotron's trainer over gloo; cpu: nanotron's ParallelContext and P2P
+                  on CPU (and staged through host memory on a shared GPU)
+    train         `python -m integration.nanotron.train`: nanotron's trainer from a YAML
+    example       `python -m integration.nanotron.example`: a YAML to start from
+    demo          `pipeschedule demo`'s training part
+    stash         saved-for-backward memory meter (saved_tensors_hooks), used by the demo
+    flash_attn_standin  a pure-torch flash-attn where the package is missing
 """
 
 from integration.nanotron._compat import import_nanotron

@@ -34,6 +34,13 @@ import sys
 
 from integration.nanotron._compat import import_nanotron
 
+import_nanotron()
+
+from nanotron.parallel.pipeline_parallel.engine import PipelineEngine  # noqa: E402
+
+from integration.nanotron.engine import build_engine  # noqa: E402
+from integration.nanotron.engine_spec import EngineSpec, parse_engine  # noqa: E402
+
 LOAD = "cast_str_to_pipeline_engine"
 SAVE = "cast_pipeline_engine_to_str"
 BINDING_MODULES = (
@@ -86,11 +93,6 @@ def is_registered() -> bool:
 
 
 def _make_loader(original):
-    from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
-
-    from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.registry import build_engine
-
     @functools.wraps(original)
     def cast_str_to_pipeline_engine(str_pp_engine):
         """nanotron's loader, extended: pipeschedule names and the mapping form build our engines."""
@@ -106,8 +108,6 @@ def _make_loader(original):
 
 
 def _make_saver(original):
-    from integration.nanotron.engine_spec import EngineSpec
-
     @functools.wraps(original)
     def cast_pipeline_engine_to_str(pp_engine):
         """nanotron's saver, extended: an engine carrying an `EngineSpec` writes its canonical string."""

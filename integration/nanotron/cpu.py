@@ -30,7 +30,7 @@ running on a CPU-only torch with gloo; none of them is in the engine itself:
    loses them, and its peer fails with "Connection closed by peer". (AFAB ran at pp=2
    with nanotron's own P2P too; `CpuP2P` is used for both.)
 4. `nanotron.models.llama` imports flash_attn at module level; we do not import it (our
-   model is `integration.nanotron.llama`).
+   model is `benchmarks.llama.model`).
 
 Everything else ran unchanged: `PipelineBlock`, the batch states, the autograd
 functions, `OneForwardOneBackwardPipelineEngine`, `AllForwardAllBackwardPipelineEngine`

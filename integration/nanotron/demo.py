@@ -24,7 +24,10 @@ import time
 from pathlib import Path
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engines and hooks)
+from integration.nanotron import train
 from integration.nanotron.example import TrainerConfig
+from integration.nanotron.stash import StashMeter, microbatches_worth
+from pipeschedule.runtime.launch import spawn
 
 PP, MICROBATCHES, STEPS = 4, 8, 3
 OURS = "capped_1f1b:cap=2"
@@ -32,10 +35,7 @@ CONFIG = TrainerConfig(pp=PP, layers=8, hidden=64, heads=4, kv_heads=2, vocab=25
                        steps=STEPS)
 
 
-def _worker(rank: int, world_size: int, paths: list[str]) -> list[dict]:
-    from integration.nanotron import train
-    from integration.nanotron.stash import StashMeter, microbatches_worth
-
+def _worker(rank: int, world_size: int, store, paths: list[str]) -> list[dict]:
     train.prepare("gloo")
     out = []
     quiet = contextlib.redirect_stderr(io.StringIO())  # nanotron's progress bars and warnings
@@ -63,8 +63,6 @@ def _worker(rank: int, world_size: int, paths: list[str]) -> list[dict]:
 
 def run_training_demo() -> int:
     """Trains with both engines and prints them side by side; 0 when the losses agree."""
-    from integration.nanotron.harness import spawn
-
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pipeschedule-demo-") as tmp:
         first = Path(tmp) / "checkpoints-1f1b"
@@ -75,7 +73,7 @@ def run_training_demo() -> int:
             path = Path(tmp) / f"{name}.yaml"
             path.write_text(config.yaml(str(Path(tmp) / f"checkpoints-{name}")))
             paths.append(str(path))
-        pieces = spawn(_worker, PP, (paths,), timeout=240.0)
+        pieces = spawn(_worker, PP, args=(paths,), timeout=240.0)
     theirs, ours = ([next(p[i]["losses"] for p in pieces if p[i]["losses"][0] is not None)] for i in (0, 1))
     theirs, ours = theirs[0], ours[0]
     print(f"nanotron's trainer and LlamaForTraining from a YAML file, pp={PP} (4 gloo processes, CPU), "

@@ -1,12 +1,15 @@
-"""nanotron `PipelineEngine`s that run pipeschedule's compiled schedules.
+"""The nanotron `PipelineEngine` that runs pipeschedule's compiled schedules: one class,
+`PipescheduleEngine`, for every schedule family. What differs between families (virtual
+stages, cap and its default, placement, split backward) comes from the family's record
+(`pipeschedule.compiler.families.FAMILIES`), and the config names from the registry:
 
     ps_afab            AFAB (nanotron's AllForwardAllBackward), pipeschedule's runtime
     ps_1f1b            1F1B (nanotron's OneForwardOneBackward), pipeschedule's runtime
-    capped_1f1b        1F1B with at most `cap` microbatches in flight per rank;
-                       cap defaults to pipeschedule.generators.default_cap(pp) = ceil(pp/2)
-                       (cap = pp is exactly 1F1B)
-    interleaved_1f1b   `virtual` chunks per rank, round-robin placement (default virtual=2
-                       when the class is built directly; a config must name it); optional cap
+    capped_1f1b        1F1B with at most `cap` microbatches in flight per rank; cap
+                       defaults to the family's default_cap(pp) = ceil(pp/2) (cap = pp is
+                       exactly 1F1B)
+    interleaved_1f1b   `virtual` chunks per rank, round-robin placement (a config must
+                       name virtual; a spec built from Python without it runs 2); optional cap
     zb_h1              zero-bubble ZB-H1: split backward (B input gradients, W weight
                        gradients), 1F1B's memory; optional cap
     zbv, v_half, v_min split backward on the V-shape placement (rank r runs stages r and
@@ -45,52 +48,72 @@ import_nanotron()
 from nanotron.parallel.pipeline_parallel.engine import PipelineEngine  # noqa: E402
 
 from integration.nanotron import hooks  # noqa: E402
-from integration.nanotron.engine_spec import EngineSpec  # noqa: E402
+from integration.nanotron.engine_spec import EngineSpec, parse_engine  # noqa: E402
 from integration.nanotron.errors import EngineRuntimeError, ParameterError  # noqa: E402
 from integration.nanotron.layout import ModelLayout, engine_layout, layer_mask, model_stages  # noqa: E402
 from integration.nanotron.recompute import apply_recompute  # noqa: E402
+from integration.nanotron.registry import AUTO_ENGINE, ENGINES  # noqa: E402
 from integration.nanotron.step import Runner, pipeline_blocks, unwrap  # noqa: E402
 from pipeschedule import compile_schedule  # noqa: E402
-from pipeschedule.generators import family_virtual  # noqa: E402
-from pipeschedule.generators.one_f_one_b import default_cap  # noqa: E402
-from pipeschedule.generators.v_shape import v_placement  # noqa: E402
-from pipeschedule.ir import Schedule  # noqa: E402
-from pipeschedule.offload import add_offload  # noqa: E402
-from pipeschedule.passes import forward_only  # noqa: E402
+from pipeschedule.compiler.families import FAMILIES  # noqa: E402
+from pipeschedule.plan.auto import choose_cap  # noqa: E402
+from pipeschedule.compiler.ir import Schedule  # noqa: E402
+from pipeschedule.compiler.offload import add_offload  # noqa: E402
+from pipeschedule.compiler.passes import forward_only  # noqa: E402
 from pipeschedule.runtime import DistTransport, HostStagedTransport  # noqa: E402
-from pipeschedule.verify import verify  # noqa: E402
+from pipeschedule.compiler.verify import verify  # noqa: E402
 
 _LOG = logging.getLogger("pipeschedule.nanotron")
 _engines_built: dict[tuple[int, ...], itertools.count] = {}  # pp group -> engine counter (store prefixes)
 
 
+DEFAULT_VIRTUAL = 2  # chunks per rank of an interleaved spec built from Python without `virtual`
+
+
 class PipescheduleEngine(PipelineEngine):
-    """Base of the engines; subclasses set `name` (the config name) and `family`."""
+    """Runs the schedules of one parsed `pp_engine` value (`spec`) of any family."""
 
-    name = ""
-    family = ""
-
-    def __init__(self, spec: EngineSpec | None = None):
+    def __init__(self, spec: EngineSpec):
         super().__init__()
-        self.spec = spec if spec is not None else EngineSpec(self.name)
-        if self.spec.name != self.name:
-            raise ParameterError(f"{type(self).__name__} runs {self.name!r}, got spec {self.spec.to_string()!r}")
+        if not isinstance(spec, EngineSpec) or spec.is_nanotron_builtin:
+            raise ParameterError(f"PipescheduleEngine runs pipeschedule's engines (accepted: {', '.join(ENGINES)}), "
+                                 f"got {spec!r}")
+        self.spec = spec
+        self.family = FAMILIES[spec.family]
         self._runners: dict[tuple, Runner] = {}
         self._transport: DistTransport | None = None
 
-    # -- parameters --------------------------------------------------------------------
+    # -- parameters, from the family's record ---------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The config name (`capped_1f1b`, `ps_1f1b`, ...)."""
+        return self.spec.name
 
     @property
     def virtual(self) -> int:
-        return 1
+        if self.family.takes_virtual and self.spec.virtual is None:
+            return DEFAULT_VIRTUAL
+        return self.family.chunks(self.spec.virtual)
 
     def cap(self, pp: int):
-        return None
+        """The spec's cap, else the family's default (capped_1f1b: ceil(pp/2)), else None."""
+        if self.spec.cap is not None or self.family.default_cap is None:
+            return self.spec.cap
+        return self.family.default_cap(pp)
 
     def placement(self, pp: int) -> list[int]:
-        """Rank of each stage: round robin over pp * virtual stages (the V-shape engines:
-        rank r runs stages r and 2pp-1-r)."""
-        return [s % pp for s in range(pp * self.virtual)]
+        """Rank of each stage: the family's placement (round robin; the V shapes: rank r
+        runs stages r and 2pp-1-r), which every schedule it compiles has."""
+        return list(self.family.placement(pp, self.virtual))
+
+    @property
+    def splits(self) -> bool:
+        """Whether this engine's schedules split the backward into B and W
+        ([Note: split backward] in pipeschedule.runtime.split_backward: each F defers its linear layers'
+        weight gradients; the runtime reports per stage whether deferral applied,
+        `executor.split_mode`)."""
+        return self.family.split_backward
 
     def check(self, *, pp: int, num_layers: int | None = None) -> None:
         """`spec.check_against(pp=, num_layers=)`: cap and split lengths, split sum."""
@@ -99,7 +122,8 @@ class PipescheduleEngine(PipelineEngine):
     def compile(self, *, pp: int, microbatches: int) -> Schedule:
         """The lowered, verified schedule this engine runs for (pp, m), with the spec's
         OFFLOAD / RELOAD when it has `offload`."""
-        schedule = compile_schedule(self.family, pp=pp, microbatches=microbatches, virtual=self.virtual, cap=self.cap(pp))
+        schedule = compile_schedule(self.family.name, pp=pp, microbatches=microbatches, virtual=self.virtual,
+                                    cap=self.cap(pp))
         policy = self.spec.offload_policy()
         if policy is not None:
             schedule = add_offload(schedule, policy)
@@ -137,11 +161,6 @@ class PipescheduleEngine(PipelineEngine):
             if report:
                 _LOG.warning("pipeschedule rank %d: %s", rank, report)
 
-    @property
-    def splits(self) -> bool:
-        """Whether this engine's schedules split the backward into B and W."""
-        return False
-
     # -- nanotron's interface ----------------------------------------------------------
 
     def train_batch_iter(self, model, pg, batch: Iterable[dict], nb_microbatches: int, grad_accumulator):
@@ -151,7 +170,7 @@ class PipescheduleEngine(PipelineEngine):
 
     def validate_batch_iter(self, model, batch: Iterable[dict], nb_microbatches: int):
         """Forward only, through the executor: this engine's forwards lowered and verified
-        as an evaluation schedule (`pipeschedule.passes.forward_only`), under
+        as an evaluation schedule (`pipeschedule.compiler.passes.forward_only`), under
         `torch.no_grad` (losses / m on the loss rank, as nanotron)."""
         self.nb_microbatches = nb_microbatches
         pg = self.pipeline_blocks(model)[0].p2p.pg
@@ -208,87 +227,80 @@ class PipescheduleEngine(PipelineEngine):
         return f"{type(self).__name__}({self.spec.to_string()!r})"
 
 
-class PsAfabEngine(PipescheduleEngine):
-    """`ps_afab`: all forwards, then all backwards (what nanotron's AFAB engine runs)."""
+class AutoEngine(PipescheduleEngine):
+    """`pp_engine: auto[:reserve=GiB]`.
 
-    name, family = "ps_afab", "afab"
+    [Note: auto engine] The model is built with 1F1B's layout (nanotron's split, one stage
+    per rank), and the first step runs capped 1F1B with cap 1, the least memory that
+    layout can run with. That step measures, per rank, the stash of one microbatch (the
+    executor's ledger, `high["stash"]`) and what the rank holds besides it (the
+    allocator's peak of the step minus that stash, plus the Adam moments that do not
+    exist before the first optimizer step: 8 bytes per parameter of the rank, an upper
+    bound under ZeRO-1); the pp ranks exchange them, and each picks, with
+    `pipeschedule.plan.auto.choose_cap`, the fastest 1F1B-family schedule that fits the
+    GPU's memory less `reserve` GiB (default 2). From the second step on the engine runs
+    exactly that engine (the first step's losses are those of any 1F1B-family engine: the
+    same computation in another order, bitwise equal on CPU). It logs the choice and the
+    YAML line that pins it. On CPU, where the allocator reports nothing, the budget is
+    unbounded and 1F1B is chosen. When not even cap 1 fits, it raises with the rank and
+    its figures. The split and V-shape schedules are not chosen: they need another layout
+    (`pipeschedule plan` recommends those, with the YAML to pin them).
+    """
 
+    DEFAULT_RESERVE = 2
 
-class PsOneFOneBEngine(PipescheduleEngine):
-    """`ps_1f1b`: 1F1B (what nanotron's 1F1B engine runs); accepts every m >= 1."""
-
-    name, family = "ps_1f1b", "1f1b"
-
-
-class CappedOneFOneBEngine(PipescheduleEngine):
-    """`capped_1f1b`: 1F1B keeping at most `cap` microbatches in flight on each rank
-    (clipped to pp - r); default cap = ceil(pp / 2) (`default_cap`)."""
-
-    name, family = "capped_1f1b", "capped_1f1b"
-
-    def cap(self, pp: int):
-        return self.spec.cap if self.spec.cap is not None else default_cap(pp)
-
-
-class InterleavedOneFOneBEngine(PipescheduleEngine):
-    """`interleaved_1f1b`: `virtual` chunks per rank (default 2), round robin; optional cap
-    (in stage-microbatches). The model must be built with pp * virtual stages."""
-
-    name, family = "interleaved_1f1b", "interleaved_1f1b"
-
-    @property
-    def virtual(self) -> int:
-        return self.spec.virtual or 2
-
-    def cap(self, pp: int):
-        return self.spec.cap
-
-
-class SplitBackwardEngine(PipescheduleEngine):
-    """Base of the split-backward engines: each F defers its linear layers' weight
-    gradients, B computes input gradients (and what cannot defer), W the deferred weight
-    gradients ([Note: split backward] in pipeschedule.runtime.split_backward). The
-    runtime reports per stage whether deferral applied (`executor.split_mode`)."""
+    def __init__(self, spec: EngineSpec):
+        super().__init__(EngineSpec("capped_1f1b", cap=1))
+        self.auto = spec
+        self.choice = None
+        self._switch = False
 
     @property
-    def virtual(self) -> int:
-        return family_virtual(self.family)
+    def name(self) -> str:
+        return self.auto.name if self.choice is None else self.spec.name
 
-    def cap(self, pp: int):
-        return self.spec.cap
+    def train_batch_iter(self, model, pg, batch: Iterable[dict], nb_microbatches: int, grad_accumulator):
+        first = self.choice is None
+        if self._switch:  # the first step's runner stays until now: its ledger is that step's record
+            self._runners, self._switch = {}, False
+        if first and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        out = super().train_batch_iter(model, pg, batch, nb_microbatches, grad_accumulator)
+        if first:
+            self._choose(model, pg, nb_microbatches)
+        return out
 
-    @property
-    def splits(self) -> bool:
-        return True
+    def _choose(self, model, pg, m: int) -> None:
+        stash = float(self.training_ledger().high["stash"])
+        device = _device_of(model)
+        params = sum(p.numel() for p in unwrap(model).parameters())
+        if device.type == "cuda":
+            static = torch.cuda.max_memory_allocated(device) - stash + 8 * params
+            reserve = self.DEFAULT_RESERVE if self.auto.reserve is None else self.auto.reserve
+            budget = torch.cuda.get_device_properties(device).total_memory - reserve * 2**30
+        else:
+            static, budget = 0.0, float("inf")
+        figures = [None] * pg.size()
+        dist.all_gather_object(figures, (static, stash, budget), group=pg)
+        statics, stashes, budgets = zip(*figures)
+        self.choice = choose_cap(pg.size(), m, statics, stashes, budgets)
+        self.spec = parse_engine(self.choice.engine)
+        self.family = FAMILIES[self.spec.family]
+        self._switch = True
+        _LOG.warning("pipeschedule pp_engine auto (rank %d): %s: running %s from step 2 on; predicted peak GiB "
+                     "per rank %s; pin it with\n  parallelism:\n    pp_engine: %s", dist.get_rank(pg),
+                     self.choice.why, self.choice.engine, "/".join(f"{p / 2**30:.2f}" for p in self.choice.peaks),
+                     self.choice.engine)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.auto.to_string()!r}, running {self.spec.to_string()!r})"
 
 
-class ZeroBubbleH1Engine(SplitBackwardEngine):
-    """`zb_h1`: ZB-H1, 1F1B's placement and memory, about a third of its bubble."""
-
-    name, family = "zb_h1", "zb_h1"
-
-
-class _VShapeEngine(SplitBackwardEngine):
-    def placement(self, pp: int) -> list[int]:
-        return v_placement(pp)
-
-
-class ZeroBubbleVEngine(_VShapeEngine):
-    """`zbv`: ZB-V, V-shape placement, 1F1B's activation memory, near-zero bubble."""
-
-    name, family = "zbv", "zbv"
-
-
-class VHalfEngine(_VShapeEngine):
-    """`v_half`: V-Half, V-shape placement, about half of 1F1B's activation memory."""
-
-    name, family = "v_half", "v_half"
-
-
-class VMinEngine(_VShapeEngine):
-    """`v_min`: V-Min, V-shape placement, about a third of 1F1B's activation memory."""
-
-    name, family = "v_min", "v_min"
+def build_engine(spec: EngineSpec | str) -> PipescheduleEngine:
+    """The engine of a pipeschedule `pp_engine` value (an `EngineSpec`, or its text,
+    parsed); what nanotron's config loader builds for our names."""
+    spec = spec if isinstance(spec, EngineSpec) else parse_engine(spec)
+    return AutoEngine(spec) if spec.name == AUTO_ENGINE else PipescheduleEngine(spec)
 
 
 def _block_costs(model, blocks) -> list[int]:
@@ -304,15 +316,4 @@ def _device_of(model) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-__all__ = [
-    "CappedOneFOneBEngine",
-    "InterleavedOneFOneBEngine",
-    "PipescheduleEngine",
-    "PsAfabEngine",
-    "PsOneFOneBEngine",
-    "SplitBackwardEngine",
-    "VHalfEngine",
-    "VMinEngine",
-    "ZeroBubbleH1Engine",
-    "ZeroBubbleVEngine",
-]
+__all__ = ["DEFAULT_VIRTUAL", "AutoEngine", "PipescheduleEngine", "build_engine"]

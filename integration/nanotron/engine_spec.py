@@ -38,7 +38,7 @@ its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
              recomputation of the attention core, `CoreAttention.checkpoint_attention`);
              integration/nanotron/recompute.py
     offload  ranks (`0` or `0/1`) whose stashes all go to host memory between their F
-             and their B (`pipeschedule.offload.add_offload`, fraction 1; stashes whose
+             and their B (`pipeschedule.compiler.offload.add_offload`, fraction 1; stashes whose
              wait is at most `lead` computes stay)
     lead     computes between a RELOAD and the B that needs it, integer >= 0 (default 1;
              needs offload)
@@ -55,12 +55,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from integration.nanotron.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES, accepted_summary
+from pipeschedule.checks import is_int, parse_int
+from pipeschedule.compiler.families import family_virtual
+from pipeschedule.compiler.offload import OffloadPolicy
 from pipeschedule.errors import ParameterError
-from pipeschedule.generators import family_virtual
 
-from integration.nanotron.registry import ENGINES, NANOTRON_ENGINES, accepted_summary
-
-PARAM_ORDER = ("virtual", "cap", "split", "recompute", "offload", "lead", "stream")
+PARAM_ORDER = ("virtual", "cap", "split", "recompute", "offload", "lead", "stream", "reserve")
 RECOMPUTE_MODES = ("full", "selective")
 
 
@@ -84,6 +85,7 @@ class EngineSpec:
     offload: tuple[int, ...] | None = None
     lead: int | None = None
     stream: int | None = None
+    reserve: int | None = None  # auto only: GiB of the GPU kept back (default 2)
 
     @property
     def is_nanotron_builtin(self) -> bool:
@@ -91,9 +93,11 @@ class EngineSpec:
 
     @property
     def family(self) -> str:
-        """The pipeschedule generator family (`pipeschedule.generators.FAMILIES`)."""
+        """The pipeschedule generator family (`pipeschedule.compiler.families.FAMILIES`)."""
         if self.is_nanotron_builtin:
             return self.name
+        if self.name == AUTO_ENGINE:
+            return "capped_1f1b"  # its first step; the layout is 1F1B's
         return ENGINES[self.name].family
 
     def params(self) -> dict[str, Any]:
@@ -106,10 +110,9 @@ class EngineSpec:
         return self.name + (":" + ",".join(parts) if parts else "")
 
     def offload_policy(self):
-        """The `pipeschedule.offload.OffloadPolicy` of `offload` / `lead` (None: no offload)."""
+        """The `pipeschedule.compiler.offload.OffloadPolicy` of `offload` / `lead` (None: no offload)."""
         if self.offload is None:
             return None
-        from pipeschedule.offload import OffloadPolicy
 
         return OffloadPolicy(1.0, self.offload, 1 if self.lead is None else self.lead)
 
@@ -176,6 +179,14 @@ def parse_engine(value: Any) -> EngineSpec:
                 f"for pipeschedule's engine write ps_{name}",
             )
         return EngineSpec(name)
+    if name == AUTO_ENGINE:
+        unknown = [key for key in raw if key != "reserve"]
+        if unknown:
+            raise _error(value, f"unknown parameter {unknown[0]!r} for auto; auto accepts: reserve (GiB)")
+        reserve = _integer(value, "reserve", raw["reserve"]) if "reserve" in raw else None
+        if reserve is not None and reserve < 0:
+            raise _error(value, f"reserve is GiB kept back, an integer >= 0, got {reserve}")
+        return EngineSpec(name, reserve=reserve)
     entry = ENGINES.get(name)
     if entry is None:
         raise _error(value, f"unknown engine {name!r}")
@@ -278,12 +289,13 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
 
 
 def _integer(value: Any, key: str, raw: Any) -> int:
-    if isinstance(raw, bool):
-        raise _error(value, f"{key} must be an integer, got {raw!r}")
-    if isinstance(raw, int):
+    if is_int(raw):
         return raw
-    if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
-        return int(raw.strip())
+    if isinstance(raw, str):
+        try:
+            return parse_int(raw, key)  # ASCII digits, as everywhere ([Note: size limits])
+        except ParameterError:
+            pass
     raise _error(value, f"{key} must be an integer, got {raw!r}")
 
 

@@ -31,5 +31,5 @@ class EngineRuntimeError(PipescheduleError, RuntimeError):
     """The model or data did something during a step the engine cannot follow."""
 
 
-__all__ = ["AdapterImportError", "EngineRuntimeError", "LayoutError", "ParameterError", "PipescheduleError", "StandInError",
-           "StandInUnsupported", "UnsupportedConfigError"]
+__all__ = ["AdapterImportError", "EngineRuntimeError", "LayoutError", "ParameterError", "PipescheduleError",
+           "StandInError", "StandInUnsupported", "UnsupportedConfigError"]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 import yaml
 
 from integration.nanotron.errors import ParameterError
+from pipeschedule.checks import check_int
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "layers", "microbatches", "steps", "hidden", "heads", "kv_heads", "vocab",
                      "seq", "micro_batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ParameterError(f"{name} must be an integer >= 1, got {value!r}")
+            check_int(name, getattr(self, name))
         if self.tp_mode not in ("ALL_REDUCE", "REDUCE_SCATTER"):
             raise ParameterError(f"tp_mode must be ALL_REDUCE or REDUCE_SCATTER, got {self.tp_mode!r}")
         if self.zero_stage not in (0, 1):
@@ -66,8 +65,8 @@ class TrainerConfig:
             raise ParameterError("fp32_accumulation needs a half-precision dtype (nanotron keeps fp32 copies of "
                              "bfloat16 / float16 weights), got dtype float32")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
-            raise ParameterError(f"hidden {self.hidden} must divide into heads {self.heads} of even size, and heads into "
-                             f"kv_heads {self.kv_heads}")
+            raise ParameterError(f"hidden {self.hidden} must divide into heads {self.heads} of even size, and heads "
+                             f"into kv_heads {self.kv_heads}")
 
     @property
     def world(self) -> int:
@@ -76,7 +75,8 @@ class TrainerConfig:
     def yaml(self, checkpoints: str) -> str:
         """The config as nanotron's YAML (pp_engine written plain, as users write it)."""
         config = {
-            "general": {"project": "pipeschedule-test", "run": "trainer", "seed": self.seed, "ignore_sanity_checks": True},
+            "general": {"project": "pipeschedule-test", "run": "trainer", "seed": self.seed,
+                        "ignore_sanity_checks": True},
             "checkpoints": {"checkpoints_path": checkpoints, "checkpoint_interval": 10**6,
                             "save_initial_state": self.save_initial_state},
             "parallelism": {"dp": self.dp, "pp": self.pp, "tp": self.tp, "pp_engine": self.engine,
@@ -92,7 +92,8 @@ class TrainerConfig:
                 },
             },
             "tokenizer": {"tokenizer_name_or_path": None},
-            "tokens": {"sequence_length": self.seq, "train_steps": self.steps, "micro_batch_size": self.micro_batch_size,
+            "tokens": {"sequence_length": self.seq, "train_steps": self.steps,
+                       "micro_batch_size": self.micro_batch_size,
                        "batch_accumulation_per_replica": self.microbatches},
             "optimizer": {
                 "zero_stage": self.zero_stage, "weight_decay": 0.01, "clip_grad": self.clip_grad,

@@ -346,8 +346,8 @@ class RotaryEmbedding(torch.nn.Module):
         if qkv.dim() == 4 and num_heads_q is not None and (qkv.shape[2] - num_heads_q) % 2 == 0:
             rotated = num_heads_q + (qkv.shape[2] - num_heads_q) // 2  # q heads, then k heads
             return torch.cat([self._rotate(qkv[:, :, :rotated], cos, sin), qkv[:, :, rotated:]], dim=2)
-        raise StandInError(f"{name}: qkv has shape {tuple(qkv.shape)}; expected (b, s, 3, h, d), or (b, s, hq + 2*hk, d) "
-                         f"with num_heads_q (got {num_heads_q}), or q (b, s, h, d) with kv")
+        raise StandInError(f"{name}: qkv has shape {tuple(qkv.shape)}; expected (b, s, 3, h, d), "
+                         f"or (b, s, hq + 2*hk, d) with num_heads_q (got {num_heads_q}), or q (b, s, h, d) with kv")
 
     def _cos_sin(self, x: torch.Tensor, seqlen_offset: Union[int, torch.Tensor]):
         """cos, sin of shape (b or 1, s, 1, dim/2) in x's dtype, from fp32 angles."""

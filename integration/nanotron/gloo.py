@@ -136,8 +136,8 @@ COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", 
 
 
 def _without_grad(collective):
-    """A collective of nanotron's namespace run under `torch.no_grad` ([Note: nanotron over
-    gloo], item 5); applied once."""
+    """A collective of nanotron's namespace run under `torch.no_grad`
+    ([Note: nanotron over gloo], item 5); applied once."""
     if getattr(collective, "__pipeschedule_no_grad__", False):
         return collective
 

@@ -57,6 +57,8 @@ import nanotron.parallel.tied_parameters as nanotron_tied  # noqa: E402
 from integration.nanotron import grad_sync  # noqa: E402
 from integration.nanotron.errors import LayoutError  # noqa: E402
 
+_CUDA = torch.device("cuda")  # build_model's default device, as in nanotron's signature
+
 
 @dataclass(frozen=True)
 class Hook:
@@ -75,7 +77,7 @@ class Hook:
 
 
 def build_model(model_builder, parallel_context, dtype: torch.dtype, target_pp_ranks=None,
-                device: torch.device | None = torch.device("cuda")):
+                device: torch.device | None = _CUDA):
     """nanotron's `build_model`, laying out the blocks as a pipeschedule engine runs
     them ([Note: build hook]); the same arguments and result."""
     model = model_builder()

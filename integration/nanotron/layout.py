@@ -2,7 +2,7 @@
 
 [Note: model layout] nanotron's trainer builds the model with `build_model(model_builder,
 parallel_context, dtype)`: no `target_pp_ranks`, so every block goes to a rank by
-nanotron's cost split over pp ranks ([Note: nanotron's split] in split.py). What a
+nanotron's cost split over pp ranks ([Note: nanotron's split] in pipeschedule/plan/partition.py). What a
 `pp_engine` says of the layout must therefore be applied inside `build_model`
 (`integration.nanotron.hooks`), and checked by the engine when it first sees the
 model (`check_model`), since a user's script may still build it some other way.

@@ -48,7 +48,8 @@ def apply_recompute(blocks: Sequence, stage_of: dict[int, int], rank: int, recom
         stage_layers = [b for b in local if stage_of[id(b)] == stage and is_layer[id(b)]]
         chosen += stage_layers[: _count(recompute, stage, len(stage_layers))]
     if recompute == "selective":
-        cores = [m for b in local if is_layer[id(b)] for m in b.pp_block.modules() if hasattr(m, "checkpoint_attention")]
+        cores = [m for b in local if is_layer[id(b)] for m in b.pp_block.modules()
+                 if hasattr(m, "checkpoint_attention")]
         if not cores and any(is_layer[id(b)] for b in local):
             raise LayoutError("recompute=selective: the model's decoder layers have no attention core with nanotron's "
                               "`checkpoint_attention` switch; use recompute=full or a number of layers per stage")

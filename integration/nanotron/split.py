@@ -7,22 +7,25 @@ A model is a list of blocks in forward order:
 A *stage* is a contiguous run of blocks; stage s runs on rank `placement[s]`. Without
 interleaving there are pp stages and placement is 0..pp-1; with `virtual` chunks per rank
 there are pp * virtual stages, placed round-robin by default (`[0, 1, 0, 1]` for pp=2,
-virtual=2), which is nanotron's `build_model(target_pp_ranks=...)` convention.
+virtual=2: `pipeschedule.compiler.generators.common.round_robin`), which is nanotron's
+`build_model(target_pp_ranks=...)` convention.
 
 Two ways to split, both pure functions of numbers (no torch):
 
 - `explicit_block_stages`: decoder layers per stage as given; the embedding goes with
   stage 0, the final norm, LM head and loss with the last stage.
 - `nanotron_block_stages`: nanotron 0.4's `build_model` arithmetic, reproduced (see
-  [Note: nanotron's split]); `llama_block_costs` gives nanotron's Llama costs.
+  [Note: nanotron's split] in pipeschedule/plan/partition.py); `llama_block_costs` gives
+  nanotron's Llama costs.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from pipeschedule.checks import is_int
 from pipeschedule.errors import ParameterError
-from pipeschedule.partition import nanotron_assignment, nanotron_layer_cost
+from pipeschedule.plan.partition import nanotron_assignment, nanotron_layer_cost
 
 HEAD_BLOCKS = 1  # embedding
 TAIL_BLOCKS = 3  # final norm, LM head, loss
@@ -44,19 +47,8 @@ def llama_block_costs(*, hidden: int, heads: int, ffn: int, vocab: int, layers: 
 
 
 def nanotron_block_stages(costs: Sequence[int], num_stages: int) -> list[int]:
-    """Stage of each block under nanotron 0.4's cost-balanced assignment.
-
-    [Note: nanotron's split] `build_model` takes the cumulative cost c_i of blocks 0..i and
-    thresholds T_s = total * ((s + 1) / S) for s = 0..S-1. Walking the blocks in order with
-    a stage index k starting at 0, block i goes to stage k, and then k += 1 if c_i > T_k
-    (strictly). So a stage keeps blocks until it has *passed* its share, which is why
-    earlier stages come out heavier, and k moves at most one stage per block. Blocks of
-    cost 0 after the last costly block stay on its stage; if that block crosses T_k with
-    k < S - 1, they move to stage k + 1, alone. With a heavy LM head or few layers,
-    trailing stages can stay empty (pp=4, 3 layers, vocab 4096: every block on stages 0
-    and 1), and then a rank holds no parameters at all; see also
-    `nanotron_output_pp_rank`.
-    """
+    """Stage of each block under nanotron 0.4's cost-balanced assignment (see
+    [Note: nanotron's split] in pipeschedule/plan/partition.py, and `nanotron_output_pp_rank`)."""
     if num_stages < 1:
         raise ParameterError(f"number of stages must be >= 1, got {num_stages}")
     return nanotron_assignment(costs, num_stages) if costs else []
@@ -66,7 +58,7 @@ def nanotron_output_pp_rank(block_stages: Sequence[int], placement: Sequence[int
     """The `output_pp_rank` nanotron's `build_model` sets, which is not always the loss's rank.
 
     `build_model` sets `output_pp_rank = target_pp_ranks[k]` with k the stage index after
-    the walk of [Note: nanotron's split]. The last block's cumulative cost is the total,
+    the walk of [Note: nanotron's split] (partition.py). The last block's cumulative cost is the total,
     which exceeds T_k for every k < S - 1, so k ends one past the loss block's stage
     whenever that stage is not the last: with empty trailing stages nanotron's data
     loader would deliver the labels to a rank that does not run the loss. Engines should
@@ -78,7 +70,7 @@ def nanotron_output_pp_rank(block_stages: Sequence[int], placement: Sequence[int
 
 def explicit_block_stages(split: Sequence[int], num_layers: int) -> list[int]:
     """Stage of each block when stage s holds split[s] decoder layers."""
-    if len(split) < 1 or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in split):
+    if len(split) < 1 or not all(is_int(n) and n >= 0 for n in split):
         raise ParameterError(f"split must list decoder layers per stage as integers >= 0, got {list(split)}")
     if sum(split) != num_layers:
         raise ParameterError(
@@ -89,11 +81,6 @@ def explicit_block_stages(split: Sequence[int], num_layers: int) -> list[int]:
         stages.extend([s] * count)
     stages.extend([len(split) - 1] * TAIL_BLOCKS)
     return stages
-
-
-def round_robin(pp: int, virtual: int = 1) -> list[int]:
-    """`placement` for interleaving: stage s on rank s % pp, e.g. [0, 1, 0, 1] for pp=2, v=2."""
-    return [s % pp for s in range(pp * virtual)]
 
 
 def block_ranks(block_stages: Sequence[int], placement: Sequence[int]) -> list[int]:

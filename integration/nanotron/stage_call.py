@@ -47,13 +47,13 @@ import torch
 
 from integration.nanotron._compat import import_nanotron
 
-import_nanotron()
+import_nanotron()  # the nanotron 0.4 repair runs first, so the imports below stay after it (E402)
 
-from nanotron.parallel.pipeline_parallel.block import PipelineBlock
-from nanotron.parallel.pipeline_parallel.state import PipelineBatchState
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
+from nanotron.parallel.pipeline_parallel.state import PipelineBatchState  # noqa: E402
 
-from integration.nanotron.boundary import Layout
-from integration.nanotron.errors import EngineRuntimeError
+from integration.nanotron.boundary import Layout  # noqa: E402
+from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
 
 FAKE_RANK = -1  # the rank of a masked block: matches no process, so misuse fails loudly
 

@@ -29,7 +29,7 @@ from integration.nanotron.boundary import Layout  # noqa: E402
 from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
 from integration.nanotron.grad_sync import GradientSync, SharedGrads  # noqa: E402
 from integration.nanotron.stage_call import StageCall, consumer_tracking, one_stage  # noqa: E402
-from pipeschedule.ir import Instr, Op, Schedule  # noqa: E402
+from pipeschedule.compiler.ir import Instr, Op, Schedule  # noqa: E402
 from pipeschedule.runtime import DistTransport, Executor, RemoteOutput  # noqa: E402
 from pipeschedule.runtime.ledger import signature_of  # noqa: E402
 
@@ -160,7 +160,8 @@ class ModelStages:
         schedule, rank = self.schedule, self.runner.rank
         micro_batch = self.micro_batch(mb)
         layout = self._layout(stage - 1) if stage > 0 else None
-        sender = None if stage == 0 else (-1 if schedule.placement[stage - 1] == rank else schedule.placement[stage - 1])
+        sender = None if stage == 0 else (-1 if schedule.placement[stage - 1] == rank
+                                          else schedule.placement[stage - 1])
         call = StageCall(stage, mb, self.stage_of, sender_rank=sender,
                          act_in=act_in if stage > 0 else None, layout=layout)
         with one_stage(self.blocks, self.stage_of, call, rank):

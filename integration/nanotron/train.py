@@ -38,6 +38,9 @@ import time
 import traceback
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engines and hooks)
+import torch
+from nanotron import distributed as dist
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from integration.nanotron import flash_attn_standin
 from integration.nanotron.errors import PipescheduleError
 from integration.nanotron.gloo import use_gloo
@@ -53,14 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: NCCL with one GPU per local rank, else gloo")
     parser.add_argument("--record", metavar="DIR", help="write per-rank losses, step times and peak memory here")
-    parser.add_argument("--record-weights", action="store_true", help="with --record: also the weights after the last step")
+    parser.add_argument("--record-weights", action="store_true",
+                        help="with --record: also the weights after the last step")
     return parser.parse_args(argv)
 
 
 def choose_backend(requested: str) -> str:
     """NCCL when each local rank has its own GPU, gloo otherwise (or as requested)."""
-    import torch
-
     if requested != "auto":
         return requested
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -70,10 +72,6 @@ def choose_backend(requested: str) -> str:
 def synthetic_batches(trainer):
     """The synthetic token stream of this replica, as nanotron's data loaders deliver it:
     inputs on the model's input rank, labels on its output rank, `TensorPointer`s elsewhere."""
-    import torch
-    from nanotron import distributed as dist
-    from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-
     config, context = trainer.config, trainer.parallel_context
     model = trainer.unwrapped_model
     seed = config.data.seed if config.data is not None and config.data.seed is not None else 1234
@@ -104,7 +102,8 @@ def stream_seed(seed: int, replica: int, index: int) -> int:
 
 def make_trainer(config_file: str, record: bool = False):
     """nanotron's `DistributedTrainer` (recording each step when `record`)."""
-    import torch
+    # Imported here, after `prepare`: nanotron's trainer imports its Llama, which imports
+    # flash-attn, so the stand-in (flash_attn_standin.install) must be in place first.
     from nanotron.trainer import DistributedTrainer
 
     class RecordingTrainer(DistributedTrainer):
@@ -138,8 +137,6 @@ def record_of(trainer, *, weights: bool = True) -> dict:
     """What `--record` writes for this rank: ranks, engine, per-step records, block ranks
     and (`weights`) the parameters after the last step (fp32, CPU, by nanotron's
     tied-aware names)."""
-    from nanotron import distributed as dist
-
     context = trainer.parallel_context
     params = {name: p.detach().float().cpu().clone()
               for name, p in trainer.unwrapped_model.get_named_params_with_correct_tied()} if weights else None
@@ -170,9 +167,6 @@ def train(config_file: str, *, record: bool = False):
 
 def run(config_file: str, *, backend: str = "auto", record: str | None = None, weights: bool = False) -> None:
     """One process of the job: prepare, train, and write the record if asked."""
-    import torch
-    from nanotron import distributed as dist
-
     prepare(backend)
     trainer = train(config_file, record=record is not None)
     if record:

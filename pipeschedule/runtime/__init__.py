@@ -10,13 +10,16 @@ The only part of pipeschedule that imports torch. Pieces:
     inprocess   InProcessPipeline: every rank in one process, stepped deterministically
     ledger      Ledger: live bytes per buffer kind (device and host), high-water marks, per-instruction trace
     host_offload  Offloader: OFFLOAD / RELOAD of stashes on a side stream, pinned host buffers
+    stream_offload  a stash streamed to the host while F saves it and back while B consumes it
+    saved       the holders of a stash's saved tensors, their storages, the host buffer pool
+    buffers     BufferTable: every buffer of (kind, stage, mb) from its producer to its FREE
     pool        BufferPool: boundary buffers sized by the schedule, allocated once
     split_backward  WeightGrads: B's deferred weight-gradient matmuls, run at W
     driver      the blocking driver and its watchdog
     launch      spawn: one process per rank, for tests and benchmarks
 
-    >>> from pipeschedule.generators import generate
-    >>> from pipeschedule.passes import lower
+    >>> from pipeschedule.compiler.families import generate
+    >>> from pipeschedule.compiler.passes import lower
     >>> schedule = lower(generate("1f1b", pp=2, microbatches=4))
     >>> executor = Executor(schedule, rank, ModuleStages(chunks, loss_fn), DistTransport(store))
     >>> outputs = executor.step(inputs, targets)   # [{"loss": ...}] * 4 on rank 1
@@ -24,11 +27,12 @@ The only part of pipeschedule that imports torch. Pieces:
 
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes
 from pipeschedule.runtime.agreement import ScheduleSummary
-from pipeschedule.runtime.errors import LaunchError, RuntimeScheduleError, ScheduleMismatchError
+from pipeschedule.errors import LaunchError, RuntimeScheduleError, ScheduleMismatchError
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.executor import Executor
 from pipeschedule.runtime.inprocess import InProcessPipeline, InProcessTransport, InProcessWorld, run_in_process
-from pipeschedule.runtime.host_offload import HostPool, Offloader, SavedTensor
+from pipeschedule.runtime.host_offload import Offloader
+from pipeschedule.runtime.saved import HostPool, SavedTensor
 from pipeschedule.runtime.ledger import Ledger
 from pipeschedule.runtime.pool import BufferPool
 from pipeschedule.runtime.stages import ModuleStages, Stages
@@ -37,8 +41,8 @@ from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
 from pipeschedule.runtime.transport import DistTransport, HostStagedTransport, P2P, Pending, Transport
 
 __all__ = [
-    "BufferPool", "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline", "InProcessTransport",
-    "HostPool", "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "Offloader", "P2P", "Pending", "RemoteOutput",
-    "RuntimeScheduleError", "SavedTensor", "ScheduleMismatchError", "ScheduleSummary", "Shapes", "SplitReport", "Stages",
-    "Stash", "StepTimes", "TensorMeta", "Transport", "WeightGrads", "run_in_process",
+    "BufferPool", "BufferTable", "DistTransport", "Executor", "HostStagedTransport", "InProcessPipeline",
+    "InProcessTransport", "HostPool", "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "Offloader", "P2P",
+    "Pending", "RemoteOutput", "RuntimeScheduleError", "SavedTensor", "ScheduleMismatchError", "ScheduleSummary",
+    "Shapes", "SplitReport", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport", "WeightGrads", "run_in_process",
 ]

@@ -31,7 +31,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from pipeschedule.ir import Op, Schedule
+from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.runtime.transport import Pending, Transport
 
 SHORT = 12  # hex digits of a digest shown in messages
@@ -91,7 +91,8 @@ class ScheduleSummary:
         out += [(f"params.{key}", f"params.{key} ({mine.get(key, 'unset')} vs {theirs.get(key, 'unset')})")
                 for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
         if self.offload != other.offload:
-            out.append(("offload", f"offload, OFFLOAD instructions per rank ({list(self.offload)} vs {list(other.offload)})"))
+            out.append(("offload", f"offload, OFFLOAD instructions per rank "
+                                   f"({list(self.offload)} vs {list(other.offload)})"))
         if not out and self.digest != other.digest:
             ranks = [r for r, (a, b) in enumerate(zip(self.programs, other.programs)) if a != b]
             out.append(("programs", f"the programs of {_ranks(ranks)} (same fields, other instructions)"))
@@ -99,8 +100,8 @@ class ScheduleSummary:
 
 
 class Agreement(Pending):
-    """Publishes this rank's summary and waits for every rank's ([Note: schedule
-    agreement]); once ready, `mismatch()` says how the others differ, or None."""
+    """Publishes this rank's summary and waits for every rank's
+    ([Note: schedule agreement]); once ready, `mismatch()` says how the others differ, or None."""
 
     def __init__(self, transport: Transport, namespace: str, rank: int, summary: ScheduleSummary):
         self.transport, self.rank, self.summary = transport, rank, summary
@@ -152,7 +153,8 @@ class Agreement(Pending):
             differ = mine.differences(theirs)
             fields += [field for field, _ in differ if field not in fields]
             verb = "runs" if len(ranks) == 1 else "run"
-            lines.append(f"{_ranks(ranks)} {verb} {theirs.describe()}: they differ in {', '.join(d for _, d in differ)}")
+            lines.append(f"{_ranks(ranks)} {verb} {theirs.describe()}: "
+                         f"they differ in {', '.join(d for _, d in differ)}")
         lines.append("every rank must run the same schedule (executors pair up across ranks by the order "
                      "they are built on a transport)")
         ranks = tuple(r for group in others.values() for r in group)

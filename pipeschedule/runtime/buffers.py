@@ -1,6 +1,6 @@
 """The buffer table: every buffer one rank holds, keyed by (buf, stage, mb).
 
-A buffer ([Note: buffers] in pipeschedule.ir) is added by the instruction that produces
+A buffer ([Note: buffers] in pipeschedule.compiler.ir) is added by the instruction that produces
 it and dropped at its FREE and nowhere else; the ledger follows both. Using a missing
 buffer, producing one twice, a FREE of a missing buffer, and a buffer still held at the
 end of a step are errors.
@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeschedule.ir import Instr
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.compiler.ir import Instr
+from pipeschedule.errors import RuntimeScheduleError
 from pipeschedule.runtime.ledger import Ledger
 from pipeschedule.runtime.shapes import TensorMeta
 
@@ -30,8 +30,8 @@ class Stash:
     starts from (the stage output, or loss / m on the last stage) and the output's meta
     (the shape a received gradient has). In a split-backward schedule, `weights` is the
     W part: the weight-gradient work B deferred ([Note: split backward]). On a rank that
-    offloads, `holders` are weak references to the `SavedTensor`s F packed ([Note: host
-    offload])."""
+    offloads, `holders` are weak references to the `SavedTensor`s F packed
+    ([Note: host offload])."""
 
     root: torch.Tensor
     out_meta: TensorMeta | None

@@ -15,8 +15,8 @@
 - Stage hand-off: when stages s and s+1 run on the same rank, F(s)'s output becomes
   act_in of s+1 (detached, requiring grad as the output did) and B(s+1)'s input
   gradient becomes grad_out of s; no message is sent. Either way it is handed on as a
-  received tensor would be: contiguous, at the start of its storage ([Note: contiguous
-  boundaries]).
+  received tensor would be: contiguous, at the start of its storage
+  ([Note: contiguous boundaries]).
 - Output release: at FREE act_out (after its send completed) the output's storage is
   released by replacing its `.data` with an empty tensor, as Megatron's
   `deallocate_output_tensor` does; the tensor object and its grad_fn stay in the stash
@@ -79,12 +79,12 @@ import torch
 from torch.autograd.variable import Variable
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.ir import COMM_OPS, Instr, Op, Schedule
 from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
-from pipeschedule.runtime.errors import RuntimeScheduleError, ScheduleMismatchError
-from pipeschedule.offload import streamed_stashes
+from pipeschedule.errors import RuntimeScheduleError, ScheduleMismatchError
+from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.runtime.host_offload import Offloader
 from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, signature_of, storage_ptrs
 from pipeschedule.runtime.pool import BufferPool
@@ -125,9 +125,11 @@ class Executor:
         measure_stash: str = "first", offload_chunk: int | None = None, reload_window: int = 2,
     ):
         if measure_stash not in MEASURE_STASH:
-            raise ParameterError(f"measure_stash={measure_stash!r}: accepted values are {', '.join(map(repr, MEASURE_STASH))}")
+            raise ParameterError(f"measure_stash={measure_stash!r}: accepted values are "
+                                 f"{', '.join(map(repr, MEASURE_STASH))}")
         if not 0 <= rank < schedule.pp:
-            raise ParameterError(f"rank {rank} is not a rank of {schedule.name!r} (pp={schedule.pp}: ranks 0..{schedule.pp - 1})")
+            raise ParameterError(f"rank {rank} is not a rank of {schedule.name!r} "
+                                 f"(pp={schedule.pp}: ranks 0..{schedule.pp - 1})")
         self.measure_stash = measure_stash
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = schedule.programs[rank]
@@ -157,7 +159,8 @@ class Executor:
 
     # -- the step ----------------------------------------------------------------------
 
-    def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None, *, timeout: float | None = None) -> list:
+    def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None, *,
+             timeout: float | None = None) -> list:
         """One step; returns `_outputs()`. Raises RuntimeScheduleError (and makes every
         other rank raise) on any failure, or when one wait exceeds `timeout` seconds
         (default: the executor's)."""
@@ -204,8 +207,8 @@ class Executor:
 
     def _agree(self):
         """Generator, at the first step: publishes this rank's schedule and waits for every
-        rank's; raises ScheduleMismatchError unless they are all the same ([Note: schedule
-        agreement])."""
+        rank's; raises ScheduleMismatchError unless they are all the same
+        ([Note: schedule agreement])."""
         self._agreeing = True
         try:
             agreement = Agreement(self.transport, self.shapes.namespace, self.rank, ScheduleSummary.of(self.schedule))
@@ -343,8 +346,8 @@ class Executor:
         self.buffers.add(key, Stash(root, meta, weights, holders), stash_bytes, hosted=landed)
 
     def _input_signature(self, i: Instr, x, target):
-        """What F(i)'s saved tensors may depend on besides the values ([Note: what the
-        ledger counts]); a subclass whose stages read other inputs adds them."""
+        """What F(i)'s saved tensors may depend on besides the values
+        ([Note: what the ledger counts]); a subclass whose stages read other inputs adds them."""
         return signature_of((x, target))
 
     def _load_input(self, i: Instr):
@@ -437,8 +440,8 @@ class Executor:
     def _pooled(self, buf: str, stage: int) -> bool:
         """Whether (buf, stage) is a boundary buffer the pool serves ([Note: buffer pool])."""
         schedule = self.schedule
-        return {"act_in": schedule.recvs_forward, "grad_out": schedule.recvs_backward, "act_out": schedule.sends_forward,
-                "grad_in": schedule.sends_backward}.get(buf, lambda _: False)(stage)
+        return {"act_in": schedule.recvs_forward, "grad_out": schedule.recvs_backward,
+                "act_out": schedule.sends_forward, "grad_in": schedule.sends_backward}.get(buf, lambda _: False)(stage)
 
     # -- host offload ([Note: host offload]) ---------------------------------------------
 
@@ -475,7 +478,8 @@ class Executor:
         return P2P(True, i.peer, grad.contiguous(), i)
 
     def _recv_b(self, i: Instr) -> P2P:
-        return P2P(False, i.peer, self._allocate(("grad_out", i.stage, i.mb), self.buffers.need("stash", i).out_meta), i)
+        return P2P(False, i.peer,
+                   self._allocate(("grad_out", i.stage, i.mb), self.buffers.need("stash", i).out_meta), i)
 
     def _allocate(self, key: tuple[str, int, int], meta: TensorMeta) -> torch.Tensor:
         if self.pool is not None and math.prod(meta.shape) > 0:
@@ -512,7 +516,8 @@ class Executor:
     def stopped_by(self, message: str, local: str = "") -> RuntimeScheduleError:
         """The error of a rank that stops because another rank failed with `message`."""
         quoted = "\n    ".join(message.splitlines())
-        return self.error(f"stopped because another rank failed:\n    {quoted}" + (f"\n  here: {local}" if local else ""), remote=True)
+        return self.error(f"stopped because another rank failed:\n    {quoted}"
+                          + (f"\n  here: {local}" if local else ""), remote=True)
 
     def _fail(self, err: Exception) -> RuntimeScheduleError:
         """Locates `err` and, unless another rank failed first, tells every rank to stop."""
@@ -536,8 +541,8 @@ def _handed(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _release(output: torch.Tensor, act_in) -> None:
-    """Releases a stage output's storage by replacing its `.data` ([Note: executor
-    semantics]); views and an output that is the act_in itself are left alone."""
+    """Releases a stage output's storage by replacing its `.data`
+    ([Note: executor semantics]); views and an output that is the act_in itself are left alone."""
     if output._base is None and output is not act_in:
         output.data = torch.empty(0, dtype=output.dtype, device=output.device)
 

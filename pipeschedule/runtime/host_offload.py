@@ -1,8 +1,8 @@
 """Host offload of stashes: OFFLOAD moves a stash's saved tensors to host memory, RELOAD
 brings them back before the B (or W) that needs them.
 
-[Note: host offload] What moves is what the ledger counts as the stash ([Note: what
-the ledger counts]): every tensor autograd saves during F, except storages that live
+[Note: host offload] What moves is what the ledger counts as the stash
+([Note: what the ledger counts]): every tensor autograd saves during F, except storages that live
 anyway (the act_in, the target, the stage's parameters and buffers, and views of
 them). On a rank whose program has an OFFLOAD, the executor runs F with pack hooks
 that wrap each such tensor in a `SavedTensor` holder; autograd keeps the holder, and
@@ -52,111 +52,13 @@ its device memory returns only once that other buffer is freed too.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import torch
 
-from pipeschedule.errors import ParameterError
-from pipeschedule.runtime.errors import RuntimeScheduleError
-from pipeschedule.runtime.stream_offload import StreamedStash, completed, pending_done
-
-Key = tuple  # ("stash", stage, mb)
-
-
-class SavedTensor:
-    """What the pack hook returns for one saved tensor of a stash that may move: the
-    device tensor, or None while offloaded, and how to rebuild it over a new storage."""
-
-    __slots__ = ("tensor", "layout", "key", "chunk", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor, key: Key | None):
-        self.tensor: torch.Tensor | None = tensor
-        self.layout = None  # (dtype, storage offset, size, stride) while offloaded
-        self.key = key
-        self.chunk = None  # its stream_offload.Chunk when the stash streams
-
-    def drop(self) -> None:
-        """Lets go of the device tensor, keeping its layout to rebuild it (`tensor_over`)."""
-        if self.tensor is not None:
-            self.layout, self.tensor = layout_of(self.tensor), None
-
-    def get(self) -> torch.Tensor:
-        chunk = self.chunk
-        if chunk is not None and not chunk.consumed and chunk.stream.reloaded:
-            chunk.stream.consume(chunk)  # [Note: streamed offload]
-        if self.tensor is None:
-            stage, mb = (self.key or (None, "?", "?"))[1:]
-            raise RuntimeScheduleError(
-                f"autograd used a saved tensor of the stash of (stage {stage}, mb {mb}) while it is offloaded "
-                f"to host memory: the schedule has no RELOAD of it before this use"
-            )
-        return self.tensor
-
-
-def unpack(value):
-    """The unpack hook: a holder's current device tensor, anything else as packed."""
-    return value.get() if type(value) is SavedTensor else value
-
-
-def layout_of(t: torch.Tensor) -> tuple:
-    """(dtype, storage offset, size, stride): what places a tensor over a storage."""
-    return t.dtype, t.storage_offset(), tuple(t.shape), t.stride()
-
-
-def tensor_over(storage: torch.UntypedStorage, layout: tuple, device: torch.device) -> torch.Tensor:
-    """A tensor of `layout` (`layout_of`) over `storage`."""
-    dtype, offset, size, stride = layout
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
-
-
-def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over a whole storage."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
-
-
-class HostPool:
-    """Host buffers (pinned when the device is CUDA) by size in bytes, reused across
-    offloads and steps: stash storages have the same sizes every microbatch, so after the
-    first step nothing is allocated. `allocations` counts the buffers ever made."""
-
-    def __init__(self, pinned: bool):
-        self.pinned = pinned
-        self.free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self.allocations = 0
-        self.allocated_bytes = 0
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        if self.free[nbytes]:
-            return self.free[nbytes].pop()
-        self.allocations += 1
-        self.allocated_bytes += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        self.free[buffer.numel()].append(buffer)
-
-
-class _Group:
-    """One storage of a stash on its way: the holders over it, the leaves whose `.data`
-    is over it (with their layouts), and its host copy."""
-
-    __slots__ = ("holders", "leaves", "nbytes", "device", "host", "chunk")
-
-    def __init__(self, holders: list[SavedTensor], nbytes: int, device: torch.Tensor, host: torch.Tensor | None):
-        self.holders, self.nbytes, self.device, self.host = holders, nbytes, device, host
-        self.leaves: list[tuple[torch.Tensor, tuple]] = []
-        self.chunk = None  # its Chunk when the stash streams
-
-    def hold_leaf(self, leaf: torch.Tensor, device: torch.device) -> None:
-        """Empties `leaf`'s `.data` (a split backward's input leaf over this storage, which
-        would keep it alive); `restore_leaves` puts it back over the storage it gets."""
-        self.leaves.append((leaf, layout_of(leaf)))
-        leaf.data = torch.empty(0, dtype=leaf.dtype, device=device)
-
-    def restore_leaves(self, storage: torch.UntypedStorage, device: torch.device) -> None:
-        for leaf, layout in self.leaves:
-            leaf.data = tensor_over(storage, layout, device)
-        self.leaves = []
+from pipeschedule.checks import is_int, is_number
+from pipeschedule.errors import ParameterError, RuntimeScheduleError
+from pipeschedule.runtime.saved import HostPool, Key, SavedTensor, StorageGroup, completed, storage_bytes
+from pipeschedule.runtime.stream_offload import StreamedStash, pending_done
 
 
 class _Moving:
@@ -165,7 +67,7 @@ class _Moving:
 
     __slots__ = ("key", "groups", "offload_done", "reload_done", "on_host", "reloaded", "where")
 
-    def __init__(self, key: Key, groups: list[_Group], offload_done, where: str):
+    def __init__(self, key: Key, groups: list[StorageGroup], offload_done, where: str):
         self.key, self.groups, self.offload_done, self.where = key, groups, offload_done, where
         self.reload_done = None
         self.on_host = False  # the offload completed: device storages dropped, ledger moved
@@ -177,10 +79,11 @@ class Offloader:
 
     def __init__(self, device: torch.device, ledger, chunk: int | None = None, window: int = 2):
         if chunk is not None:
-            if isinstance(chunk, bool) or not isinstance(chunk, (int, float)) or not 1 <= chunk < math.inf:
-                raise ParameterError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, or None to move stashes whole")
+            if not (is_number(chunk) and 1 <= chunk < math.inf):
+                raise ParameterError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, "
+                                     "or None to move stashes whole")
             chunk = math.ceil(chunk)
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        if not (is_int(window) and window >= 1):
             raise ParameterError(f"reload_window={window!r}: give a number of chunks >= 1")
         self.device, self.ledger = device, ledger
         self.chunk, self.window = chunk, window  # streamed offload ([Note: streamed offload])
@@ -233,7 +136,7 @@ class Offloader:
             if holder is not None and holder.tensor is not None:
                 storage = holder.tensor.untyped_storage()
                 by_storage.setdefault(storage.data_ptr(), (storage, []))[1].append(holder)
-        groups = [_Group(group_holders, storage.nbytes(), _bytes_of(storage, self.device), None)
+        groups = [StorageGroup(group_holders, storage.nbytes(), storage_bytes(storage, self.device), None)
                   for storage, group_holders in by_storage.values()]
         done = self.copy_out(groups)
         for group in groups:
@@ -261,16 +164,17 @@ class Offloader:
         moving = self.moving.get(key)
         if moving is None or moving.reloaded:
             state = "already reloaded" if moving is not None else "not offloaded"
-            raise RuntimeScheduleError(f"{where}: RELOAD of the stash of (stage {key[1]}, mb {key[2]}), which is {state}")
+            raise RuntimeScheduleError(f"{where}: RELOAD of the stash of (stage {key[1]}, mb {key[2]}), "
+                                       f"which is {state}")
         self.poll()
         moving.reloaded = True
         if not moving.on_host:  # the offload's copy is still running: its device storages never went
             for group in moving.groups:
-                self._rebuild(group, group.device)
+                group.rebuild(group.device, self.device)
             return  # the host buffers return when the offload's `done` is seen (poll)
         targets, moving.reload_done = self.copy_in(moving.groups)
         for group, target in zip(moving.groups, targets):
-            self._rebuild(group, target)
+            group.rebuild(target, self.device)
         self.ledger.to_device(key)
         if moving.reload_done is None:
             self._return_host(moving)
@@ -417,13 +321,6 @@ class Offloader:
             moved += group.nbytes
         moving.on_host = True
         self.ledger.to_host(moving.key, moved)
-
-    def _rebuild(self, group: _Group, storage_bytes: torch.Tensor) -> None:
-        storage = storage_bytes.untyped_storage()
-        for holder in group.holders:
-            holder.tensor, holder.layout = tensor_over(storage, holder.layout, self.device), None
-        group.restore_leaves(storage, self.device)
-        group.device = None
 
     def _return_host(self, moving: _Moving) -> None:
         for group in moving.groups:

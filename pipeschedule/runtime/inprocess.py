@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Any, Sequence
 
-from pipeschedule.ir import Schedule
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.compiler.ir import Schedule
+from pipeschedule.errors import RuntimeScheduleError
 from pipeschedule.runtime.executor import Executor
 from pipeschedule.runtime.shapes import describe
 from pipeschedule.runtime.stages import Stages
@@ -107,7 +107,8 @@ class InProcessPipeline:
     def __init__(self, schedule: Schedule, stages: Stages, **executor_args: Any):
         world = InProcessWorld(schedule.pp)
         self.schedule = schedule
-        self.executors = [Executor(schedule, r, stages, world.transport(r), **executor_args) for r in range(schedule.pp)]
+        self.executors = [Executor(schedule, r, stages, world.transport(r), **executor_args)
+                          for r in range(schedule.pp)]
 
     def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None) -> list[list]:
         """One step of every rank; returns each rank's outputs (`Executor.run`)."""

@@ -32,8 +32,8 @@ matmuls' inputs and of their output gradients, parameters left out; an input tha
 the act_in is counted here too, since act_in is freed right after B while W keeps it.
 `sizes` keeps the size at F, `resized` the size from B on.
 
-[Note: device and host bytes] A stash that the schedule offloads (OFFLOAD, [Note: host
-offload] in host_offload) moves from `live` (device) to `host` when its copy to host
+[Note: device and host bytes] A stash that the schedule offloads (OFFLOAD,
+[Note: host offload] in host_offload) moves from `live` (device) to `host` when its copy to host
 memory has completed (`to_host`, with the bytes actually moved: the storages the stash's
 saved tensors hold, the same storages the stash count is made of), and back at its
 RELOAD (`to_device`). Each side has its own high-water marks (`high` / `high_total`,
@@ -53,8 +53,8 @@ from typing import Iterator
 
 import torch
 
-from pipeschedule.ir import BUFFERS, Instr
-from pipeschedule.runtime.host_offload import SavedTensor, unpack
+from pipeschedule.compiler.ir import BUFFERS, Instr
+from pipeschedule.runtime.saved import SavedTensor, unpack
 
 Key = tuple  # (kind, stage, mb)
 
@@ -226,8 +226,8 @@ def saved_storages(exclude: set[int], holders: list | None = None, key=None, on_
         if counted:
             found[ptr] = storage.nbytes()
         # A detached alias, not the tensor itself: when the saved tensor is the stage
-        # output, the executor later empties that output's `.data` ([Note: executor
-        # semantics]); the alias keeps the storage autograd needs.
+        # output, the executor later empties that output's `.data`
+        # ([Note: executor semantics]); the alias keeps the storage autograd needs.
         alias = tensor.detach()
         if holders is not None and counted and alias.layout is torch.strided and ptr != 0:
             holder = SavedTensor(alias, key)

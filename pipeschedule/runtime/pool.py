@@ -34,16 +34,16 @@ from collections import defaultdict
 
 import torch
 
-from pipeschedule.ir import Op, Schedule
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.errors import RuntimeScheduleError
 from pipeschedule.runtime.shapes import TensorMeta
 
 POOLED = ("act_in", "grad_out", "act_out", "grad_in")
 
 
 def capacity(schedule: Schedule, rank: int) -> dict[str, int]:
-    """Peak number of pooled buffers of each kind live at once on `rank` ([Note: buffer
-    pool]): produced at RECV_F (act_in), RECV_B (grad_out), F of a stage whose output is
+    """Peak number of pooled buffers of each kind live at once on `rank`
+    ([Note: buffer pool]): produced at RECV_F (act_in), RECV_B (grad_out), F of a stage whose output is
     sent (act_out), B of a stage whose input gradient is sent (grad_in); back at their
     FREE, act_in and grad_out not before the FREE of their (stage, mb)'s stash."""
     live = dict.fromkeys(POOLED, 0)

@@ -22,7 +22,7 @@ from typing import Mapping
 
 import torch
 
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.errors import RuntimeScheduleError
 from pipeschedule.runtime.transport import Pending, Transport
 
 

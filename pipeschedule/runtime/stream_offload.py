@@ -42,7 +42,7 @@ instructions (OFFLOAD right after the F, RELOAD before the B) and the same exact
 
 Copies out run on one side stream (`side_out`), copies back on another (`side_in`), so
 that a B's reloads never queue behind an F's copies out (the simulator has one queue
-per direction, [Note: host link] in simulate.py).
+per direction, [Note: host link] in simulate/engine.py).
 
 A chunk whose copy out has not landed when the RELOAD comes keeps its device tensors and
 copies nothing back ("kept"; the simulator instead waits for the copy out and copies
@@ -68,7 +68,8 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from pipeschedule.runtime.errors import RuntimeScheduleError
+from pipeschedule.errors import RuntimeScheduleError
+from pipeschedule.runtime.saved import StorageGroup, completed, storage_bytes
 
 
 class Chunk:
@@ -80,7 +81,7 @@ class Chunk:
 
     def __init__(self, stream: StreamedStash, index: int):
         self.stream, self.index = stream, index
-        self.groups: list = []  # host_offload._Group
+        self.groups: list = []  # saved.StorageGroup
         self.nbytes = 0
         self.state = "filling"
         self.out_done = self.in_done = None  # CUDA events while pending
@@ -95,10 +96,10 @@ class StreamedStash:
     def __init__(self, offloader, key: tuple):
         self.offloader, self.key = offloader, key
         self.chunks: list[Chunk] = [Chunk(self, 0)]
-        self.in_flight: dict[int, object] = {}  # storage data_ptr -> _Group, while its device storage is held
-        self.landed_at: dict[int, tuple] = {}  # data_ptr -> (StorageWeakRef, _Group) of landed groups, during F
+        self.in_flight: dict[int, object] = {}  # storage data_ptr -> StorageGroup, while its device storage is held
+        self.landed_at: dict[int, tuple] = {}  # data_ptr -> (StorageWeakRef, StorageGroup) of landed groups, during F
         self.forwarding = True
-        self.every: dict[int, object] = {}  # data_ptr -> _Group, for the split backward's leaves at OFFLOAD
+        self.every: dict[int, object] = {}  # data_ptr -> StorageGroup, for the split backward's leaves at OFFLOAD
         self.next = -1  # highest chunk index not yet issued back (-1: none left)
         self.offloaded = self.reloaded = self.in_ledger = False
         self.landed = 0  # bytes landed before the ledger knew the stash (during its F)
@@ -109,8 +110,6 @@ class StreamedStash:
 
     def add(self, holder) -> None:
         """The pack hook made `holder` for a tensor of this stash."""
-        from pipeschedule.runtime.host_offload import _bytes_of, _Group
-
         offloader = self.offloader
         storage = holder.tensor.untyped_storage()
         ptr = storage.data_ptr()
@@ -128,7 +127,7 @@ class StreamedStash:
             holder.chunk = group.chunk
         else:
             chunk = self.chunks[-1]
-            group = _Group([holder], storage.nbytes(), _bytes_of(storage, offloader.device), None)
+            group = StorageGroup([holder], storage.nbytes(), storage_bytes(storage, offloader.device), None)
             group.chunk = chunk
             holder.chunk = chunk
             chunk.groups.append(group)
@@ -232,7 +231,7 @@ class StreamedStash:
             for holder in group.holders:
                 chunk.alive += 1
                 self.refs.append(weakref.ref(holder, self._holder_gone(chunk)))
-            offloader._rebuild(group, target)
+            group.rebuild(target, offloader.device)
             group.holders = []  # autograd alone keeps the rebuilt tensors alive
         if chunk.in_done is None:
             self._return_host(chunk)
@@ -303,10 +302,3 @@ def pending_done(chunk: Chunk, wait: bool) -> bool:
         chunk.stream.landed_in(chunk)
     return True
 
-
-def completed(event, wait: bool) -> bool:
-    """Whether a copy's event has completed; with `wait`, after waiting for it."""
-    if wait:
-        event.synchronize()
-        return True
-    return event.query()

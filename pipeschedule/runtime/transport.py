@@ -65,7 +65,7 @@ class Pending(abc.ABC):
             pause = min(2 * pause, 1e-3)
         return True
 
-    def finish(self) -> None:
+    def finish(self) -> None:  # noqa: B027  (a default, not abstract: a wait with nothing to complete keeps it)
         pass
 
 

@@ -1,0 +1,45 @@
+"""The integration's Llama blocks as plain modules behind the runtime's `Stages`
+protocol, for runs of the `Executor` without nanotron's `PipelineBlock`s (benchmarks,
+and the tests that compare the ledger with the memory model)."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.llama.model import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
+
+
+class LlamaStages:
+    """`Stages` over llama.py's blocks as plain modules (no nanotron `PipelineBlock`):
+    stage 0 embeds, the last stage ends with the final norm, the head and the loss; the
+    boundary is the hidden states."""
+
+    def __init__(self, cfg: ModelConfig, split: tuple[int, ...], device, dtype):
+        self.cfg, self.split = cfg, split
+        index = 1
+        self.layers = []
+        for count in split:
+            self.layers.append(torch.nn.ModuleList(
+                DecoderLayer(cfg, index + i).to(device=device, dtype=dtype) for i in range(count)))
+            index += count
+        self.embedding = TokenEmbedding(cfg, 0).to(device=device, dtype=dtype)
+        self.norm = FinalNorm(cfg, index).to(device=device, dtype=dtype)
+        self.head = LMHead(cfg, index + 1).to(device=device, dtype=dtype)
+        self.loss = Loss(cfg, index + 2)
+
+    def forward(self, stage: int, mb: int, act_in, target):
+        x = self.embedding(act_in["input_ids"], None)["input_embeds"] if stage == 0 else act_in
+        for layer in self.layers[stage]:
+            x = layer(x, None)["hidden_states"]
+        if stage < len(self.split) - 1:
+            return x
+        logits = self.head(self.norm(x)["hidden_states"])["logits"]
+        return self.loss(logits, target["label_ids"], target["label_mask"])["loss"]
+
+    def parameters(self, stage: int):
+        modules = list(self.layers[stage])
+        if stage == 0:
+            modules.append(self.embedding)
+        if stage == len(self.split) - 1:
+            modules += [self.norm, self.head]
+        return [p for module in modules for p in module.parameters()]

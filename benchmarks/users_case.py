@@ -1,0 +1,90 @@
+"""The users' case: Llama3-70B, pp=4, tp=4 with sequence parallel and async TP linears,
+seq 8192, micro-batch 1, GH200 96 GiB (2 GiB reserve), 128 microbatches, dp = 1..16.
+
+    python -m benchmarks.users_case            # the tables of docs/users_case.md
+    python -m benchmarks.users_case --quick    # dp 1 and 2 only
+
+Prints, per dp, nanotron's default (1F1B, its split 21/20/20/19) under each reading of
+the users' setup, and the planner's recommendation over every lever (`plan_levers`: ZeRO
+stage, recompute none/selective/full and partial, schedule, cap, split) with nanotron's
+fp32 gradient accumulation, its YAML and its margin. Pure arithmetic, about a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeschedule.plan import PlanConfig
+from pipeschedule.plan.levers import plan_levers, tail_text, yaml_lines
+from pipeschedule.plan.memory import GiB, TrainingSetup
+from pipeschedule.plan.planner import _Planner
+from pipeschedule.plan.presets import MODELS
+
+MODEL = MODELS["llama3-70b"]
+SPLIT = (21, 20, 20, 19)
+DPS = (1, 2, 4, 8, 16)
+RESERVES = (2, 4)  # GiB kept back: the planner's default, and that plus the model's error at this size (2%)
+READINGS = {
+    "A: fp32 accumulation, full recompute": {"fp32_grad_accum": True, "recompute": "full"},
+    "B: bf16 gradients and Adam, no recompute": {"fp32_grad_accum": False, "recompute": "none"},
+    "C: bf16 gradients and Adam, full recompute": {"fp32_grad_accum": False, "recompute": "full"},
+}
+
+
+def config(dp: int, microbatches: int = 128, reserve: float = 2, **setup) -> PlanConfig:
+    st = TrainingSetup(tp=4, dp=dp, seq=8192, micro_batch=1, sequence_parallel=True, tp_async=True, **setup)
+    return PlanConfig(MODEL, st, pp=4, microbatches=microbatches, gpu_memory=96 * GiB, reserve=reserve * GiB,
+                      gpu_name="gh200")
+
+
+def default(dp: int, zero: int, **setup):
+    return _Planner(config(dp, zero_stage=zero, **setup)).evaluate("1f1b", None, 1, SPLIT, "nanotron")
+
+
+def stages(cand) -> str:
+    return " / ".join(f"{r.total / GiB:.1f}" for r in cand.memory)
+
+
+def main() -> None:
+    global DPS, RESERVES
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="dp 1 and 2, reserve 2 GiB only (a smoke run)")
+    if parser.parse_args().quick:
+        DPS, RESERVES = (1, 2), (2,)
+    base = default(1, 0, **READINGS["A: fp32 accumulation, full recompute"])
+    print("## nanotron's default per reading (peak GiB per stage, budget 94.0)\n")
+    print("| reading | dp | ZeRO | stage 0 / 1 / 2 / 3 | fits | stage 0 margin GiB | step s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, setup in READINGS.items():
+        for dp in DPS:
+            for zero in (0, 1) if dp > 1 else (0,):
+                cand = default(dp, zero, **setup)
+                print(f"| {name} | {dp} | {zero} | {stages(cand)} | {'yes' if cand.fits else 'no'} "
+                      f"| {-cand.memory[0].overflow / GiB:.1f} | {cand.step_time:.2f} |")
+    for reserve in RESERVES:
+        recommend(base, reserve)
+
+
+def recommend(base, reserve: float) -> None:
+    print(f"\n## The recommendation, reserve {reserve:g} GiB (budget {96 - reserve:g} GiB; fp32 accumulation; "
+          f"x against "
+          f"reading A's default at dp=1, {base.step_time:.2f} s per step)\n")
+    print("| dp | pp_engine; optimizer.zero_stage | peak GiB per stage | margin GiB | step s | x per GPU | tail |")
+    print("|---|---|---|---|---|---|---|")
+    yamls = {}
+    for dp in DPS:
+        levers = plan_levers(config(dp, reserve=reserve, fp32_grad_accum=True))
+        if levers.best is None:
+            print(f"| {dp} | nothing fits | | | | | |")
+            continue
+        key, cand = levers.best
+        yamls[dp] = yaml_lines(key, cand, 4)
+        engine = yamls[dp][2].split(": ", 1)[1]
+        print(f"| {dp} | `{engine}`; {key[0]} | {stages(cand)} | {-cand.peak.overflow / GiB:.1f} "
+              f"| {cand.step_time:.2f} | {base.step_time / cand.step_time:.3f} | {tail_text(cand)} |")
+    for dp, lines in yamls.items():
+        print(f"\ndp={dp}, reserve {reserve:g} GiB:\n\n```yaml\n" + "\n".join(lines) + "\n```")
+
+
+if __name__ == "__main__":
+    main()

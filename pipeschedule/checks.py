@@ -1,0 +1,166 @@
+"""The checks of every argument, defined once: integers and finite numbers given from
+Python (`is_int`, `is_number`, `check_int`, `check_number`), numbers typed as text
+(`parse_int`, `parse_number`, and `int_arg` / `number_arg` for argparse), the sizes
+pipeschedule accepts ([Note: size limits]), and `shown`, a bad value cut to a readable
+length for messages.
+
+[Note: size limits] Work and memory grow with the (stage, microbatch) pairs of a schedule
+(about 11 lowered instructions each; compile, verify and simulate at the largest size
+below took 16 to 22 s and 0.7 GB on the 2-core development machine), the planner's with
+its candidates times their size and with the layers it splits times the stages (`plan`
+for a 70B model at pp=16, m=64 and 256 layers took 28 s there; 1024 layers at pp=16,
+125 s; m=256 at pp=16, 62 s). Every entry point checks
+here, before it allocates or loops: the command line (its parsers, `parse_int` and
+`parse_number`), `generate` and `compile_schedule` (`check_common`), the loaders
+(`Schedule`, the CSV reader), the planner (`PlanConfig`, `ModelSpec`, `TrainingSetup`)
+and the streamed offload (`CostModel`). A refusal names the limit and the arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from numbers import Real
+
+from pipeschedule.errors import ArgumentError, ParameterError
+
+MAX_STAGE_MICROBATCHES = 2**18  # pp * virtual * microbatches of one schedule
+MAX_PLAN_STAGE_MICROBATCHES = 2**10  # pp * microbatches of a plan (it simulates ~50 candidates)
+MAX_PLAN_LAYER_STAGES = 2**12  # layers * pp of a plan (its split search)
+MAX_LAYERS = 1024  # decoder layers of a model
+MAX_DIMENSION = 2**31  # any other size of a model or a setup: hidden, heads, vocab, seq, tp, dp, ...
+MAX_SEARCH_NODES = 10**5  # the planner's search nodes per optimal split (5x the default; 10^6 took 1-2 min)
+MAX_STREAM_PIECES = 4096  # pieces a streamed stash is cut into
+MAX_DIGITS = 18  # digits of an integer typed as text
+MAX_SHOWN = 60  # characters of a bad value repeated in a message
+
+
+def is_int(value) -> bool:
+    """An int, not a bool (True is an int to Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """A real number (int, float, Fraction, ...), not a bool and not NaN."""
+    return isinstance(value, Real) and not isinstance(value, bool) and value == value
+
+
+def check_int(name: str, value, minimum: int = 1, error=ParameterError) -> int:
+    """`value` when it is an integer >= `minimum`; else raises `error` naming it."""
+    if not is_int(value) or value < minimum:
+        raise error(f"{name} must be an integer >= {minimum}, got {shown(value)}")
+    return value
+
+
+def check_number(name: str, value, minimum: float = 0, *, above: bool = False, hint: str = "",
+                 error=ParameterError):
+    """`value` when it is a finite number >= `minimum` (> with `above`); else raises
+    `error` naming it, with `hint` (units, what 0 means) after the rule."""
+    if not is_number(value) or not (value > minimum if above else value >= minimum) or not value < math.inf:
+        rule = f"{'>' if above else '>='} {minimum:g}"
+        raise error(f"{name} must be a finite number {rule}{hint}, got {shown(value)}")
+    return value
+
+
+def shown(value) -> str:
+    """`repr(value)` cut to a readable length; an integer too long to print whole is
+    given by its size."""
+    if is_int(value) and value.bit_length() > 200:
+        return f"an integer of about {int(value.bit_length() * math.log10(2))} digits"
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+
+
+def check_schedule_size(pp: int, virtual: int, microbatches: int, error=ParameterError) -> None:
+    """Refuses a schedule of more than MAX_STAGE_MICROBATCHES (stage, microbatch) pairs;
+    the counts are integers >= 1 (checked by the caller)."""
+    total = pp * virtual * microbatches
+    if total > MAX_STAGE_MICROBATCHES:
+        raise error(
+            f"pp * virtual * microbatches = {_num(pp)} * {_num(virtual)} * {_num(microbatches)} = {_num(total)} "
+            f"(stage, microbatch) pairs; at most {MAX_STAGE_MICROBATCHES} are accepted"
+        )
+
+
+def check_plan_size(pp: int, microbatches: int, layers: int) -> None:
+    """Refuses a plan whose candidates or split search would run for minutes."""
+    total = pp * microbatches
+    if total > MAX_PLAN_STAGE_MICROBATCHES:
+        raise ParameterError(
+            f"plan: pp * microbatches = {_num(pp)} * {_num(microbatches)} = {_num(total)}; at most "
+            f"{MAX_PLAN_STAGE_MICROBATCHES} are accepted (the planner simulates every candidate at that size)"
+        )
+    total = layers * pp
+    if total > MAX_PLAN_LAYER_STAGES:
+        raise ParameterError(
+            f"plan: layers * pp = {_num(layers)} * {_num(pp)} = {_num(total)}; at most {MAX_PLAN_LAYER_STAGES} "
+            f"are accepted (the split search grows with both)"
+        )
+
+
+def check_at_most(name: str, value: int, limit: int, error=ParameterError) -> None:
+    if value > limit:
+        raise error(f"{name} = {_num(value)}; at most {limit} is accepted")
+
+
+def check_stream_pieces(stash_bytes: float, chunk: float, error=ParameterError) -> None:
+    """Refuses a streaming chunk that cuts a stash of `stash_bytes` into more than
+    MAX_STREAM_PIECES pieces."""
+    pieces = stash_bytes / chunk if chunk > 0 else math.inf
+    if pieces > MAX_STREAM_PIECES:
+        smallest = stash_bytes / MAX_STREAM_PIECES / 2**20
+        raise error(
+            f"streamed offload: a chunk of {chunk:g} bytes cuts a stash of {stash_bytes:g} bytes into "
+            f"{pieces:.3g} pieces; at most {MAX_STREAM_PIECES} are accepted (a chunk of at least {smallest:.3g} MiB)"
+        )
+
+
+_INT = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def parse_int(text: str, what: str) -> int:
+    """An integer typed as text: ASCII digits with an optional sign, at most MAX_DIGITS
+    of them (as the instruction and CSV readers take them); no `_`, no other digits."""
+    if not isinstance(text, str) or not _INT.fullmatch(text.strip()):
+        raise ParameterError(f"{what} must be an integer (ASCII digits 0-9), got {shown(text)}")
+    digits = text.strip().lstrip("+-")
+    if len(digits) > MAX_DIGITS:
+        raise ParameterError(f"{what} has {len(digits)} digits, got {shown(text)}; at most {MAX_DIGITS} are accepted")
+    return int(text)
+
+
+def parse_number(text: str, what: str) -> float:
+    """A finite number typed as text: ASCII digits, an optional sign, point and exponent
+    (`1.5`, `2e-3`); no `_`, no other digits, no inf or nan."""
+    if not isinstance(text, str) or not _NUMBER.fullmatch(text.strip()):
+        raise ParameterError(f"{what} must be a number (ASCII digits, e.g. 1.5 or 2e-3), got {shown(text)}")
+    value = float(text)
+    if not math.isfinite(value):
+        raise ParameterError(f"{what} must be a finite number, got {shown(text)}")
+    return value
+
+
+def int_arg(flag: str):
+    """An argparse `type` reading `flag`'s value with `parse_int`."""
+    return _arg(parse_int, flag)
+
+
+def number_arg(flag: str):
+    """An argparse `type` reading `flag`'s value with `parse_number`."""
+    return _arg(parse_number, flag)
+
+
+def _arg(parse, flag: str):
+    def read(text: str):
+        try:
+            return parse(text, flag)
+        except ParameterError as err:
+            raise ArgumentError(str(err)) from None
+
+    read.__name__ = parse.__name__
+    return read
+
+
+def _num(value: int) -> str:
+    return shown(value) if isinstance(value, int) and value.bit_length() > 200 else str(value)

@@ -1,0 +1,5 @@
+import sys
+
+from pipeschedule.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,326 @@
+"""The `pipeschedule` command.
+
+    pipeschedule compile NAME --pp P --microbatches M [--virtual V] [--cap C|C0,C1,..] --json PATH
+                              [--offload fraction=F[,lead=L][,ranks=..]|auto[,budget=B]][,stream=MiB]]
+                              [--host-bandwidth GB/s]
+    pipeschedule verify PATH                  exit 0 valid, 1 invalid, 2 unusable input
+    pipeschedule simulate NAME|--schedule PATH [...] [--cost PATH] [--json] [--trace PATH] [--png PATH]
+    pipeschedule show NAME ...                ASCII timeline
+    pipeschedule demo                         1f1b vs capped_1f1b vs interleaved, side by side
+    pipeschedule plan ...                     what fits a GPU (see `pipeschedule plan -h`)
+
+Every error the user can cause ends with one line on stderr and a non-zero exit code,
+never a traceback: 2 for bad input (naming the value, cut to a readable length, and what
+is accepted; sizes beyond [Note: size limits] in limits.py included), 1 for a schedule
+that breaks a rule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from dataclasses import replace
+
+from pipeschedule import compile_schedule
+from pipeschedule.checks import MAX_SHOWN, int_arg, number_arg, parse_int, shown
+from pipeschedule.cli.demo import run_demo
+from pipeschedule.cli.plan import add_arguments as add_plan_arguments, run as run_plan
+from pipeschedule.compiler.families import FAMILIES, family
+from pipeschedule.compiler.ir import COMPUTE_OPS, load
+from pipeschedule.compiler.passes import is_lowered, lower
+from pipeschedule.compiler.torch_csv import load_csv, write_csv
+from pipeschedule.compiler.verify import check_coverage, verify
+from pipeschedule.errors import FormatError, ParameterError, PipescheduleError, ScheduleError
+from pipeschedule.plan.offload import AutoOffload, choose_offload, evaluate_offload, parse_offload
+from pipeschedule.plan.presets import host_bandwidth
+from pipeschedule.simulate import CostModel, load_cost, simulate
+from pipeschedule.simulate.render import ascii_timeline, chrome_trace, png
+
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (exit 2)."""
+
+    def error(self, message):
+        # argparse repeats the value it refuses ('invalid choice: ...'): cut long ones
+        message = re.sub(r"'([^']{%d})[^']{4,}'" % (MAX_SHOWN - 5), r"'\1...'", message)
+        raise ParameterError(f"{self.prog}: {message} (see {self.prog} -h)")
+
+
+def parse_cap(text: str):
+    """`--cap 2` -> 2; `--cap 4,3,2,1` -> [4, 3, 2, 1] (integers as `checks.parse_int`
+    reads them)."""
+    try:
+        values = [parse_int(p, "--cap") for p in text.split(",")]
+    except ParameterError:
+        raise ParameterError(f"--cap must be an integer or a comma-separated list of integers (ASCII digits), "
+                             f"got {shown(text)}") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _virtual_help() -> str:
+    """Which families take --virtual, and which fix it: `interleaved_1f1b; zbv, v_half, v_min: 2`."""
+    takes = [name for name, f in FAMILIES.items() if f.takes_virtual]
+    fixed = [name for name, f in FAMILIES.items() if f.chunks() > 1]
+    return "; ".join(filter(None, [", ".join(takes), fixed and f"{', '.join(fixed)}: {FAMILIES[fixed[0]].chunks()}"]))
+
+
+def _schedule_args(parser: argparse.ArgumentParser, *, name_required: bool = True) -> None:
+    parser.add_argument("name", nargs=None if name_required else "?", help="schedule family: " + ", ".join(FAMILIES))
+    parser.add_argument("--pp", type=int_arg("--pp"), default=None, help="pipeline ranks")
+    parser.add_argument("--microbatches", "-m", type=int_arg("--microbatches"), default=None,
+                        help="microbatches per step")
+    parser.add_argument("--virtual", type=int_arg("--virtual"), default=None,
+                        help=f"chunks per rank ({_virtual_help()})")
+    parser.add_argument("--cap", type=str, default=None,
+                        help="in-flight cap: one int for all ranks or C0,C1,... per rank")
+
+
+def _build(args, cost=None):
+    family(args.name)  # an unknown name is refused first, with the accepted ones
+    missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)) if value is None]
+    if missing:
+        raise ParameterError(f"{' and '.join(missing)} required to build schedule {shown(args.name)}")
+    cap = parse_cap(args.cap) if args.cap is not None else None
+    return compile_schedule(args.name, pp=args.pp, microbatches=args.microbatches, virtual=args.virtual, cap=cap,
+                            cost=cost)
+
+
+def _load_any(path: str):
+    """The schedule in a file, lowered (`passes.lower`) when the file holds a compute
+    order only (a compute_only CSV, say), so that every command checks and runs the
+    program that would run; and whether it was lowered here. A compute order is checked
+    for rule 1 (coverage) first, so that a missing or misplaced compute is reported as
+    such rather than as the order the lowering cannot time. Raises ScheduleError."""
+    if path.endswith(".csv"):
+        schedule = load_csv(path)
+    else:
+        schedule = load(path)
+    if all(i.op in COMPUTE_OPS for program in schedule.programs for i in program):
+        check_coverage(schedule)
+        return lower(schedule), True
+    return schedule, False
+
+
+def _offload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--offload", metavar="SPEC", default=None,
+                        help="move stashes to host memory: fraction=F[,lead=L][,ranks=R0/R1..] or auto[,budget=0.03]; "
+                             "add ,stream=MiB to stream them in chunks of that size")
+    parser.add_argument("--host-bandwidth", metavar="GB/s", type=number_arg("--host-bandwidth"), default=None,
+                        help="host link per direction, GB/s; cost times are read as ms (default: infinite)")
+
+
+def _with_host_link(args, cost):
+    """`cost` with --host-bandwidth (GB/s = 1e6 bytes per ms) on both directions."""
+    if getattr(args, "host_bandwidth", None) is None:
+        return cost
+
+
+    per_ms = host_bandwidth(None, args.host_bandwidth) * 1e6
+    return replace(cost, offload_bandwidth=per_ms, reload_bandwidth=per_ms)
+
+
+def _offloaded(args, schedule, cost):
+    """The schedule with --offload applied (None: the option was not given) as
+    (schedule, OffloadChoice or None), the choice being made under `cost`."""
+    if getattr(args, "offload", None) is None:
+        return schedule, None
+
+    spec = parse_offload(args.offload)
+    if isinstance(spec, AutoOffload):
+        choice = choose_offload(schedule, cost, spec)
+    else:
+        choice = evaluate_offload(schedule, cost, spec)
+
+    verify(choice.schedule)
+    return choice.schedule, choice
+
+
+def _offload_line(choice) -> str:
+    offloaded = ", ".join(f"{k}/{n}" for k, n in choice.counts)
+    return (f"offload {choice.policy.text()}: stashes offloaded per rank {offloaded}; step time "
+            f"{choice.base_step_time:g} -> {choice.step_time:g} ({choice.slowdown:+.2%}); peak bytes "
+            f"{[round(b, 3) for b in choice.peak_before]} -> {[round(b, 3) for b in choice.peak_after]}, "
+            f"on the host {[round(b, 3) for b in choice.peak_host]}")
+
+
+def cmd_compile(args) -> int:
+    schedule = _build(args)
+    if not (args.json or args.text or args.csv):
+        raise ParameterError("compile needs an output: --json PATH, --text PATH or --csv PATH")
+    choice = None
+    if args.host_bandwidth is not None and args.offload is None:
+        raise ParameterError("compile --host-bandwidth only matters with --offload (the link is used to choose it)")
+
+    cost = load_cost(args.cost, schedule) if args.cost else None
+    if cost is not None:  # order and place messages by the measured costs ([Note: cost-aware timing])
+        schedule = _build(args, cost)
+    if args.offload is not None:
+        schedule, choice = _offloaded(args, schedule, _with_host_link(args, cost or CostModel.default(schedule)))
+    if args.json:
+        _write(args.json, schedule.to_json())
+    if args.text:
+        _write(args.text, schedule.to_text())
+    if args.csv:
+        _write(args.csv, write_csv(schedule, form=args.csv_form))
+    count = sum(len(p) for p in schedule.programs)
+    print(f"compiled {schedule.name}: pp={schedule.pp} virtual={schedule.virtual} "
+          f"microbatches={schedule.microbatches}, {count} instructions, verified")
+    if choice is not None:
+        print(_offload_line(choice))
+    return 0
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as err:
+        raise FormatError(f"cannot write {path}: {err}") from None
+
+
+def cmd_verify(args) -> int:
+    try:
+        schedule, lowered = _load_any(args.path)
+        verify(schedule)
+    except ScheduleError as err:
+        head, _, grid = str(err).partition("\n")
+        if grid:
+            print(grid)
+        print(f"pipeschedule verify: {args.path}: invalid: {head}", file=sys.stderr)
+        return EXIT_INVALID
+    count = sum(len(p) for p in schedule.programs)
+    how = ", lowered from its compute order" if lowered else ""
+    kind = ", forward only" if schedule.forward_only else ""
+    print(f"{args.path}: valid ({schedule.name}, pp={schedule.pp}, virtual={schedule.virtual}, "
+          f"microbatches={schedule.microbatches}, {count} instructions{how}{kind})")
+    return 0
+
+
+def _schedule_for(args):
+    if args.schedule:
+        schedule, _ = _load_any(args.schedule)
+        verify(schedule)
+        return schedule
+    if not args.name:
+        raise ParameterError("give a schedule family NAME or --schedule PATH")
+    return _build(args)
+
+
+def cmd_simulate(args) -> int:
+    schedule = _schedule_for(args)
+    cost = _with_host_link(args, load_cost(args.cost, schedule) if args.cost else CostModel.default(schedule))
+    choice = None
+    if args.offload is not None:
+        schedule, choice = _offloaded(args, schedule if is_lowered(schedule) else lower(schedule), cost)
+        cost = choice.policy.cost(cost)  # with its streaming, if any
+    result = simulate(schedule, cost)
+    if args.trace:
+        _write(args.trace, json.dumps(chrome_trace(schedule, result)))
+    if args.png:
+        png(schedule, result, args.png)
+    if args.json:
+        extra = {"offload": choice.to_dict()} if choice is not None else {}
+        print(json.dumps(result.to_dict() | {"name": schedule.name, "pp": schedule.pp, "virtual": schedule.virtual,
+                                             "microbatches": schedule.microbatches} | extra))
+    else:
+        print(_summary(schedule, result))
+        if choice is not None:
+            print(f"  peak host bytes  {[round(b, 3) for b in result.peak_host_bytes]}")
+            print("  " + _offload_line(choice))
+    return 0
+
+
+def _summary(schedule, result) -> str:
+    return (
+        f"{schedule.name}: pp={schedule.pp} virtual={schedule.virtual} microbatches={schedule.microbatches}\n"
+        f"  step time        {result.step_time:g}\n"
+        f"  bubble fraction  {result.bubble_fraction:.4f}\n"
+        f"  peak in-flight   {list(result.peak_inflight)}\n"
+        f"  peak bytes       {[round(b, 3) for b in result.peak_bytes]}"
+    )
+
+
+def cmd_show(args) -> int:
+    schedule = _schedule_for(args)
+    result = simulate(schedule, CostModel.default(schedule))
+    print(ascii_timeline(schedule, result, width=args.width))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    return run_demo()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipeschedule", description="Compile, verify, simulate and plan pipeline-parallel schedules.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("compile", help="build, lower and verify a schedule; write it as JSON/text/CSV")
+    _schedule_args(p)
+    p.add_argument("--json", metavar="PATH", help="write the pipeschedule/1 JSON form")
+    p.add_argument("--text", metavar="PATH", help="write the compact text form")
+    p.add_argument("--csv", metavar="PATH", help="write PyTorch's pipeline CSV")
+    p.add_argument("--csv-form", choices=("compute_only", "compute_comms"), default="compute_comms")
+    _offload_args(p)
+    p.add_argument("--cost", metavar="PATH",
+                   help="cost model JSON: list-scheduled families order by its times and messages are placed by them; "
+                        "--offload auto simulates with it (default: unit costs)")
+    p.set_defaults(run=cmd_compile)
+
+    p = sub.add_parser("verify", help="check a schedule file (JSON, text or PyTorch CSV) against every rule")
+    p.add_argument("path")
+    p.set_defaults(run=cmd_verify)
+
+    for name, run, helptext in (("simulate", cmd_simulate, "simulate time and memory"),
+                                ("show", cmd_show, "print the ASCII timeline")):
+        p = sub.add_parser(name, help=helptext)
+        _schedule_args(p, name_required=False)
+        p.add_argument("--schedule", metavar="PATH", help="a schedule file instead of NAME")
+        if name == "simulate":
+            p.add_argument("--cost", metavar="PATH",
+                           help="cost model JSON (per-stage times, buffer bytes, p2p latency/bandwidth)")
+            p.add_argument("--json", action="store_true", help="print one JSON object")
+            p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace")
+            p.add_argument("--png", metavar="PATH", help="write a PNG (needs matplotlib)")
+            _offload_args(p)
+        else:
+            p.add_argument("--width", type=int_arg("--width"), default=None, help="maximum columns")
+        p.set_defaults(run=run)
+
+    p = sub.add_parser("demo", help="1f1b vs capped_1f1b vs interleaved_1f1b at pp=4, 8 microbatches")
+    p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("plan", help="what fits a GPU: memory per stage, throughput, recommended schedule")
+    add_plan_arguments(p)
+    p.set_defaults(run=run_plan)
+    return parser
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.run(args)
+    except ScheduleError as err:
+        print(f"pipeschedule: invalid schedule: {str(err).splitlines()[0]}", file=sys.stderr)
+        return EXIT_INVALID
+    except PipescheduleError as err:
+        print(f"pipeschedule: error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return EXIT_USAGE
+    except MemoryError:
+        # [Note: size limits] bounds every size before work starts; this is the net under them
+        print("pipeschedule: error: out of memory; the size limits (pipeschedule/limits.py) should have refused "
+              "this input first: please report it", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("pipeschedule: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""`pipeschedule plan`: its flags, turned into a PlanConfig (`plan.config.build_config`),
+and its run.
+
+The model comes from a preset (--model), a YAML/JSON file (--model-file, which may be a
+whole nanotron config) or the size flags, which also override a preset or file
+(--model llama3-70b --layers 40). Memory flags are in GiB, bandwidth in GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from pipeschedule.checks import int_arg, number_arg
+from pipeschedule.errors import ParameterError
+from pipeschedule.plan.config import build_config
+from pipeschedule.plan.levers import plan_levers
+from pipeschedule.plan.memory import ACTIVATION_FORMULAS, ATTENTIONS, RECOMPUTE_MODES, ModelSpec
+from pipeschedule.plan.planner import plan
+from pipeschedule.plan.presets import GPUS, MODELS, load_model, model_preset
+from pipeschedule.plan.report import plan_png
+
+SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (a preset, a file, or the sizes)")
+    model.add_argument("--model", help=f"preset: {', '.join(MODELS)}")
+    model.add_argument("--model-file", help="YAML or JSON with the sizes (a nanotron config works)")
+    for flag in SIZE_FLAGS:
+        name = "--" + flag.replace("_", "-")
+        model.add_argument(name, type=int_arg(name), help=f"model {flag} (overrides the preset)")
+    layout = parser.add_argument_group("layout and training")
+    layout.add_argument("--pp", type=int_arg("--pp"), required=True, help="pipeline stages")
+    layout.add_argument("--tp", type=int_arg("--tp"), default=1, help="tensor parallel (default 1)")
+    layout.add_argument("--dp", type=int_arg("--dp"), default=1, help="data parallel replicas (default 1)")
+    layout.add_argument("--zero", choices=("0", "1", "auto"), default="auto",
+                        help="nanotron ZeRO stage, or auto: plan 0 and (dp > 1) 1 (default auto)")
+    layout.add_argument("--microbatches", type=int_arg("--microbatches"), required=True,
+                        help="microbatches per replica per step (nanotron batch_accumulation_per_replica)")
+    layout.add_argument("--seq", type=int_arg("--seq"), default=8192, help="sequence length (default 8192, Llama3's)")
+    layout.add_argument("--micro-batch", type=int_arg("--micro-batch"), default=1,
+                        help="sequences per microbatch (default 1)")
+    layout.add_argument("--recompute", choices=RECOMPUTE_MODES + ("auto",), default="auto",
+                        help="activation recompute, or auto: plan none, selective and full (default auto)")
+    layout.add_argument("--tp-async", action=argparse.BooleanOptionalAction, default=False,
+                        help="nanotron tp_linear_async_communication (default off, nanotron's default)")
+    layout.add_argument("--adam-fused", action=argparse.BooleanOptionalAction, default=True,
+                        help="nanotron torch_adam_is_fused (default on); off adds foreach Adam's temporary")
+    layout.add_argument("--attention", choices=ATTENTIONS, default="flash-attn",
+                        help="attention kernel: flash-attn, or the adapter's sdpa-standin (default flash-attn)")
+    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
+                        help="nanotron tp_mode REDUCE_SCATTER (default on)")
+    layout.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
+                        help="flash attention: scores never materialised (default on)")
+    layout.add_argument("--fp32-grad-accum", action=argparse.BooleanOptionalAction, default=True,
+                        help="nanotron accumulate_grad_in_fp32 (default on)")
+    layout.add_argument("--ddp-buckets", action=argparse.BooleanOptionalAction, default=True,
+                        help="count torch DDP's bf16 gradient buckets when dp > 1 (default on)")
+    layout.add_argument("--activation-formula", choices=ACTIVATION_FORMULAS, default="nanotron",
+                        help="per-layer activation count (default nanotron: its Llama's saved tensors)")
+    gpu = parser.add_argument_group("GPU and costs")
+    gpu.add_argument("--gpu", default="gh200", help=f"preset: {', '.join(GPUS)} (default gh200)")
+    gpu.add_argument("--gpu-memory", type=number_arg("--gpu-memory"), help="GiB per GPU (overrides the preset)")
+    gpu.add_argument("--reserve", type=number_arg("--reserve"), default=2.0,
+                     help="GiB kept back for CUDA context, NCCL buffers, allocator slack (default 2)")
+    gpu.add_argument("--gpu-tflops", type=number_arg("--gpu-tflops"), help="peak bf16 TFLOP/s (default: the preset's)")
+    gpu.add_argument("--mfu", type=number_arg("--mfu"), default=0.5,
+                     help="fraction of peak the matmuls reach (default 0.5)")
+    gpu.add_argument("--p2p-bandwidth", type=number_arg("--p2p-bandwidth"), default=25.0,
+                     help="GB/s between stages (default 25)")
+    gpu.add_argument("--dp-bandwidth", type=number_arg("--dp-bandwidth"), default=25.0,
+                     help="GB/s per GPU of the data-parallel gradient collectives (default 25)")
+    gpu.add_argument("--p2p-latency", type=number_arg("--p2p-latency"), default=20.0,
+                     help="microseconds per message (default 20)")
+    gpu.add_argument("--offload", metavar="SPEC", default=None,
+                     help="report what host offload adds to the recommendation: fraction=F[,lead=L][,ranks=..] or "
+                          "auto[,budget=0.03]; add ,stream=MiB to stream stashes in chunks of that size")
+    gpu.add_argument("--host-bandwidth", metavar="GB/s", type=number_arg("--host-bandwidth"), default=None,
+                     help="host link per direction (default: the preset's, gh200 450, h200 55.4)")
+    search = parser.add_argument_group("search and output")
+    search.add_argument("--virtual", type=int_arg("--virtual"), default=2,
+                        help="chunks per rank for interleaved candidates (default 2)")
+    search.add_argument("--node-limit", type=int_arg("--node-limit"), default=20_000,
+                        help="search nodes per optimal split (default 20000)")
+    search.add_argument("--tables", choices=("all", "top", "none"), default="all",
+                        help="memory tables of all candidates, of the default and recommended, or none")
+    search.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    search.add_argument("--png", metavar="PATH", help="write a stacked bar chart of memory per stage")
+
+
+def model_from_args(args) -> ModelSpec:
+    if args.model_file:
+        model = load_model(args.model_file)
+    elif args.model:
+        model = model_preset(args.model)
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in SIZE_FLAGS if k != "kv_heads" and getattr(args, k) is None]
+        if missing:
+            raise ParameterError(f"give --model, --model-file, or the sizes ({', '.join(missing)} missing)")
+        heads = args.heads
+        return ModelSpec("custom", layers=args.layers, hidden=args.hidden, heads=heads,
+                         kv_heads=args.kv_heads or heads, ffn=args.ffn, vocab=args.vocab)
+    overrides = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
+    return replace(model, **overrides) if overrides else model
+
+
+def config_from_args(args):
+    return build_config(
+        model_from_args(args), pp=args.pp, microbatches=args.microbatches, tp=args.tp, dp=args.dp,
+        zero_stage=0 if args.zero == "auto" else int(args.zero), seq=args.seq, micro_batch=args.micro_batch,
+        recompute="none" if args.recompute == "auto" else args.recompute, tp_async=args.tp_async,
+        attention=args.attention, dp_bandwidth=args.dp_bandwidth, adam_fused=args.adam_fused,
+        sequence_parallel=args.sequence_parallel, flash=args.flash, fp32_grad_accum=args.fp32_grad_accum,
+        ddp_buckets=args.ddp_buckets, activation_formula=args.activation_formula, gpu=args.gpu,
+        gpu_memory=args.gpu_memory, reserve=args.reserve, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
+        p2p_bandwidth=args.p2p_bandwidth, p2p_latency=args.p2p_latency, virtual=args.virtual,
+        node_limit=args.node_limit, offload=args.offload, host_bandwidth=args.host_bandwidth,
+    )
+
+
+def run(args, out=None) -> int:
+    out = out or sys.stdout
+    config = config_from_args(args)
+    if args.zero == "auto" or args.recompute == "auto":
+        levers = plan_levers(config, zero=None if args.zero == "auto" else (int(args.zero),),
+                             recompute=None if args.recompute == "auto" else (args.recompute,))
+        out.write(json.dumps(levers.to_dict()) + "\n" if args.json else levers.to_text(tables=args.tables))
+        if args.png and levers.best is not None:
+            plan_png(levers.plans[levers.best[0]], args.png)
+        return 0 if levers.best is not None else 1
+    result = plan(config)
+    if args.json:
+        out.write(json.dumps(result.to_dict()) + "\n")
+    else:
+        out.write(result.to_text(tables=args.tables))
+    if args.png:
+        plan_png(result, args.png)
+    return 0 if result.recommended is not None else 1
+
+
+__all__ = ["add_arguments", "config_from_args", "model_from_args", "run"]

@@ -1,0 +1,12 @@
+"""One module per schedule family; each returns the compute order (F, B, W) of every rank.
+
+    afab          all forwards, then all backwards (GPipe, nanotron's AFAB)
+    one_f_one_b   1F1B, and 1F1B capped per rank (list scheduled)
+    interleaved   interleaved 1F1B (virtual stages, round robin), optionally capped
+    zero_bubble   ZB-H1, and the split-backward list scheduler the V shapes share
+    v_shape       ZB-V, V-Half, V-Min on the V-shape placement
+    common        parameter checks, the round-robin placement, 1F1B-style interleaving
+
+Which function is which family, and what each takes, is `pipeschedule.compiler.families`
+(`generate` calls them through it).
+"""

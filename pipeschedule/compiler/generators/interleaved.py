@@ -1,0 +1,124 @@
+"""Interleaved 1F1B (Megatron-LM style virtual stages), optionally capped.
+
+Rank r runs stages r, r + pp, ..., r + (v-1)*pp (chunk c is stage c*pp + r).
+Microbatches go through the chunks in groups of g (g = pp unless a cap asks for less):
+the forward order of every rank is
+
+    group 0: chunk 0 mb 0..g-1, chunk 1 mb 0..g-1, ..., chunk v-1 mb 0..g-1
+    group 1: chunk 0 mb g..2g-1, ...
+
+and the backward order is the same with the chunks reversed. The last group may be
+shorter, which is how every m >= 1 is accepted (Megatron and PyTorch refuse m that is
+not a multiple of pp). pp=2, v=2, m=4, one cell per chunk-forward:
+
+    rank 0  0F0 0F1 2F0 2F1 .   0F2 2B0 ...
+    rank 1  .   1F0 1F1 3F0 3B0 3F1 ...
+
+Rank r runs w_r = 2(pp-r-1) + (v-1)g forwards of warmup (Megatron's count), then pairs
+(F, B), then the remaining backwards. Where a short group makes that order cyclic, the
+warmup of the blocked ranks is raised until the order completes (checked by `asap`).
+
+Capped: `cap` bounds the stage-microbatches in flight per rank. The first backward on a
+rank needs the forward of its last chunk for the first microbatch, which comes after
+(v-1)g forwards, so g is lowered until (v-1)g + 1 fits the cap; caps below v are
+refused (one microbatch through every local chunk is the least a rank can hold).
+"""
+
+from pipeschedule.errors import ParameterError
+from pipeschedule.compiler.generators.common import check_common, interleave_1f1b, make, per_rank_caps, round_robin
+from pipeschedule.compiler.timing import asap
+from pipeschedule.checks import shown
+
+
+def _orders(pp: int, virtual: int, microbatches: int, rank: int, group: int):
+    forwards, backwards = [], []
+    for start in range(0, microbatches, group):
+        mbs = range(start, min(start + group, microbatches))
+        forwards += [(c * pp + rank, mb) for c in range(virtual) for mb in mbs]
+        backwards += [(c * pp + rank, mb) for c in reversed(range(virtual)) for mb in mbs]
+    return forwards, backwards
+
+
+def _megatron_warmups(pp: int, virtual: int, group: int) -> list[int]:
+    if virtual == 1:
+        return [pp - r - 1 for r in range(pp)]
+    return [2 * (pp - r - 1) + (virtual - 1) * group for r in range(pp)]
+
+
+# [Note: Megatron's regime] With every group full (m a multiple of pp, g = pp) and
+# Megatron's own warmup counts, unclipped, the order is the one Megatron-LM and PyTorch
+# run, and it never blocks; `_warmups` then skips the `asap` that would look for blocked
+# ranks (0.07 s of generating pp=64, v=2, m=512). tests/compiler/test_generators.py
+# checks the claim with asap over pp <= 8, v <= 4 and m up to 4 pp; lowering times the
+# order again and would refuse a cyclic one.
+
+
+def megatron_regime(pp: int, microbatches: int, group: int, warm, megatron) -> bool:
+    """Whether [Note: Megatron's regime] holds: full groups of pp, Megatron's warmups."""
+    return group == pp and microbatches % pp == 0 and list(warm) == list(megatron)
+
+
+def _warmups(pp: int, virtual: int, microbatches: int, group: int, limits, start):
+    """Warmup counts from `start`, clipped to `limits` (the most forwards of warmup
+    rank r may run) and to the running minimum along the pipeline, then raised where
+    the order would block. Returns (warmups, programs), or None when a raise would pass
+    a limit."""
+    total = virtual * microbatches
+    warm = [min(w, total, limit) for w, limit in zip(start, limits)]
+    for r in range(1, pp):  # a cap on rank r-1 also bounds rank r ([Note: cap monotonicity])
+        warm[r] = min(warm[r], warm[r - 1])
+    orders = [_orders(pp, virtual, microbatches, r, group) for r in range(pp)]
+    while True:
+        programs = [interleave_1f1b(f, b, w) for (f, b), w in zip(orders, warm)]
+        if megatron_regime(pp, microbatches, group, warm, _megatron_warmups(pp, virtual, group)):
+            return warm, programs  # [Note: Megatron's regime]
+        stuck = asap(pp * virtual, programs)[1]
+        if not stuck:
+            return warm, programs
+        raised = False
+        for r in stuck:
+            if warm[r] < min(total, limits[r]):
+                warm[r] += 1
+                raised = True
+        if not raised:
+            return None
+
+
+def interleaved_1f1b(pp: int, microbatches: int, virtual: int = 2, cap=None):
+    check_common(pp, microbatches, virtual)
+    placement = round_robin(pp, virtual)
+    total = virtual * microbatches
+    group = min(pp, microbatches)
+    if cap is None:
+        warm, programs = _warmups(pp, virtual, microbatches, group, [total] * pp, _megatron_warmups(pp, virtual, group))
+        return make("interleaved_1f1b", pp, virtual, microbatches, placement, programs, {})
+
+    caps = per_rank_caps(cap, pp)
+    smallest = min(caps)
+    if smallest < min(virtual, total):
+        raise ParameterError(
+            f"cap {shown(cap)} is below virtual={virtual}: an interleaved rank holds at least one "
+            f"microbatch in each of its {virtual} chunks, so cap must be >= {min(virtual, total)} "
+            f"stage-microbatches"
+        )
+    # The uncapped schedule's peak is the most a cap can mean; clip to it per rank.
+    uncapped, _ = _warmups(pp, virtual, microbatches, group, [total] * pp, _megatron_warmups(pp, virtual, group))
+    caps = [min(c, w + 1, total) for c, w in zip(caps, uncapped)]
+    if virtual > 1:
+        group = max(1, min(group, (min(caps) - 1) // (virtual - 1)))
+    # Megatron's warmup where the caps allow it, else the least warmup that lets the
+    # first backward run ((v-1)g forwards), raised only where the order would block.
+    for g in range(group, 0, -1):
+        limits = [c - 1 for c in caps]
+        found = _warmups(pp, virtual, microbatches, g, limits, _megatron_warmups(pp, virtual, g))
+        if found is None:
+            found = _warmups(pp, virtual, microbatches, g, limits, [(virtual - 1) * g] * pp)
+        if found is not None:
+            warm, programs = found
+            params = {"cap": caps, "group": g}
+            return make("capped_interleaved_1f1b", pp, virtual, microbatches, placement, programs, params)
+    raise ParameterError(
+        f"no interleaved order with virtual={virtual} keeps within cap {shown(cap)} at pp={pp}, "
+        f"microbatches={microbatches}; raise the cap (each rank's uncapped peak: "
+        f"{[w + 1 for w in uncapped]})"
+    )

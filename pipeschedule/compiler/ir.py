@@ -1,0 +1,454 @@
+"""The IR: instructions, programs and schedules, with their JSON and text forms.
+
+A schedule has `pp` ranks, `virtual` chunks per rank, `S = pp * virtual` stages and `m`
+microbatches. `placement[s]` is the rank that runs stage s. Each rank has a program: a
+tuple of `Instr`. Stages are numbered globally (0 .. S-1); an instruction on rank r
+always names a stage that rank r runs ("local" stage). Communication instructions also
+name the peer rank.
+
+Text form of one instruction (PyTorch style, extended so that it round-trips):
+
+    1F3            forward of stage 1, microbatch 3
+    1SEND_F3@2     send the output of (1, 3) to rank 2
+    1FREE3:stash   release the stash of (1, 3)
+
+[Note: buffers] Each (stage, mb) owns up to five buffers:
+
+    act_in    input activation     produced by RECV_F, by F(s-1) when s-1 runs on the
+                                   same rank (local hand-off), or by the data loader at F
+                                   on stage 0; used by F and B
+    act_out   output activation    produced by F; used by SEND_F. Exists only where the
+                                   next stage runs on another rank.
+    stash     saved for backward   produced by F; used by B (and W when split)
+    grad_out  gradient of output   produced by RECV_B, or by B(s+1) on the same rank;
+                                   used by B. Not on the last stage (the loss is there).
+    grad_in   gradient of input    produced by B; used by SEND_B. Exists only where the
+                                   previous stage runs on another rank.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from pipeschedule.errors import FormatError
+from pipeschedule.checks import check_schedule_size, is_int, shown
+
+FORMAT = "pipeschedule/1"
+
+
+class Op(str, enum.Enum):
+    """Instruction kinds; the value is the short code used in the text form."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    FREE = "FREE"
+    OFFLOAD = "OFFLOAD"
+    RELOAD = "RELOAD"
+
+    def __str__(self) -> str:
+        return self.value
+
+    # Enum's own __hash__ is written in Python; instructions are hashed millions of times
+    # by the passes and the verifier, and a str enum hashes like its value anyway.
+    __hash__ = str.__hash__
+
+
+COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W})
+SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
+RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
+COMM_OPS = SEND_OPS | RECV_OPS
+# Ops that name one buffer of (stage, mb): FREE releases it; OFFLOAD starts moving its
+# storage to host memory and RELOAD back to the device, both asynchronously (a use of the
+# buffer waits for the RELOAD to land).
+BUF_OPS = frozenset({Op.FREE, Op.OFFLOAD, Op.RELOAD})
+BUFFERS = ("act_in", "act_out", "stash", "grad_out", "grad_in")
+
+
+@dataclass(frozen=True, slots=True)
+class Instr:
+    """One instruction of a rank's program.
+
+    `peer` is set exactly for communication ops, `buf` exactly for FREE, OFFLOAD, RELOAD.
+    """
+
+    op: Op
+    stage: int
+    mb: int
+    peer: int | None = None
+    buf: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.op, Op):
+            try:
+                object.__setattr__(self, "op", Op(self.op))
+            except ValueError:
+                raise FormatError(
+                    f"unknown op {shown(self.op)}; accepted: {', '.join(o.value for o in Op)}"
+                ) from None
+        for name in ("stage", "mb"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise FormatError(f"instruction {name} must be an integer >= 0, got {shown(value)}")
+        if self.op in COMM_OPS:
+            if not is_int(self.peer) or self.peer < 0:
+                raise FormatError(f"{self.op.value} needs a peer rank (integer >= 0), got {shown(self.peer)}")
+        elif self.peer is not None:
+            raise FormatError(f"{self.op.value} takes no peer, got peer={shown(self.peer)}")
+        if self.op in BUF_OPS:
+            if self.buf not in BUFFERS:
+                raise FormatError(f"{self.op.value} needs buf in {', '.join(BUFFERS)}, got {shown(self.buf)}")
+        elif self.buf is not None:
+            raise FormatError(f"{self.op.value} takes no buf, got buf={shown(self.buf)}")
+
+    def __str__(self) -> str:
+        text = f"{self.stage}{self.op.value}{self.mb}"
+        if self.peer is not None:
+            text += f"@{self.peer}"
+        if self.buf is not None:
+            text += f":{self.buf}"
+        return text
+
+    @staticmethod
+    def parse(token: str) -> Instr:
+        """Inverse of `str()`: `Instr.parse(str(i)) == i`."""
+        if not isinstance(token, str):
+            raise FormatError(f"instruction token must be a string, got {shown(token)}")
+        match = _TOKEN.match(token.strip())
+        if match is None:
+            raise FormatError(
+                f"cannot parse instruction {shown(token)}; expected forms like 1F3, 1SEND_F3@2, 1FREE3:stash"
+            )
+        stage, op, mb, peer, buf = match.groups()
+        return Instr(Op(op), int(stage), int(mb), int(peer) if peer is not None else None, buf)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.op.value, "stage": self.stage, "mb": self.mb}
+        if self.peer is not None:
+            out["peer"] = self.peer
+        if self.buf is not None:
+            out["buf"] = self.buf
+        return out
+
+    @staticmethod
+    def from_dict(obj: Any) -> Instr:
+        if not isinstance(obj, dict):
+            raise FormatError(f"instruction must be an object, got {shown(obj)}")
+        unknown = set(obj) - {"op", "stage", "mb", "peer", "buf"}
+        if unknown:
+            raise FormatError(f"instruction {shown(obj)} has unknown fields {sorted(unknown)}")
+        for key in ("op", "stage", "mb"):
+            if key not in obj:
+                raise FormatError(f"instruction {shown(obj)} lacks field {shown(key)}")
+        if not isinstance(obj["op"], str):
+            raise FormatError(f"instruction op must be a string, got {shown(obj['op'])}")
+        return Instr(obj["op"], obj["stage"], obj["mb"], obj.get("peer"), obj.get("buf"))
+
+
+class _UncheckedInstr:
+    """`make_instr(op, stage, mb, peer=None, buf=None)`: an `Instr` built without
+    validation, for the compiler's own trusted code paths (about four times faster than
+    the checked constructor; loaders use the checked one).
+
+    An object with Instr's very slots, filled by plain attribute stores, that then
+    becomes an Instr by `__class__` assignment (which Python allows between classes of
+    the same slot layout; the result is an ordinary Instr). Generating and lowering
+    pp=64, v=2, m=512 builds 717k instructions; setting Instr's frozen slots through
+    their descriptors took 0.30 us each against 0.21 us this way, 0.06 s of the compile.
+    `make_instr` is the class itself, not a function calling it: one Python call less
+    per instruction."""
+
+    __slots__ = Instr.__slots__
+
+    def __init__(self, op, stage, mb, peer=None, buf=None) -> None:
+        self.op = op
+        self.stage = stage
+        self.mb = mb
+        self.peer = peer
+        self.buf = buf
+        self.__class__ = Instr
+
+
+make_instr = _UncheckedInstr
+
+
+_TOKEN = re.compile(
+    r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$"
+)
+
+
+Program = tuple  # tuple[Instr, ...]: one rank's instructions in order
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A whole pipeline schedule: one program per rank plus the facts they share.
+
+    `params` holds the generator's parameters (for example `{"cap": [2, 2, 2, 1]}`);
+    it is informational except `cap`, which the verifier enforces (rule 6).
+
+    `forward_only` marks an evaluation schedule: forwards only, no B or W, nothing kept
+    for a backward (`passes.forward_only` builds one; [Note: forward-only schedules] in
+    verify.py says which rules apply). It is part of the value: written in the JSON and
+    text forms (only when true), compared by ==.
+
+    `split_backward` is not given: it is found from the programs on construction (True
+    when some rank runs a W), so it is the same for every equal schedule. Nothing else is
+    ever stored on a schedule: whatever a function needs beyond these fields (the cost
+    a lowering times the order with, say) is one of its arguments.
+    """
+
+    name: str
+    pp: int
+    virtual: int
+    microbatches: int
+    placement: tuple[int, ...]
+    programs: tuple[tuple[Instr, ...], ...]
+    params: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    forward_only: bool = False
+    split_backward: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise FormatError(f"name must be a string, got {shown(self.name)}")
+        for key in ("pp", "virtual", "microbatches"):
+            value = getattr(self, key)
+            if not is_int(value) or value < 1:
+                raise FormatError(f"{key} must be an integer >= 1, got {shown(value)}")
+        check_schedule_size(self.pp, self.virtual, self.microbatches, FormatError)  # [Note: size limits]
+        placement = tuple(self.placement)
+        if len(placement) != self.pp * self.virtual:
+            raise FormatError(
+                f"placement has {len(placement)} entries; pp*virtual = {self.pp}*{self.virtual} = "
+                f"{self.pp * self.virtual} are needed"
+            )
+        for s, rank in enumerate(placement):
+            if not is_int(rank) or not 0 <= rank < self.pp:
+                raise FormatError(f"placement[{s}] = {shown(rank)} is not a rank in 0..{self.pp - 1}")
+        programs = tuple(tuple(p) for p in self.programs)
+        if len(programs) != self.pp:
+            raise FormatError(f"schedule has {len(programs)} programs; pp = {self.pp} are needed")
+        split = False
+        W = Op.W  # a local: Op.W costs about 80 ns per instruction here
+        for rank, program in enumerate(programs):
+            for instr in program:
+                if type(instr) is not Instr and not isinstance(instr, Instr):
+                    raise FormatError(f"rank {rank}: {shown(instr)} is not an instruction")
+                if instr.op is W:
+                    split = True
+        if not isinstance(self.params, Mapping):
+            raise FormatError(f"params must be an object, got {shown(self.params)}")
+        if not isinstance(self.forward_only, bool):
+            raise FormatError(f"forward_only must be true or false, got {shown(self.forward_only)}")
+        # The declared fields, normalised (a frozen dataclass sets them this way).
+        object.__setattr__(self, "placement", placement)
+        object.__setattr__(self, "programs", programs)
+        object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "split_backward", split)
+
+    # -- structure ---------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages rank `rank` runs, in increasing order."""
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def sends_forward(self, stage: int) -> bool:
+        """Whether stage's output travels to another rank (so it has `act_out`)."""
+        return stage + 1 < self.num_stages and self.placement[stage + 1] != self.placement[stage]
+
+    def recvs_forward(self, stage: int) -> bool:
+        return stage > 0 and self.placement[stage - 1] != self.placement[stage]
+
+    def sends_backward(self, stage: int) -> bool:
+        """Whether stage's input gradient travels to another rank (so it has `grad_in`)."""
+        return self.recvs_forward(stage)
+
+    def recvs_backward(self, stage: int) -> bool:
+        return self.sends_forward(stage)
+
+    def buffers(self, stage: int) -> tuple[str, ...]:
+        """The buffers a (stage, mb) owns; see [Note: buffers]. A forward-only schedule
+        has no gradients."""
+        out = ["act_in"]
+        if self.sends_forward(stage):
+            out.append("act_out")
+        out.append("stash")
+        if self.forward_only:
+            return tuple(out)
+        if stage + 1 < self.num_stages:
+            out.append("grad_out")
+        if self.sends_backward(stage):
+            out.append("grad_in")
+        return tuple(out)
+
+    def caps(self) -> list[int] | None:
+        """Per-rank in-flight caps from params, or None when uncapped."""
+        cap = self.params.get("cap")
+        if cap is None:
+            return None
+        if is_int(cap):
+            return [cap] * self.pp
+        if isinstance(cap, (list, tuple)) and len(cap) == self.pp and all(is_int(c) for c in cap):
+            return list(cap)
+        raise FormatError(f"params.cap must be an integer or a list of {self.pp} integers, got {shown(cap)}")
+
+    def replace_programs(self, programs: Iterable[Sequence[Instr]]) -> Schedule:
+        return Schedule(
+            self.name, self.pp, self.virtual, self.microbatches, self.placement,
+            tuple(tuple(p) for p in programs), dict(self.params), self.forward_only,
+        )
+
+    def _with_trusted_programs(self, programs: tuple[tuple[Instr, ...], ...]) -> Schedule:
+        """`replace_programs` without the checks of construction, for the lowering passes.
+
+        Only for programs that hold `self`'s own (already checked) instructions plus
+        instructions a pass built itself with `make_instr`, as a tuple of tuples, and no
+        new W (so `split_backward` carries over). Checking every instruction again cost
+        about 0.08 s per pass at pp=64, v=2, m=512. It sets exactly the declared fields.
+        """
+        twin = object.__new__(Schedule)
+        twin.__dict__.update(
+            name=self.name, pp=self.pp, virtual=self.virtual, microbatches=self.microbatches,
+            placement=self.placement, programs=programs, params=dict(self.params),
+            forward_only=self.forward_only, split_backward=self.split_backward,
+        )
+        return twin
+
+    # -- JSON form ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "name": self.name,
+            "pp": self.pp,
+            "virtual": self.virtual,
+            "microbatches": self.microbatches,
+            "params": dict(self.params),
+            **({"forward_only": True} if self.forward_only else {}),
+            "placement": list(self.placement),
+            "programs": [[i.to_dict() for i in program] for program in self.programs],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        if indent is None:
+            # One instruction per line keeps files diffable without being huge.
+            head = {k: v for k, v in self.to_dict().items() if k != "programs"}
+            lines = [json.dumps(head)[:-1] + ', "programs": [']
+            for r, program in enumerate(self.programs):
+                body = ",\n    ".join(json.dumps(i.to_dict()) for i in program)
+                lines.append("  [\n    " + body + "\n  ]" + ("," if r + 1 < self.pp else ""))
+            lines.append("]}")
+            return "\n".join(lines) + "\n"
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @staticmethod
+    def from_dict(obj: Any) -> Schedule:
+        if not isinstance(obj, dict):
+            raise FormatError(f"a schedule must be a JSON object, got {type(obj).__name__}")
+        if obj.get("format") != FORMAT:
+            raise FormatError(f"format must be {shown(FORMAT)}, got {shown(obj.get('format'))}")
+        required = ("name", "pp", "virtual", "microbatches", "placement", "programs")
+        missing = [k for k in required if k not in obj]
+        if missing:
+            raise FormatError(f"schedule lacks fields {missing}")
+        unknown = set(obj) - set(required) - {"format", "params", "forward_only"}
+        if unknown:
+            raise FormatError(f"schedule has unknown fields {sorted(unknown)}")
+        if not isinstance(obj["placement"], list):
+            raise FormatError(f"placement must be a list, got {shown(obj['placement'])}")
+        if not isinstance(obj["programs"], list) or not all(isinstance(p, list) for p in obj["programs"]):
+            raise FormatError("programs must be a list (one per rank) of lists of instructions")
+        params = obj.get("params", {})
+        if not isinstance(params, dict):
+            raise FormatError(f"params must be an object, got {shown(params)}")
+        schedule = Schedule(
+            obj["name"], obj["pp"], obj["virtual"], obj["microbatches"], tuple(obj["placement"]),
+            tuple(tuple(Instr.from_dict(i) for i in p) for p in obj["programs"]), params,
+            obj.get("forward_only", False),
+        )
+        schedule.caps()  # validates the cap's shape early
+        return schedule
+
+    @staticmethod
+    def from_json(text: str) -> Schedule:
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError) as err:  # ValueError: also ints over 4300 digits
+            raise FormatError(f"not valid JSON: {err}") from None
+        return Schedule.from_dict(obj)
+
+    # -- text form ---------------------------------------------------------------------
+
+    def to_text(self) -> str:
+        lines = [
+            FORMAT,
+            f"name: {json.dumps(self.name)}",
+            f"pp: {self.pp}",
+            f"virtual: {self.virtual}",
+            f"microbatches: {self.microbatches}",
+            f"placement: {json.dumps(list(self.placement))}",
+            f"params: {json.dumps(dict(self.params), sort_keys=True)}",
+        ] + (["forward_only: true"] if self.forward_only else [])
+        for r, program in enumerate(self.programs):
+            lines.append(f"rank {r}: " + " ".join(str(i) for i in program))
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def from_text(text: str) -> Schedule:
+        if not isinstance(text, str):
+            raise FormatError("schedule text must be a string")
+        lines = [line for line in text.splitlines() if line.strip()]
+        if not lines or lines[0].strip() != FORMAT:
+            raise FormatError(f"schedule text must start with the line {shown(FORMAT)}")
+        head: dict[str, Any] = {"format": FORMAT}
+        programs: dict[int, list[dict]] = {}
+        for line in lines[1:]:
+            key, sep, value = line.partition(":")
+            if not sep:
+                raise FormatError(f"cannot read line {shown(line)}; expected 'key: value' or 'rank N: ...'")
+            key = key.strip()
+            if key.startswith("rank "):
+                index = key[5:].strip()
+                if not re.fullmatch(r"[0-9]{1,9}", index) or int(index) >= len(lines):
+                    raise FormatError(f"bad rank number in {line[:60]!r}: ranks count from 0, one line each")
+                programs[int(index)] = [Instr.parse(t).to_dict() for t in value.split()]
+            elif key in ("name", "pp", "virtual", "microbatches", "placement", "params", "forward_only"):
+                try:
+                    head[key] = json.loads(value)
+                except (ValueError, RecursionError) as err:
+                    raise FormatError(f"bad value for {shown(key)}: {err}") from None
+            else:
+                raise FormatError(f"unknown key {shown(key)} in schedule text")
+        head["programs"] = [programs.get(r, []) for r in range(max(programs, default=-1) + 1)]
+        return Schedule.from_dict(head)
+
+
+def load(path: str) -> Schedule:
+    """Read a schedule from a JSON (`.json`) or text file; raises FormatError."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is skipped
+            text = handle.read()
+    except (OSError, ValueError) as err:  # ValueError: undecodable bytes, NUL in the path
+        raise FormatError(f"cannot read {shown(path)}: {err}") from None
+    if text.lstrip().startswith("{"):
+        return Schedule.from_json(text)
+    return Schedule.from_text(text)
+
+
+def dump(schedule: Schedule, path: str) -> None:
+    """Write a schedule as JSON (or the text form when the path ends in `.txt`)."""
+    text = schedule.to_text() if str(path).endswith(".txt") else schedule.to_json()
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)

@@ -1,0 +1,253 @@
+"""When each compute instruction of an order can start: `asap` under unit costs or given
+per-stage times, and the costs themselves ([Note: cost-aware timing]).
+
+The list-scheduled generators order instructions by these times, and lowering places
+every message by them ([Note: message placement] in passes.py); a compute order whose
+`asap` leaves a rank stuck has a dependency cycle.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+from operator import attrgetter
+from typing import NamedTuple, Sequence
+
+from pipeschedule.checks import is_number, shown
+from pipeschedule.compiler.ir import Instr, Op, make_instr
+from pipeschedule.errors import ParameterError, ScheduleError
+
+UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}  # B is the whole backward
+SPLIT_UNIT_COST = {Op.F: 1, Op.B: 1, Op.W: 1}  # the backward's 2 split in B (input) and W (weights)
+
+
+def unit_cost(programs: Sequence[Sequence[Instr]]) -> dict:
+    """The unit costs of a compute order: `SPLIT_UNIT_COST` when it splits the backward
+    (its first non-empty program has a W), else `UNIT_COST`."""
+    for program in programs:
+        if program:
+            W = Op.W
+            return SPLIT_UNIT_COST if any(i.op is W for i in program) else UNIT_COST
+    return UNIT_COST
+
+
+class StageTimes(NamedTuple):
+    """Per-stage durations of F, B and W (indexed by global stage) that the list
+    schedulers and `asap` time a compute order with instead of unit costs
+    ([Note: cost-aware timing]). B is the whole backward, or its input-gradient part when
+    the schedule splits the backward (then W is the rest), as in `CostModel`."""
+
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    weight: tuple[float, ...]
+
+
+# [Note: cost-aware timing] Generators order instructions by simulating time: the list
+# schedulers pick, whenever a rank is free, the best instruction that is ready, and
+# `asap` times an order so that lowering can place the messages. Without a cost both use
+# unit costs (F = 1, B = 2, or F = B = W = 1 with a split backward), which is what the
+# closed forms in the tests assume. With a `cost` (a `CostModel`, or one (F, B, W)
+# tuple per stage) they use the given per-stage times, so that the order fits the
+# machine it will run on: with real block times the backward is not twice the forward,
+# W is far smaller than B, and the stages need not weigh the same. Only the order (and
+# the place of each message) depends on the cost; every rule is checked as before.
+# A time of 0 (a stage with no weight gradient, say) is timed as a tiny positive one
+# (`MIN_TIME` of the largest), so that two instructions of one rank never start at the
+# same instant, which the message placement's argument relies on.
+MIN_TIME = 1e-6
+
+
+def stage_times(cost, num_stages: int) -> StageTimes | None:
+    """`cost` as `StageTimes` for `num_stages` stages, or None for None (unit costs).
+
+    `cost` is a `CostModel` (anything with per-stage `forward`, `backward` and `weight`
+    sequences), a `StageTimes`, or a sequence of one (F, B, W) tuple per stage; times
+    are finite numbers >= 0, not all 0. Raises ParameterError otherwise."""
+    if cost is None:
+        return None
+    if all(hasattr(cost, key) for key in ("forward", "backward", "weight")):
+        columns = [cost.forward, cost.backward, cost.weight]
+    elif isinstance(cost, (list, tuple)) and all(isinstance(t, (list, tuple)) and len(t) == 3 for t in cost):
+        columns = [[t[k] for t in cost] for k in range(3)]
+    else:
+        raise ParameterError(
+            f"cost must be a CostModel or one (forward, backward, weight) tuple per stage, got {shown(cost)}"
+        )
+    for name, column in zip(("forward", "backward", "weight"), columns):
+        if len(column) != num_stages:
+            raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: "
+                                 f"{shown(list(column))}")
+        for s, x in enumerate(column):
+            if not (is_number(x) and 0 <= x < math.inf):
+                raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {shown(x)}")
+    top = max(max(column) for column in columns)
+    if top <= 0:
+        raise ParameterError(f"cost times are all 0: {shown(cost)}")
+    low = MIN_TIME * top
+    return StageTimes(*(tuple(x if x > low else low for x in column) for column in columns))
+
+
+def unit_stage_times(programs: Sequence[Sequence[Instr]], num_stages: int) -> StageTimes:
+    """`unit_cost(programs)` as `StageTimes`."""
+    cost = unit_cost(programs)
+    return StageTimes(*((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W)))
+
+
+# [Note: asap keys] (stage, mb) is packed into one int, stage * span + mb, with span
+# above every mb in the programs: distinct for every stage, and it indexes flat lists
+# (the ends of F and B, the ranks parked on each) where dicts of tuples cost twice as
+# much in this loop, which runs once per compute instruction. Only the ends of F and B
+# are ever waited for, so only those are kept. Programs whose mb values lie far apart
+# (not a schedule's: a valid one has every mb below m) are renumbered densely first, so
+# that the lists stay as long as the programs.
+#
+# [Note: asap worklist] A start depends only on the end of the rank's previous
+# instruction and on the end it waits for, never on the order in which ranks are
+# visited; so each rank runs as far as it can, and a rank that needs an end not yet
+# known is parked on that end (in f_parked / b_parked) and put back on the worklist when
+# it is produced. Every instruction is timed once and every rank parks at most once per
+# instruction: O(instructions), where sweeping all ranks until none moves took O(pp)
+# sweeps (minutes at pp=100000).
+
+
+def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
+    """Start time of every compute instruction when each runs as soon as its rank is
+    free and its inputs exist, under integer unit costs (`unit_cost(programs)`) unless
+    `cost` (`StageTimes`, or an {op: time} dict for every stage) is given
+    ([Note: cost-aware timing]); communication takes no time. Every stage is one of
+    0..num_stages-1.
+
+    F(s, mb) waits for F(s-1, mb); B(s, mb) for F(s, mb) and B(s+1, mb); W(s, mb) for
+    B(s, mb). Returns (starts, stuck): starts[r][k] is the start of rank r's k-th
+    instruction (None where it never runs); stuck lists the ranks that cannot finish
+    (empty when the compute order is free of dependency cycles).
+
+    Linear in the instructions: a rank runs until it needs an end not yet known, then
+    waits on that one end and is resumed when it is produced ([Note: asap worklist]).
+    """
+    F, B = Op.F, Op.B
+    cost_f, cost_b, cost_w = _per_stage(programs, num_stages, cost)
+    programs, span = _dense(programs, num_stages)
+    f_end, b_end = [None] * ((num_stages + 1) * span), [None] * ((num_stages + 1) * span)  # [Note: asap keys]
+    f_parked, b_parked = [None] * len(f_end), [None] * len(b_end)  # ranks waiting for that end
+    pcs, free_at = [0] * len(programs), [0] * len(programs)
+    starts = [[None] * len(p) for p in programs]
+    last = num_stages - 1
+    worklist = list(range(len(programs) - 1, -1, -1))  # popped from the end: rank 0 first
+    while worklist:
+        r = worklist.pop()
+        program, pc, t_free, rank_starts = programs[r], pcs[r], free_at[r], starts[r]
+        n = len(program)
+        while pc < n:
+            i = program[pc]
+            op, s = i.op, i.stage
+            key = s * span + i.mb
+            if op is F:
+                ready = f_end[key - span] if s else 0  # F(s - 1, mb)
+                if ready is None:
+                    _park(f_parked, key - span, r)
+                    break
+                start = ready if ready > t_free else t_free
+                t_free = f_end[key] = start + cost_f[s]
+                if f_parked[key] is not None:
+                    worklist += f_parked[key]
+                    f_parked[key] = None
+            elif op is B:
+                ready = f_end[key]
+                if ready is None:
+                    _park(f_parked, key, r)
+                    break
+                if s != last:
+                    after = b_end[key + span]  # B(s + 1, mb)
+                    if after is None:
+                        _park(b_parked, key + span, r)
+                        break
+                    if after > ready:
+                        ready = after
+                start = ready if ready > t_free else t_free
+                t_free = b_end[key] = start + cost_b[s]
+                if b_parked[key] is not None:
+                    worklist += b_parked[key]
+                    b_parked[key] = None
+            else:
+                ready = b_end[key]
+                if ready is None:
+                    _park(b_parked, key, r)
+                    break
+                start = ready if ready > t_free else t_free
+                t_free = start + cost_w[s]
+            rank_starts[pc] = start
+            pc += 1
+        pcs[r], free_at[r] = pc, t_free
+    stuck = [r for r, program in enumerate(programs) if pcs[r] < len(program)]
+    return starts, stuck
+
+
+def _park(parked: list, key: int, rank: int) -> None:
+    """Rank `rank` waits for the end at `key` ([Note: asap worklist])."""
+    if parked[key] is None:
+        parked[key] = [rank]
+    else:
+        parked[key].append(rank)
+
+
+def _per_stage(programs, num_stages: int, cost) -> tuple:
+    """asap's (forward, backward, weight) durations, each indexed by stage."""
+    if cost is None:
+        cost = unit_cost(programs)
+    if isinstance(cost, StageTimes):
+        return cost
+    return tuple((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W))
+
+
+_STAGE, _MB = attrgetter("stage"), attrgetter("mb")
+
+
+def _dense(programs, num_stages: int):
+    """(programs, span) for [Note: asap keys]: the programs as given when their mb values
+    are below a bound about their length, else with every mb renumbered densely (in
+    increasing order; asap only compares them). Raises ScheduleError (rule coverage) for
+    a stage outside 0..num_stages-1."""
+    every = list(chain.from_iterable(programs))
+    if every and max(map(_STAGE, every)) >= num_stages:
+        rank, index, bad = next((r, k, i) for r, program in enumerate(programs)
+                                for k, i in enumerate(program) if i.stage >= num_stages)
+        raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {bad}: stage {bad.stage} belongs "
+                            f"to no rank (there are {num_stages} stages)",
+                            rule="coverage", rank=rank, index=index, instr=bad, mb=bad.mb)
+    span = 1 + max(map(_MB, every), default=0)
+    if span <= 2 * len(every) + 64:
+        return programs, span
+    dense = {mb: k for k, mb in enumerate(sorted(set(map(_MB, every))))}
+    return [[make_instr(i.op, i.stage, dense[i.mb]) for i in program] for program in programs], len(dense)
+
+
+def durations_of(programs: Sequence[Sequence[Instr]], num_stages: int, times: StageTimes | None) -> StageTimes:
+    """The per-stage F, B and W durations `asap` times `programs` with: `times`
+    ([Note: cost-aware timing]), or the unit costs of `unit_cost(programs)` for None."""
+    return times if times is not None else unit_stage_times(programs, num_stages)
+
+
+def finish_time(programs: Sequence[Sequence[Instr]], timing, cost: StageTimes | None = None):
+    """The step time of `timing` (an `asap` result for `programs` under `cost`; None: the
+    unit costs of `unit_cost(programs)`): the latest end of any rank's last compute."""
+    starts, _ = timing
+    if cost is None:
+        cost = unit_stage_times(programs, 1 + max((i.stage for p in programs for i in p), default=0))
+    durations = {Op.F: cost.forward, Op.B: cost.backward, Op.W: cost.weight}
+    return max(
+        (rank_starts[-1] + durations[program[-1].op][program[-1].stage]
+         for program, rank_starts in zip(programs, starts) if program),
+        default=0,
+    )
+
+
+def stuck_ranks(num_stages: int, programs: Sequence[Sequence[Instr]]) -> list[int]:
+    """Ranks that cannot finish when compute order alone is followed (see `asap`)."""
+    return asap(num_stages, programs)[1]
+
+
+__all__ = [
+    "MIN_TIME", "SPLIT_UNIT_COST", "UNIT_COST", "StageTimes", "asap", "durations_of", "finish_time", "stage_times",
+    "stuck_ranks", "unit_cost", "unit_stage_times",
+]

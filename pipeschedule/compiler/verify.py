@@ -1,0 +1,720 @@
+"""The verifier: proves a lowered schedule obeys the six rules of DESIGN.md.
+
+`verify(schedule)` runs `RULES` in order and raises `ScheduleError` at the first
+violation, naming the rule, the rank, the instruction, its program counter and the
+microbatch, with the step x rank grid around it. The order of `RULES` matters only for
+which rule is named when one edit breaks several: structure and coverage first (is every
+instruction where it belongs, once), then data dependencies, matching, deadlock,
+liveness and caps.
+
+[Note: forward-only schedules] A schedule with `forward_only` set (an evaluation step,
+`passes.forward_only`) runs forwards only. Every rule reads it from the schedule, so
+`verify(schedule)` checks it as what it says it is, and equal schedules get equal
+verdicts:
+- coverage: each (stage, mb) has exactly one F on its rank, and nothing of a backward
+  (B, W, SEND_B, RECV_B) appears;
+- dependency: F follows its RECV_F (or F(s-1) on the same rank); each SEND_F / RECV_F
+  exists once, between the right ranks;
+- matching and deadlock: unchanged;
+- liveness: unchanged; F is the last use of its act_in and stash, so both must be freed
+  after it (there is no B to free them);
+- cap: does not apply: rule 6 counts (stage, mb) held between F and B, and a
+  forward-only schedule holds none for a backward.
+"""
+
+from __future__ import annotations
+
+from pipeschedule.compiler.gcpause import gc_paused
+
+from pipeschedule.errors import ScheduleError
+from pipeschedule.compiler.ir import BUFFERS, Instr, Op, Schedule
+
+# Plain names for the ops: enum attribute lookups dominate loops over a million steps.
+F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
+OFFLOAD, RELOAD = Op.OFFLOAD, Op.RELOAD
+SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+
+def grid(schedule: Schedule, rank: int, index: int, window: int = 4) -> str:
+    """The steps around `index` of every rank, one column per rank, the bad cell marked."""
+    lo, hi = max(0, index - window), index + window + 1
+    ranks = range(max(0, rank - 3), min(schedule.pp, rank + 4))  # wide pipelines: the neighbours
+    header = ["step"] + [f"rank {r}" for r in ranks]
+    rows = []
+    for step in range(lo, hi):
+        cells = [str(step)]
+        for r in ranks:
+            program = schedule.programs[r]
+            cell = str(program[step]) if step < len(program) else ""
+            if r == rank and step == index:
+                cell = f"[{cell}]"
+            cells.append(cell)
+        rows.append(cells + (["<-- ERROR HERE"] if step == index else []))
+    widths = [max(len(row[c]) for row in [header] + rows if c < len(row)) for c in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    for row in rows:
+        line = "  ".join(cell.ljust(w) for cell, w in zip(row, widths))
+        lines.append(line + ("  " + row[-1] if len(row) > len(header) else ""))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _fail(schedule: Schedule, rule: str, rank: int, index: int, message: str) -> ScheduleError:
+    program = schedule.programs[rank]
+    instr = program[index] if 0 <= index < len(program) else None
+    where = f"rank {rank}, step {index}" + (f", instruction {instr}" if instr is not None else "")
+    mb = instr.mb if instr is not None else None
+    text = f"rule {rule}: {where}: {message}\n{grid(schedule, rank, max(index, 0))}"
+    return ScheduleError(text, rule=rule, rank=rank, index=index, instr=instr, mb=mb)
+
+
+# -- rule 1: coverage ------------------------------------------------------------------
+
+
+def check_coverage(schedule: Schedule) -> None:
+    """Every instruction names a stage of its own rank and a microbatch in range; each
+    (stage, mb) has exactly one F and one B (and one W if the schedule splits the
+    backward), in the order F, B, W; communication names a peer in range, not itself.
+    A forward-only schedule: exactly one F, and no B, W, SEND_B or RECV_B
+    ([Note: forward-only schedules])."""
+    S, m, pp, split = schedule.num_stages, schedule.microbatches, schedule.pp, schedule.split_backward
+    placement = schedule.placement
+    forward_only = schedule.forward_only
+    for rank, program in enumerate(schedule.programs):
+        seen: dict[tuple[Op, int, int], int] = {}
+        for index, i in enumerate(program):
+            op, stage, mb = i.op, i.stage, i.mb
+            if stage >= S or placement[stage] != rank:
+                owner = f"rank {placement[stage]}" if stage < S else f"no rank (there are {S} stages)"
+                raise _fail(schedule, "coverage", rank, index, f"stage {stage} belongs to {owner}")
+            if mb >= m:
+                raise _fail(schedule, "coverage", rank, index, f"microbatch {mb} is out of range 0..{m - 1}")
+            peer = i.peer
+            if peer is not None and (peer >= pp or peer == rank):
+                raise _fail(schedule, "coverage", rank, index, f"peer {peer} is not another rank in 0..{pp - 1}")
+            if forward_only and (op is B or op is W or op is SEND_B or op is RECV_B):
+                raise _fail(schedule, "coverage", rank, index,
+                            f"{op.value} of (stage {stage}, mb {mb}) in a forward-only schedule, which runs no "
+                            "backward (accepted: F, SEND_F, RECV_F, FREE, OFFLOAD, RELOAD)")
+            if op is F or op is B or op is W:
+                key = (op, stage, mb)
+                if key in seen:
+                    raise _fail(schedule, "coverage", rank, index,
+                                f"second {op.value} of (stage {stage}, mb {mb}); the first is at step {seen[key]}")
+                seen[key] = index
+                if op is B and (F, stage, mb) not in seen:
+                    raise _fail(schedule, "coverage", rank, index, f"B of (stage {stage}, mb {mb}) before its F")
+                if op is W and (B, stage, mb) not in seen:
+                    raise _fail(schedule, "coverage", rank, index, f"W of (stage {stage}, mb {mb}) before its B")
+        ops = (F,) if forward_only else (F, B, W) if split else (F, B)
+        stages = schedule.stages_of(rank)
+        # Every key of `seen` is one of the len(ops) * len(stages) * m wanted (checked
+        # above, and a W anywhere makes the schedule split), each once: when the counts
+        # agree nothing is missing, and the search below for what is can be skipped.
+        if len(seen) == len(ops) * len(stages) * m:
+            continue
+        for stage in stages:
+            for mb in range(m):
+                for op in ops:
+                    if (op, stage, mb) not in seen:
+                        raise _fail(schedule, "coverage", rank, len(program),
+                                    f"no {op.value} for (stage {stage}, mb {mb})")
+
+
+# -- rule 2: data dependencies ---------------------------------------------------------
+
+
+def check_dependencies(schedule: Schedule) -> None:
+    """F(s, mb) follows its RECV_F (or F(s-1, mb) on the same rank); B(s, mb) follows its
+    RECV_B (or B(s+1, mb) on the same rank); each transfer exists exactly once, between
+    the ranks of the two stages it connects. (That SEND_F follows its F and SEND_B its B
+    is the liveness of act_out and grad_in, checked by check_liveness.) A forward-only
+    schedule has only the forward half of this ([Note: forward-only schedules])."""
+    S, placement = schedule.num_stages, schedule.placement
+    last = S - 1
+    # For each stage: what its F and its B wait for, and the peer of each transfer.
+    f_needs = [None] + [RECV_F if placement[s - 1] != placement[s] else F for s in range(1, S)]
+    b_needs = [RECV_B if placement[s + 1] != placement[s] else B for s in range(last)] + [None]
+    for rank, program in enumerate(schedule.programs):
+        done: set[tuple[Op, int, int]] = set()
+        add = done.add
+        for index, i in enumerate(program):
+            op = i.op
+            if op is FREE or op is W:
+                continue  # nothing below waits for them (W's place is rule 1's business)
+            s, mb = i.stage, i.mb
+            if op is F:
+                need = f_needs[s]
+                if need is not None:
+                    key = (need, s, mb) if need is RECV_F else (F, s - 1, mb)
+                    if key not in done:
+                        raise _fail(schedule, "dependency", rank, index,
+                                    f"F(stage {s}, mb {mb}) runs before its input arrives: no {need.value} of (stage "
+                                    f"{key[1]}, mb {mb}) earlier on rank {rank}")
+            elif op is B:
+                need = b_needs[s]
+                if need is not None:
+                    key = (need, s, mb) if need is RECV_B else (B, s + 1, mb)
+                    if key not in done:
+                        raise _fail(schedule, "dependency", rank, index,
+                                    f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} "
+                                    f"of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
+            else:
+                if op is OFFLOAD or op is RELOAD:
+                    continue  # moves between device and host: no data dependency, no message
+                other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
+                if not 0 <= other < S or placement[other] == rank:
+                    raise _fail(schedule, "dependency", rank, index,
+                                f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
+                if i.peer != placement[other]:
+                    raise _fail(schedule, "dependency", rank, index,
+                                f"peer is {i.peer}, but stage {other} runs on rank {placement[other]}")
+                key = (op, s, mb)
+                if key in done:
+                    raise _fail(schedule, "dependency", rank, index, f"second {op.value} of (stage {s}, mb {mb})")
+                # A send before the compute that produces its tensor uses a buffer that
+                # does not exist yet: check_liveness reports it, after check_matching has
+                # had its say on the order of messages.
+                add(key)
+                continue
+            add((op, s, mb))
+        # Every key in `done` is one this rank needs, each once: its F and B (rule 1 has
+        # passed), a receive or send only of a stage that has it (checked above). Each F
+        # and B found its receive, so when the counts agree no send is missing either, and
+        # the search below for the missing one can be skipped (130k lookups at pp=64, m=512).
+        stages = schedule.stages_of(rank)
+        if len(done) == _needed_per_microbatch(schedule, stages) * schedule.microbatches:
+            continue
+        for s in stages:
+            for op, needed in ((SEND_F, schedule.sends_forward(s)),
+                               (SEND_B, schedule.sends_backward(s) and not schedule.forward_only)):
+                if needed:
+                    for mb in range(schedule.microbatches):
+                        if (op, s, mb) not in done:
+                            raise _fail(schedule, "dependency", rank, len(program),
+                                        f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never "
+                                        "gets it")
+
+
+def _needed_per_microbatch(schedule: Schedule, stages) -> int:
+    """How many of F, B and transfers (what check_dependencies records) a rank running
+    `stages` has per microbatch: F and B of each stage, and each stage's messages."""
+    if schedule.forward_only:
+        return sum(1 + schedule.recvs_forward(s) + schedule.sends_forward(s) for s in stages)
+    return sum(2 + schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
+               + schedule.recvs_backward(s) for s in stages)
+
+
+# -- rule 3: matching ------------------------------------------------------------------
+
+
+
+def _communication(schedule: Schedule):
+    """One walk over the programs for rules 3 and 4: per (src, dst), the sends in src's
+    order and the receives in dst's order, each as two lists (the tensor of every
+    message, the batch of every message), a batch being the index of a maximal run of
+    communication instructions in `batches`, which holds each as (rank, start, end);
+    and per rank its batches in program order. `verify` finds this once and hands it to
+    rules 3 and 4 (nothing is kept on the schedule).
+
+    [Note: tensor ints] A tensor is named by the receive that takes it, RECV_F or RECV_B
+    of (stage, mb), as one int: (stage * m + mb) * 2, plus 1 for a gradient. Ints in
+    plain lists, one list per column: rule 3 then compares a channel's two tensor lists
+    at once, and nothing is built per message beyond the ints (260k messages at pp=64,
+    v=2, m=512)."""
+    m = schedule.microbatches
+    sends, recvs = {}, {}
+    batches: list[tuple[int, int, int]] = []
+    rank_batches: list[list[int]] = []
+    for rank, program in enumerate(schedule.programs):
+        mine: list[int] = []
+        run_start = run_end = batch = -1  # the current run of communication steps: [run_start, run_end)
+        for index, i in enumerate(program):
+            op = i.op
+            if op is not SEND_F and op is not SEND_B and op is not RECV_F and op is not RECV_B:
+                continue
+            if index != run_end:  # not right after the previous comm step: a new batch
+                if run_end >= 0:
+                    batches.append((rank, run_start, run_end))
+                run_start, batch = index, len(batches)
+                mine.append(batch)
+            run_end = index + 1
+            if op is SEND_F or op is SEND_B:
+                other = i.stage + 1 if op is SEND_F else i.stage - 1
+                tensors, at = sends.setdefault((rank, i.peer), ([], []))
+                tensors.append((other * m + i.mb) << 1 | (op is SEND_B))  # [Note: tensor ints]
+            else:
+                tensors, at = recvs.setdefault((i.peer, rank), ([], []))
+                tensors.append((i.stage * m + i.mb) << 1 | (op is RECV_B))
+            at.append(batch)
+        if run_end >= 0:
+            batches.append((rank, run_start, run_end))
+        rank_batches.append(mine)
+    return sends, recvs, batches, rank_batches
+
+
+def _step_of_message(schedule: Schedule, rank: int, peer: int, sending: bool, k: int) -> int:
+    """The step of rank's k-th send to `peer` (or k-th receive from it)."""
+    ops = (SEND_F, SEND_B) if sending else (RECV_F, RECV_B)
+    steps = [index for index, i in enumerate(schedule.programs[rank]) if i.op in ops and i.peer == peer]
+    return steps[k]
+
+
+def check_matching(schedule: Schedule, communication=None) -> None:
+    """For each ordered pair of ranks, the k-th send from a to b and the k-th receive on b
+    from a carry the same tensor (NCCL matches by order alone). `communication`:
+    `_communication(schedule)` where the caller has it already."""
+    sends, recvs, _, _ = communication or _communication(schedule)
+    m = schedule.microbatches
+    for src, dst in sorted(set(sends) | set(recvs)):
+        out, into = sends.get((src, dst), ([], []))[0], recvs.get((src, dst), ([], []))[0]
+        if out == into:
+            continue
+        k = next((k for k, (sent, wanted) in enumerate(zip(out, into)) if sent != wanted), None)
+        if k is not None:
+            def name(tensor):
+                stage, mb = divmod(tensor >> 1, m)
+                return f"{'gradient' if tensor & 1 else 'activation'} for (stage {stage}, mb {mb})"
+            s_index = _step_of_message(schedule, src, dst, True, k)
+            raise _fail(schedule, "matching", dst, _step_of_message(schedule, dst, src, False, k),
+                        f"receive #{k} from rank {src} expects the {name(into[k])}, but rank {src}'s send #{k} "
+                        f"(step {s_index}) carries the {name(out[k])}")
+        rank, index = ((src, _step_of_message(schedule, src, dst, True, len(into))) if len(out) > len(into)
+                       else (dst, _step_of_message(schedule, dst, src, False, len(out))))
+        raise _fail(schedule, "matching", rank, index, f"rank {src} sends {len(out)} messages to rank {dst}, "
+                    f"which receives {len(into)}")
+
+
+# -- rule 4: deadlock ------------------------------------------------------------------
+
+
+def comm_batches(schedule: Schedule):
+    """Every maximal run of communication instructions as (rank, start, end); per rank,
+    its batches in program order; and for each batch the set of partner batches its
+    operations are matched with (rule 3's order)."""
+    sends, recvs, batches, rank_batches = _communication(schedule)
+    partners: list[set[int]] = [set() for _ in batches]
+    for key, (_, out) in sends.items():
+        for a, b in zip(out, recvs.get(key, ((), ()))[1]):
+            partners[a].add(b)
+            partners[b].add(a)
+    return batches, rank_batches, partners
+
+
+def check_deadlock(schedule: Schedule, communication=None) -> None:
+    """Runs every program under rule 4's semantics: a batch is posted when its rank
+    reaches it, and the rank moves past it once every partner batch is posted. Only the
+    batches matter: compute never blocks, so each rank walks its batches in order.
+    `communication`: `_communication(schedule)` where the caller has it already."""
+    sends, recvs, batches, rank_batches = communication or _communication(schedule)
+    # Per batch, the partner batch of each of its messages, a partner listed once per
+    # message. Lists rather than `comm_batches`' sets: there are about as many batches as
+    # messages (130k at pp=64, v=2, m=512), and building a set per batch took half of
+    # this rule. Counting messages instead of partner batches changes nothing: a batch
+    # waits until each of its messages' partners is posted either way.
+    partners: list[list[int]] = [[] for _ in batches]
+    for key, (_, out) in sends.items():
+        for a, b in zip(out, recvs.get(key, ((), ()))[1]):
+            partners[a].append(b)
+            partners[b].append(a)
+    unposted = list(map(len, partners))  # messages whose partner batch is not yet posted
+    posted = [False] * len(batches)
+    nexts = [0] * schedule.pp  # per rank: index of its next batch in rank_batches
+    waiting: dict[int, int] = {}  # batch -> the rank blocked on it
+    runnable = list(range(schedule.pp))
+    while runnable:
+        rank = runnable.pop()
+        mine, k = rank_batches[rank], nexts[rank]
+        while k < len(mine):
+            batch = mine[k]
+            if not posted[batch]:
+                posted[batch] = True
+                for other in partners[batch]:  # posting it may complete a partner's batch
+                    unposted[other] -= 1
+                    if unposted[other] == 0 and other in waiting:
+                        runnable.append(waiting.pop(other))
+            if unposted[batch]:
+                waiting[batch] = rank
+                break
+            k += 1
+        nexts[rank] = k
+    blocked = [r for r in range(schedule.pp) if nexts[r] < len(rank_batches[r])]
+    if blocked:
+        pcs = {r: batches[rank_batches[r][nexts[r]]][1] for r in blocked}
+        rank = blocked[0]
+        states = ", ".join(f"rank {r} at step {pcs[r]} ({schedule.programs[r][pcs[r]]})" for r in blocked[:8])
+        more = f" and {len(blocked) - 8} more ranks" if len(blocked) > 8 else ""
+        raise _fail(schedule, "deadlock", rank, pcs[rank],
+                    f"the programs cannot finish: {states}{more} wait for partners that never post")
+
+
+# -- rule 5: liveness ------------------------------------------------------------------
+
+
+def check_liveness(schedule: Schedule) -> None:
+    """Every buffer is produced once, used only while live, and freed exactly once after
+    its last use; nothing is live when the program ends ([Note: buffers] in ir.py).
+
+    [Note: buffer states] Per rank, one dict per buffer kind maps (stage, mb) to the state
+    of that buffer: the step that produced it (or last reloaded it) while it is live on
+    the device, ~step (a negative number, -n..-1 for a program of n steps) of the FREE
+    that released it once freed, host - step of the OFFLOAD that moved it (host = -(n+1),
+    so every such value is below every freed one) while it is on the host, absent before
+    it is produced. One lookup then answers "is it usable" (state >= 0) and "did it ever
+    exist", and one (stage, mb) tuple serves every buffer an instruction touches;
+    schedules without OFFLOAD pay nothing for the third state.
+
+    [Note: offload liveness] OFFLOAD needs the buffer live on the device and puts it on
+    the host; RELOAD needs it on the host and puts it back on the device. Any use of a
+    buffer on the host (the op that reads it: F, B, W, SEND_F, SEND_B, per [Note: buffers])
+    is an error: its RELOAD is missing or comes too late. FREE is allowed in either state
+    and releases whichever copy exists, so a buffer need not come back only to be
+    dropped. Both are neither compute nor communication: no other rule counts them, and
+    like FREE they end a run of communication (so a pass must not put them inside one,
+    which would split its batch).
+
+    Each instruction produces its buffers, then uses its inputs, in the order of
+    [Note: buffers] (`_LIVENESS_STEPS`); the first failing check names the error.
+    """
+    for rank, program in enumerate(schedule.programs):
+        buffers = _RankBuffers(schedule, rank)
+        for index, i in enumerate(program):
+            _LIVENESS_STEPS[i.op](buffers, index, i, (i.stage, i.mb))
+        leak = buffers.first_leak()
+        if leak is not None:
+            raise leak
+
+
+# What check_liveness says of a buffer it refuses, by what the instruction does to it.
+_LIVENESS_MESSAGES = {
+    "use": "uses {buf} of (stage {s}, mb {mb}), which is {where}",
+    "free": "frees {buf} of (stage {s}, mb {mb}), which is {freed}{where}",
+    "offload": "offloads {buf} of (stage {s}, mb {mb}), which is {offloaded}{where}",
+    "reload": "reloads {buf} of (stage {s}, mb {mb}), which is {where}; RELOAD needs an OFFLOAD before it",
+    "early": "{send} of (stage {s}, mb {mb}) runs before the {producer} that produces its {buf}",
+    "twice": "{buf} of (stage {s}, mb {mb}) produced a second time",
+}
+
+
+class _RankBuffers:
+    """check_liveness' record of one rank's buffers ([Note: buffer states]) and the checks
+    every instruction makes on them."""
+
+    def __init__(self, schedule: Schedule, rank: int) -> None:
+        self.schedule, self.rank = schedule, rank
+        self.states: dict[str, dict[tuple[int, int], int]] = {buf: {} for buf in BUFFERS}
+        self.host = -(len(schedule.programs[rank]) + 1)  # states <= host: on the host
+        self.frees = 0
+
+    def error(self, index: int, buf: str, key, what: str) -> ScheduleError:
+        state, host = self.states[buf].get(key), self.host
+        if state is None:
+            where = "never produced"
+        elif state <= host:
+            where = f"on the host (offloaded at step {host - state}, not reloaded since)"
+        elif state < 0:
+            where = f"freed at step {~state}"
+        else:
+            where = f"on the device (produced or reloaded at step {state})"
+        send, producer = ("SEND_F", "F") if buf == "act_out" else ("SEND_B", "B")
+        message = _LIVENESS_MESSAGES[what].format(
+            buf=buf, s=key[0], mb=key[1], where=where, send=send, producer=producer,
+            freed="already " if state is not None and host < state < 0 else "",
+            offloaded="already " if state is not None and state <= host else "")
+        return _fail(self.schedule, "liveness", self.rank, index, message)
+
+    def produce(self, index: int, buf: str, key) -> None:
+        if key in self.states[buf]:
+            raise self.error(index, buf, key, "twice")
+        self.states[buf][key] = index
+
+    def use(self, index: int, buf: str, key, unknown: str = "use") -> None:
+        """A read of the buffer; `unknown` names the error when it was never produced."""
+        state = self.states[buf].get(key)
+        if state is None or state < 0:
+            raise self.error(index, buf, key, unknown if state is None else "use")
+
+    def release(self, index: int, i: Instr, key) -> None:  # FREE: either copy may go
+        state = self.states[i.buf].get(key)
+        if state is None or self.host < state < 0:
+            raise self.error(index, i.buf, key, "free")
+        self.states[i.buf][key] = ~index
+        self.frees += 1
+
+    def offload(self, index: int, i: Instr, key) -> None:
+        state = self.states[i.buf].get(key)
+        if state is None or state < 0:
+            raise self.error(index, i.buf, key, "offload")
+        self.states[i.buf][key] = self.host - index
+
+    def reload(self, index: int, i: Instr, key) -> None:
+        state = self.states[i.buf].get(key)
+        if state is None or state > self.host:
+            raise self.error(index, i.buf, key, "reload")
+        self.states[i.buf][key] = index
+
+    def first_leak(self) -> ScheduleError | None:
+        """The first buffer never freed, in program order (the buffers one instruction
+        produces in the order it produces them: stash, act_in, act_out; [Note: buffers])."""
+        if sum(map(len, self.states.values())) <= self.frees:  # every key produced once; each FREE released one
+            return None
+        host, order = self.host, {"stash": 0, "act_in": 1, "act_out": 2, "grad_in": 3, "grad_out": 4}
+        index, _, s, buf, mb = min(
+            (state if state >= 0 else host - state, order[buf], s, buf, mb)
+            for buf, states_of in self.states.items() for (s, mb), state in states_of.items()
+            if state >= 0 or state <= host
+        )
+        where = " on the host" if self.states[buf][s, mb] <= host else ""
+        return _fail(self.schedule, "liveness", self.rank, index,
+                     f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
+
+
+def _liveness_forward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
+    """F produces its stash, the data loader's act_in on stage 0, its act_out (sent) or
+    the next stage's act_in (a local hand-off); then reads its act_in."""
+    schedule, s = buffers.schedule, key[0]
+    buffers.produce(index, "stash", key)
+    if s == 0:
+        buffers.produce(index, "act_in", key)
+    if schedule.sends_forward(s):
+        buffers.produce(index, "act_out", key)
+    elif s + 1 < schedule.num_stages:
+        buffers.produce(index, "act_in", (s + 1, key[1]))
+    buffers.use(index, "act_in", key)
+
+
+def _liveness_backward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
+    """B produces its grad_in (sent) or the previous stage's grad_out (a local hand-off);
+    then reads its act_in, stash and grad_out (none on the last stage: the loss is there)."""
+    schedule, s = buffers.schedule, key[0]
+    if schedule.sends_backward(s):
+        buffers.produce(index, "grad_in", key)
+    elif s > 0:
+        buffers.produce(index, "grad_out", (s - 1, key[1]))
+    buffers.use(index, "act_in", key)
+    buffers.use(index, "stash", key)
+    if s + 1 < schedule.num_stages:
+        buffers.use(index, "grad_out", key)
+
+
+_LIVENESS_STEPS = {
+    Op.F: _liveness_forward,
+    Op.B: _liveness_backward,
+    Op.W: lambda buffers, index, i, key: buffers.use(index, "stash", key),
+    Op.RECV_F: lambda buffers, index, i, key: buffers.produce(index, "act_in", key),
+    Op.RECV_B: lambda buffers, index, i, key: buffers.produce(index, "grad_out", key),
+    Op.SEND_F: lambda buffers, index, i, key: buffers.use(index, "act_out", key, unknown="early"),
+    Op.SEND_B: lambda buffers, index, i, key: buffers.use(index, "grad_in", key, unknown="early"),
+    Op.FREE: _RankBuffers.release,
+    Op.OFFLOAD: _RankBuffers.offload,
+    Op.RELOAD: _RankBuffers.reload,
+}
+
+
+# -- rule 6: caps ----------------------------------------------------------------------
+
+
+def check_caps(schedule: Schedule) -> None:
+    """The (stage, mb) whose F has run and whose B has not never outnumber the cap. Not
+    for a forward-only schedule, which holds none for a backward
+    ([Note: forward-only schedules])."""
+    caps = schedule.caps()
+    if caps is None or schedule.forward_only:
+        return
+    for rank, program in enumerate(schedule.programs):
+        inflight = 0
+        for index, i in enumerate(program):
+            if i.op is F:
+                inflight += 1
+                if inflight > caps[rank]:
+                    raise _fail(schedule, "cap", rank, index,
+                                f"{inflight} microbatch-stages in flight, cap is {caps[rank]}")
+            elif i.op is B:
+                inflight -= 1
+
+
+RULES = (check_coverage, check_dependencies, check_matching, check_deadlock, check_liveness, check_caps)
+
+
+# -- the merged walk -------------------------------------------------------------------
+
+
+# [Note: merged walk] Rules 1, 2 and 5 each walk every instruction (717k at pp=64, v=2,
+# m=512). `_passes_walked_rules` walks once, reads each instruction's fields once, and
+# drops the checks that the others imply (below). The rules name the first error by
+# rule, then rank, then step, which one walk cannot reproduce cheaply, so the walk never
+# raises: any failed check returns None and `verify` runs the separate rules, which
+# raise the right error. None is therefore always safe (only slower); tables must come
+# back only when each of the three rules would pass. Checks left out because, when
+# every check here passes, they cannot fail:
+# - liveness "produced a second time": each buffer key has one producer, unique by
+#   coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
+#   dependency checks (RECV_F / RECV_B only of a stage whose neighbour is remote, once);
+# - dependency's "F runs before its input arrives": F's use of act_in needs it
+#   produced, by RECV_F of a remote neighbour or by F(s-1) of a local one, which is
+#   exactly what dependency asks for (stage 0 needs nothing); likewise B's use of
+#   grad_out covers B's input gradient (the last stage needs nothing);
+# - coverage's "B before its F": B's use of stash needs it produced, and only F(s, mb)
+#   produces stash (s, mb).
+# The per-rank counts at the end are the rules' own: each key is one a rule wants, each
+# once, so a count that agrees means nothing is missing; and since every buffer is
+# produced once (above), a rank whose FREEs (each of a produced buffer, once) number
+# its productions has no leak. States live in flat lists indexed by stage * m + mb
+# (lists over the whole schedule: a rank touches only its own stages' keys, so ranks
+# never share an entry), with check_liveness' encoding ([Note: buffer states]).
+# tests/compiler/test_verify_walk.py pins this walk to the three rules (a differential
+# test on valid and edited schedules of every family, with offload); a check added here
+# or there without the other fails it. A forward-only schedule is left to the separate
+# rules (None): evaluation schedules are small and rare.
+
+
+def _passes_walked_rules(schedule: Schedule):
+    """What `_communication(schedule)` returns when check_coverage, check_dependencies
+    and check_liveness all pass, None when any fails, from one walk per rank
+    ([Note: merged walk])."""
+    if schedule.forward_only:
+        return None
+    S, m = schedule.num_stages, schedule.microbatches
+    states = {buf: [None] * (S * m) for buf in BUFFERS}  # [Note: buffer states], at stage * m + mb
+    done = {op: [False] * (S * m) for op in (F, B, W, SEND_F, SEND_B)}
+    nowhere = [None] * (S * m)  # the states of a name that is no buffer: never produced
+    tables = (states, done, nowhere, *_walk_tables(schedule, states))
+    stages_by_rank: list[list[int]] = [[] for _ in range(schedule.pp)]
+    for s, r in enumerate(schedule.placement):
+        stages_by_rank[r].append(s)
+    sends, recvs, batches, rank_batches = {}, {}, [], []
+    for rank in range(schedule.pp):
+        stages = stages_by_rank[rank]
+        counts = _walk_rank(schedule, rank, frozenset(stages), tables, sends, recvs, batches, rank_batches)
+        if counts is None:
+            return None
+        computes, comm, made, frees = counts
+        n_ops = 3 if schedule.split_backward else 2
+        if computes != n_ops * len(stages) * m:  # coverage: an F, B or W missing
+            return None
+        fb = computes - (len(stages) * m if schedule.split_backward else 0)  # F and B alone
+        if fb + comm != _needed_per_microbatch(schedule, stages) * m:  # dependency: a send missing
+            return None
+        if made != frees:  # liveness: a leak
+            return None
+    return sends, recvs, batches, rank_batches
+
+
+def _walk_rank(schedule: Schedule, rank: int, own, tables, sends, recvs, batches, rank_batches):
+    """One rank of [Note: merged walk]: None at the first failed check, else (F, B and W
+    run, communication instructions, buffers produced, FREEs); adds the rank's messages
+    and batches to the tables as `_communication` does. `tables`: the buffer states and
+    done-flags by stage * m + mb, states for no buffer, and `_walk_tables`."""
+    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+    states, done, nowhere, makes, uses = tables
+    b_done = done[B]
+    carried = {SEND_F: states["act_out"], SEND_B: states["grad_in"], RECV_F: states["act_in"],
+               RECV_B: states["grad_out"]}  # the buffer a message moves
+    host = -(len(schedule.programs[rank]) + 1)
+    computes = comm = made = frees = 0
+    out_to, in_from, mine, run_start, run_end, batch = {}, {}, [], -1, -1, -1
+    for index, i in enumerate(schedule.programs[rank]):
+        op, s, mb = i.op, i.stage, i.mb
+        if s not in own or mb >= m:  # coverage: stage in range and on this rank
+            return None
+        key = s * m + mb
+        if op is FREE:
+            states_of = states.get(i.buf, nowhere)
+            state = states_of[key]
+            if i.peer is not None or state is None or host < state < 0:  # never produced, or freed
+                return None
+            states_of[key] = ~index
+            frees += 1
+        elif op is F or op is B or op is W:
+            if i.peer is not None or done[op][key] or (op is W and not b_done[key]):  # a second one, W before B
+                return None
+            done[op][key] = True
+            computes += 1
+            for states_of, shift in makes[op][s]:
+                states_of[key + shift] = index
+            made += len(makes[op][s])
+            for states_of in uses[op][s]:
+                if states_of[key] is None or states_of[key] < 0:
+                    return None
+        elif op is OFFLOAD or op is RELOAD:
+            if i.peer is not None or not _moved(op, states.get(i.buf, nowhere), key, index, host):
+                return None
+        else:  # SEND_F, RECV_F, SEND_B, RECV_B: a remote neighbour stage, which is the peer
+            other, peer = s + 1 if (op is SEND_F or op is RECV_B) else s - 1, i.peer
+            if not 0 <= other < S or placement[other] == rank or peer != placement[other]:
+                return None
+            comm += 1
+            if index != run_end:  # a new batch, as in _communication
+                if run_end >= 0:
+                    batches.append((rank, run_start, run_end))
+                run_start, batch = index, len(batches)
+                mine.append(batch)
+            run_end = index + 1
+            buffer = carried[op]
+            state = buffer[key]
+            if op is SEND_F or op is SEND_B:
+                if done[op][key] or state is None or state < 0:  # a second send, or its tensor not live
+                    return None
+                done[op][key] = True
+                channel = out_to.get(peer) or out_to.setdefault(peer, ([], []))
+                channel[0].append((other * m + mb) << 1 | (op is SEND_B))  # [Note: tensor ints]
+            else:
+                if state is not None:  # a second receive
+                    return None
+                buffer[key] = index
+                made += 1
+                channel = in_from.get(peer) or in_from.setdefault(peer, ([], []))
+                channel[0].append(key << 1 | (op is RECV_B))
+            channel[1].append(batch)
+    if run_end >= 0:
+        batches.append((rank, run_start, run_end))
+    rank_batches.append(mine)
+    sends.update(((rank, peer), channel) for peer, channel in out_to.items())
+    recvs.update(((peer, rank), channel) for peer, channel in in_from.items())
+    return computes, comm, made, frees
+
+
+def _walk_tables(schedule: Schedule, states):
+    """Per op (F, B, W) and stage, what [Note: merged walk] does to buffers: the buffers
+    it produces, each as (states, shift: the key's offset, one stage's m for the hand-off
+    to a neighbour stage on this rank), and those it then reads ([Note: buffers])."""
+    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+    act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
+    makes = {F: [], B: [], W: [()] * S}
+    uses = {F: [(act_in,)] * S, B: [], W: [(stash,)] * S}
+    for s in range(S):
+        onward = () if s == S - 1 else ((act_out, 0),) if placement[s + 1] != placement[s] else ((act_in, m),)
+        makes[F].append(((stash, 0),) + (((act_in, 0),) if s == 0 else ()) + onward)
+        makes[B].append(() if s == 0 else ((grad_in, 0),) if placement[s - 1] != placement[s] else ((grad_out, -m),))
+        uses[B].append((act_in, stash, grad_out) if s < S - 1 else (act_in, stash))
+    return makes, uses
+
+
+def _moved(op: Op, states_of: list, key: int, index: int, host: int) -> bool:
+    """OFFLOAD or RELOAD of one buffer in [Note: merged walk]: whether its check_liveness
+    check passes; if so, the buffer's new state is written."""
+    state = states_of[key]
+    if state is None:
+        return False
+    if op is OFFLOAD:
+        if state < 0:
+            return False
+        states_of[key] = host - index
+    else:
+        if state > host:
+            return False
+        states_of[key] = index
+    return True
+
+
+@gc_paused
+def verify(schedule: Schedule) -> None:
+    """Raises ScheduleError at the first broken rule; returns None for a valid schedule."""
+    communication = _passes_walked_rules(schedule)
+    if communication is not None:
+        # Coverage, dependencies and liveness pass ([Note: merged walk]): the remaining
+        # rules in RULES' order name the first error, if any.
+        check_matching(schedule, communication)
+        check_deadlock(schedule, communication)
+        check_caps(schedule)
+        return
+    for rule in RULES:
+        rule(schedule)

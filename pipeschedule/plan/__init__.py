@@ -1,0 +1,19 @@
+"""What fits a GPU: the memory model, the layer split, the planner and its report.
+
+    memory         memory of a Llama-style model per stage and per rank, term by term
+    partition      nanotron's layer split and the exact optimal split
+    split_problem  the split problem: costs and memory of every split, simulated
+    split_search   the branch and bound of the optimal split
+    config         what a plan is for (`PlanConfig`, `build_config`), compute costs
+    candidate      one evaluated way to run the pipeline; caps that fit a split
+    offload        how much to offload within a step-time budget; the `--offload` spec
+    planner        `plan(config)`: every candidate evaluated, the recommendation
+    report         a plan as text, JSON and a PNG
+    presets        model and GPU presets (with host links), model files
+"""
+
+from pipeschedule.plan.candidate import Candidate, fitted_caps
+from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, layer_seconds
+from pipeschedule.plan.planner import Plan, plan
+
+__all__ = ["Candidate", "Plan", "PlanConfig", "build_config", "fitted_caps", "head_seconds", "layer_seconds", "plan"]

@@ -1,0 +1,201 @@
+"""What a plan is for: its config (`PlanConfig`, or `build_config` in the command line's
+units) and the compute-cost model of its candidates (planner.py builds and ranks them).
+
+[Note: compute costs] Per microbatch and GPU: a decoder layer's forward is 2 * P * s*b
+(P its parameters: q, k, v, o and SwiGLU, GQA counted) plus 4 * s^2 * b * h for the
+attention matmuls, all / tp; backward is twice the forward; full recompute adds one more
+forward to the backward (4F per layer instead of 3F), selective recompute without flash
+adds the attention matmuls. A split-backward schedule (zb_h1, zbv, v_half, v_min) runs
+the weight-gradient matmuls, 2 * P * s*b / tp, as W and the rest of the backward
+(recompute included) as B. The LM head costs 2 * V * h * s*b / tp forward, twice that
+backward; the embedding lookup nothing. Seconds = FLOPs / (peak TFLOP/s * mfu). A message
+costs latency + bytes / bandwidth. The step time adds the data-parallel gradient
+reduction and the optimizer step ([Note: step tail] in dp_step.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pipeschedule.errors import ParameterError
+from pipeschedule.plan.memory import GiB, ModelSpec, TrainingSetup
+from pipeschedule.plan.offload import parse_offload
+from pipeschedule.plan.presets import gpu_preset, host_bandwidth as host_link, load_model, model_preset
+from pipeschedule.checks import (
+    MAX_SEARCH_NODES,
+    check_at_most,
+    check_int,
+    check_number,
+    check_plan_size,
+    check_schedule_size,
+    shown,
+)
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What a plan is for. gpu_memory / reserve: bytes per GPU and bytes kept back for the
+    CUDA context, NCCL buffers and allocator slack (budget = gpu_memory - reserve).
+    gpu_tflops / mfu: peak bf16 TFLOP/s and the fraction of it matmuls reach, for absolute
+    times only ([Note: compute costs]). p2p_bandwidth (bytes/s) / p2p_latency (s): one
+    pipeline message. virtual: chunks per rank of the interleaved candidates. node_limit:
+    search budget of each optimal split. offload / host_bandwidth: the offload to report
+    for the recommended candidate (None: none) and the host link it runs over (bytes/s
+    per direction).
+    """
+
+    model: ModelSpec
+    setup: TrainingSetup
+    pp: int
+    microbatches: int
+    gpu_memory: float
+    reserve: float = 2 * GiB
+    gpu_tflops: float = 989.0
+    mfu: float = 0.5
+    p2p_bandwidth: float = 25e9
+    p2p_latency: float = 20e-6
+    virtual: int = 2
+    node_limit: int = 20_000
+    gpu_name: str = "custom"
+    offload: object = None  # offload.OffloadPolicy or AutoOffload: what `plan` reports offload would add
+    host_bandwidth: float | None = None  # bytes/s per direction of the host link (None: unknown)
+    dp_bandwidth: float = 25e9  # bytes/s per GPU of the data-parallel collectives ([Note: step tail])
+    hbm_bandwidth: float = 4e12  # bytes/s of GPU memory, for the optimizer step
+
+    def __post_init__(self) -> None:
+        for key in ("pp", "microbatches", "virtual", "node_limit"):
+            check_int(key, getattr(self, key))
+        for key in ("gpu_memory", "gpu_tflops", "mfu", "p2p_bandwidth", "dp_bandwidth", "hbm_bandwidth"):
+            check_number(key, getattr(self, key), above=True)
+        if not 0 < self.mfu <= 1:
+            raise ParameterError(f"mfu is a fraction of peak in (0, 1], got {shown(self.mfu)}")
+        for key in ("reserve", "p2p_latency"):
+            check_number(key, getattr(self, key))
+        if self.reserve >= self.gpu_memory:
+            raise ParameterError(
+                f"reserve {self.reserve / GiB:g} GiB leaves nothing of gpu_memory {self.gpu_memory / GiB:g} GiB"
+            )
+        if self.model.layers < self.pp:
+            raise ParameterError(
+                f"pp={self.pp} exceeds the model's {self.model.layers} decoder layers: a stage would get no layer"
+            )
+        # [Note: size limits], before any candidate is built
+        check_plan_size(self.pp, self.microbatches, self.model.layers)
+        check_schedule_size(self.pp, self.virtual, self.microbatches)
+        check_at_most("node_limit", self.node_limit, MAX_SEARCH_NODES)
+        self.setup.check_model(self.model)
+        if self.offload is not None and self.host_bandwidth is None:
+            raise ParameterError(f"offload needs the host link's bandwidth: give --host-bandwidth GB/s "
+                                 f"(presets know gh200 and h200; the GPU here is {shown(self.gpu_name)})")
+        if self.host_bandwidth is not None:
+            check_number("host_bandwidth", self.host_bandwidth, above=True, hint=" (bytes/s)")
+
+    @property
+    def budget(self) -> float:
+        return self.gpu_memory - self.reserve
+
+    @property
+    def tokens_per_gpu(self) -> int:
+        """Tokens one GPU's pipeline processes per step: m * b * s / (tp * pp)."""
+        return self.microbatches * self.setup.micro_batch * self.setup.seq / (self.setup.tp * self.pp)
+
+
+# -- compute costs ------------------------------------------------------------------------------
+
+
+def layer_seconds(config: PlanConfig) -> tuple[float, float]:
+    """(forward, backward) seconds of one decoder layer per microbatch ([Note: compute costs])."""
+    m, st = config.model, config.setup
+    tokens = st.seq * st.micro_batch
+    attention = 4 * st.seq * st.seq * st.micro_batch * m.hidden
+    forward = (2 * m.layer_params() * tokens + attention) / st.tp
+    backward = 2 * forward
+    if st.recompute == "full":
+        backward += forward
+    elif st.recompute == "selective" and not st.flash:
+        backward += attention / st.tp
+    rate = config.gpu_tflops * 1e12 * config.mfu
+    return forward / rate, backward / rate
+
+
+def weight_seconds(config: PlanConfig) -> tuple[float, float]:
+    """(layer, head) seconds of the weight-gradient part of the backward per microbatch:
+    the parameter matmuls once more (2 * P * s*b / tp), attention excluded. A split-backward
+    schedule runs it as W and the rest of the backward as B ([Note: compute costs])."""
+    m, st = config.model, config.setup
+    tokens = st.seq * st.micro_batch
+    rate = config.gpu_tflops * 1e12 * config.mfu
+    layer = 2 * m.layer_params() * tokens / st.tp / rate
+    head = 2 * m.padded_vocab(st.tp) * m.hidden * tokens / st.tp / rate
+    return layer, head
+
+
+def head_seconds(config: PlanConfig) -> tuple[float, float]:
+    m, st = config.model, config.setup
+    forward = 2 * m.padded_vocab(st.tp) * m.hidden * st.seq * st.micro_batch / st.tp
+    rate = config.gpu_tflops * 1e12 * config.mfu
+    return forward / rate, 2 * forward / rate
+
+
+# -- in the command line's units ---------------------------------------------------------------
+
+
+def _gib(flag: str, value: float, minimum_exclusive: bool = True) -> float:
+    if value is None:
+        return None
+    if math.isnan(value) or value < 0 or (minimum_exclusive and value == 0):
+        raise ParameterError(f"{flag} must be {'> 0' if minimum_exclusive else '>= 0'} GiB, got {value:g}")
+    return value * GiB
+
+
+def build_config(
+    model, *, pp: int, microbatches: int, tp: int = 1, dp: int = 1, zero_stage: int = 0, seq: int = 8192,
+    micro_batch: int = 1, recompute: str = "none", sequence_parallel: bool = True, flash: bool = True,
+    fp32_grad_accum: bool = True, ddp_buckets: bool = True, activation_formula: str = "nanotron",
+    gpu: str | None = "gh200", gpu_memory: float | None = None, reserve: float = 2.0,
+    gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
+    virtual: int = 2, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
+    dp_bandwidth: float = 25.0, tp_async: bool = False, attention: str = "flash-attn", adam_fused: bool = True,
+):
+    """A PlanConfig in the command line's units: `model` a preset name, a model file path
+    or a ModelSpec; gpu_memory and reserve in GiB (gpu_memory overrides the `gpu` preset),
+    p2p_bandwidth, dp_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds; offload an
+    `--offload` spec, an OffloadPolicy or an AutoOffload."""
+    if isinstance(model, str):
+        model = load_model(model) if model.endswith((".yaml", ".yml", ".json")) else model_preset(model)
+    if not isinstance(model, ModelSpec):
+        raise ParameterError(f"model must be a preset name, a model file or a ModelSpec, got {shown(model)}")
+    setup = TrainingSetup(
+        tp=tp, dp=dp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute,
+        sequence_parallel=sequence_parallel, flash=flash, fp32_grad_accum=fp32_grad_accum,
+        ddp_buckets=ddp_buckets, activation_formula=activation_formula, tp_async=tp_async, attention=attention,
+        adam_fused=adam_fused,
+    )
+    if gpu_memory is None and gpu is None:
+        raise ParameterError("give a GPU preset (gpu=) or its memory in GiB (gpu_memory=)")
+    preset = gpu_preset(gpu) if gpu else {"memory": None, "tflops": 989.0}
+    memory = _gib("--gpu-memory", gpu_memory) if gpu_memory is not None else preset["memory"]
+    if p2p_bandwidth is None or not p2p_bandwidth > 0:
+        raise ParameterError(f"--p2p-bandwidth must be > 0 GB/s, got {p2p_bandwidth}")
+    if not p2p_latency >= 0:
+        raise ParameterError(f"--p2p-latency must be >= 0 microseconds, got {p2p_latency}")
+    return PlanConfig(
+        model=model, setup=setup, pp=pp, microbatches=microbatches, gpu_memory=memory,
+        reserve=_gib("--reserve", reserve, minimum_exclusive=False),
+        gpu_tflops=gpu_tflops if gpu_tflops is not None else preset["tflops"], mfu=mfu,
+        p2p_bandwidth=p2p_bandwidth * 1e9, p2p_latency=p2p_latency * 1e-6,
+        virtual=virtual, node_limit=node_limit, gpu_name=gpu if gpu_memory is None else f"{gpu_memory:g} GiB",
+        offload=parse_offload(offload) if isinstance(offload, str) else offload,
+        host_bandwidth=link * 1e9 if (link := host_link(gpu, host_bandwidth)) is not None else None,
+        dp_bandwidth=_positive("--dp-bandwidth", dp_bandwidth) * 1e9, hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
+    )
+
+
+def _positive(flag: str, value: float) -> float:
+    if value is None or not value > 0 or math.isinf(value):
+        raise ParameterError(f"{flag} must be a number > 0 (GB/s), got {value}")
+    return value
+
+
+__all__ = ["PlanConfig", "build_config", "head_seconds", "layer_seconds", "weight_seconds"]

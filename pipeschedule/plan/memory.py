@@ -1,0 +1,657 @@
+"""Memory model of a Llama-style decoder trained with nanotron under pipeline parallelism.
+
+Pure arithmetic: no torch. Every number is bytes on ONE GPU (one tensor-parallel shard of
+one pipeline stage). `stage_footprint` says what one stage costs; `rank_memory` adds the in-flight
+activations a schedule keeps (the peaks the simulator reads off its program order:
+`stash_buffers` / `p2p_buffers` turn footprints into the simulator's per-stage
+buffer_bytes) and the budget, one `RankMemory` per rank.
+
+[Note: memory terms] What nanotron keeps on a GPU, by term (P = parameters on the GPU,
+z = dp under ZeRO-1 and 1 otherwise, bf16 = 2 bytes):
+
+    weights                    P * 2              bf16 parameters (`model.dtype: bfloat16`)
+    fp32 grad accumulator      P * 4              `accumulate_grad_in_fp32: true` (nanotron's
+                                                  example configs): FP32GradientAccumulator
+                                                  keeps an fp32 grad buffer for EVERY
+                                                  parameter, also under ZeRO-1
+    fp32 master weights        P * 4 / z          its fp32 copy of the parameters the rank
+                                                  updates (the ZeRO-1 shard); torch
+                                                  allocates the moments at the first step
+    Adam moments               P * 8 / z          exp_avg, exp_avg_sq of the fp32 master
+    DDP grad buckets           P * 2 (dp > 1)     torch DDP wraps the model only when dp > 1
+                                                  and allocates flat bf16 bucket buffers for
+                                                  all parameters when it is built
+    bf16 gradients (transient) P * 2              `.grad` of every parameter exists between
+                                                  the end of a backward and the accumulation
+                                                  into fp32 (set to None afterwards)
+    activations                the simulator's peak of live saved activations: in-flight
+                               microbatches x one microbatch's stash (below)
+    p2p buffers                its peak of boundary tensors (sent outputs, gradients)
+    working set (transient)    the larger of: one layer's full activations while its
+                               backward (and, under full recompute, its re-run forward)
+                               runs; the last stage's logits during its forward, s*b*V/t
+                               values in bf16 plus nanotron's fp32 copy (`cast_to_fp32`)
+
+The peaks of the different kinds are added: a conservative bound, since the bf16
+gradients appear when a backward ends, after that microbatch's stash is released. Not
+counted: the CUDA context, NCCL buffers and allocator fragmentation (the planner's
+`reserve`), the optimizer step's temporaries, the DP all-reduce's buckets in flight.
+
+Without fp32 accumulation (`fp32_grad_accum=False`) the grads stay bf16 in `.grad`
+(P * 2, all step) and Adam keeps its moments in the parameter dtype (P * 4 / z).
+
+Activations saved for backward, per decoder layer per microbatch (Korthikanti et al.
+2022, bytes, s sequence, b micro-batch, h hidden, a heads, t tensor parallel):
+
+    none / selective   s*b*h*(10 + 24/t)  tensor parallel only
+                       s*b*h*34/t         with sequence parallel
+                       + 5*a*s^2*b/t      attention scores, only when they are
+                                          materialised (no flash attention) and recompute
+                                          is `none` (selective recompute drops exactly this)
+    full               2*s*b*h            the layer's input (/t with sequence parallel: the
+                                          input is sequence-sharded); the rest is rebuilt
+
+`activation_formula="llama"` counts a SwiGLU, GQA, dropout-free layer instead (same
+notation, f ffn, k kv heads):  8*s*b*h (norm inputs and matmul inputs, replicated without
+SP) + (4*s*b*h + 4*s*b*h*k/a + 6*s*b*f)/t, everything /t with SP, + 2*a*s^2*b/t for
+materialised softmax probabilities. For Llama3-70B (f = 3.5h, k = a/8) it gives 33.5 s*b*h
+where Korthikanti gives 34. Both assume 2-byte activations and scale with `act_bytes`/2.
+
+The last stage also keeps, per microbatch, the final norm's and the LM head's inputs
+(one boundary tensor each) and the loss's softmax in fp32 (4*s*b*V/t bytes:
+nanotron's `_ShardedCrossEntropy` saves `exp_logits` of the fp32 logits); the first stage
+keeps the token ids (8 bytes each).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pipeschedule.errors import ParameterError
+from pipeschedule.checks import MAX_DIMENSION, MAX_LAYERS, is_int, shown
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+OPTIMIZERS = ("adam", "none")
+ACTIVATION_FORMULAS = ("nanotron", "korthikanti", "llama")
+ATTENTIONS = ("flash-attn", "sdpa-standin")
+GiB = 1 << 30
+
+
+def _check_int(name: str, value, minimum: int = 1, maximum: int = MAX_DIMENSION) -> int:
+    """An integer in [minimum, maximum]; the maximum is one of [Note: size limits] (a
+    range, where `checks.check_int` takes a minimum alone: every size of a model is
+    bounded)."""
+    if not is_int(value) or not minimum <= value <= maximum:
+        raise ParameterError(f"{name} must be an integer in {minimum}..{maximum}, got {shown(value)}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-style decoder: embedding, `layers` decoder layers, final norm, LM head.
+
+    hidden: model width h. heads / kv_heads: query and key-value heads (GQA when fewer kv
+    heads). ffn: SwiGLU intermediate size. vocab: vocabulary size V. tied_embeddings: the
+    LM head reuses the embedding matrix (with pp > 1 both stages still hold a copy).
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
+            _check_int(f"model {key}", getattr(self, key), maximum=MAX_LAYERS if key == "layers" else MAX_DIMENSION)
+        if self.hidden % self.heads:
+            raise ParameterError(
+                f"model hidden={self.hidden} is not divisible by heads={self.heads} "
+                f"({self.hidden} / {self.heads} = {self.hidden / self.heads:g})"
+            )
+        if self.heads % self.kv_heads:
+            raise ParameterError(f"model heads={self.heads} is not a multiple of kv_heads={self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def layer_params(self, tp: int = 1) -> int:
+        """Parameters of one decoder layer on one of `tp` shards: q, k, v, o and the
+        SwiGLU matrices are split; the two RMSNorm weights are replicated."""
+        d = self.head_dim
+        attention = self.hidden * (self.heads * d + 2 * self.kv_heads * d) + self.heads * d * self.hidden
+        mlp = 3 * self.hidden * self.ffn
+        return (attention + mlp) // tp + 2 * self.hidden
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """nanotron's vocab-parallel embedding needs V divisible by tp; it pads up."""
+        return -(-self.vocab // tp) * tp
+
+    def embedding_params(self, tp: int = 1) -> int:
+        return self.padded_vocab(tp) * self.hidden // tp
+
+    def head_params(self, tp: int = 1) -> int:
+        """LM head (column-parallel, V*h/t) plus the final norm (h, replicated)."""
+        return self.padded_vocab(tp) * self.hidden // tp + self.hidden
+
+    def total_params(self) -> int:
+        head = self.head_params() - (self.embedding_params() if self.tied_embeddings else 0)
+        return self.embedding_params() + self.layers * self.layer_params() + head
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("name", "layers", "hidden", "heads", "kv_heads", "ffn", "vocab",
+                                              "tied_embeddings")}
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """Everything besides the model and the schedule that decides memory.
+
+    tp / dp / zero_stage: tensor parallel, data parallel and nanotron's ZeRO stage (0 or
+    1). seq / micro_batch: tokens per sequence and sequences per microbatch. recompute:
+    "none", "selective" or "full". sequence_parallel: nanotron's `tp_mode:
+    REDUCE_SCATTER`. flash: flash attention (scores never materialised). param_bytes /
+    act_bytes: bytes per parameter and per activation value (2 for bf16).
+    fp32_grad_accum: nanotron's `accumulate_grad_in_fp32`. ddp_buckets: count DDP's bf16
+    bucket buffers when dp > 1. activation_formula: "korthikanti" or "llama"
+    ([Note: memory terms]). optimizer: "adam" (Adam/AdamW: two moments per parameter,
+    plus fp32 master weights under fp32_grad_accum) or "none" (no optimizer state, as in
+    a gradient-only measurement). tp_async: `tp_linear_async_communication`.
+    attention: "flash-attn" or the adapter's "sdpa-standin". adam_fused: nanotron's
+    `torch_adam_is_fused` (its example configs: true); false adds foreach Adam's
+    temporary to the optimizer step (`optimizer_step_transient`).
+    """
+
+    tp: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    seq: int = 8192
+    micro_batch: int = 1
+    recompute: str = "none"
+    sequence_parallel: bool = True
+    flash: bool = True
+    param_bytes: int = 2
+    act_bytes: int = 2
+    fp32_grad_accum: bool = True
+    ddp_buckets: bool = True
+    activation_formula: str = "nanotron"
+    optimizer: str = "adam"
+    tp_async: bool = False
+    attention: str = "flash-attn"
+    adam_fused: bool = True
+
+    def __post_init__(self) -> None:
+        for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
+            _check_int(key, getattr(self, key))
+        if not is_int(self.zero_stage) or self.zero_stage not in (0, 1):
+            raise ParameterError(f"zero_stage must be 0 or 1 (nanotron has ZeRO-1 only), got {shown(self.zero_stage)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ParameterError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {shown(self.recompute)}")
+        if self.activation_formula not in ACTIVATION_FORMULAS:
+            raise ParameterError(
+                f"activation_formula must be one of {', '.join(ACTIVATION_FORMULAS)}, "
+                f"got {shown(self.activation_formula)}"
+            )
+        if self.attention not in ATTENTIONS:
+            raise ParameterError(f"attention must be one of {', '.join(ATTENTIONS)}, got {shown(self.attention)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
+        if self.sequence_parallel and self.seq % self.tp:
+            raise ParameterError(
+                f"sequence parallel splits the sequence over tp: seq={self.seq} is not divisible by tp={self.tp}"
+            )
+
+    def check_model(self, model: ModelSpec) -> None:
+        """nanotron's own asserts: tp divides the query heads, the kv heads and the ffn."""
+        for key, value in (("heads", model.heads), ("kv_heads", model.kv_heads), ("ffn", model.ffn)):
+            if value % self.tp:
+                raise ParameterError(
+                    f"tp={self.tp} does not divide the model's {key}={value}: each tensor-parallel "
+                    f"rank must hold a whole number of them"
+                )
+
+
+# -- activations ---------------------------------------------------------------------------
+
+
+def _tokens(setup: TrainingSetup) -> tuple[int, int, int]:
+    """(s*b, tokens a norm sees, tokens a column-parallel linear saves) on one TP rank.
+    With sequence parallel a norm sees s*b/t tokens; a column-parallel linear saves the
+    all-gathered s*b unless its communication is async, whose autograd function saves the
+    sharded input and gathers it again in backward
+    (nanotron/parallel/tensor_parallel/functional.py:119-144 against 341-359)."""
+    sb, t = setup.seq * setup.micro_batch, setup.tp
+    local = sb // t if setup.sequence_parallel else sb
+    gathered = sb // t if setup.sequence_parallel and setup.tp_async else sb
+    return sb, local, gathered
+
+
+def nanotron_layer_stash(model: ModelSpec, setup: TrainingSetup, recompute: str | None = None) -> dict[str, int]:
+    """Bytes one nanotron `LlamaDecoderLayer` saves for backward per microbatch on one TP
+    rank, by tensor ([Note: nanotron's Llama stash])."""
+    recompute = setup.recompute if recompute is None else recompute
+    sb, local, gathered = _tokens(setup)
+    h, a, f, t, e = model.hidden, model.heads, model.ffn, setup.tp, setup.act_bytes
+    kv = 2 * model.kv_heads * model.head_dim
+    if recompute == "full":
+        return {"layer input (checkpoint)": local * h * e, "sequence mask (bool)": sb}
+    standin = setup.attention == "sdpa-standin"
+    norm = local * (2 * max(e, 4) * h + 4) if standin else local * (h * e + 4)
+    out = {"input norm": norm, "qkv_proj input": gathered * h * e}
+    if standin:
+        out["rotary cos, sin (fp32)"] = 8 * setup.seq * model.head_dim
+    if recompute == "selective":
+        out["attention q, k, v (checkpoint inputs)"] = sb * (h + kv) * e // t
+        out["attention output"] = sb * h * e // t
+    else:
+        out["attention q, k, v"] = sb * (3 * h if standin else h + kv) * e // t
+        out["attention output"] = sb * h * e // t * (2 if standin else 1)
+        out["attention logsumexp (fp32)"] = sb * a * 4 // t
+        out["attention RNG state"] = 16
+    out["post norm"] = norm
+    out["gate_up_proj input"] = gathered * h * e
+    out["SwiGLU: gate_up out, silu, product"] = 4 * sb * f * e // t
+    if standin:
+        out["unattributed (measured)"] = 4 * sb // t
+    return out
+
+
+def weight_stash_layer(model: ModelSpec, setup: TrainingSetup) -> int:
+    """Bytes one decoder layer keeps from its B to its W under a split backward, on one
+    TP rank: each deferred linear's input and the gradient of its output
+    ([Note: split backward] in pipeschedule/runtime/split_backward.py). Inputs: the
+    gathered input of qkv_proj and of gate_up_proj (s*b*h each), o_proj's (s*b*h/t) and
+    down_proj's (s*b*f/t); output gradients: qkv (s*b*(q+kv)/t), o_proj and down_proj
+    before their reduce-scatter (s*b*h each), gate_up (2*s*b*f/t). About 0.9 GiB for
+    Llama3-70B at tp=4, seq 8192."""
+    sb, t, e = setup.seq * setup.micro_batch, setup.tp, setup.act_bytes
+    h, f, kv = model.hidden, model.ffn, 2 * model.kv_heads * model.head_dim
+    inputs = 2 * sb * h + sb * h // t + sb * f // t
+    grads = sb * (h + kv) // t + 2 * sb * h + 2 * sb * f // t
+    return (inputs + grads) * e
+
+
+def weight_stash_head(model: ModelSpec, setup: TrainingSetup) -> int:
+    """The LM head's share of the W stash: its gathered input and its logits' gradient."""
+    sb = setup.seq * setup.micro_batch
+    return (sb * model.hidden + sb * model.padded_vocab(setup.tp) // setup.tp) * setup.act_bytes
+
+
+def weight_stash_bytes(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool, recomputed: int = 0) -> int:
+    """A stage's W stash: its layers' (none when recomputed: a rerun layer computes its
+    weight gradients at B, integration/nanotron/recompute.py) and the LM head's."""
+    kept = 0 if setup.recompute == "full" else (layers - min(recomputed, layers)) * weight_stash_layer(model, setup)
+    return kept + (weight_stash_head(model, setup) if last else 0)
+
+
+def layer_activation_bytes(model: ModelSpec, setup: TrainingSetup, recompute: str | None = None) -> int:
+    """Bytes one decoder layer saves for backward per microbatch ([Note: memory terms])."""
+    recompute = setup.recompute if recompute is None else recompute
+    if setup.activation_formula == "nanotron":
+        return sum(nanotron_layer_stash(model, setup, recompute).values())
+    s, b, h, a, t = setup.seq, setup.micro_batch, model.hidden, model.heads, setup.tp
+    sp = setup.sequence_parallel
+    scale = setup.act_bytes / 2
+    sbh = s * b * h
+    if recompute == "full":
+        return math.ceil(2 * sbh / (t if sp else 1) * scale)
+    if setup.activation_formula == "korthikanti":
+        per = sbh * 34 / t if sp else sbh * (10 + 24 / t)
+        scores = 5 * a * s * s * b / t
+    else:
+        f, k = model.ffn, model.kv_heads
+        sharded = 4 * sbh + 4 * sbh * k / a + 6 * s * b * f
+        per = (8 * sbh + sharded) / t if sp else 8 * sbh + sharded / t
+        scores = 2 * a * s * s * b / t
+    if recompute == "none" and not setup.flash:
+        per += scores
+    return math.ceil(per * scale)
+
+
+def head_stash(model: ModelSpec, setup: TrainingSetup) -> dict[str, int]:
+    """What the last stage's final norm, LM head and loss save per microbatch. nanotron:
+    the norm (as a layer's), the LM head's input (gathered unless async), the fp32
+    `exp_logits` of `_ShardedCrossEntropy` (functional.py:86) and its targets and masks
+    (12 bytes per token, measured by the ledger, and two scalars)."""
+    if setup.activation_formula != "nanotron":
+        boundary = boundary_bytes(model, setup)
+        return {"final norm + LM head inputs": 2 * boundary, "loss softmax (fp32)": 4 * logits_values(model, setup)}
+    sb, local, gathered = _tokens(setup)
+    layer = nanotron_layer_stash(model, setup, "none")
+    return {"final norm": layer["input norm"], "LM head input": gathered * model.hidden * setup.act_bytes,
+            "loss exp_logits (fp32)": 4 * logits_values(model, setup), "loss targets and masks": 12 * sb + 8}
+
+
+def boundary_bytes(model: ModelSpec, setup: TrainingSetup) -> int:
+    """One hidden-state tensor between stages: s*b*h values, sequence-sharded with SP."""
+    values = setup.seq * setup.micro_batch * model.hidden // (setup.tp if setup.sequence_parallel else 1)
+    return values * setup.act_bytes
+
+
+def logits_values(model: ModelSpec, setup: TrainingSetup) -> int:
+    """s*b*V/t: the last stage's vocab-sharded logits of one microbatch."""
+    return setup.seq * setup.micro_batch * model.padded_vocab(setup.tp) // setup.tp
+
+
+# -- one stage ------------------------------------------------------------------------------
+
+
+def static_per_param(setup: TrainingSetup) -> dict[str, float]:
+    """Bytes held all step per parameter, by term ([Note: memory terms]). Linear in the
+    parameter count, so a stage's static bytes are additive over its layers."""
+    shard = setup.dp if setup.zero_stage == 1 else 1
+    adam = setup.optimizer == "adam"
+    out = {"weights": float(setup.param_bytes)}
+    if setup.fp32_grad_accum:
+        out["fp32 grad accumulator"] = 4.0
+        if adam:
+            out["fp32 master weights"] = 4 / shard
+            out["Adam moments"] = 8 / shard
+    else:
+        out["gradients"] = float(setup.param_bytes)
+        if adam:
+            out["Adam moments"] = 2 * setup.param_bytes / shard
+    if builds_ddp(setup) and setup.ddp_buckets:
+        out["DDP grad buckets"] = float(setup.param_bytes)
+    return out
+
+
+def builds_ddp(setup: TrainingSetup) -> bool:
+    """nanotron wraps the model in torch DDP only when dp > 1 and not (fp32 accumulation
+    with ZeRO): `make_ddp` in nanotron/trainer.py:608-610. Under ZeRO-1 with fp32
+    accumulation there are no DDP buckets; the trainer all-reduces the fp32 gradients
+    itself after the pipeline step (trainer.py:341-350)."""
+    return setup.dp > 1 and not (setup.fp32_grad_accum and setup.zero_stage > 0)
+
+
+def transient_per_param(setup: TrainingSetup) -> float:
+    """bf16 `.grad` bytes per parameter that outlive a backward: none. With fp32
+    accumulation nanotron's accumulator adds each bf16 gradient to its fp32 buffer as it
+    is produced and frees it (`half_param.grad = None`,
+    nanotron/optim/gradient_accumulator.py:212-223), so one parameter's gradient exists at
+    a time (counted in the working set); without it the gradients are static."""
+    return 0.0
+
+
+def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool,
+                rerun: bool = False) -> tuple[str, int]:
+    """The largest short-lived allocation of a stage's step, with its name: a decoder
+    layer's backward (SwiGLU's gradients, 4*s*b*f/t values, and gate_up's bf16 weight
+    gradient before the accumulator takes it; under full recompute also the rerun layer's
+    whole stash), or the last stage's fp32 logits (nanotron's `cast_to_fp32`) with the LM
+    head's weight gradient."""
+    e, sb, t = setup.act_bytes, setup.seq * setup.micro_batch, setup.tp
+    layer = 0
+    if layers:
+        layer = 4 * sb * model.ffn * e // t + 2 * model.hidden * model.ffn * setup.param_bytes // t
+        if setup.recompute == "full" or rerun:
+            layer += layer_activation_bytes(model, setup, recompute="none")
+    head = 4 * logits_values(model,
+                             setup) + model.padded_vocab(t) * model.hidden * setup.param_bytes // t if last else 0
+    return ("logits fp32 (transient)", head) if head > layer else ("layer backward (transient)", layer)
+
+
+@dataclass(frozen=True)
+class StageFootprint:
+    """What one pipeline stage costs on one GPU, before any schedule is applied.
+
+    static: bytes held the whole step, by term. grads_transient: the bf16 gradients at the
+    end of a backward (additive over stages). stash: bytes one in-flight microbatch keeps
+    until its backward, by term (their sum is `stash_bytes`; it includes the stage's
+    input, which its first layer saves). boundary: one tensor crossing a stage boundary.
+    input_bytes: the stage's input as the simulator's `act_in` (token ids on stage 0).
+    working: the largest short-lived peak of one step on this stage (one layer's full
+    activations during backward or recompute, or the logits of the last stage's forward),
+    with its name.
+    """
+
+    layers: int
+    first: bool
+    last: bool
+    params: int
+    static: Mapping[str, float]
+    grads_transient: float
+    stash: Mapping[str, int]
+    boundary: int
+    input_bytes: int
+    working: tuple[str, int]
+    recomputed: int = 0  # layers of this stage that recompute (on top of setup.recompute)
+
+    @property
+    def stash_bytes(self) -> int:
+        return sum(self.stash.values())
+
+    @property
+    def static_bytes(self) -> float:
+        return sum(self.static.values())
+
+    # Separate numbers, for calibration against measured memory.
+    @property
+    def parameter_bytes(self) -> float:
+        return self.static.get("weights", 0)
+
+    @property
+    def gradient_bytes(self) -> float:
+        return sum(self.static.get(k, 0) for k in ("fp32 grad accumulator", "gradients", "DDP grad buckets"))
+
+    @property
+    def optimizer_bytes(self) -> float:
+        return sum(self.static.get(k, 0) for k in ("fp32 master weights", "Adam moments"))
+
+
+def stage_params(model: ModelSpec, layers: int, *, first: bool, last: bool, tp: int) -> int:
+    """Parameters on one GPU of a stage with `layers` decoder layers."""
+    params = layers * model.layer_params(tp)
+    if first:
+        params += model.embedding_params(tp)
+    if last:
+        params += model.head_params(tp)
+    return params
+
+
+def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: bool, last: bool,
+                    recomputed: int = 0) -> StageFootprint:
+    """The footprint of one stage holding `layers` decoder layers (plus the embedding when
+    `first`, the final norm, LM head and loss when `last`)."""
+    _check_int("layers", layers, 0)
+    params = stage_params(model, layers, first=first, last=last, tp=setup.tp)
+    boundary = boundary_bytes(model, setup)
+    recomputed = min(recomputed, layers)
+    stash = {"decoder layers": (layers - recomputed) * layer_activation_bytes(model, setup)}
+    if recomputed:
+        stash["recomputed layers' inputs"] = recomputed * layer_activation_bytes(model, setup, recompute="full")
+    if last:
+        stash.update(head_stash(model, setup))
+    working = working_set(model, setup, layers, last=last, rerun=recomputed > 0)
+    return StageFootprint(
+        layers=layers, first=first, last=last, params=params,
+        static={k: v * params for k, v in static_per_param(setup).items()},
+        grads_transient=transient_per_param(setup) * params,
+        stash=stash, boundary=boundary,
+        input_bytes=8 * setup.seq * setup.micro_batch if first else boundary,
+        working=working, recomputed=recomputed,
+    )
+
+
+def stage_footprints(model: ModelSpec, setup: TrainingSetup, split: Sequence[int],
+                     recomputed: Sequence[int] | None = None) -> list[StageFootprint]:
+    """Footprints of every stage of `split` (decoder layers per stage, in stage order);
+    recomputed[s]: how many of stage s's layers recompute (the engine's `recompute=N0/N1/..`)."""
+    setup.check_model(model)
+    last = len(split) - 1
+    recomputed = recomputed or (0,) * len(split)
+    return [stage_footprint(model, setup, n, first=s == 0, last=s == last, recomputed=recomputed[s])
+            for s, n in enumerate(split)]
+
+
+# -- per rank, under a schedule ([Note: memory terms]) ----------------------------------------------
+
+
+def stash_buffers(footprints: Sequence[StageFootprint]) -> dict[str, tuple[int, ...]]:
+    """The simulator's buffer_bytes counting saved activations only (see `rank_memory`)."""
+    return {"stash": tuple(fp.stash_bytes for fp in footprints)}
+
+
+def p2p_buffers(footprints: Sequence[StageFootprint]) -> dict[str, tuple[int, ...]]:
+    """The simulator's buffer_bytes counting the tensors that cross stage boundaries: the
+    sent output and both gradients (a received input is also the first layer's saved
+    input, so it is counted with the stash; stage 0's input is the token ids)."""
+    boundary = tuple(fp.boundary for fp in footprints)
+    ids = tuple(fp.input_bytes if fp.first else 0 for fp in footprints)
+    return {"act_in": ids, "act_out": boundary, "grad_out": boundary, "grad_in": boundary}
+
+
+# -- one rank under a schedule ---------------------------------------------------------------
+
+ACTIVATIONS, P2P, GRADS = "activations", "p2p buffers", "bf16 gradients (transient)"
+OPTIMIZER_STEP = "optimizer step (transient, above the pipeline)"
+
+
+def optimizer_step_transient(setup: TrainingSetup, params: int) -> float:
+    """Bytes the optimizer step allocates above the static terms, for `params` parameters
+    on the GPU: torch's foreach Adam (nanotron's `torch_adam_is_fused: false`) allocates
+    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one moment's worth over the
+    rank's shard (torch/optim/adam.py, `_multi_tensor_adam`; the fused kernel allocates
+    none); under ZeRO-1 `ZeroDistributedOptimizer._all_gather_params`
+    (nanotron/optim/zero.py:217-245) calls `all_gather_coalesced`, whose backend flattens
+    the shard (2 P / dp bytes) and the gathered output (2 P)."""
+    if setup.optimizer != "adam":
+        return 0.0
+    shard = params / (setup.dp if setup.zero_stage else 1)
+    moment = 4 if setup.fp32_grad_accum else setup.param_bytes
+    sqrt = 0.0 if setup.adam_fused else moment * shard
+    gather = setup.param_bytes * (params + shard) if setup.zero_stage and setup.dp > 1 else 0.0
+    return sqrt + gather
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Peak memory of one GPU of pipeline rank `rank` under a schedule.
+
+    terms: bytes by term in display order: the static terms summed over the rank's stages,
+    "activations" (the simulator's peak of live saved activations), "p2p buffers" (its
+    peak of boundary tensors), the bf16 gradients of a backward, and the largest working
+    set. Peaks of different kinds are added (an upper bound: they need not coincide).
+    inflight: the most microbatches (stage-microbatches when interleaved) in flight.
+    """
+
+    rank: int
+    stages: tuple[int, ...]
+    layers: tuple[int, ...]
+    inflight: int
+    terms: Mapping[str, float]
+    budget: float
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+    @property
+    def overflow(self) -> float:
+        """Bytes over budget (negative: headroom)."""
+        return self.total - self.budget
+
+    @property
+    def parameter_bytes(self) -> float:
+        return self.terms.get("weights", 0)
+
+    @property
+    def gradient_bytes(self) -> float:
+        return sum(self.terms.get(k, 0) for k in ("fp32 grad accumulator", "gradients", "DDP grad buckets", GRADS))
+
+    @property
+    def optimizer_bytes(self) -> float:
+        return sum(self.terms.get(k, 0) for k in ("fp32 master weights", "Adam moments"))
+
+    @property
+    def activation_bytes(self) -> float:
+        return self.terms.get(ACTIVATIONS, 0) + self.terms.get(P2P, 0)
+
+    def to_dict(self) -> dict:
+        return {
+            "rank": self.rank, "stages": list(self.stages), "layers": list(self.layers),
+            "inflight": self.inflight, "terms": {k: float(v) for k, v in self.terms.items()},
+            "total": float(self.total), "budget": float(self.budget), "fits": self.fits,
+        }
+
+
+def rank_memory(
+    footprints: Sequence[StageFootprint],
+    placement: Sequence[int],
+    *,
+    peak_stash: Sequence[float],
+    peak_p2p: Sequence[float],
+    peak_inflight: Sequence[int],
+    budget: float,
+    setup: TrainingSetup | None = None,
+) -> list[RankMemory]:
+    """Combine stage footprints with a schedule's simulated peaks, one entry per rank.
+
+    peak_stash[r] / peak_p2p[r]: the simulator's `peak_bytes` of rank r with
+    `stash_buffers` / `p2p_buffers` as the cost model's buffer_bytes. With `setup`, a
+    rank whose optimizer step peaks above its pipeline gets the difference as the term
+    "optimizer step (transient, above the pipeline)" (`optimizer_step_transient`).
+    """
+    out = []
+    for r in range(len(peak_stash)):
+        stages = tuple(s for s, rank in enumerate(placement) if rank == r)
+        terms: dict[str, float] = {}
+        for s in stages:
+            for key, value in footprints[s].static.items():
+                terms[key] = terms.get(key, 0) + value
+        terms[ACTIVATIONS] = float(peak_stash[r])
+        terms[P2P] = float(peak_p2p[r])
+        grads = sum(footprints[s].grads_transient for s in stages)
+        if grads:
+            terms[GRADS] = grads
+        name, value = max((footprints[s].working for s in stages), key=lambda w: w[1], default=("", 0))
+        if value:
+            terms[name] = float(value)
+        if setup is not None:  # the optimizer step's peak, where it is above the pipeline's
+            static = sum(sum(footprints[s].static.values()) for s in stages)
+            step = static + optimizer_step_transient(setup, sum(footprints[s].params for s in stages))
+            if step > sum(terms.values()):
+                terms[OPTIMIZER_STEP] = step - sum(terms.values())
+        out.append(RankMemory(
+            rank=r, stages=stages, layers=tuple(footprints[s].layers for s in stages),
+            inflight=int(peak_inflight[r]), terms=terms, budget=float(budget),
+        ))
+    return out
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "ACTIVATION_FORMULAS",
+    "GRADS",
+    "GiB",
+    "ModelSpec",
+    "OPTIMIZERS",
+    "OPTIMIZER_STEP",
+    "P2P",
+    "RECOMPUTE_MODES",
+    "RankMemory",
+    "StageFootprint",
+    "TrainingSetup",
+    "boundary_bytes",
+    "layer_activation_bytes",
+    "logits_values",
+    "optimizer_step_transient",
+    "p2p_buffers",
+    "rank_memory",
+    "stage_footprint",
+    "stage_footprints",
+    "stage_params",
+    "stash_buffers",
+    "static_per_param",
+    "transient_per_param",
+]

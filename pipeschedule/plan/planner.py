@@ -1,0 +1,420 @@
+"""The planner: which schedule, in-flight cap and layer split fit a GPU, and how fast.
+
+`plan(config)` evaluates nanotron's default (1F1B with nanotron's split) and the
+alternatives: 1F1B, capped 1F1B at every cap 1..pp-1, interleaved 1F1B (virtual=2 when
+the layers allow) uncapped and capped, the split-backward schedules (ZB-H1; ZB-V, V-Half
+and V-Min with their V-shape placement, two stages per rank, when every stage gets a
+layer) and AFAB, each with nanotron's split and with the split `partition.optimal_split`
+finds for it. Every candidate gets a per-rank memory table (memory.py: a rank's
+activations are the simulated peak of its stages' stash together, which lives from F to
+W under a split backward), a simulated step time (pipeschedule.simulate) and the nanotron config
+line that selects it. The recommendation is the candidate that fits with the least
+simulated step time.
+
+Costs follow [Note: compute costs] and the config, candidates and their nanotron config
+lines live in config.py and candidate.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from pipeschedule.errors import ParameterError
+from pipeschedule.compiler.families import FAMILIES, generate
+from pipeschedule.plan.memory import (
+    GiB,
+    boundary_bytes,
+    head_stash,
+    layer_activation_bytes,
+    stage_footprints,
+    static_per_param,
+    transient_per_param,
+    weight_stash_bytes,
+    weight_stash_layer,
+)
+from pipeschedule.plan.partition import (
+    SplitInfeasible,
+    SplitProblem,
+    nanotron_split,
+    optimal_split,
+)
+from pipeschedule.compiler.passes import lower
+from pipeschedule.plan.candidate import Candidate, cap_label, fitted_caps
+from pipeschedule.plan.dp_step import step_tail
+from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, layer_seconds, weight_seconds
+from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
+from pipeschedule.plan.report import plan_to_dict, plan_to_text
+from pipeschedule.plan.offload import AutoOffload, choose_offload, evaluate_offload
+from pipeschedule.simulate import CostModel, simulate
+
+
+class _Planner:
+    """Evaluates candidates of one config, caching schedules and simulations."""
+
+    def __init__(self, config: PlanConfig) -> None:
+        self.config = config
+        self.layer = layer_seconds(config)
+        self.head = head_seconds(config)
+        self.weight = weight_seconds(config)  # (layer, head): W of split-backward schedules
+        self.boundary = boundary_bytes(config.model, config.setup)
+        self.schedules: dict = {}
+        self.stats = {"evaluations": 0, "simulations": 0, "searches": 0, "proven": 0, "search_nodes": 0,
+                      "search_simulations": 0}
+
+    def simulate(self, schedule, cost):
+        self.stats["simulations"] += 1
+        return simulate(schedule, cost)
+
+    def schedule(self, family: str, cap, virtual: int):
+        cap = tuple(cap) if isinstance(cap, list) else cap
+        key = (family, cap, virtual)
+        if key not in self.schedules:
+            self.schedules[key] = lower(generate(family, pp=self.config.pp, microbatches=self.config.microbatches,
+                                                 virtual=virtual, cap=cap))
+        return self.schedules[key]
+
+    def compute_costs(self, split_backward: bool):
+        """((layer F, B, W), (head F, B, W)) seconds; W is 0 unless the backward is split."""
+        (f, b), (hf, hb) = self.layer, self.head
+        if not split_backward:
+            return (f, b, 0.0), (hf, hb, 0.0)
+        w, hw = self.weight
+        return (f, b - w, w), (hf, hb - hw, hw)
+
+    def cost(self, split: Sequence[int], buffers=None, split_backward: bool = False,
+             recomputed: Sequence[int] | None = None) -> CostModel:
+        """Per-stage costs; recomputed[s] layers of stage s rerun their forward in B (and,
+        under a split backward, compute their weight gradients there: W has none of them)."""
+        (f, b, w), (hf, hb, hw) = self.compute_costs(split_backward)
+        last = len(split) - 1
+        r = recomputed or (0,) * len(split)
+        forward = tuple(n * f + (hf if s == last else 0) for s, n in enumerate(split))
+        backward = tuple(n * b + r[s] * (self.layer[0] + w) + (hb if s == last else 0) for s, n in enumerate(split))
+        weight = tuple((n - r[s]) * w + (hw if s == last else 0) for s, n in enumerate(split))
+        bytes_ = buffers or {"act_out": (self.boundary,) * len(split), "grad_in": (self.boundary,) * len(split)}
+        return CostModel(forward, backward, weight, bytes_,
+                         latency=self.config.p2p_latency, bandwidth=self.config.p2p_bandwidth)
+
+    def evaluate(self, family: str, cap, virtual: int, split: Sequence[int], kind: str, proven=None,
+                 recomputed: Sequence[int] | None = None) -> Candidate:
+        """One candidate's memory table and step time; recomputed: layers per stage that
+        recompute on top of the setup's mode ([Note: partial recompute])."""
+        config = self.config
+        self.stats["evaluations"] += 1
+        schedule = self.schedule(family, cap, virtual)
+        footprints = stage_footprints(config.model, config.setup, split, recomputed)
+        sb = schedule.split_backward
+        stash_cost = self.cost(split, stash_buffers(footprints), sb, recomputed)
+        if sb:
+            kept = tuple(weight_stash_bytes(config.model, config.setup, fp.layers, last=fp.last,
+                                            recomputed=fp.recomputed) for fp in footprints)
+            stash_cost = replace(stash_cost, weight_stash=kept)
+        stash = self.simulate(schedule, stash_cost)
+        # Messages are timed from act_out and grad_in, which p2p_buffers sets to the boundary
+        # as the timing cost does: this run is also the step's timing.
+        p2p = timing = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb, recomputed))
+        memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
+                             peak_inflight=stash.peak_inflight, budget=config.budget, setup=config.setup)
+        cost = self.cost(split, split_backward=sb, recomputed=recomputed)
+        backward = [b + w for b, w in zip(cost.backward, cost.weight)]
+        tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,
+                                dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
+        step = timing.step_time + tail
+        return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
+                         config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=timing.step_time,
+                         tail=parts, recompute=config.setup.recompute,
+                         recomputed=tuple(recomputed) if recomputed and any(recomputed) else None)
+
+    def problem(self, family: str, cap, virtual: int) -> SplitProblem:
+        """The split problem of `optimal_split` with this planner's costs and memory."""
+        config, model, setup = self.config, self.config.model, self.config.setup
+        schedule = self.schedule(family, cap, virtual)
+        S, L = schedule.num_stages, model.layers
+        per_param = sum(static_per_param(setup).values()) + transient_per_param(setup)
+        (f, b, w), (hf, hb, hw) = self.compute_costs(schedule.split_backward)
+        head = float(sum(head_stash(model, setup).values()))
+        layer_stash = float(layer_activation_bytes(model, setup))
+        if schedule.split_backward and setup.recompute != "full":
+            layer_stash = max(layer_stash, float(weight_stash_layer(model, setup)))  # a bound: W may keep more
+        static = [0.0] * S
+        static[0] += per_param * model.embedding_params(setup.tp)
+        static[-1] += per_param * model.head_params(setup.tp)
+        probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
+        p2p = self.simulate(schedule, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward)).peak_bytes
+        working = [0.0] * schedule.pp
+        for s, fp in enumerate(probe):
+            r = schedule.placement[s]
+            working[r] = max(working[r], fp.working[1])
+        return SplitProblem(
+            layer_forward=(f,) * L, layer_backward=(b,) * L, layer_weight=(w,) * L,
+            stage_forward=(0.0,) * (S - 1) + (hf,), stage_backward=(0.0,) * (S - 1) + (hb,),
+            stage_weight=(0.0,) * (S - 1) + (hw,),
+            layer_static=(per_param * model.layer_params(setup.tp),) * L,
+            layer_stash=(layer_stash,) * L,
+            stage_static=tuple(static), stage_stash=(0.0,) * (S - 1) + (head,),
+            rank_bytes=tuple(p + w for p, w in zip(p2p, working)),
+            budget=(config.budget,) * schedule.pp, boundary=(float(self.boundary),) * S,
+            latency=config.p2p_latency, bandwidth=config.p2p_bandwidth,
+        )
+
+    def optimise(self, family: str, cap, virtual: int, seeds, cutoff: float) -> Candidate:
+        schedule = self.schedule(family, cap, virtual)
+        self.stats["searches"] += 1
+        try:
+            found = optimal_split(self.problem(family, cap, virtual), schedule, seeds=seeds,
+                                  node_limit=self.config.node_limit, cutoff=cutoff)
+        except SplitInfeasible as err:
+            if err.overflow <= 0:  # the per-stage bound refused, the rank totals fit: evaluate it
+                row = self.evaluate(family, cap, virtual, err.split, "best found")
+                return replace(row, note="the search's per-stage bound admits no split; this one fits its rank totals")
+            self.stats["proven"] += 1
+            return Candidate(family, cap_label(cap), virtual, err.split, "least overflow",
+                             note=f"no split fits: the best still overflows rank {err.rank} "
+                                  f"by {err.overflow / GiB:.1f} GiB")
+        self.stats["proven"] += found.proven
+        self.stats["search_nodes"] += found.nodes
+        self.stats["search_simulations"] += found.simulations
+        if found.proven and found.step_time >= cutoff:
+            kind, note = "no better", "no split of this schedule beats the best candidate before it"
+        elif found.proven:
+            kind, note = "optimal", ""
+        else:
+            kind, note = "best found", f"best split found in {found.nodes} search nodes (not proven optimal)"
+        return replace(self.evaluate(family, cap, virtual, found.split, kind, found.proven), note=note)
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The evaluated candidates of a config; `default` is nanotron's 1F1B with its own
+    split, `recommended` the fitting candidate with the least step time (None: nothing
+    fits)."""
+
+    config: PlanConfig
+    default: Candidate
+    candidates: tuple[Candidate, ...]
+    recommended: Candidate | None
+    zero1_default: Candidate | None = None  # nanotron's default again with ZeRO-1, when dp > 1 without it
+    stats: dict = field(default_factory=dict, compare=False)  # work done: simulations, searches, nodes
+    offload: dict | None = field(default=None, compare=False)  # what offload adds to `recommended` (config.offload)
+    dropped: tuple = ()  # (family, why) not listed: the engines cannot run them under this config
+
+    def to_dict(self) -> dict:
+        return plan_to_dict(self)
+
+    def to_text(self, tables: str = "all") -> str:
+        return plan_to_text(self, tables=tables)
+
+
+# The order the alternatives are tried in: the fastest-looking first, so that the best
+# time so far prunes the split searches of the slower ones (and among equally fast ones
+# that fit, the earliest, the simplest change, is recommended). Split backward comes
+# early: it is often the fastest. Then every family's caps, then the slow ones. A family
+# of FAMILIES named in neither list is tried after FAST.
+FAST = ("1f1b", "zb_h1", "zbv", "v_half", "interleaved_1f1b")
+SLOW = ("v_min", "afab")  # v_min: the least memory, rarely the fastest
+
+
+def _families(config: PlanConfig, planner: _Planner):
+    """(family, cap, virtual) of every alternative, in the order of FAST and SLOW, each
+    as its `Family` record says: at its own chunks per rank (the config's `virtual` where
+    it takes any), where every stage gets a decoder layer; uncapped, except a family with
+    a default cap (its uncapped form is 1F1B), which is tried at every cap below pp; the
+    caps of the others that take one and do not split the backward, in
+    stage-microbatches below their uncapped peak."""
+    pp, L = config.pp, config.model.layers
+    usable = {}
+    for name, f in FAMILIES.items():
+        v = config.virtual if f.takes_virtual else f.chunks()
+        if (f.takes_virtual and v == 1) or (pp == 1 and (v > 1 or f.split_backward)) or L < pp * v:
+            continue  # the same as another candidate, nothing to gain at pp=1, or a stage without a layer
+        if f.split_backward and config.setup.tp_async and config.setup.tp > 1:
+            continue  # [Note: dropped candidates]
+        usable[name] = (f, v)
+    order = [n for n in FAST if n in usable] + [n for n in usable if n not in FAST and n not in SLOW]
+    out = [(name, None, usable[name][1]) for name in order if usable[name][0].default_cap is None]
+    for name in order:
+        f, v = usable[name]
+        if f.default_cap is not None:
+            out += [(name, c, v) for c in range(pp - 1, 0, -1)]
+    for name in order:
+        f, v = usable[name]
+        if f.takes_cap and f.default_cap is None and not f.split_backward:
+            # Caps in stage-microbatches: v*k holds about as much as k microbatches of 1F1B.
+            # Past pp=8 a spread of k is tried rather than every one.
+            peak = max(planner.simulate(planner.schedule(name, None, v), None).peak_inflight)
+            ks = range(1, pp) if pp <= 8 else sorted({1, 2, 3, 4, pp // 4, pp // 2, 3 * pp // 4, pp - 1})
+            out += [(name, v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
+    out += [(name, None, usable[name][1]) for name in SLOW if name in usable]
+    return out
+
+
+def fitted_recompute(planner: _Planner, cand: Candidate) -> Candidate | None:
+    """[Note: partial recompute] The fewest layers per stage to recompute (the first N_s
+    of stage s, the engine's `recompute=N0/N1/..`) for `cand` (one stage per rank, no
+    recompute) to fit: each recomputed layer keeps only its input, saving (stash - input)
+    per microbatch in flight on that rank, and its rerun adds one layer's stash to the
+    working set and one layer forward to B. Raised rank by rank until the table fits or
+    every layer recomputes; None when it cannot fit."""
+    config = planner.config
+    model, setup = config.model, config.setup
+    saving = layer_activation_bytes(model, setup) - layer_activation_bytes(model, setup, recompute="full")
+    counts = [0] * len(cand.split)
+    for _ in range(4):
+        over = [r.overflow for r in cand.memory]
+        if all(o <= 0 for o in over):
+            return replace(cand, split_kind=cand.split_kind, note="recomputes the first N_s layers of each stage")
+        for r, o in enumerate(over):
+            if o > 0:
+                rerun = layer_activation_bytes(model, setup) if counts[r] == 0 else 0
+                per_layer = saving * max(1, cand.memory[r].inflight)
+                counts[r] = min(cand.split[r], counts[r] + math.ceil((o + rerun) / per_layer))
+        cand = planner.evaluate(cand.family, cand.cap, 1, cand.split, cand.split_kind, recomputed=tuple(counts))
+    return cand if cand.fits else None
+
+
+def partial_recompute(planner: _Planner, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Rows with partial recompute fitted ([Note: partial recompute]) for the 1F1B and
+    ZB-H1 rows with nanotron's split that do not fit, when the setup recomputes nothing."""
+    if planner.config.setup.recompute != "none":
+        return []
+    out = []
+    for cand in candidates:
+        if cand.family in ("1f1b", "zb_h1") and cand.virtual == 1 and cand.memory and not cand.fits \
+                and cand.split_kind.startswith("nanotron"):
+            fitted = fitted_recompute(planner, cand)
+            if fitted is not None:
+                out.append(fitted)
+    return out
+
+
+def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:
+    """[Note: dropped candidates] (family, why) of the families the planner does not list
+    because the engines cannot run them as planned under this config: with
+    `tp_linear_async_communication: true` at tp > 1 nanotron's linears are autograd
+    functions that compute the weight gradient inside their own backward
+    (nanotron/parallel/tensor_parallel/functional.py:119-160, 362-400), so a split backward
+    defers nothing and W is empty: zb_h1 and the V shapes would run as their 1F1B-like
+    order with B = the whole backward."""
+    if not (config.setup.tp_async and config.setup.tp > 1):
+        return ()
+    why = ("tp_linear_async_communication: true: nanotron's async TP linears compute weight gradients "
+           "in their own backward, so the split backward defers nothing")
+    return tuple((name, why) for name, f in FAMILIES.items() if f.split_backward)
+
+
+def plan(config: PlanConfig | None = None, **options) -> Plan:
+    """Evaluate nanotron's default and every alternative; see the module docstring.
+
+    Give a PlanConfig, or the command line's options as keywords (`config.build_config`):
+    `plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full")`.
+    """
+    if config is None:
+        config = build_config(options.pop("model"), **options) if "model" in options else build_config(None, **options)
+    elif options:
+        raise ParameterError(f"give a PlanConfig or keyword options, not both (got {sorted(options)})")
+    planner = _Planner(config)
+    base_split = nanotron_split(config.model, config.pp)
+    default = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
+    candidates = [default]
+    best = default.pipeline_time if default.fits else math.inf  # a cutoff: the searches time the pipeline
+    for family, cap, virtual in _families(config, planner):
+        try:
+            nanotron = nanotron_split(config.model, config.pp * virtual)
+        except ParameterError:
+            nanotron = None
+        same = None  # the row with nanotron's split, which the search may confirm
+        if nanotron is not None:
+            same = default if (family, virtual) == ("1f1b", 1) else planner.evaluate(family, cap, virtual, nanotron,
+                                                                                     "nanotron")
+            if same is not default:
+                candidates.append(same)
+                if same.fits:
+                    best = min(best, same.pipeline_time)
+        seeds = [nanotron] if nanotron else []
+        row = planner.optimise(family, cap, virtual, seeds, cutoff=best)
+        if same is not None and row.split == same.split and row.memory and row.split_kind != "best found":
+            # The search kept nanotron's split (or proved nothing beats the rows before): one row.
+            kind = ("nanotron" if same is default
+                    else "nanotron=optimal" if row.split_kind == "optimal" else same.split_kind)
+            candidates[candidates.index(same)] = replace(same, split_kind=kind, proven=row.proven)
+            continue
+        candidates.append(row)
+        if row.fits:
+            best = min(best, row.pipeline_time)
+    # Per-rank caps: for each split found so far, the least capping that fits it (p2p
+    # buffers as 1F1B has them: the most a capped schedule holds).
+    p2p = [r.terms["p2p buffers"] for r in default.memory]
+    tried = {(c.family, c.cap) for c in candidates if c.virtual == 1}
+    for split in dict.fromkeys(c.split for c in list(candidates) if c.virtual == 1 and c.split):
+        caps = fitted_caps(config, split, p2p)
+        if caps is None or caps == tuple(min(config.pp - r, config.microbatches) for r in range(config.pp)):
+            continue
+        uniform = [c for c in range(1, config.pp) if caps == tuple(min(c, config.pp - r) for r in range(config.pp))]
+        if uniform or ("capped_1f1b", caps) in tried:
+            continue
+        tried.add(("capped_1f1b", caps))
+        candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best))
+        if candidates[-1].fits:
+            best = min(best, candidates[-1].pipeline_time)
+    for cand in partial_recompute(planner, candidates):
+        candidates.append(cand)
+    base = default.tokens_per_gpu
+    candidates = [replace(c, relative=c.tokens_per_gpu / base if c.tokens_per_gpu else None) for c in candidates]
+    # The fastest that fits; among equals (1e-9) the earliest, i.e. the simplest change.
+    fitting = [(i, c) for i, c in enumerate(candidates) if c.fits]
+    recommended = None
+    if fitting:
+        fastest = min(c.step_time for _, c in fitting)
+        recommended = next(c for _, c in fitting if c.step_time <= fastest * (1 + 1e-9))
+    zero1 = None
+    if config.setup.dp > 1 and config.setup.zero_stage == 0:
+        sharded = replace(config, setup=replace(config.setup, zero_stage=1))
+        zero1 = _Planner(sharded).evaluate("1f1b", None, 1, base_split, "nanotron")
+    stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.schedules))
+    # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
+    offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
+    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload, dropped(config))
+
+
+def offload_report(planner: _Planner, candidate: Candidate) -> dict:
+    """What host offload ([Note: offload placement] in compiler/offload.py) adds to `candidate`
+    under `config.offload`, over a host link of `config.host_bandwidth` per direction:
+    the policy (chosen by `choose_offload` for an AutoOffload), the step time with and
+    without it (boundary messages and stash copies timed), and per rank the simulated
+    peak of saved activations without and with it. `tightest` is the rank with the least
+    headroom, where the saving matters."""
+    config = planner.config
+    schedule = planner.schedule(candidate.family, candidate.cap, candidate.virtual)
+    sb = schedule.split_backward
+    footprints = stage_footprints(config.model, config.setup, candidate.split)
+    stash = stash_buffers(footprints)
+    timing = planner.cost(candidate.split, split_backward=sb)
+    both = replace(timing, buffer_bytes=dict(timing.buffer_bytes) | stash,
+                   offload_bandwidth=config.host_bandwidth, reload_bandwidth=config.host_bandwidth)
+    if isinstance(config.offload, AutoOffload):
+        choice = choose_offload(schedule, both, config.offload)
+    else:
+        choice = evaluate_offload(schedule, both, config.offload)
+    stash_cost = replace(planner.cost(candidate.split, stash, sb), offload_bandwidth=config.host_bandwidth,
+                         reload_bandwidth=config.host_bandwidth)
+    before, after = simulate(schedule, stash_cost), simulate(choice.schedule, choice.policy.cost(stash_cost))
+    tightest = candidate.peak.rank
+    return {
+        "policy": choice.policy.text(), "offloaded": [list(c) for c in choice.counts],
+        "host_bandwidth": config.host_bandwidth, "auto": isinstance(config.offload, AutoOffload),
+        "budget": config.offload.budget if isinstance(config.offload, AutoOffload) else None,
+        "step_time_s": choice.base_step_time, "step_time_offload_s": choice.step_time, "slowdown": choice.slowdown,
+        "activations": [float(x) for x in before.peak_bytes],
+        "activations_offload": [float(x) for x in after.peak_bytes],
+        "host_bytes": [float(x) for x in after.peak_host_bytes], "tightest_rank": tightest,
+        "saved_on_tightest": float(before.peak_bytes[tightest] - after.peak_bytes[tightest]),
+        "simulations": choice.simulations, "chunk": choice.policy.chunk,
+    }
+
+
+__all__ = ["Plan", "offload_report", "plan"]

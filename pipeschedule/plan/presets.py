@@ -1,0 +1,271 @@
+"""Model and GPU presets (with each GPU's host link), and models read from a small YAML or
+JSON file.
+
+A model file may be flat (`hidden: 4096`) or a whole nanotron config: the keys are
+looked for anywhere in it, in our spelling (layers, hidden, heads, kv_heads, ffn, vocab)
+or nanotron's / Hugging Face's (num_hidden_layers, hidden_size, num_attention_heads,
+num_key_value_heads, intermediate_size, vocab_size). PyYAML is not needed: `parse_yaml`
+reads the subset of YAML that configs use (nested mappings by indentation, scalars,
+comments, `- item` lists and `[a, b]` inline lists). JSON files are read as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pipeschedule.errors import FormatError, ParameterError
+from pipeschedule.plan.memory import GiB, ModelSpec
+from pipeschedule.checks import check_number, is_int, shown
+
+MODELS = {
+    "llama3-8b": ModelSpec("llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256),
+    "llama3-70b": ModelSpec("llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256),
+    "llama3-405b": ModelSpec("llama3-405b", layers=126, hidden=16384, heads=128, kv_heads=8, ffn=53248, vocab=128256),
+}
+
+# Nominal capacity read as GiB (nvidia-smi reports totals within about 1% of it).
+# Dense bf16 peak TFLOP/s, for absolute time estimates only.
+GPUS = {
+    "gh200": {"memory": 96 * GiB, "tflops": 989.0, "hbm": 4.0, "label": "NVIDIA GH200 96 GB"},
+    "h100": {"memory": 80 * GiB, "tflops": 989.0, "label": "NVIDIA H100 80 GB"},
+    "h200": {"memory": 141 * GiB, "tflops": 989.0, "hbm": 4.8, "label": "NVIDIA H200 141 GB"},
+}
+
+# Host link bandwidth per direction, GB/s, by GPU preset: GH200's NVLink-C2C (900 GB/s
+# both directions together, as the vendor quotes it) and the H200 lent here (pinned
+# copies measured at 55.4 GB/s each way, issue 9).
+HOST_LINKS = {"gh200": 450.0, "h200": 55.4}
+
+_KEYS = {
+    "layers": ("layers", "num_hidden_layers", "num_layers", "n_layers"),
+    "hidden": ("hidden", "hidden_size", "d_model"),
+    "heads": ("heads", "num_attention_heads", "n_heads"),
+    "kv_heads": ("kv_heads", "num_key_value_heads", "n_kv_heads"),
+    "ffn": ("ffn", "intermediate_size", "ffn_hidden_size"),
+    "vocab": ("vocab", "vocab_size"),
+    "tied_embeddings": ("tied_embeddings", "tie_word_embeddings"),
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    key = name.lower().replace("_", "-")
+    if key not in MODELS:
+        raise ParameterError(f"unknown model {shown(name)}; presets: {', '.join(MODELS)} "
+                             "(or give --model-file / the sizes as flags)")
+    return MODELS[key]
+
+
+def gpu_preset(name: str) -> dict:
+    key = name.lower().replace("-", "").replace(" ", "")
+    for preset, spec in GPUS.items():
+        if key == preset or key.startswith(preset):
+            return spec
+    raise ParameterError(f"unknown GPU {shown(name)}; presets: {', '.join(GPUS)} (or give --gpu-memory in GiB)")
+
+
+def host_bandwidth(gpu: str | None, given: float | None) -> float | None:
+    """GB/s per direction: `given` (--host-bandwidth) when set, else the GPU preset's
+    (HOST_LINKS), else None (unknown)."""
+    if given is not None:
+        return float(check_number("--host-bandwidth", given, above=True, hint=" (GB/s per direction)"))
+    if gpu:
+        key = gpu.lower().replace("-", "").replace(" ", "")
+        for name, value in HOST_LINKS.items():
+            if key == name or key.startswith(name):
+                return value
+    return None
+
+
+def model_from_mapping(obj: Any, name: str = "custom") -> ModelSpec:
+    """A ModelSpec from a (possibly nested) mapping; see the module docstring."""
+    if not isinstance(obj, dict):
+        raise FormatError(f"a model description must be a mapping, got {type(obj).__name__}")
+    found: dict[str, Any] = {}
+    for field, aliases in _KEYS.items():
+        value = _find(obj, aliases)
+        if value is not None:
+            found[field] = value
+    if "kv_heads" not in found and "heads" in found:
+        found["kv_heads"] = found["heads"]  # nanotron's default: no GQA
+    missing = [k for k in ("layers", "hidden", "heads", "ffn", "vocab") if k not in found]
+    if missing:
+        raise FormatError(
+            f"model description lacks {', '.join(missing)} (accepted spellings: "
+            + "; ".join(f"{k}: {'/'.join(_KEYS[k])}" for k in missing) + ")"
+        )
+    for key, value in found.items():
+        if key == "tied_embeddings":
+            if not isinstance(value, bool):
+                raise FormatError(f"model tied_embeddings must be true or false, got {shown(value)}")
+        elif not is_int(value):
+            raise FormatError(f"model {key} must be an integer, got {shown(value)}")
+    return ModelSpec(name=str(_find(obj, ("name",)) or name), **found)
+
+
+def _find(obj: Any, keys: tuple[str, ...]) -> Any:
+    """The first value under any of `keys`, searching nested mappings breadth-first."""
+    queue = [obj]
+    while queue:
+        node = queue.pop(0)
+        if isinstance(node, dict):
+            for key in keys:
+                if key in node and not isinstance(node[key], (dict, list)):
+                    return node[key]
+            queue.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            queue.extend(v for v in node if isinstance(v, (dict, list)))
+    return None
+
+
+def load_model(path: str) -> ModelSpec:
+    """Read a model from a YAML or JSON file (see the module docstring)."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is skipped
+            text = handle.read()
+    except (OSError, UnicodeDecodeError, ValueError) as err:  # ValueError: NUL in the path
+        raise FormatError(f"cannot read model file {path}: {err}") from None
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except (ValueError, RecursionError) as err:  # ValueError: also ints over 4300 digits
+            raise FormatError(f"model file {path} is not valid JSON: {err}") from None
+    else:
+        obj = parse_yaml(text, source=path)
+    stem = re.sub(r"\.(ya?ml|json)$", "", path.rsplit("/", 1)[-1])
+    return model_from_mapping(obj, name=stem)
+
+
+# -- a small YAML subset ---------------------------------------------------------------------
+
+
+def parse_scalar(text: str) -> Any:
+    """A YAML scalar: null, booleans, ints (with _ or e-notation that is integral, as
+    YAML 1.1 reads them; ASCII digits only), floats, quoted or plain strings, and
+    `[a, b]` inline lists of scalars."""
+    text = text.strip()
+    if text in ("", "~", "null", "Null", "NULL"):
+        return None
+    if text in ("true", "True", "TRUE"):
+        return True
+    if text in ("false", "False", "FALSE"):
+        return False
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    if text.startswith("[") and text.endswith("]"):
+        inner = text[1:-1].strip()
+        return [parse_scalar(part) for part in inner.split(",")] if inner else []
+    if text.startswith("{") and text.endswith("}"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    plain = text.replace("_", "")
+    if len(plain) > 40:  # no number a model needs; int() of thousands of digits raises
+        return text
+    if re.fullmatch(r"[+-]?[0-9]+", plain):  # not \d, which takes every script's digits
+        return int(plain)
+    if re.fullmatch(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", plain):
+        value = float(plain)
+        return int(value) if value.is_integer() and "e" in plain.lower() and "." not in plain else value
+    return text
+
+
+def _strip_comment(line: str) -> str:
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1] in " \t"):
+            return line[:i]
+    return line
+
+
+def parse_yaml(text: str, source: str = "<yaml>") -> Any:
+    """Parse the YAML subset described in the module docstring; raises FormatError."""
+    lines = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        if raw.strip() in ("---", "..."):
+            continue
+        line = _strip_comment(raw).rstrip()
+        if line.strip():
+            if "\t" in line[: len(line) - len(line.lstrip())]:
+                raise FormatError(f"{source}:{number}: tabs are not allowed in YAML indentation")
+            lines.append((number, len(line) - len(line.lstrip()), line.strip()))
+    if not lines:
+        return {}
+    value, index = _block(lines, 0, lines[0][1], source)
+    if index != len(lines):
+        number = lines[index][0]
+        raise FormatError(f"{source}:{number}: unexpected indentation")
+    return value
+
+
+def _block(lines, index, indent, source):
+    content = lines[index][2]
+    if content.startswith("- ") or content == "-":
+        return _sequence(lines, index, indent, source)
+    return _mapping(lines, index, indent, source)
+
+
+def _mapping(lines, index, indent, source):
+    out: dict[str, Any] = {}
+    while index < len(lines):
+        number, ind, content = lines[index]
+        if ind < indent:
+            break
+        if ind > indent:
+            raise FormatError(f"{source}:{number}: unexpected indentation")
+        key, sep, rest = content.partition(":")
+        if not sep or (rest and not rest.startswith(" ")):
+            raise FormatError(f"{source}:{number}: expected 'key: value', got {shown(content)}")
+        key = key.strip().strip("'\"")
+        rest = rest.strip()
+        index += 1
+        if rest:
+            out[key] = parse_scalar(rest)
+        elif index < len(lines) and (lines[index][1] > indent
+                                     or (lines[index][1] == indent and lines[index][2].startswith("-"))):
+            out[key], index = _block(lines, index, lines[index][1], source)
+        else:
+            out[key] = None
+    return out, index
+
+
+def _sequence(lines, index, indent, source):
+    out: list[Any] = []
+    while index < len(lines):
+        number, ind, content = lines[index]
+        if ind < indent or not (content.startswith("- ") or content == "-"):
+            break
+        if ind > indent:
+            raise FormatError(f"{source}:{number}: unexpected indentation")
+        item = content[1:].strip()
+        index += 1
+        if not item:
+            if index < len(lines) and lines[index][1] > indent:
+                value, index = _block(lines, index, lines[index][1], source)
+                out.append(value)
+            else:
+                out.append(None)
+        elif re.match(r"^[^'\"\[{][^:]*:( |$)", item):
+            # "- key: value" starts a mapping whose other keys are indented further.
+            sub = [(number, ind + 2, item)]
+            while index < len(lines) and lines[index][1] > indent:
+                sub.append(lines[index])
+                index += 1
+            value, used = _mapping(sub, 0, ind + 2, source)
+            if used != len(sub):
+                raise FormatError(f"{source}:{sub[used][0]}: unexpected indentation")
+            out.append(value)
+        else:
+            out.append(parse_scalar(item))
+    return out, index
+
+
+__all__ = ["GPUS", "HOST_LINKS", "MODELS", "gpu_preset", "host_bandwidth", "load_model", "model_from_mapping",
+           "model_preset", "parse_scalar", "parse_yaml"]

@@ -1,0 +1,281 @@
+"""The split problem: stage costs and rank memory of every contiguous split of a model's
+decoder layers over a schedule's stages, simulated splits cached, and the least overflow
+when no split fits. `partition.optimal_split` searches over it (split_search.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from pipeschedule.simulate.critical_path import CriticalPath, critical_path
+from pipeschedule.checks import check_number
+from pipeschedule.errors import ParameterError
+from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.plan.memory import GiB
+from pipeschedule.simulate import CostModel, simulate
+
+# -- the problem -----------------------------------------------------------------------------
+
+
+def _floats(name: str, values, length: int) -> tuple:
+    values = tuple(values)
+    if len(values) != length:
+        raise ParameterError(f"{name} has {len(values)} entries, expected {length}")
+    for i, v in enumerate(values):
+        check_number(f"{name}[{i}]", v)
+    return values
+
+
+@dataclass(frozen=True)
+class SplitProblem:
+    """Putting decoder layers 0..L-1, in order, on the S stages of a schedule.
+
+    layer_forward / layer_backward / layer_weight: time of one layer's F, B and W.
+    stage_forward / stage_backward / stage_weight: extra time per stage (the embedding on
+    stage 0, the LM head and loss on the last). layer_static / layer_stash: bytes of one
+    layer held all step / saved per in-flight microbatch; stage_static / stage_stash: the
+    same extras per stage. rank_bytes: bytes per rank that do not depend on the split
+    (p2p buffers, transients). budget: bytes per rank, or None for no limit. boundary:
+    bytes of a stage's sent activation and gradient (message time = latency +
+    boundary / bandwidth). A rank holds sum over its stages of static + k_s * stash, with
+    k_s the stage's peak in-flight microbatches under the schedule, plus rank_bytes.
+    """
+
+    layer_forward: tuple
+    layer_backward: tuple
+    layer_weight: tuple
+    stage_forward: tuple
+    stage_backward: tuple
+    stage_weight: tuple
+    layer_static: tuple
+    layer_stash: tuple
+    stage_static: tuple
+    stage_stash: tuple
+    rank_bytes: tuple
+    budget: tuple | None
+    boundary: tuple
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    def __post_init__(self) -> None:
+        layers, stages = len(self.layer_forward), len(self.stage_forward)
+        if layers < 1 or stages < 1:
+            raise ParameterError(f"a split needs at least one layer and one stage, "
+                                 f"got {layers} layers, {stages} stages")
+        if layers < stages:
+            raise ParameterError(
+                f"{stages} stages but only {layers} decoder layers: every stage needs at least one layer "
+                f"(lower pp or virtual)"
+            )
+        for name in ("layer_forward", "layer_backward", "layer_weight", "layer_static", "layer_stash"):
+            object.__setattr__(self, name, _floats(name, getattr(self, name), layers))
+        for name in ("stage_forward", "stage_backward", "stage_weight", "stage_static", "stage_stash", "boundary"):
+            object.__setattr__(self, name, _floats(name, getattr(self, name), stages))
+        object.__setattr__(self, "rank_bytes", _floats("rank_bytes", self.rank_bytes, len(self.rank_bytes)))
+        if self.budget is not None:
+            object.__setattr__(self, "budget", _floats("budget", self.budget, len(self.rank_bytes)))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_forward)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_forward)
+
+    @property
+    def homogeneous(self) -> bool:
+        """All layers alike: a stage's cost and bytes depend on its layer count only."""
+        return all(len(set(getattr(self, k))) == 1 for k in ("layer_forward", "layer_backward", "layer_weight",
+                                                             "layer_static", "layer_stash"))
+
+
+def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
+    """Per stage, the most microbatches whose stash is live: whose F has run and whose B
+    (W, when the schedule splits the backward) has not."""
+    live = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    release = Op.W if schedule.split_backward else Op.B
+    for program in schedule.programs:
+        for instr in program:
+            if instr.op is Op.F:
+                live[instr.stage] += 1
+                peak[instr.stage] = max(peak[instr.stage], live[instr.stage])
+            elif instr.op is release:
+                live[instr.stage] -= 1
+    return tuple(peak)
+
+
+class Evaluator:
+    """Stage costs, bytes and cached simulations of the splits of one problem."""
+
+    def __init__(self, problem: SplitProblem, schedule: Schedule) -> None:
+        if problem.num_stages != schedule.num_stages or len(problem.rank_bytes) != schedule.pp:
+            raise ParameterError(
+                f"the split problem has {problem.num_stages} stages and {len(problem.rank_bytes)} ranks; the "
+                f"schedule has {schedule.num_stages} stages on {schedule.pp} ranks"
+            )
+        self.p, self.schedule = problem, schedule
+        self.inflight = stage_inflight(schedule)
+        self.rank_of = schedule.placement
+        self.prefix = {k: [0.0, *accumulate(getattr(problem, k))] for k in (
+            "layer_forward", "layer_backward", "layer_weight", "layer_static", "layer_stash")}
+        budget = problem.budget or (math.inf,) * schedule.pp
+        self.cap = [b - x for b, x in zip(budget, problem.rank_bytes)]
+        self.cache: dict[tuple, object] = {}
+        self.simulations = 0
+
+    def _range(self, key: str, j: int, e: int) -> float:
+        return self.prefix[key][e] - self.prefix[key][j]
+
+    def stage_bytes(self, s: int, j: int, e: int) -> float:
+        p = self.p
+        stash = self._range("layer_stash", j, e) + p.stage_stash[s]
+        return self._range("layer_static", j, e) + p.stage_static[s] + self.inflight[s] * stash
+
+    def costs(self, split: Sequence[int]):
+        p, bounds = self.p, [0, *accumulate(split)]
+        out = []
+        for key, extra in (("layer_forward", p.stage_forward), ("layer_backward", p.stage_backward), ("layer_weight",
+                                                                                                      p.stage_weight)):
+            out.append(tuple(self._range(key, bounds[s], bounds[s + 1]) + extra[s] for s in range(len(split))))
+        return out
+
+    def cost_model(self, split: Sequence[int]) -> CostModel:
+        forward, backward, weight = self.costs(split)
+        p = self.p
+        return CostModel(forward, backward, weight, {"act_out": p.boundary, "grad_in": p.boundary},
+                         latency=p.latency, bandwidth=p.bandwidth)
+
+    def simulate(self, split: Sequence[int]):
+        """(step time, critical path) of a split, cached by its stage costs."""
+        forward, backward, weight = self.costs(split)
+        key = (forward, backward, weight)
+        if key not in self.cache:
+            cost = self.cost_model(split)
+            result = simulate(self.schedule, cost)
+            self.simulations += 1
+            self.cache[key] = (result.step_time, critical_path(self.schedule, result, cost))
+        return self.cache[key]
+
+    def probe(self, forward, backward, weight) -> CriticalPath:
+        """The critical path under arbitrary per-stage costs."""
+        p = self.p
+        cost = CostModel(tuple(forward), tuple(backward), tuple(weight), {"act_out": p.boundary, "grad_in": p.boundary},
+                         latency=p.latency, bandwidth=p.bandwidth)
+        self.simulations += 1
+        return critical_path(self.schedule, simulate(self.schedule, cost), cost)
+
+    def rank_bytes(self, split: Sequence[int]) -> list[float]:
+        bounds = [0, *accumulate(split)]
+        out = list(self.p.rank_bytes)
+        for s in range(len(split)):
+            out[self.rank_of[s]] += self.stage_bytes(s, bounds[s], bounds[s + 1])
+        return out
+
+    def fits(self, split: Sequence[int]) -> bool:
+        budget = self.p.budget
+        return budget is None or all(b <= cap for b, cap in zip(self.rank_bytes(split), budget))
+
+
+# -- infeasible budgets ------------------------------------------------------------------------
+
+
+class SplitInfeasible(ParameterError):
+    """No split fits the memory budget. `overflow` is the least possible excess in bytes
+    of the tightest rank, `split` a split that achieves it, `stage` / `rank` where."""
+
+    def __init__(self, message: str, *, overflow: float, split, stage: int, rank: int) -> None:
+        super().__init__(message)
+        self.overflow, self.split, self.stage, self.rank = overflow, tuple(split), stage, rank
+
+
+def least_overflow(ev: Evaluator):
+    """A split minimising the largest excess of a rank over its budget: (split, excess,
+    stage). Exact for one stage per rank (dynamic programming over stage boundaries) and
+    for alike layers on any placement (bisection on the excess); otherwise the per-stage
+    answer."""
+    if ev.p.homogeneous and len(set(ev.rank_of)) < ev.p.num_stages:
+        return least_overflow_alike(ev)
+    L, S = ev.p.num_layers, ev.p.num_stages
+    best = [[math.inf] * (L + 1) for _ in range(S + 1)]
+    back = [[0] * (L + 1) for _ in range(S + 1)]
+    best[0][0] = -math.inf
+    for s in range(S):
+        r = ev.rank_of[s]
+        for e in range(s + 1, L - (S - s - 1) + 1):
+            for j in range(s, e):
+                if best[s][j] == math.inf:
+                    continue
+                value = max(best[s][j], ev.stage_bytes(s, j, e) - ev.cap[r])
+                if value < best[s + 1][e]:
+                    best[s + 1][e], back[s + 1][e] = value, j
+    split, e = [], L
+    for s in range(S, 0, -1):
+        j = back[s][e]
+        split.append(e - j)
+        e = j
+    return worst_rank(ev, tuple(reversed(split)))
+
+
+def worst_rank(ev: Evaluator, split: tuple):
+    excess = [b - budget for b, budget in zip(ev.rank_bytes(split), ev.p.budget)]
+    rank = max(range(len(excess)), key=lambda r: excess[r])
+    stage = max(s for s in range(len(split)) if ev.rank_of[s] == rank)
+    return split, excess[rank], stage
+
+
+def least_overflow_alike(ev: Evaluator):
+    """Alike layers: rank r holds A_r + sum over its stages of b_s * n_s; for an excess t
+    each rank takes as many layers as fit (one per stage, the rest in its cheapest
+    stage), and t is bisected until the ranks hold all L layers."""
+    L, S, pp = ev.p.num_layers, ev.p.num_stages, len(ev.cap)
+    per_layer = [ev.stage_bytes(s, 0, 1) - ev.stage_bytes(s, 0, 0) for s in range(S)]
+    stages = [[s for s in range(S) if ev.rank_of[s] == r] for r in range(pp)]
+    fixed = [ev.p.rank_bytes[r] + sum(ev.stage_bytes(s, 0, 1) for s in stages[r]) for r in range(pp)]
+
+    def layout(t: float):
+        split = [1] * S
+        for r in range(pp):
+            if not stages[r]:
+                continue
+            room = ev.p.budget[r] + t - fixed[r]
+            cheap = min(stages[r], key=lambda s: per_layer[s])
+            if room < 0:
+                return None
+            more = int(room // per_layer[cheap]) if per_layer[cheap] > 0 else L
+            split[cheap] += min(more, L - S)
+        return split if sum(split) >= L else None
+
+    lo, hi = -max(ev.p.budget) - 1.0, sum(fixed) + L * max(per_layer) + 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if layout(mid) is not None else (mid, hi)
+    split = layout(hi)
+    excess = sum(split) - L
+    while excess > 0:  # hand back layers from the rank that is most over
+        over = [fixed[r] + sum(per_layer[s] * (split[s] - 1) for s in stages[r]) - ev.p.budget[r] for r in range(pp)]
+        for s in sorted(range(S), key=lambda s: -over[ev.rank_of[s]]):
+            if split[s] > 1:
+                split[s] -= 1
+                excess -= 1
+                break
+    return worst_rank(ev, tuple(split))
+
+
+def raise_infeasible(ev: Evaluator) -> None:
+    split, overflow, stage = least_overflow(ev)
+    rank = ev.rank_of[stage]
+    where = f"rank {rank}" + (f" (stage {stage})" if ev.p.num_stages == len(ev.cap) else "")
+    raise SplitInfeasible(
+        f"no split of {ev.p.num_layers} layers over {ev.p.num_stages} stages fits the memory budget: the split "
+        f"that overflows least, {list(split)}, still puts {where} over its budget of "
+        f"{ev.p.budget[rank]:.0f} bytes by {overflow:.0f} bytes ({overflow / GiB:.2f} GiB)",
+        overflow=overflow, split=split, stage=stage, rank=rank,
+    )
+
+
+__all__ = ["Evaluator", "SplitInfeasible", "SplitProblem", "least_overflow", "raise_infeasible", "stage_inflight"]

@@ -1,0 +1,296 @@
+"""The exact split search of [Note: exact split search] (partition.py): linear cuts from
+critical paths, per-stage caps they imply, and a branch and bound over stage boundaries
+that simulates the leaves it reaches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import accumulate
+from operator import add, sub
+
+from pipeschedule.simulate.critical_path import CriticalPath
+from pipeschedule.plan.split_problem import Evaluator
+
+
+class Cut:
+    """A linear lower bound on the step time: const + sum over stages of the weighted
+    layer costs ([Note: exact split search]); per-stage prefix sums make a range O(1)."""
+
+    def __init__(self, ev: Evaluator, forward, backward, weight, const: float) -> None:
+        p = ev.p
+        self.const = const + sum(
+            a * x + b * y + c * z
+            for a, b, c, x, y, z in zip(forward, backward, weight, p.stage_forward, p.stage_backward, p.stage_weight)
+        )
+        self.prefix = []
+        for a, b, c in zip(forward, backward, weight):
+            unit = [a * f + b * g + c * h for f, g, h in zip(p.layer_forward, p.layer_backward, p.layer_weight)]
+            self.prefix.append([0.0, *accumulate(unit)])
+        self.unit = [pre[1] - pre[0] for pre in self.prefix]  # per-layer weight when homogeneous
+
+    def value(self, split: Sequence[int]) -> float:
+        """This bound's value at a split."""
+        bounds = [0, *accumulate(split)]
+        return self.const + sum(pre[bounds[s + 1]] - pre[bounds[s]] for s, pre in enumerate(self.prefix))
+
+    def completion(self, first: list, caps: list | None, L: int) -> list:
+        """table[s][j]: a lower bound on this cut's part from stages s.. holding layers
+        j..L-1 (math.inf where they cannot). Homogeneous layers (`caps` given: the most
+        layers each stage may take): fill the cheapest stages first; otherwise every
+        remaining layer at its cheapest remaining stage."""
+        S = len(self.prefix)
+        table = [[math.inf] * (L + 1) for _ in range(S + 1)]
+        table[S][L] = 0.0
+        if caps is None:
+            units = [math.inf] * L
+            for s in range(S - 1, -1, -1):
+                pre = self.prefix[s]
+                units = [min(u, pre[i + 1] - pre[i]) for i, u in enumerate(units)]
+                row, total = table[s], 0.0
+                for i in range(L - 1, first[s] - 1, -1):
+                    total += units[i]
+                    row[i] = total
+            return table
+        for s in range(S - 1, -1, -1):
+            stages = sorted(range(s, S), key=lambda t: self.unit[t])
+            base = sum(self.unit[t] for t in stages)
+            row, extra, value = table[s], 0, base
+            need = S - s  # one layer per stage at least
+            row[L - need] = value
+            for t in stages:
+                for _ in range(caps[t] - 1):
+                    extra += 1
+                    if L - need - extra < 0:
+                        break
+                    value += self.unit[t]
+                    row[L - need - extra] = value
+        return table
+
+
+def stage_caps(cuts: list, S: int, L: int, limit: float, memory_caps: list) -> list:
+    """Homogeneous layers: the most layers stage t may hold in any split all of whose cuts
+    stay below `limit`, and within memory. A cut's value is at least const + a_t*n_t +
+    (the cheapest way to place the other L - n_t layers on the other stages, within their
+    caps); two passes let each stage's cap tighten the others'."""
+    caps = [min(c, L - (S - 1)) for c in memory_caps]
+    for _ in range(2):
+        for cut in cuts:
+            for t in range(S):
+                unit = cut.unit[t]
+                if unit <= 0:
+                    continue
+                others = sorted((cut.unit[u], caps[u]) for u in range(S) if u != t)
+                n = caps[t]
+                while n >= 1:
+                    rest, value = L - n, cut.const + unit * n
+                    for a, _c in others:  # one layer each, then cheapest first
+                        value += a
+                    rest -= len(others)
+                    for a, c in others:
+                        if rest <= 0:
+                            break
+                        take = min(rest, c - 1)
+                        value += a * take
+                        rest -= take
+                    if rest <= 0 and value < limit:
+                        break
+                    if rest > 0:  # the others cannot hold the rest: t must hold more
+                        break
+                    n -= 1
+                caps[t] = n
+    return caps
+
+
+def boundary_tables(ev: Evaluator):
+    """maxe[s][j]: the last boundary e such that stage s holding j..e-1 fits on its own;
+    feasible[s][j]: stages s.. can hold layers j.. (per-stage conditions)."""
+    L, S = ev.p.num_layers, ev.p.num_stages
+    maxe = [[0] * (L + 1) for _ in range(S)]
+    for s in range(S):
+        cap, e = ev.cap[ev.rank_of[s]], 0
+        for j in range(L + 1):
+            e = max(e, j)
+            while e < L and ev.stage_bytes(s, j, e + 1) <= cap:
+                e += 1
+            maxe[s][j] = e
+    feasible = [[False] * (L + 1) for _ in range(S + 1)]
+    feasible[S][L] = True
+    for s in range(S - 1, -1, -1):
+        count = [0, *accumulate(int(x) for x in feasible[s + 1])]  # count[e] = feasible[s+1][0..e-1]
+        for j in range(L):
+            hi = min(maxe[s][j], L - (S - s - 1))
+            if hi > j and count[hi + 1] - count[j + 1] > 0:
+                feasible[s][j] = True
+    return maxe, feasible
+
+
+def balanced_seed(ev: Evaluator, maxe, feasible) -> tuple[int, ...] | None:
+    """Least largest stage time (F+B+W) by bisection with greedy packing: a good start."""
+    L, S = ev.p.num_layers, ev.p.num_stages
+    one = [ev.p.layer_forward[i] + ev.p.layer_backward[i] + ev.p.layer_weight[i] for i in range(L)]
+    extra = [ev.p.stage_forward[s] + ev.p.stage_backward[s] + ev.p.stage_weight[s] for s in range(S)]
+    prefix = [0.0, *accumulate(one)]
+
+    def pack(limit: float):
+        j, split = 0, []
+        for s in range(S):
+            hi = min(maxe[s][j], L - (S - s - 1))
+            e = j + 1
+            while e < hi and prefix[e + 1] - prefix[j] + extra[s] <= limit and feasible[s + 1][e + 1]:
+                e += 1
+            if s == S - 1:
+                e = L
+                if prefix[L] - prefix[j] + extra[s] > limit:
+                    return None
+            if e > hi or not feasible[s + 1][e]:
+                return None
+            split.append(e - j)
+            j = e
+        return tuple(split)
+
+    lo, hi = 0.0, prefix[-1] + max(extra)
+    best = pack(hi)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        found = pack(mid)
+        if found is not None:
+            best, hi = found, mid
+        else:
+            lo = mid
+    return best if best is not None and ev.fits(best) else None
+
+
+class Search:
+    """One branch and bound over stage boundaries whose cuts grow as it simulates the
+    leaves it reaches ([Note: exact split search]): a leaf that survives the current cuts
+    is simulated once, its critical path becomes a cut, and the search goes on.
+
+    For speed the cuts are stored by column: `prefix_col[s][e]` lists every cut's value of
+    stage s over layers 0..e-1, `bound_col[s][e]` the same plus the completion bound of
+    stages s+1.. from layer e, so a node's bound for boundary e is one max over a sum.
+    """
+
+    def __init__(self, ev: Evaluator, maxe, feasible, node_limit: int) -> None:
+        self.ev, self.maxe, self.feasible, self.node_limit = ev, maxe, feasible, node_limit
+        self.L, self.S = ev.p.num_layers, ev.p.num_stages
+        self.homogeneous = ev.p.homogeneous
+        self.memory_caps = [maxe[s][0] for s in range(self.S)]
+        self.cuts: list[Cut] = []
+        self.caps = None
+        self.prefix_col = [[[] for _ in range(self.L + 1)] for _ in range(self.S)]
+        self.bound_col = [[[] for _ in range(self.L + 1)] for _ in range(self.S)]
+        self.best_split, self.best_time = None, math.inf
+        self.fallback = (None, math.inf)  # the best split simulated, even above a cutoff
+        self.nodes = 0
+        self.seen: set = set()
+
+    @property
+    def limit(self) -> float:
+        return self.best_time - 1e-12 * abs(self.best_time) if self.best_time < math.inf else math.inf
+
+    def _columns(self, cut: Cut) -> None:
+        table = cut.completion(list(range(self.S)), self.caps, self.L)
+        for s in range(self.S):
+            pre, nxt, pcol, bcol = cut.prefix[s], table[s + 1], self.prefix_col[s], self.bound_col[s]
+            for e in range(self.L + 1):
+                pcol[e].append(pre[e])
+                bcol[e].append(pre[e] + nxt[e])
+
+    def add_cut(self, cut: Cut) -> None:
+        self.cuts.append(cut)
+        self._columns(cut)
+
+    def add_path(self, path: CriticalPath) -> None:
+        self.add_cut(Cut(self.ev, path.forward, path.backward, path.weight, path.messages))
+
+    def evaluate(self, split: tuple) -> None:
+        time, path = self.ev.simulate(split)
+        if split not in self.seen:
+            self.seen.add(split)
+            self.add_path(path)
+        if time < self.fallback[1] * (1 - 1e-12):  # ties keep the earlier (a seed first)
+            self.fallback = (split, time)
+        if time < self.best_time:
+            self.best_split, self.best_time = split, time
+            self._tighten()
+
+    def _tighten(self) -> None:
+        """Recompute the per-stage caps for the new limit, and the columns."""
+        if not self.homogeneous or not self.cuts:
+            return
+        caps = stage_caps(self.cuts, self.S, self.L, self.limit, self.memory_caps)
+        if caps == self.caps:
+            return
+        self.caps = caps
+        self.prefix_col = [[[] for _ in range(self.L + 1)] for _ in range(self.S)]
+        self.bound_col = [[[] for _ in range(self.L + 1)] for _ in range(self.S)]
+        for cut in self.cuts:
+            self._columns(cut)
+
+    def run(self) -> bool:
+        """Search (again, from the top, with every cut found so far); True when it
+        finished (the best split is then optimal). Nodes count over all runs."""
+        self._tighten()
+        if self.caps is not None and min(self.caps) < 1:
+            return True
+        self.chosen: list[int] = []
+        self.used = [0.0] * len(self.ev.cap)
+        return self._dfs(0, 0, [c.const for c in self.cuts])
+
+    def _partial(self, partial: list) -> list:
+        """`partial` (cut values of the stages chosen so far) extended to cuts added since."""
+        if len(partial) == len(self.cuts):
+            return partial
+        bounds = [0, *accumulate(self.chosen)]
+        extra = [cut.const + sum(cut.prefix[t][bounds[t + 1]] - cut.prefix[t][bounds[t]]
+                                 for t in range(len(self.chosen)))
+                 for cut in self.cuts[len(partial):]]
+        return partial + extra
+
+    def _dfs(self, s: int, j: int, partial: list) -> bool:
+        self.nodes += 1
+        if self.nodes > self.node_limit:
+            return False
+        ev, L, S = self.ev, self.L, self.S
+        r = ev.rank_of[s]
+        last = s == S - 1
+        hi = L if last else min(self.maxe[s][j], L - (S - s - 1))
+        if self.caps is not None:
+            hi = min(hi, j + self.caps[s])
+        base = list(map(sub, partial, self.prefix_col[s][j]))  # partial minus stage s up to j
+        options, limit, bcol = [], self.limit, self.bound_col[s]
+        for e in range(L if last else j + 1, hi + 1):
+            if not self.feasible[s + 1][e]:
+                continue
+            extra = ev.stage_bytes(s, j, e)
+            if self.used[r] + extra > ev.cap[r]:
+                break  # more layers only add bytes
+            bound = max(map(add, base, bcol[e]))
+            if bound < limit:
+                options.append((bound, e, extra))
+        options.sort(key=lambda o: o[0])
+        for _, e, extra in options:
+            if len(partial) != len(self.cuts):  # cuts grew in a sibling's subtree
+                partial = self._partial(partial)
+                base = list(map(sub, partial, self.prefix_col[s][j]))
+            if self.caps is not None and e - j > self.caps[s]:
+                continue
+            if max(map(add, base, self.bound_col[s][e])) >= self.limit:
+                continue
+            self.chosen.append(e - j)
+            if last:
+                self.evaluate(tuple(self.chosen))
+            else:
+                self.used[r] += extra
+                ok = self._dfs(s + 1, e, list(map(add, base, self.prefix_col[s][e])))
+                self.used[r] -= extra
+                if not ok:
+                    self.chosen.pop()
+                    return False
+            self.chosen.pop()
+        return True
+
+
+__all__ = ["Cut", "Search", "balanced_seed", "boundary_tables", "stage_caps"]

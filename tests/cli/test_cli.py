@@ -1,0 +1,49 @@
+"""The `pipeschedule` command on files: PyTorch CSVs in either form ([Note: CSV form] in
+torch_csv.py) are verified, simulated and shown as the program that would run."""
+
+import pytest
+
+from pipeschedule import compile_schedule
+from pipeschedule.cli import main
+from pipeschedule.compiler.torch_csv import dump_csv
+
+
+@pytest.mark.parametrize("name,kwargs", [("1f1b", {}), ("interleaved_1f1b", {"virtual": 2}), ("zbv", {})])
+@pytest.mark.parametrize("form", ["compute_only", "compute_comms"])
+def test_verify_simulate_and_show_take_either_csv_form(tmp_path, capsys, name, kwargs, form):
+    path = tmp_path / f"{name}.csv"
+    dump_csv(compile_schedule(name, pp=2, microbatches=4, **kwargs), str(path), form=form)
+    assert main(["verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert ": valid (" in out and (", lowered from its compute order" in out) == (form == "compute_only")
+    assert main(["simulate", "--schedule", str(path)]) == 0
+    assert "step time" in capsys.readouterr().out
+    assert main(["show", "--schedule", str(path)]) == 0
+    assert "rank 1 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", [
+    "0F0,0F1,0B0,0B1,0REDUCE_GRAD\n",  # ours, one rank, compute_comms
+    "0UNSHARD,0F0,0F1,0B0,0B1,0REDUCE_GRAD,0RESHARD\n",  # PyTorch's compute_comms at pp=1
+    "0F0,0F1,0B0,0B1\n",  # compute_only
+    "0F0,1F0,1B0,0B0\n",  # one rank, two stages
+])
+def test_one_rank_csv_is_valid_in_either_form(tmp_path, capsys, text):
+    path = tmp_path / "one.csv"
+    path.write_text(text)
+    assert main(["verify", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_a_compute_only_json_is_lowered_too(tmp_path, capsys):
+    from pipeschedule import generate
+    path = tmp_path / "order.json"
+    path.write_text(generate("v_half", pp=3, microbatches=5).to_json())
+    assert main(["verify", str(path)]) == 0
+    assert "lowered from its compute order" in capsys.readouterr().out
+
+
+def test_a_broken_csv_is_still_invalid(tmp_path, capsys):
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0B0,0F1,0B1\n1F0,1B0\n")  # rank 1 never runs mb 1
+    assert main(["verify", str(path)]) == 1
+    assert "rule coverage" in capsys.readouterr().err

@@ -1,0 +1,204 @@
+"""Bad input to the `pipeschedule` command, run as a user runs it: in a subprocess under a
+2 GiB address-space limit and a timeout. Every bad input ends with exit code 2 and one
+line on stderr naming the value and what is accepted, never a traceback; sizes beyond
+[Note: size limits] (pipeschedule/limits.py) are refused before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipeschedule import compile_schedule
+from pipeschedule.checks import MAX_SHOWN
+
+pytestmark = pytest.mark.spawn
+
+REPO = Path(__file__).resolve().parents[2]
+MEMORY = 2 << 30
+
+
+def _limit_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+
+
+def run_cli(argv, cwd, timeout=60):
+    """(exit code, stderr lines) of `python -m pipeschedule.cli *argv` in `cwd`, on this
+    checkout's package, under the memory limit."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-m", "pipeschedule.cli", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=_limit_memory)
+    return done.returncode, done.stderr.strip().splitlines()
+
+
+def refused(argv, cwd, *fragments):
+    code, err = run_cli(argv, cwd)
+    assert code == 2 and len(err) == 1, (code, err[-3:])
+    assert "Traceback" not in err[0]
+    for fragment in fragments:
+        assert fragment in err[0], err[0]
+    return err[0]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "stash.json").write_text('{"buffer_bytes": {"stash": 1e12}}')
+    model = ("model:\n  num_hidden_layers: {layers}\n  hidden_size: 8192\n  num_attention_heads: 64\n"
+             "  num_key_value_heads: 8\n  intermediate_size: 28672\n  vocab_size: 128256\n")
+    (tmp_path / "huge.yaml").write_text(model.format(layers=28672))
+    (tmp_path / "digits.yaml").write_text(model.format(layers="８０"))
+    (tmp_path / "long.yaml").write_text(model.format(layers="9" * 5000))
+    (tmp_path / "long.json").write_text('{"num_hidden_layers": ' + "9" * 5000 + "}")
+    (tmp_path / "longcost.json").write_text('{"forward": ' + "9" * 5000 + "}")
+    (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbf" + model.format(layers=80).encode())
+    schedule = compile_schedule("1f1b", pp=2, microbatches=2)
+    (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + schedule.to_json().encode())
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + schedule.to_text().encode())
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf0F0,0F1,0B0,0B1\n")
+    (tmp_path / "bomcost.json").write_bytes(b'\xef\xbb\xbf{"forward": 1}')
+    (tmp_path / "far_mb.csv").write_text("0F0,0B0,0F999999999999,0B999999999999\n")
+    (tmp_path / "far_stage.csv").write_text("0F0,0B0,999999999999F0\n")
+    big = json.loads(schedule.to_json())
+    big["microbatches"] = 10**9
+    (tmp_path / "big.json").write_text(json.dumps(big))
+    return tmp_path
+
+
+LIMIT = "at most 262144 are accepted"
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["simulate", "1f1b", "--pp", "2", "-m", "1000000000"], ["2 * 1 * 1000000000", LIMIT]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "10000000000"], ["2 * 1 * 10000000000", LIMIT]),
+    (["compile", "1f1b", "--pp", "100000", "-m", "3", "--json", "x.json"], ["100000 * 1 * 3", LIMIT]),
+    (["compile", "interleaved_1f1b", "--pp", "4", "--virtual", "100000000", "-m", "1", "--json", "x.json"],
+     ["4 * 100000000 * 1", LIMIT]),
+    (["show", "zbv", "--pp", "65536", "-m", "4"], ["65536 * 2 * 4", LIMIT]),  # a V runs 2 stages per rank
+    (["simulate", "1f1b", "--pp", "2", "-m", "99999999999999999999"], ["--microbatches has 20 digits", "at most 18"]),
+    (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "100000"],
+     ["pp * microbatches = 4 * 100000", "at most 1024"]),
+    (["plan", "--model", "llama3-70b", "--layers", "1024", "--pp", "16", "--microbatches", "8"],
+     ["layers * pp = 1024 * 16", "at most 4096"]),
+    (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "8", "--node-limit", "1000000000"],
+     ["node_limit = 1000000000", "at most 100000"]),
+    (["plan", "--model-file", "huge.yaml", "--pp", "4", "--microbatches", "8"], ["model layers", "1..1024", "28672"]),
+    (["plan", "--model", "llama3-70b", "--hidden", "99999999999999", "--pp", "4", "--microbatches", "8"],
+     ["model hidden", "99999999999999"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "4", "--cost", "stash.json", "--offload", "fraction=1,stream=0.001"],
+     ["9.54e+08 pieces", "at most 4096"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "4", "--offload", "fraction=1,stream=1e-320"],
+     ["'1e-320'", "at least one byte"]),
+    (["plan", "--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "8", "--offload",
+      "auto,stream=0.001"],
+     ["pieces", "at most 4096"]),
+    (["compile", "nosuch", "--json", "x.json"], ["unknown schedule 'nosuch'", "accepted: afab, 1f1b"]),
+    (["simulate", "nosuch"], ["unknown schedule 'nosuch'"]),
+    (["compile", "1f1b", "--pp", "１２", "-m", "2", "--json", "x.json"], ["--pp", "'１２'", "ASCII digits"]),
+    (["compile", "1f1b", "--pp", "1_0", "-m", "2", "--json", "x.json"], ["--pp", "'1_0'", "ASCII digits"]),
+    (["compile", "1f1b", "--pp", "2", "-m", "2", "--cap", "１", "--json", "x.json"], ["--cap", "'１'"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--offload", "fraction=1,lead=1_0"],
+     ["lead='1_0'", "not an integer"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--offload", "fraction=１"], ["fraction='１'", "not a number"]),
+    (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "8", "--seq", "1_0"], ["--seq", "'1_0'"]),
+    (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "8", "--mfu", "０.5"], ["--mfu", "'０.5'"]),
+    (["plan", "--model-file", "digits.yaml", "--pp", "4", "--microbatches", "8"], ["model layers", "'８０'"]),
+    (["plan", "--model-file", "long.yaml", "--pp", "4", "--microbatches", "8"], ["model layers", "..."]),
+    (["plan", "--model-file", "long.json", "--pp", "4", "--microbatches", "8"], ["long.json", "4300 digits"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--cost", "longcost.json"], ["longcost.json", "4300 digits"]),
+    (["verify", "far_mb.csv"], ["1 * 1 * 1000000000000", LIMIT]),
+    (["verify", "far_stage.csv"], ["1000000000000", "at most 262144"]),
+    (["verify", "big.json"], ["2 * 1 * 1000000000", LIMIT]),
+])
+def test_bad_input_is_refused_in_one_line(files, argv, fragments):
+    refused(argv, files, *fragments)
+
+
+def test_an_echoed_value_is_cut(files):
+    line = refused(["compile", "x" * 5000, "--json", "x.json"], files, "unknown schedule", "...")
+    assert len(line) < 300
+    line = refused(["compile", "1f1b", "--pp", "2" * 5000, "-m", "2", "--json", "x.json"], files, "--pp", "...")
+    assert len(line) < 300
+    line = refused(["compile", "1f1b", "--pp", "2", "-m", "2", "--csv-form", "y" * 5000, "--csv", "x.csv"], files,
+                   "invalid choice", "...")
+    assert len(line) < 300 and "y" * MAX_SHOWN not in line
+
+
+@pytest.mark.parametrize("argv", [
+    ["verify", "bom.json"], ["verify", "bom.txt"], ["verify", "bom.csv"],
+    ["simulate", "1f1b", "--pp", "2", "-m", "2", "--cost", "bomcost.json"],
+    ["plan", "--model-file", "bom.yaml", "--pp", "4", "--tp", "4", "--microbatches", "8", "--tables", "none"],
+])
+def test_a_byte_order_mark_is_accepted(files, argv):
+    code, err = run_cli(argv, files)
+    assert code in (0, 1) and not err, err  # plan: 1 when nothing fits, with no error
+
+
+def test_many_ranks_compile_quickly(files):
+    """1F1B at pp=20000: asap used to sweep every rank once per rank (minutes)."""
+    code, err = run_cli(["compile", "1f1b", "--pp", "20000", "-m", "1", "--json", "x.json"], files, timeout=60)
+    assert code == 0, err
+
+
+# -- every numeric flag with values it must refuse --------------------------------------
+
+BAD_VALUES = ["0", "-1", "1_0", "１", "1e400", "nan", "inf", "x" * 3000, "9" * 30, ""]
+SCHEDULE = ["--pp", "2", "-m", "2"]
+PLAN = ["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "8", "--tables", "none"]
+FLAGS = (
+    [(["compile", "1f1b", *SCHEDULE, "--json", "x.json"], flag) for flag in ("--pp", "-m", "--cap")]
+    + [(["compile", "interleaved_1f1b", *SCHEDULE, "--json", "x.json"], "--virtual")]
+    + [(["show", "1f1b", *SCHEDULE], "--width")]
+    + [(["simulate", "1f1b", *SCHEDULE, "--offload", "auto"], "--host-bandwidth")]
+    + [(["plan", *PLAN], flag) for flag in (
+        "--pp", "--tp", "--dp", "--microbatches", "--seq", "--micro-batch", "--layers", "--hidden", "--heads",
+        "--kv-heads", "--ffn", "--vocab", "--gpu-memory", "--reserve", "--gpu-tflops", "--mfu", "--p2p-bandwidth",
+        "--p2p-latency", "--virtual", "--node-limit", "--host-bandwidth")]
+)
+
+# One process runs every case through `main` (starting one per case would take minutes):
+# it reports each case's exit code, stderr and any exception that escaped `main`.
+_BATCH = textwrap.dedent("""
+    import contextlib, io, json, sys, time
+    from pipeschedule.cli import main
+    out = []
+    for argv in json.load(sys.stdin):
+        err = io.StringIO()
+        start = time.monotonic()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                code = main(argv)
+            escaped = None
+        except BaseException as exc:  # a traceback
+            code, escaped = None, f"{type(exc).__name__}: {exc}"[:300]
+        out.append([argv[:12], code, err.getvalue().strip().splitlines(), escaped, time.monotonic() - start])
+    json.dump(out, sys.stdout)
+""")
+
+
+def test_every_numeric_flag_refuses_bad_values_in_one_line(tmp_path):
+    cases = []
+    for base, flag in FLAGS:
+        for value in BAD_VALUES:
+            argv = list(base)
+            if flag in argv:
+                argv[argv.index(flag) + 1] = value
+            else:
+                argv += [flag, value]
+            cases.append(argv)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", _BATCH], input=json.dumps(cases), cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240, preexec_fn=_limit_memory)
+    assert done.returncode == 0, done.stderr[-2000:]
+    problems = []
+    for argv, code, err, escaped, seconds in json.loads(done.stdout):
+        if escaped is not None or code not in (0, 1, 2) or (code == 2 and len(err) != 1) or seconds > 20:
+            problems.append((argv, code, err[-2:], escaped, round(seconds, 1)))
+        elif code == 2 and (len(err[0]) > 400 or "x" * MAX_SHOWN in err[0]):
+            problems.append((argv, "message too long", err[0][:120]))
+    assert not problems, problems[:5]

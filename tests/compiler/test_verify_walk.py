@@ -1,0 +1,219 @@
+"""The verifier's merged walk ([Note: merged walk] in verify.py) is a second, faster copy
+of rules 1, 2 and 5. It is pinned here to the rule functions: on valid schedules of
+every family (split backward, V placement, offload, forward-only) and on mutated ones,
+it passes exactly when the three rules pass, collects exactly what `_communication`
+does, and `verify` names the same first error as running `RULES` one by one."""
+
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeschedule import Instr, Op, Schedule, ScheduleError, compile_schedule
+from pipeschedule.compiler.ir import BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload
+from pipeschedule.compiler.passes import forward_only
+
+from strategies import FAMILY_NAMES, examples, schedules
+
+checks = sys.modules["pipeschedule.compiler.verify"]  # the module (`pipeschedule.compiler.verify` is also the function)
+
+
+def outcome(run):
+    """None when `run` passes, else the error's (rule, rank, index, text)."""
+    try:
+        run()
+    except ScheduleError as err:
+        return err.rule, err.rank, err.index, str(err)
+    return None
+
+
+@st.composite
+def instructions(draw, schedule):
+    """Any instruction a corrupted program might hold: stages, microbatches and peers a
+    little past their ranges, every op and buffer."""
+    op = draw(st.sampled_from(list(Op)))
+    stage = draw(st.integers(0, schedule.num_stages))
+    mb = draw(st.integers(0, schedule.microbatches))
+    peer = draw(st.integers(0, schedule.pp)) if op in COMM_OPS else None
+    buf = draw(st.sampled_from(BUFFERS)) if op in BUF_OPS else None
+    return Instr(op, stage, mb, peer, buf)
+
+
+# Random edits, and edits aimed at one check each: "reorder" puts an instruction right
+# before or after another of the same (stage, mb) on its rank (a W before its B, a send
+# before its compute, a RELOAD before its OFFLOAD, a FREE before a use); "carry" moves
+# two of them together after a third (an OFFLOAD and its RELOAD after the FREE); "twin"
+# repeats an instruction right after itself (a second B while its buffers still live);
+# "trade" writes one instruction over another of its class (compute, communication, or
+# FREE / OFFLOAD / RELOAD), often a near one, or repeats it right after itself and drops
+# another of its class, so that no count the walk keeps is off (a second send in place
+# of another); "retarget" moves an instruction to a neighbouring
+# stage or microbatch, "repeer" sends or receives it from another rank.
+MUTATIONS = ("drop", "duplicate", "move", "swap", "replace", "insert", "retarget", "repeer",
+             "reorder", "reorder", "carry", "twin", "trade", "trade")
+
+
+def op_class(op):
+    return 0 if op in COMPUTE_OPS else 1 if op in COMM_OPS else 2
+
+
+@st.composite
+def mutants(draw):
+    """A schedule of any family (with offload half of the time, forward-only a quarter
+    of the time) with 1 to 3 edits of its programs."""
+    schedule = draw(schedules(max_pp=5, max_m=6, max_v=3))
+    if draw(st.integers(0, 3)) == 0:
+        schedule = forward_only(schedule)
+    programs = [list(p) for p in schedule.programs]
+    for _ in range(draw(st.integers(1, 3))):  # valid schedules: the next test
+        rank = draw(st.integers(0, schedule.pp - 1))
+        program = programs[rank]
+        kind = draw(st.sampled_from(MUTATIONS))
+        if kind == "insert" or not program:
+            program.insert(draw(st.integers(0, len(program))), draw(instructions(schedule)))
+            continue
+        # an op first, then one of its instructions: an index drawn directly is most
+        # often one of the first, which are F and receives
+        op = draw(st.sampled_from(sorted({i.op for i in program}, key=lambda o: o.value)))
+        k = draw(st.sampled_from([n for n, i in enumerate(program) if i.op is op]))
+        if kind == "drop":
+            program.pop(k)
+        elif kind == "duplicate":
+            program.insert(draw(st.integers(0, len(program))), program[k])
+        elif kind == "move":
+            program.insert(draw(st.integers(0, len(program) - 1)), program.pop(k))
+        elif kind == "swap":
+            j = draw(st.integers(0, len(program) - 1))
+            program[k], program[j] = program[j], program[k]
+        elif kind == "replace":
+            program[k] = draw(instructions(schedule))
+        elif kind == "reorder":
+            i = program[k]
+            same = [j for j, other in enumerate(program) if j != k and (other.stage, other.mb) == (i.stage, i.mb)]
+            if same:
+                j = draw(st.sampled_from(same))
+                program.pop(k)
+                j = j - (j > k)
+                program.insert(j + draw(st.sampled_from((0, 1))), i)
+        elif kind == "carry":
+            i = program[k]
+            same = [j for j, other in enumerate(program) if j != k and (other.stage, other.mb) == (i.stage, i.mb)]
+            if len(same) >= 2:
+                j, t = draw(st.lists(st.sampled_from(same), min_size=2, max_size=2, unique=True))
+                moved = [program[x] for x in sorted((k, j))]
+                target = program[t]
+                rest = [x for n, x in enumerate(program) if n not in (k, j)]
+                at = next(n for n, x in enumerate(rest) if x is target) + 1
+                program[:] = rest[:at] + moved + rest[at:]
+        elif kind == "twin":
+            program.insert(k + 1, program[k])
+        elif kind == "trade":
+            i = program[k]
+            others = [j for j, other in enumerate(program) if op_class(other.op) == op_class(i.op) and other != i]
+            near = [j for j in others if abs(j - k) <= 3]
+            if others:
+                j = draw(st.sampled_from(near if near and draw(st.booleans()) else others))
+                if draw(st.booleans()):
+                    program[j] = i
+                else:
+                    program.insert(k + 1, i)
+                    program.pop(j + (j > k))
+        elif kind == "repeer":
+            i = program[k]
+            if i.peer is not None:
+                program[k] = Instr(i.op, i.stage, i.mb, draw(st.integers(0, schedule.pp)), None)
+        else:  # retarget: the same op on a neighbouring stage or microbatch
+            i = program[k]
+            stage = max(0, i.stage + draw(st.sampled_from((-1, 0, 1))))
+            mb = max(0, i.mb + draw(st.sampled_from((-1, 0, 1))))
+            program[k] = Instr(i.op, stage, mb, i.peer, i.buf)
+    return Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, schedule.placement,
+                    tuple(map(tuple, programs)), schedule.params, schedule.forward_only)
+
+
+def walked_rules(schedule):
+    """The first error of rules 1, 2 and 5 run in RULES' order (each may assume that
+    the rules before it passed), or None."""
+    for rule in (checks.check_coverage, checks.check_dependencies, checks.check_liveness):
+        found = outcome(lambda rule=rule: rule(schedule))
+        if found is not None:
+            return found
+    return None
+
+
+def agree(schedule, whole=True):
+    """The walk passes exactly when rules 1, 2 and 5 do, with `_communication`'s tables;
+    and (`whole`) verify names the error that RULES one by one name."""
+    walked = checks._passes_walked_rules(schedule)
+    separate = walked_rules(schedule)
+    if schedule.forward_only:
+        assert walked is None  # left to the separate rules
+    else:
+        assert (walked is not None) == (separate is None), separate
+    if walked is not None:
+        assert walked == checks._communication(schedule)
+    if not whole:
+        return separate
+
+    def one_by_one():
+        for rule in checks.RULES:
+            rule(schedule)
+
+    assert outcome(lambda: checks.verify(schedule)) == outcome(one_by_one)
+    return separate
+
+
+@settings(max_examples=examples(500), deadline=None)
+@given(mutants())
+def test_the_merged_walk_agrees_with_the_rules(schedule):
+    agree(schedule)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(schedules(max_pp=6, max_m=8))
+def test_valid_schedules_pass_the_merged_walk(schedule):
+    assert agree(schedule) is None
+    assert checks._passes_walked_rules(schedule) is not None
+
+
+def single_edits(program, pp):
+    """Every aimed edit of one program ("twin", "reorder", "trade", "repeer" above) at
+    every place: deterministic, so a check the walk loses is found on every run, not by
+    chance."""
+    n = len(program)
+    for k, i in enumerate(program):
+        yield program[:k] + program[k + 1:]  # drop
+        yield program[:k + 1] + [i] + program[k + 1:]  # twin
+        rest = program[:k] + program[k + 1:]
+        for j, other in enumerate(rest):  # reorder: right before or after one of its (stage, mb)
+            if (other.stage, other.mb) == (i.stage, i.mb):
+                yield rest[:j] + [i] + rest[j:]
+                yield rest[:j + 1] + [i] + rest[j + 1:]
+        for j in range(max(0, k - 3), min(n, k + 4)):  # trade with a near one of its class
+            if j != k and op_class(program[j].op) == op_class(i.op) and program[j] != i:
+                yield program[:j] + [i] + program[j + 1:]
+        twin = program[:k + 1] + [i] + program[k + 1:]
+        for j, other in enumerate(program):  # trade: a twin, and another of its op dropped
+            if j != k and other.op is i.op and other != i:
+                yield twin[:j + (j > k)] + twin[j + (j > k) + 1:]
+        if i.peer is not None:  # repeer, a rank out of range included
+            for peer in range(pp + 1):
+                if peer != i.peer:
+                    yield program[:k] + [Instr(i.op, i.stage, i.mb, peer)] + program[k + 1:]
+
+
+SMALL = [(name, 2 if name == "interleaved_1f1b" else None) for name in FAMILY_NAMES]
+
+
+@pytest.mark.parametrize("name,virtual", SMALL)
+def test_every_single_aimed_edit_of_small_schedules(name, virtual):
+    base = compile_schedule(name, pp=2, microbatches=2, virtual=virtual)
+    for schedule in (base, add_offload(base, OffloadPolicy(fraction=1.0, lead=0))):
+        for rank, program in enumerate(schedule.programs):
+            for edited in single_edits(list(program), schedule.pp):
+                programs = list(schedule.programs)
+                programs[rank] = tuple(edited)
+                agree(Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches,
+                               schedule.placement, tuple(programs), schedule.params), whole=False)

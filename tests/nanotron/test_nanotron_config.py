@@ -1,0 +1,253 @@
+"""`parallelism.pp_engine` with pipeschedule's engines, through nanotron's own loader and saver.
+
+A minimal valid nanotron 0.4 config needs: general.project, parallelism.{dp, pp, tp},
+model.model_config (any LlamaConfig fields), model.init_method.std, and a tokenizer
+section (all its fields are optional, `{}` will do). Everything goes through nanotron's
+`get_config_from_file` (dacite, strict=True) and `Config.save_as_yaml` (which re-reads
+what it wrote).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+
+import integration.nanotron  # noqa: F401  (registers the engines, as a launch script would)
+from integration.nanotron import config as engine_config
+from integration.nanotron.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.registry import ENGINES
+from nanotron.config import get_config_from_file
+from nanotron.config.parallelism_config import ParallelismArgs
+from nanotron.parallel.pipeline_parallel.engine import (
+    AllForwardAllBackwardPipelineEngine,
+    OneForwardOneBackwardPipelineEngine,
+)
+from pipeschedule.errors import ParameterError
+from pipeschedule.compiler.families import FAMILIES
+
+MINIMAL = {
+    "general": {"project": "pipeschedule-test"},
+    "parallelism": {"dp": 1, "pp": 4, "tp": 1},
+    "model": {"model_config": {"hidden_size": 64, "num_hidden_layers": 80}, "init_method": {"std": 0.02}},
+    "tokenizer": {},
+}
+
+STRINGS = {
+    "capped_1f1b": EngineSpec("capped_1f1b"),
+    "capped_1f1b:cap=2": EngineSpec("capped_1f1b", cap=2),
+    "capped_1f1b:cap=4/3/2/1": EngineSpec("capped_1f1b", cap=(4, 3, 2, 1)),
+    "capped_1f1b:cap=2,split=19/21/21/19": EngineSpec("capped_1f1b", cap=2, split=(19, 21, 21, 19)),
+    "interleaved_1f1b:virtual=2": EngineSpec("interleaved_1f1b", virtual=2),
+    "interleaved_1f1b:virtual=2,cap=4": EngineSpec("interleaved_1f1b", cap=4, virtual=2),
+    "interleaved_1f1b:cap=4,virtual=2,split=10/10/10/10/10/10/10/10":
+        EngineSpec("interleaved_1f1b", cap=4, virtual=2, split=(10,) * 8),
+    "ps_1f1b": EngineSpec("ps_1f1b"),
+    "ps_afab:split=20/20/20/20": EngineSpec("ps_afab", split=(20, 20, 20, 20)),
+    "1f1b": EngineSpec("1f1b"),
+    "afab": EngineSpec("afab"),
+    "capped_1f1b:cap=2,offload=0,stream=256": EngineSpec("capped_1f1b", cap=2, offload=(0,), stream=256),
+    "ps_1f1b:stream=64,lead=0,offload=0/1": EngineSpec("ps_1f1b", offload=(0, 1), lead=0, stream=64),
+    "zb_h1:recompute=full": EngineSpec("zb_h1", recompute="full"),
+    "capped_1f1b:cap=2,recompute=2": EngineSpec("capped_1f1b", cap=2, recompute=2),
+    "v_half:recompute=1/0/0/1": EngineSpec("v_half", recompute=(1, 0, 0, 1)),
+    "ps_1f1b:recompute=selective": EngineSpec("ps_1f1b", recompute="selective"),
+}
+
+MAPPINGS = [
+    ({"name": "capped_1f1b", "cap": 2}, EngineSpec("capped_1f1b", cap=2)),
+    ({"name": "capped_1f1b", "cap": [4, 3, 2, 1]}, EngineSpec("capped_1f1b", cap=(4, 3, 2, 1))),
+    ({"name": "capped_1f1b", "cap": 2, "split": [19, 21, 21, 19]},
+     EngineSpec("capped_1f1b", cap=2, split=(19, 21, 21, 19))),
+    ({"name": "capped_1f1b", "split": "19/21/21/19"}, EngineSpec("capped_1f1b", split=(19, 21, 21, 19))),
+    ({"name": "interleaved_1f1b", "virtual": 2, "cap": 4}, EngineSpec("interleaved_1f1b", cap=4, virtual=2)),
+    ({"name": "1f1b"}, EngineSpec("1f1b")),
+    ({"name": "zbv", "offload": [0], "stream": 128}, EngineSpec("zbv", offload=(0,), stream=128)),
+    ({"name": "capped_1f1b", "recompute": [2, 1]}, EngineSpec("capped_1f1b", recompute=(2, 1))),
+]
+
+BAD = [
+    ("capped_1f1b:cap=0", "cap must be an integer >= 1"),
+    ({"name": "capped_1f1b", "cap": 0}, "cap must be an integer >= 1"),
+    ("capped_1f1b:cap=two", "cap must be an integer"),
+    ("zero_bubble", "unknown engine 'zero_bubble'"),
+    ("capped_1f1b:capp=2", "unknown parameter 'capp' for capped_1f1b; capped_1f1b accepts: cap, split"),
+    ("capped_1f1b:virtual=2", "unknown parameter 'virtual' for capped_1f1b"),
+    ("interleaved_1f1b:cap=2", "interleaved_1f1b needs virtual=N"),
+    ("interleaved_1f1b:virtual=0", "virtual must be an integer >= 1"),
+    ("1f1b:cap=2", "nanotron's own '1f1b' takes no parameters"),
+    ("capped_1f1b:cap=2,cap=3", "parameter 'cap' given twice"),
+    ("capped_1f1b:split=20/-1", "split must list decoder layers per stage"),
+    ("capped_1f1b:", "nothing after ':'"),
+    ("capped_1f1b:cap", "expected KEY=VALUE"),
+    ({"cap": 2}, "needs a 'name' key"),
+    ("ps_1f1b:stream=64", "stream applies to offloaded stashes: give offload=RANKS too"),
+    ("ps_1f1b:offload=0/0", "offload must list distinct ranks >= 0"),
+    ("ps_1f1b:offload=0,stream=0", "stream must be an integer >= 1 (MiB per chunk), got '0'"),
+    ("ps_1f1b:offload=0,lead=-1", "lead must be an integer >= 0"),
+    ("1f1b:offload=0", "nanotron's own '1f1b' takes no parameters"),
+    ("capped_1f1b:recompute=some", "recompute must be full, selective, or decoder layers per stage"),
+    ("capped_1f1b:recompute=-1", "recompute must be full, selective, or decoder layers per stage"),
+]
+
+
+def write(path, pp_engine, *, raw_line: str | None = None) -> str:
+    data = {**MINIMAL, "parallelism": {**MINIMAL["parallelism"], "pp_engine": pp_engine}}
+    text = yaml.safe_dump(data)
+    if raw_line is not None:  # the value exactly as a person would type it, unquoted
+        text = text.replace(f"pp_engine: {yaml.safe_dump(pp_engine).strip()}", raw_line)
+        assert raw_line in text
+    path.write_text(text)
+    return str(path)
+
+
+def spec_of(engine) -> EngineSpec:
+    if hasattr(engine, "spec"):  # ours keep the spec they were built from
+        return engine.spec
+    if isinstance(engine, AllForwardAllBackwardPipelineEngine):
+        return EngineSpec("afab")
+    assert isinstance(engine, OneForwardOneBackwardPipelineEngine), engine
+    return EngineSpec("1f1b")
+
+
+def round_trip(tmp_path, pp_engine, raw_line=None):
+    first = get_config_from_file(write(tmp_path / "in.yaml", pp_engine, raw_line=raw_line))
+    first.save_as_yaml(str(tmp_path / "saved.yaml"))  # nanotron re-reads it inside
+    saved_text = (tmp_path / "saved.yaml").read_text()
+    second = get_config_from_file(str(tmp_path / "saved.yaml"))
+    return first.parallelism.pp_engine, second.parallelism.pp_engine, saved_text
+
+
+# -- round trips --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", list(STRINGS))
+def test_string_form_round_trips(tmp_path, value):
+    loaded, reloaded, saved = round_trip(tmp_path, value, raw_line=f"pp_engine: {value}")
+    assert spec_of(loaded) == STRINGS[value] == spec_of(reloaded)
+    assert type(loaded) is type(reloaded)
+    assert yaml.safe_load(saved)["parallelism"]["pp_engine"] == STRINGS[value].to_string()
+
+
+@pytest.mark.parametrize("value, expected", MAPPINGS, ids=[str(v) for v, _ in MAPPINGS])
+def test_mapping_form_round_trips(tmp_path, value, expected):
+    loaded, reloaded, saved = round_trip(tmp_path, value)
+    assert spec_of(loaded) == expected == spec_of(reloaded)
+    assert yaml.safe_load(saved)["parallelism"]["pp_engine"] == expected.to_string()
+
+
+def test_nanotron_engines_keep_nanotron_classes(tmp_path):
+    for name, cls in (("1f1b", OneForwardOneBackwardPipelineEngine), ("afab", AllForwardAllBackwardPipelineEngine)):
+        loaded, reloaded, _ = round_trip(tmp_path, name)
+        assert type(loaded) is cls and type(reloaded) is cls
+
+
+def test_python_construction_uses_the_same_parser():
+    args = ParallelismArgs(dp=1, pp=4, tp=1, pp_engine="capped_1f1b:cap=2")
+    assert args.pp_engine.spec == EngineSpec("capped_1f1b", cap=2)
+
+
+def test_python_mapping_form_builds_the_engine_and_saves(tmp_path):
+    """nanotron converts only a string given from Python; the hook converts the mapping
+    form too, so a config built in Python saves and loads back ([Note: nanotron hooks])."""
+    args = ParallelismArgs(dp=1, pp=4, tp=1, pp_engine={"name": "capped_1f1b", "cap": 3, "recompute": "full"})
+    assert args.pp_engine.spec == EngineSpec("capped_1f1b", cap=3, recompute="full")
+    config = get_config_from_file(write(tmp_path / "in.yaml", "1f1b"))
+    config.parallelism = args
+    config.save_as_yaml(str(tmp_path / "saved.yaml"))
+    assert "pp_engine: capped_1f1b:cap=3,recompute=full" in (tmp_path / "saved.yaml").read_text()
+    assert get_config_from_file(str(tmp_path / "saved.yaml")).parallelism.pp_engine.spec == args.pp_engine.spec
+
+
+# -- errors at load -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, reason", BAD, ids=[str(v) for v, _ in BAD])
+def test_bad_values_fail_at_load_naming_value_and_choices(tmp_path, value, reason):
+    with pytest.raises(ValueError) as caught:
+        get_config_from_file(write(tmp_path / "bad.yaml", value))
+    message = str(caught.value)
+    assert isinstance(caught.value, ParameterError)
+    assert repr(yaml.safe_load(yaml.safe_dump(value))) in message  # the value as nanotron read it
+    assert reason in message
+    for accepted in ("afab", "1f1b", "ps_1f1b", "capped_1f1b", "interleaved_1f1b:virtual=V", "mapping form"):
+        assert accepted in message
+
+
+# -- the engines behind the names ---------------------------------------------------------
+
+
+def test_registry_agrees_with_the_generator_families():
+    for name, entry in ENGINES.items():
+        family = FAMILIES[entry.family]
+        assert family.engine == name
+        assert ("virtual" in entry.params) == family.takes_virtual, name
+        assert ("cap" in entry.params) == family.takes_cap, name
+        assert "split" in entry.params, name
+
+
+def parse_and_build(value):
+    return sys.modules["nanotron.config.config"].cast_str_to_pipeline_engine(value)
+
+
+# -- register() ---------------------------------------------------------------------------
+
+
+def bindings():
+    return {
+        (module, attr): getattr(sys.modules[module], attr)
+        for module in engine_config.BINDING_MODULES
+        for attr in (engine_config.LOAD, engine_config.SAVE)
+        if hasattr(sys.modules[module], attr)
+    }
+
+
+def test_register_is_idempotent_and_reversible():
+    before = bindings()
+    assert engine_config.is_registered()
+    engine_config.register()
+    assert bindings() == before
+    try:
+        engine_config.unregister()
+        assert not engine_config.is_registered()
+        with pytest.raises(ValueError, match="pp_engine should be a string selected in"):
+            parse_and_build("capped_1f1b")  # nanotron's own message
+    finally:
+        engine_config.register()
+    assert bindings() == before
+
+
+# -- the spec on its own ------------------------------------------------------------------
+
+positive = st.integers(1, 64)
+specs = st.one_of(
+    st.builds(EngineSpec, st.just("ps_1f1b"), split=st.none() | st.lists(st.integers(0, 9), min_size=2, max_size=8)
+              .filter(lambda s: sum(s) > 0).map(tuple)),
+    st.builds(EngineSpec, st.just("capped_1f1b"),
+              cap=st.none() | positive | st.lists(positive, min_size=2, max_size=8).map(tuple)),
+    st.builds(EngineSpec, st.just("interleaved_1f1b"), virtual=positive, cap=st.none() | positive),
+)
+
+
+@given(specs)
+def test_canonical_string_parses_back(spec):
+    assert parse_engine(spec.to_string()) == spec
+    mapping = {"name": spec.name, **{k: list(v) if isinstance(v, tuple) else v for k, v in spec.params().items()}}
+    assert parse_engine(mapping) == spec
+    assert yaml.safe_load(yaml.safe_dump({"pp_engine": spec.to_string()}))["pp_engine"] == spec.to_string()
+
+
+def test_check_against_the_run():
+    parse_engine("capped_1f1b:cap=4/3/2/1,split=19/21/21/19").check_against(pp=4, num_layers=80)
+    parse_engine("interleaved_1f1b:virtual=2,split=1/1/1/1").check_against(pp=2, num_layers=4)
+    for value, pp, layers, reason in (
+        ("capped_1f1b:cap=4/3/2/1", 2, None, "cap lists 4 ranks but pp = 2"),
+        ("capped_1f1b:split=40/40", 4, 80, "split lists 2 stages but pp * virtual = 4 * 1 = 4"),
+        ("capped_1f1b:split=19/21/21/18", 4, 80, "19+21+21+18 = 79 decoder layers but the model has 80"),
+        ("ps_1f1b:offload=0/4", 4, None, "offload names rank 4 but pp = 4"),
+    ):
+        with pytest.raises(ParameterError, match=reason.replace("+", r"\+").replace("*", r"\*")):
+            parse_engine(value).check_against(pp=pp, num_layers=layers)

@@ -1,0 +1,75 @@
+"""`torchrun ... -m integration.nanotron.train --config-file CONFIG`: the users' launch,
+run as they run it (torchrun, two CPU processes, gloo), good and bad configs."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trainer_jobs import TrainerConfig
+
+pytestmark = pytest.mark.spawn
+
+
+def launch(tmp_path, engine: str, *extra: str, layers: int = 4, timeout: float = 180.0):
+    config = tmp_path / "config.yaml"
+    config.write_text(TrainerConfig(engine=engine, layers=layers, steps=1).yaml(str(tmp_path / "checkpoints")))
+    with socket.socket() as probe:  # a free port for torchrun's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               "-m", "integration.nanotron.train", "--config-file", str(config), *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def our_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("integration.nanotron.train rank")]
+
+
+def test_trains_from_the_yaml_and_records(tmp_path):
+    result = launch(tmp_path, "capped_1f1b:cap=1,split=1/3", "--record", str(tmp_path / "record"), "--record-weights")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / "record" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["engine"] for r in ranks] == ["capped_1f1b:cap=1,split=1/3"] * 2
+    assert ranks[0]["block_ranks"] == [0, 0, 1, 1, 1, 1, 1, 1, 1]  # the split from pp_engine, built by nanotron
+    assert ranks[1]["steps"][0]["loss"] > 0 and ranks[0]["steps"][0]["loss"] is None
+    assert "model.lm_head.pp_block.weight" in ranks[1]["params"]
+
+
+@pytest.mark.parametrize("engine, expected", [
+    ("capped_1f1b:split=1/1", "split places 1+1 = 2 decoder layers but the model has 4"),
+    ("interleaved_1f1b:virtual=8", "leaves stage(s)"),
+    ("capped_1f1b:caps=2", "unknown parameter 'caps' for capped_1f1b; capped_1f1b accepts: cap, split"),
+    ("zbv:split=1/1/1", "split lists 3 stages but"),
+])
+def test_bad_pp_engine_is_refused_in_one_line_and_every_rank_ends(tmp_path, engine, expected):
+    result = launch(tmp_path, engine, timeout=120)
+    assert result.returncode != 0
+    lines = our_lines(result)
+    # The rank that fails first says why; torchrun then ends the others, which say so in one
+    # line where they are in Python when SIGTERM comes (a rank still importing torch, or inside
+    # a C++ call, ends with torchrun's own report only). Nobody hangs: launch() has a timeout.
+    ranks = [line.split(":")[0] for line in lines]
+    assert len(ranks) == len(set(ranks)) and set(ranks) <= {f"integration.nanotron.train rank {r}" for r in (0, 1)}
+    refusals = [line for line in lines if expected in line]
+    assert refusals, result.stderr[-3000:]
+    assert all(line in refusals or "stopped by SIGTERM" in line for line in lines), lines
+    assert "Traceback" not in "\n".join(lines)
+
+
+def test_a_rank_ended_by_torchrun_says_so_in_one_line():
+    """torchrun ends the other ranks with SIGTERM when one fails: each still leaves a line."""
+    code = ("import os, signal\n"
+            "from integration.nanotron.train import _say_when_stopped\n"
+            "_say_when_stopped('3')\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "signal.pause()\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 128 + 15, result.stderr[-2000:]
+    assert our_lines(result) == [
+        "integration.nanotron.train rank 3: stopped by SIGTERM "
+        "(torchrun ends every rank when one fails; the failing rank printed why)"]

@@ -1,0 +1,95 @@
+"""The package's layering, read from the source (its imports, not running them): no
+import circle among pipeschedule, integration and benchmarks, and the compiler,
+simulator and planner import no torch (only pipeschedule/runtime and integration/ do).
+
+An edge A -> B is an `import B` / `from B import name` anywhere in A (a name that is a
+module of B counts as that module), inside functions too: an import moved into a
+function to break a circle still closes it here. Imports inside functions are for
+optional or heavy dependencies only (matplotlib, torch where it is optional).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("pipeschedule", "integration", "benchmarks")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project's modules that `path` imports, at module level or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known else node.module
+                     for alias in node.names]
+        else:
+            continue
+        out.update(name for name in names if name in known)
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles():
+    known = modules()
+    graph = {name: imports(path, known) for name, path in known.items()}
+    assert not circles(graph), "modules that import each other in a circle: " + "; ".join(
+        " <-> ".join(c) for c in circles(graph))
+
+
+def test_the_compiler_simulator_and_planner_import_no_torch():
+    found = []
+    for name, path in modules().items():
+        if not name.startswith("pipeschedule") or name.startswith("pipeschedule.runtime"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                found += [f"{name}: {n}" for n in names if n.split(".")[0] == "torch"]
+    assert not found, found
+
+
+def test_the_circle_finder_finds_circles():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

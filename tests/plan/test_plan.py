@@ -1,0 +1,243 @@
+"""The planner: candidates, recommendation, nanotron config lines, the command line."""
+
+import functools
+import json
+import re
+
+import pytest
+
+from pipeschedule.cli import build_parser
+from pipeschedule.errors import ParameterError
+from pipeschedule.plan.memory import GiB, TrainingSetup
+from pipeschedule.cli.plan import run as run_plan
+from pipeschedule.plan import Candidate, PlanConfig, head_seconds, layer_seconds, plan
+from pipeschedule.plan.presets import MODELS
+
+L70 = MODELS["llama3-70b"]
+# integration/nanotron/engine_spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
+# integer or integers joined by '/'.
+FAMILY_NAMES = "1f1b|afab|ps_1f1b|ps_afab|capped_1f1b|interleaved_1f1b|zb_h1|zbv|v_half|v_min"
+VALUE = r"[a-z]+=(\d+(/\d+)*|full|selective)"
+ENGINE = re.compile(rf"^({FAMILY_NAMES})(:{VALUE}(,{VALUE})*)?$")
+
+
+def config(**kw):
+    setup = TrainingSetup(**{"tp": 4, "recompute": "full", **kw.pop("setup", {})})
+    return PlanConfig(**{"model": L70, "setup": setup, "pp": 4, "microbatches": 16, "gpu_memory": 96 * GiB, **kw})
+
+
+@functools.lru_cache(maxsize=None)
+def planned(**setup):
+    """`plan(config(setup=...))`, computed once per setup for the tests that only read it."""
+    return plan(config(setup=setup))
+
+
+def run(argv, capsys):
+    args = build_parser().parse_args(["plan", *argv])
+    code = run_plan(args)
+    return code, capsys.readouterr().out
+
+
+def test_default_is_nanotron_1f1b_with_its_split():
+    result = planned()
+    assert result.default.family == "1f1b" and result.default.split == (21, 20, 20, 19)
+    assert result.default.relative == 1.0
+    assert result.default.fits
+    assert result.recommended is not None and result.recommended.fits
+    assert result.recommended.step_time <= result.default.step_time
+    families = {c.family for c in result.candidates}
+    assert families == {"1f1b", "capped_1f1b", "interleaved_1f1b", "afab", "zb_h1", "zbv", "v_half", "v_min"}
+    caps = {c.cap for c in result.candidates if c.family == "capped_1f1b"}
+    assert {1, 2, 3} <= caps
+    for cand in result.candidates:
+        assert ENGINE.match(cand.engine()), cand.engine()
+
+
+def test_dp2_without_zero_leaves_stage_0_within_2_gib_and_hints_zero1():
+    """Set A of test_memory.py at dp=2: nanotron's default fits stage 0 with under 2 GiB
+    to spare (DDP's buckets); the recommendation fits, and the ZeRO-1 hint is shown."""
+    result = plan(config(setup={"dp": 2}))
+    assert result.default.fits and -result.default.peak.overflow < 2 * GiB
+    rec = result.recommended
+    assert rec is not None and rec.fits
+    assert result.zero1_default is not None and result.zero1_default.fits
+    text = result.to_text(tables="top")
+    assert "Hint: with ZeRO-1" in text
+    assert f"pp_engine: {rec.engine()}" in text
+
+
+def test_candidate_engine_strings():
+    one = Candidate("1f1b", None, 1, (21, 20, 20, 19), "nanotron")
+    assert one.engine(nanotron_default=True) == "1f1b"
+    assert one.engine() == "ps_1f1b"
+    capped = Candidate("capped_1f1b", (4, 2, 2, 1), 1, (19, 21, 21, 19), "optimal")
+    assert capped.engine() == "capped_1f1b:cap=4/2/2/1,split=19/21/21/19"
+    inter = Candidate("interleaved_1f1b", 4, 2, (10,) * 8, "nanotron")
+    assert inter.engine() == "interleaved_1f1b:virtual=2,cap=4"
+    assert inter.yaml_lines(4) == ["parallelism:", "  pp: 4", "  pp_engine: interleaved_1f1b:virtual=2,cap=4"]
+
+
+def test_compute_costs():
+    c = config()
+    forward, backward = layer_seconds(c)
+    assert backward == pytest.approx(3 * forward)  # full recompute: 2F + F
+    none = config(setup={"recompute": "none"})
+    f2, b2 = layer_seconds(none)
+    assert f2 == pytest.approx(forward) and b2 == pytest.approx(2 * f2)
+    tokens = 8192
+    flops = (2 * L70.layer_params() * tokens + 4 * tokens * tokens * 8192) / 4
+    assert forward == pytest.approx(flops / (989e12 * 0.5))
+    head_f, head_b = head_seconds(c)
+    assert head_f == pytest.approx(2 * 128256 * 8192 * tokens / 4 / (989e12 * 0.5))
+    assert head_b == pytest.approx(2 * head_f)
+
+
+def test_cli_text_json_png(capsys, tmp_path):
+    argv = ["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--recompute", "full",
+            "--zero", "0"]
+    code, out = run(argv + ["--tables", "top"], capsys)
+    assert code == 0
+    assert "Recommended:" in out and "Memory per GPU in GiB, #1 1f1b, nanotron default 21/20/20/19" in out
+    for term in ("weights", "fp32 grad accumulator", "fp32 master weights", "Adam moments", "activations",
+                 "layer backward (transient)", "total", "budget"):
+        assert term in out
+    png = tmp_path / "plan.png"
+    code, out = run(argv + ["--json", "--png", str(png)], capsys)
+    obj = json.loads(out)
+    assert obj["candidates"][obj["default"]]["split"] == [21, 20, 20, 19]
+    assert obj["yaml"][0] == "parallelism:"
+    assert len(obj["candidates"][0]["memory"]) == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_model_from_sizes(capsys):
+    argv = ["--zero", "0", "--recompute", "none",
+            "--layers", "8", "--hidden", "256", "--heads", "8", "--kv-heads", "2", "--ffn", "512", "--vocab", "1000",
+            "--pp", "2", "--microbatches", "4", "--seq", "128", "--gpu-memory", "1", "--reserve", "0",
+            "--tables", "none"]
+    code, out = run(argv, capsys)
+    assert code == 0 and "Plan for custom: 8 layers" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "llama3-70b", "--tp", "3", "--seq", "8193"], "tp=3 does not divide"),
+        (["--model", "llama3-70b", "--tp", "3"], "seq=8192 is not divisible by tp=3"),
+        (["--model", "llama3-70b", "--pp", "100"], "pp=100 exceeds the model's 80 decoder layers"),
+        (["--model", "llama3-70b", "--gpu-memory", "-5"], "--gpu-memory must be > 0 GiB, got -5"),
+        (["--model", "llama3-70b", "--microbatches", "0"], "microbatches must be an integer >= 1, got 0"),
+        (["--model", "llama3-70b", "--reserve", "200"], "reserve 200 GiB leaves nothing"),
+        (["--model", "gpt5"], "unknown model 'gpt5'"),
+        (["--model", "llama3-70b", "--gpu", "a100"], "unknown GPU 'a100'"),
+        (["--hidden", "64"], "give --model, --model-file, or the sizes"),
+        (["--model", "llama3-70b", "--layers", "-2"], "model layers must be an integer in 1..1024, got -2"),
+    ],
+)
+def test_cli_bad_input_names_the_value(argv, message):
+    base = {"--pp": "4", "--microbatches": "16"}
+    for flag, value in base.items():
+        if flag not in argv:
+            argv = argv + [flag, value]
+    args = build_parser().parse_args(["plan", *argv])
+    with pytest.raises(ParameterError, match=re.escape(message)):
+        run_plan(args)
+
+
+def test_nothing_fits_returns_1(capsys):
+    code, out = run(["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--gpu", "h100",
+                     "--recompute", "none", "--zero", "0",
+                     "--tables", "none"], capsys)
+    assert code == 1
+    assert "Recommended: nothing fits" in out
+
+
+def test_search_memory_equals_the_reported_memory():
+    """For one stage per rank the split search's memory model and the memory table are the
+    same numbers, so a split the search accepts is one the table shows fitting."""
+    from pipeschedule.plan.planner import _Planner
+    from pipeschedule.plan.split_problem import Evaluator
+
+    cfg = config(setup={"dp": 2})
+    planner = _Planner(cfg)
+    for family, cap in (("1f1b", None), ("capped_1f1b", 2), ("capped_1f1b", (4, 2, 2, 1))):
+        ev = Evaluator(planner.problem(family, cap, 1), planner.schedule(family, cap, 1))
+        for split in ((21, 20, 20, 19), (19, 21, 21, 19)):
+            row = planner.evaluate(family, cap, 1, split, "x")
+            assert ev.rank_bytes(split) == pytest.approx([r.total for r in row.memory], rel=1e-12)
+
+
+def test_keyword_api():
+    result = plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full")
+    assert result.config.budget == 94 * GiB
+    assert result.recommended.engine() == "zb_h1:recompute=full"
+    with pytest.raises(ParameterError, match="model must be a preset name"):
+        plan(pp=4, microbatches=16)
+
+
+# -- split-backward and V-shape candidates (issue 8) -------------------------------------------
+
+
+def test_split_backward_candidates_are_evaluated_with_v_placement():
+    from pipeschedule.compiler.families import FAMILIES
+
+    result = planned()
+    rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron") and not c.recomputed}
+    for family in ("zb_h1", "zbv", "v_half", "v_min"):
+        row = rows[family]
+        assert row.step_time and row.memory and row.virtual == FAMILIES[family].chunks()
+        assert ENGINE.match(row.engine()), row.engine()
+        assert "virtual" not in row.engine() and " v=" not in row.label
+    # A V rank holds stages r and 2pp-1-r: rank 0 runs the embedding and the LM head.
+    v_half = rows["v_half"]
+    assert [r.stages for r in v_half.memory] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert v_half.split == (11, 10, 10, 10, 10, 10, 10, 9)
+    assert [r.layers for r in v_half.memory][0] == (11, 9)
+    # Stash peaks per rank follow the families' limits in stage-microbatches: the
+    # in-flight count of a V rank is its two stages' together.
+    assert [r.inflight for r in rows["zbv"].memory] == [8] * 4
+    assert [r.inflight for r in v_half.memory] == [6] * 4
+    assert [r.inflight for r in rows["v_min"].memory] == [4] * 4
+    # Without recompute (layer activations dominate; with full recompute the LM head's
+    # logits, which a V keeps on rank 0, do): V-Half and V-Min hold less on the first rank.
+    result = plan(config(setup={"recompute": "none"}))
+    rows = {c.family: c for c in result.candidates if c.split_kind.startswith("nanotron") and not c.recomputed}
+    acts = {f: rows[f].memory[0].terms["activations"] for f in ("1f1b", "zbv", "v_half", "v_min")}
+    assert acts["v_min"] < 0.55 * acts["1f1b"] and acts["v_half"] < 0.8 * acts["1f1b"]
+    assert acts["zbv"] < 1.1 * acts["1f1b"]
+
+
+def test_split_backward_costs_split_the_backward():
+    from pipeschedule.plan.planner import _Planner
+    from pipeschedule.plan.config import weight_seconds
+
+    cfg = config(setup={"recompute": "none"})
+    planner = _Planner(cfg)
+    (f, b, w), (hf, hb, hw) = planner.compute_costs(True)
+    assert (f, b + w) == pytest.approx(layer_seconds(cfg)) and (hf, hb + hw) == pytest.approx(head_seconds(cfg))
+    layer_w, head_w = weight_seconds(cfg)
+    assert w == layer_w == pytest.approx(2 * L70.layer_params() * 8192 / 4 / (989e12 * 0.5))
+    assert hw == head_w == pytest.approx(hf)
+    assert planner.compute_costs(False) == ((f, b + w, 0.0), (hf, hb + hw, 0.0))
+    cost = planner.cost([20, 20, 20, 20], split_backward=True)
+    assert cost.weight == pytest.approx((20 * w, 20 * w, 20 * w, 20 * w + hw))
+
+
+def test_split_search_memory_equals_the_reported_memory_for_v_shapes():
+    """The split search's memory model is the memory table with one stage per rank (stash
+    counted F to W under a split backward), and an upper bound of it with two (it adds the
+    two stages' peaks, which need not coincide)."""
+    from pipeschedule.plan.planner import _Planner
+    from pipeschedule.plan.split_problem import Evaluator
+
+    planner = _Planner(config(setup={"dp": 2}))
+    for family in ("zb_h1", "v_half"):
+        virtual = 2 if family == "v_half" else 1
+        schedule = planner.schedule(family, None, virtual)
+        ev = Evaluator(planner.problem(family, None, virtual), schedule)
+        split = (11, 10, 10, 10, 10, 10, 10, 9) if virtual == 2 else (21, 20, 20, 19)
+        row = planner.evaluate(family, None, virtual, split, "x")
+        table = [r.total for r in row.memory]
+        # an upper bound: the search counts max(F stash, W stash) per layer from F to W
+        assert all(a >= b * (1 - 1e-12) for a, b in zip(ev.rank_bytes(split), table))
+        assert ev.simulate(split)[0] == pytest.approx(row.pipeline_time, rel=1e-12)
