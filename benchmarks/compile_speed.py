@@ -32,7 +32,6 @@ import cProfile
 import datetime
 import gc
 import io
-import json
 import math
 import os
 import pstats
@@ -41,7 +40,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from benchmarks.common import RESULTS, git_commit, machine, torch_version
+from benchmarks.common import git_commit, machine, torch_version, write_results
 from pipeschedule.compiler import passes
 from pipeschedule.compiler.families import generate
 from pipeschedule.simulate import simulate
@@ -435,6 +434,28 @@ def summarize_growth(fit: dict, cells) -> str:
     )
 
 
+def measure_growth(grid_pp, grid_m, virtual: int, torch_budget: float, has_torch: bool):
+    """The growth grid, printed as it runs: its cells, the fitted exponents (ours, and
+    PyTorch's over the cells it ran) and the summary line."""
+    print(f"\ngrowth (virtual={virtual}); PyTorch budget {torch_budget:g} s")
+    print("  pp     m  instrs   ours s  µs/inst  torch s  ratio")
+    cells, spent = run_grid(grid_pp, grid_m, virtual, torch_budget, has_torch, print)
+    fits = {"ours": growth(cells, "ours_total")}
+    if any(c["torch_total"] is not None for c in cells):
+        fits["torch"] = growth(cells, "torch_total")
+    print("\nours:")
+    print("\n".join(_fmt_exponents(fits["ours"])))
+    if "torch" in fits:
+        print("PyTorch (cells run):")
+        print("\n".join(_fmt_exponents(fits["torch"])))
+    skipped = sum(1 for c in cells if c["torch_skipped"])
+    if skipped:
+        print(f"PyTorch: {skipped} cells skipped to stay within {torch_budget:g} s ({spent:.1f} s used)")
+    summary = summarize_growth(fits["ours"], cells)
+    print(summary)
+    return cells, fits, summary
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small grid and headline; write nothing")
@@ -480,22 +501,7 @@ def main(argv=None) -> int:
           f"{'met' if headline['paired_median'] and headline['paired_median'] >= TARGET_RATIO else 'NOT met'}")
 
     grid_pp, grid_m = (QUICK_PP, QUICK_M) if args.quick else (GRID_PP, GRID_M)
-    print(f"\ngrowth (virtual={virtual}); PyTorch budget {args.torch_budget:g} s")
-    print("  pp     m  instrs   ours s  µs/inst  torch s  ratio")
-    cells, spent = run_grid(grid_pp, grid_m, virtual, args.torch_budget, has_torch, lambda line: print(line))
-    fits = {"ours": growth(cells, "ours_total")}
-    if any(c["torch_total"] is not None for c in cells):
-        fits["torch"] = growth(cells, "torch_total")
-    print("\nours:")
-    print("\n".join(_fmt_exponents(fits["ours"])))
-    if "torch" in fits:
-        print("PyTorch (cells run):")
-        print("\n".join(_fmt_exponents(fits["torch"])))
-    skipped = sum(1 for c in cells if c["torch_skipped"])
-    if skipped:
-        print(f"PyTorch: {skipped} cells skipped to stay within {args.torch_budget:g} s ({spent:.1f} s used)")
-    summary = summarize_growth(fits["ours"], cells)
-    print(summary)
+    cells, fits, summary = measure_growth(grid_pp, grid_m, virtual, args.torch_budget, has_torch)
 
     profile = profile_ours(pp, virtual, microbatches) if args.profile else None
     if profile:
@@ -512,10 +518,8 @@ def main(argv=None) -> int:
         "targets": {"ours_s": TARGET_OURS_S, "ratio": TARGET_RATIO},
     }
     if not (args.quick or args.no_write):
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "compile_speed.json").write_text(json.dumps(result, indent=2) + "\n")
-        (RESULTS / "compile_speed.md").write_text(markdown(result))
-        print(f"\nwrote {RESULTS / 'compile_speed.md'} and {RESULTS / 'compile_speed.json'}")
+        paths = write_results("compile_speed", result, markdown(result))
+        print(f"\nwrote {' and '.join(map(str, paths))}")
     return 0
 
 
