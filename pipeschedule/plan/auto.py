@@ -45,9 +45,12 @@ def choose_cap(pp: int, microbatches: int, static: Sequence[float], stash: Seque
     if not (len(static) == len(stash) == len(budget) == pp):
         raise ParameterError(f"auto needs one static, stash and budget figure per rank (pp={pp}), "
                              f"got {len(static)}, {len(stash)}, {len(budget)}")
-    bad = next((x for x in (*static, *stash, *budget) if not (isinstance(x, (int, float)) and x >= 0)), None)
-    if bad is not None or any(math.isinf(x) for x in (*static, *stash)):
-        raise ParameterError(f"auto's figures are bytes >= 0 (budgets may be unbounded), got {bad!r} among them")
+    for name, figures in (("static", static), ("stash", stash), ("budget", budget)):
+        for r, x in enumerate(figures):
+            if not (isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0
+                    and (name == "budget" or math.isfinite(x))):
+                raise ParameterError(f"auto's {name} figure of rank {r} is {x!r}; accepted: bytes >= 0, finite "
+                                     "(a budget may be unbounded)")
 
     caps, running = [], pp
     for r in range(pp):

@@ -38,6 +38,8 @@ def test_choices():
     assert choose_cap(2, 4, [0.0, 0.0], [1.0, 1.0], [math.inf, math.inf]).engine == "ps_1f1b"  # CPU: unbounded
     with pytest.raises(ParameterError, match="bytes >= 0"):
         choose_cap(2, 4, [math.nan, 0.0], [1.0, 1.0], [1.0, 1.0])
+    with pytest.raises(ParameterError, match=r"auto's stash figure of rank 1 is inf; accepted: bytes >= 0"):
+        choose_cap(2, 4, [0.0, 0.0], [1.0, math.inf], [1.0, 1.0])
     with pytest.raises(ParameterError, match="one static, stash and budget figure per rank"):
         choose_cap(4, 16, [1.0] * 3, [1.0] * 4, [1.0] * 4)
 
