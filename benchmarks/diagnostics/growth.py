@@ -35,13 +35,13 @@ COUNTS = (16, 128)
 STEPS = 3
 
 
-def measure(*, smoke: bool, commit: str | None, engines=ENGINES, seq: int | None = None) -> dict:
+def measure(*, smoke: bool, commit: str | None, engines=ENGINES, seq: int | None = None, counts=COUNTS) -> dict:
     work = Path(tempfile.mkdtemp(prefix="pipeschedule-growth-"))
     sizes = dict(SMOKE_TRAINER) if smoke else dict(MODEL, micro_batch_size=MICROBATCH_SIZE)
     if seq is not None:
         sizes["seq"] = seq
     rows = []
-    for m in (4, 16) if smoke else COUNTS:
+    for m in (4, 16) if smoke else counts:
         for engine in engines:
             config = TrainerConfig(engine=engine, pp=2, dp=2, microbatches=m, steps=STEPS, zero_stage=1,
                                    fp32_accumulation=True, dtype="bfloat16", **sizes)
@@ -54,6 +54,8 @@ def measure(*, smoke: bool, commit: str | None, engines=ENGINES, seq: int | None
                     "world_rank": record["world_rank"], "pp_rank": record["pp_rank"], "dp_rank": record["dp_rank"],
                     "peak_allocated": [s["peak_allocated"] for s in record["steps"]],
                     "peak_reserved": [s["peak_reserved"] for s in record["steps"]],
+                    "peak_allocated_pipeline": [s.get("peak_allocated_pipeline") for s in record["steps"]],
+                    "allocated_at_start": [s.get("allocated_at_start") for s in record["steps"]],
                     "seconds": [s["seconds"] for s in steps],
                     "ledger_stash": [s["ledger"]["stash_peak_bytes"] if s["ledger"] else None for s in record["steps"]],
                 })
@@ -84,11 +86,29 @@ def render(report: dict) -> str:
             allocated = [max(by_m[m]["ranks"][index]["peak_allocated"]) for m in counts]
             reserved = [max(by_m[m]["ranks"][index]["peak_reserved"]) for m in counts]
             growth = allocated[-1] - allocated[0]
-            per_mb = growth / (counts[-1] - counts[0])
+            rise = (f"{growth / gib:+.2f} GiB | {growth / (counts[-1] - counts[0]) / 2**20:+.1f} MiB"
+                    if len(counts) > 1 else "- | -")
             lines.append(f"| `{engine}` | {rank['world_rank']} ({rank['pp_rank']}, {rank['dp_rank']}) | "
                          + " | ".join(f"{a / gib:.2f} GiB" for a in allocated)
-                         + f" | {growth / gib:+.2f} GiB | {per_mb / 2**20:+.1f} MiB | "
+                         + f" | {rise} | "
                          + " | ".join(f"{r / gib:.2f} GiB" for r in reserved) + " |")
+    lines += ["", "Where each step's peak falls: the peak of its pipeline part (up to the end of "
+              "`train_batch_iter`) and of the whole step (the gradient sync, clipping and the optimizer step "
+              "after it), and what is allocated when the step starts; per step, m = "
+              f"{counts[-1]}, GiB.", "",
+              "| engine | rank (pp, dp) | step | allocated at start | pipeline peak | step peak | peak in |",
+              "|---|---|---|---|---|---|---|"]
+    for engine in engines:
+        row = next(r for r in report["rows"] if r["engine"] == engine and r["m"] == counts[-1])
+        for rank in row["ranks"]:
+            for step, (start, pipe, whole) in enumerate(zip(rank.get("allocated_at_start", []),
+                                                            rank.get("peak_allocated_pipeline", []),
+                                                            rank["peak_allocated"]), 1):
+                if None in (start, pipe, whole):
+                    continue
+                where = "pipeline" if pipe >= whole else "sync + optimizer"
+                lines.append(f"| `{engine}` | {rank['world_rank']} ({rank['pp_rank']}, {rank['dp_rank']}) | {step} | "
+                             f"{start / gib:.2f} | {pipe / gib:.2f} | {whole / gib:.2f} | {where} |")
     return "\n".join(lines) + "\n"
 
 
@@ -100,16 +120,20 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated (default {','.join(ENGINES)})")
     parser.add_argument("--seq", type=int, help=f"sequence length (default {MODEL['seq']})")
+    parser.add_argument("--stem", default="growth", help="results file name, without suffix (default growth)")
+    parser.add_argument("--counts", default=",".join(map(str, COUNTS)),
+                        help=f"microbatch counts, comma-separated (default {','.join(map(str, COUNTS))})")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("benchmarks.diagnostics.growth: no CUDA GPU here; use --smoke on a CPU", file=sys.stderr)
         return 2
-    report = measure(smoke=args.smoke, commit=args.commit, engines=tuple(args.engines.split(",")), seq=args.seq)
+    report = measure(smoke=args.smoke, commit=args.commit, engines=tuple(args.engines.split(",")), seq=args.seq,
+                     counts=tuple(int(m) for m in args.counts.split(",")))
     text = render(report) if not args.smoke else json.dumps(
         [{"engine": r["engine"], "m": r["m"], "ledger": [x["ledger_stash"] for x in r["ranks"]]}
          for r in report["rows"]])
     if not args.smoke:
-        write_results("growth", report, text, out=args.out)
+        write_results(args.stem, report, text, out=args.out)
     print(text)
     return 0
 

@@ -253,6 +253,7 @@ class AutoEngine(PipescheduleEngine):
         super().__init__(EngineSpec("capped_1f1b", cap=1))
         self.auto = spec
         self.choice = None
+        self.figures: dict[str, tuple[float, ...]] = {}  # what the first step measured, per pp rank
         self._switch = False
 
     @property
@@ -283,6 +284,7 @@ class AutoEngine(PipescheduleEngine):
         figures = [None] * pg.size()
         dist.all_gather_object(figures, (static, stash, budget), group=pg)
         statics, stashes, budgets = zip(*figures)
+        self.figures = {"static": statics, "stash": stashes, "budget": budgets}  # bytes per pp rank
         self.choice = choose_cap(pg.size(), m, statics, stashes, budgets)
         self.spec = parse_engine(self.choice.engine)
         self.family = FAMILIES[self.spec.family]

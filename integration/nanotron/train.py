@@ -22,7 +22,9 @@ nanotron's own `run_train.py` with `import integration.nanotron` as its first li
 engines and the layout hook are the same.
 
 `--record DIR` writes, per rank, `DIR/rank{R}.pt`: each step's loss (on the loss rank),
-wall time, peak device memory (CUDA) and the engine's ledger peaks; with
+wall time, peak device memory (CUDA: of the whole step, and of its pipeline part up to
+the end of `train_batch_iter`, before the gradient sync and the optimizer step) and the
+engine's ledger peaks; with
 `--record-weights` also the parameters after the last step by name, for comparisons
 between engines.
 """
@@ -113,24 +115,49 @@ def make_trainer(config_file: str, record: bool = False):
             self.records = []
 
         def training_step(self, dataloader):
-            if torch.cuda.is_available():
+            cuda = torch.cuda.is_available()
+            if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            phases = {"allocated_at_start": torch.cuda.memory_allocated() if cuda else None}
+            engine = self.pipeline_engine
+            engine.train_batch_iter = _phase_peak(engine.train_batch_iter, phases)
             start = time.perf_counter()
-            outputs, loss_avg = super().training_step(dataloader)
-            if torch.cuda.is_available():
+            try:
+                outputs, loss_avg = super().training_step(dataloader)
+            finally:
+                del engine.train_batch_iter  # the class's method again
+            if cuda:
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             self.records.append({
                 "step": self.iteration_step, "seconds": seconds,
                 "loss": None if loss_avg is None else float(loss_avg),
-                "peak_allocated": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
-                "peak_reserved": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
+                "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+                "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+                **phases,
                 "ledger": _ledger_summary(self.pipeline_engine),
             })
             return outputs, loss_avg
 
     return (RecordingTrainer if record else DistributedTrainer)(config_file)
+
+
+def _phase_peak(train_batch_iter, phases: dict):
+    """`train_batch_iter` that also notes, in `phases`, the allocator's peak up to its end
+    (`peak_allocated_pipeline`: the pipeline's part of the step, before the gradient sync
+    and the optimizer step) and what is allocated then (`allocated_after_pipeline`)."""
+
+    def measured(*args, **kwargs):
+        outputs = train_batch_iter(*args, **kwargs)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+        phases["peak_allocated_pipeline"] = torch.cuda.max_memory_allocated() if cuda else None
+        phases["allocated_after_pipeline"] = torch.cuda.memory_allocated() if cuda else None
+        return outputs
+
+    return measured
 
 
 def record_of(trainer, *, weights: bool = True) -> dict:
@@ -145,7 +172,17 @@ def record_of(trainer, *, weights: bool = True) -> dict:
         "dp_rank": dist.get_rank(context.dp_pg), "tp_rank": dist.get_rank(context.tp_pg),
         "engine": _engine_name(trainer.config.parallelism.pp_engine), "steps": list(trainer.records),
         "params": params, "block_ranks": [b.rank for b in pipeline_blocks(trainer.unwrapped_model)],
+        "auto": _auto_summary(trainer.config.parallelism.pp_engine),
     }
+
+
+def _auto_summary(engine) -> dict | None:
+    """What `pp_engine: auto` measured and chose ([Note: auto engine]); None for other engines."""
+    choice = getattr(engine, "choice", None)
+    if choice is None:
+        return None
+    return {"engine": choice.engine, "why": choice.why, "predicted_peaks": list(choice.peaks),
+            **{name: list(values) for name, values in engine.figures.items()}}
 
 
 def prepare(backend: str = "auto") -> str:

@@ -31,7 +31,9 @@ SCRIPTS = [
     ("benchmarks.multi_gpu", ["--dry-run"], "nanotron 1f1b"),
     ("benchmarks.engine_vs_nanotron", ["--smoke", "--rounds", "1"], "ps_1f1b"),
     ("benchmarks.trainer", ["--smoke", "--rounds", "1"], "capped_1f1b:cap=2"),
+    ("benchmarks.auto_engine", ["--smoke"], "pp_engine auto on one GPU"),
     ("benchmarks.diagnostics.growth", ["--smoke"], "capped_1f1b:cap=1"),
+    ("benchmarks.diagnostics.engine_profile", ["--smoke", "--ranks", "0"], "ps_afab"),
     ("benchmarks.diagnostics.offload_anatomy", ["--smoke", "--out", "{tmp}"], "rank 0"),
 ]
 NEEDS_A_GPU = {"benchmarks.diagnostics.offload_anatomy"}  # its smoke mode is a tiny model on the GPU
