@@ -11,7 +11,10 @@
   from the instruction that produces it to its FREE, and nowhere else.
 - Batches: a maximal run of consecutive communication instructions is one batch: it is
   posted as one `Transport.post` and waited on as a whole before the next instruction,
-  the semantics under which the verifier proves a schedule deadlock-free (rule 4).
+  the semantics under which the verifier proves a schedule deadlock-free (rule 4); a
+  transport that copies its sends out at post (host staging) is waited on for the
+  batch's receives only, and the step ends once its sends have arrived ([Note: sends in
+  the background] in transport).
 - Stage hand-off: when stages s and s+1 run on the same rank, F(s)'s output becomes
   act_in of s+1 (detached, requiring grad as the output did) and B(s+1)'s input
   gradient becomes grad_out of s; no message is sent. Either way it is handed on as a
@@ -187,6 +190,7 @@ class Executor:
                 self._ran(pc, instr)
             if batch:
                 yield from self._exchange(batch)
+            yield from self._sends_received()
             return self._outputs()
         except Exception as err:  # (the step stays marked broken: see _begin)
             wrapped = self._fail(err)
@@ -268,6 +272,18 @@ class Executor:
                 if op.instr.op is Op.RECV_F:
                     op.tensor.requires_grad_(self.shapes[op.instr.stage - 1].requires_grad)
         self.times.transport_s += time.perf_counter() - start
+        self._waiting = None
+
+    def _sends_received(self):
+        """Waits for the sends still travelling at the end of the step ([Note: sends in
+        the background] in transport); raises a send's error."""
+        pending = self.transport.outstanding_sends()
+        if pending is None:
+            return
+        self._waiting = [(len(self.program), "the sends of this step")]
+        if not pending.ready():
+            yield pending
+        pending.finish()
         self._waiting = None
 
     def _split_unknown(self, batch):

@@ -17,6 +17,19 @@ per transport calls `wait()` on each batch in turn and sets an event; the execut
 on the event in short slices, checking the abort key and its watchdog in between. NCCL
 work is polled with `is_completed()` directly.
 
+[Note: sends in the background] `HostStagedTransport` copies what it sends into host
+memory before it posts, so nothing the executor holds is read once `post` returns: the
+`Pending` it returns covers the batch's receives only, and its sends complete in the
+background (`outstanding_sends()`, which the executor waits on at the end of the step,
+raising any send's error there). nanotron's P2P does the same (its send only posts, and
+NCCL works on a side stream), so without it every rank waited for its partner to take
+each message: under AFAB the first stage ran one microbatch ahead of the second instead
+of as far ahead as it could. The verifier's rule 4 proves deadlock freedom for waiting
+on every message of a batch; waiting on fewer never blocks a rank that could have run
+(each rank posts every message no later than under the stricter wait, so every receive
+finds its send at least as early), so the proof covers this too. The other transports
+return a Pending over the whole batch: their sends read the executor's own tensors.
+
 [Note: every rank stops] On failure a rank writes an abort message under
 `<prefix>abort` in the store (the first writer wins); every waiting rank checks that key
 at least every `ABORT_POLL_S` and stops with an error quoting it.
@@ -88,6 +101,11 @@ class Transport(abc.ABC):
     def post(self, ops: list[P2P]) -> Pending:
         """Posts one batch of messages; never blocks."""
 
+    def outstanding_sends(self) -> Pending | None:
+        """The sends posted but not yet complete, as one Pending, or None when there are
+        none ([Note: sends in the background]); raises the error of a send that failed."""
+        return None
+
     @abc.abstractmethod
     def publish(self, key: str, value: str) -> None:
         """Sets one-time metadata `key` for every rank to read."""
@@ -155,21 +173,30 @@ class DistTransport(Transport):
         self.store, self.group, self.prefix = store, group, prefix
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self._waiting: queue.SimpleQueue | None = None
+        self._waiting: dict[str, queue.SimpleQueue] = {}  # waiter thread -> its queue
 
     def post(self, ops: list[P2P]) -> Pending:
+        works = self._post_works(ops)
+        if ops[0].tensor.device.type != "cpu":
+            return _PolledWorks(works, ops)
+        return self._thread_waited(works, ops)
+
+    def _post_works(self, ops: list[P2P]) -> list:
         requests = [
             dist.P2POp(dist.isend if op.send else dist.irecv, op.tensor, group=self.group, group_peer=op.peer)
             for op in ops
         ]
-        works = dist.batch_isend_irecv(requests)
-        if ops[0].tensor.device.type != "cpu":
-            return _PolledWorks(works, ops)
-        if self._waiting is None:
-            self._waiting = queue.SimpleQueue()
-            threading.Thread(target=_wait_loop, args=(self._waiting,), daemon=True, name="pipeschedule-wait").start()
+        return dist.batch_isend_irecv(requests)
+
+    def _thread_waited(self, works, ops, *, thread: str = "wait") -> _ThreadWaited:
+        """A Pending for gloo `works`, waited on by this transport's daemon thread `thread`
+        ([Note: waiting on gloo]); works given to one thread are waited on in turn."""
+        if thread not in self._waiting:
+            self._waiting[thread] = queue.SimpleQueue()
+            threading.Thread(target=_wait_loop, args=(self._waiting[thread],), daemon=True,
+                             name=f"pipeschedule-{thread}").start()
         pending = _ThreadWaited(works, ops)
-        self._waiting.put(pending)
+        self._waiting[thread].put(pending)
         return pending
 
     def publish(self, key: str, value: str) -> None:
@@ -185,6 +212,32 @@ class DistTransport(Transport):
 
     def aborted(self) -> str | None:
         return self.lookup("abort")
+
+
+class _Done(Pending):
+    """A wait with nothing to wait for (a batch of sends only)."""
+
+    def ready(self) -> bool:
+        return True
+
+
+class _AllOf(Pending):
+    """Ready when every one of `pendings` is; `finish` finishes each."""
+
+    def __init__(self, pendings: list[Pending]):
+        self.pendings = pendings
+        self.what = f"{len(pendings)} batches of sends posted in this step to be received"
+
+    def ready(self) -> bool:
+        return all(pending.ready() for pending in self.pendings)
+
+    def wait_for(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        return all(pending.wait_for(max(0.0, deadline - time.monotonic())) for pending in self.pendings)
+
+    def finish(self) -> None:
+        for pending in self.pendings:
+            pending.finish()
 
 
 class _CopyBack(Pending):
@@ -213,13 +266,34 @@ class HostStagedTransport(DistTransport):
     def __init__(self, store: dist.Store, **kwargs):
         super().__init__(store, **kwargs)
         self.staged_bytes = 0
+        self._sends: list[_ThreadWaited] = []  # posted, not yet seen complete
 
     def post(self, ops: list[P2P]) -> Pending:
+        """Posts the batch; the Pending covers its receives ([Note: sends in the background])."""
+        self.outstanding_sends()  # drops the host copies of sends already received
         staged = [replace(op, tensor=self._host(op.tensor, copy=op.send)) for op in ops]
         if any(op.send and op.tensor.is_cuda for op in ops):
             torch.cuda.current_stream().synchronize()  # the host copies of sends must land before gloo reads them
+        works = self._post_works(staged)
         copies = [(op.tensor, host.tensor) for op, host in zip(ops, staged) if not op.send]
-        return _CopyBack(super().post(staged), copies)
+        if len(works) != len(staged):  # one work for the whole batch: no send can be told apart
+            return _CopyBack(self._thread_waited(works, staged), copies)
+        sent = [(work, op) for work, op in zip(works, staged) if op.send]
+        received = [(work, op) for work, op in zip(works, staged) if not op.send]
+        if sent:
+            self._sends.append(self._thread_waited(*map(list, zip(*sent)), thread="sends"))
+        inner = self._thread_waited(*map(list, zip(*received))) if received else _Done()
+        return _CopyBack(inner, copies)
+
+    def outstanding_sends(self) -> Pending | None:
+        waiting = []
+        for pending in self._sends:
+            if pending.ready():
+                pending.finish()  # raises a failed send's error
+            else:
+                waiting.append(pending)
+        self._sends = waiting
+        return _AllOf(list(self._sends)) if self._sends else None
 
     def _host(self, tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)

@@ -18,7 +18,7 @@ from torch import nn
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.ir import Op
 from pipeschedule.compiler.passes import lower
-from pipeschedule.runtime import DistTransport, Executor, HostStagedTransport, InProcessPipeline, ModuleStages
+from pipeschedule.runtime import DistTransport, Executor, HostStagedTransport, InProcessPipeline, ModuleStages, P2P
 
 BATCH = 3
 
@@ -202,3 +202,35 @@ def fault_worker(rank: int, world: int, store, scenario: str, timeout: float) ->
     inputs, targets = make_data(schedule.num_stages, schedule.microbatches)
     executor.step(inputs, targets)
     time.sleep(2 * timeout)  # a rank that wrongly finishes must not look like one that stopped
+
+
+def background_send_worker(rank: int, world: int, store, delay: float) -> dict:
+    """Rank 0 posts [send to 1, receive from 1] on a HostStagedTransport; rank 1 posts its
+    send at once and its receive only after `delay` seconds ([Note: sends in the
+    background]). Returns what rank 0 saw: how long until its batch's Pending was ready,
+    whether the send was still outstanding then, and how long until it arrived."""
+    transport = HostStagedTransport(store, prefix="background/")
+    size = 1 << 24  # 64 MiB: far more than a socket buffers, so gloo's send waits for the receive
+    out, back = torch.arange(size, dtype=torch.float32), torch.empty(size)
+    if rank == 1:
+        arrived = torch.empty(size)
+        first = transport.post([P2P(True, 0, out * 2)])
+        time.sleep(delay)
+        second = transport.post([P2P(False, 0, arrived)])
+        for pending in (first, second):
+            assert pending.wait_for(30)
+            pending.finish()
+        drained = transport.outstanding_sends()
+        assert drained is None or drained.wait_for(30)
+        return {"received": torch.equal(arrived, out)}
+    start = time.monotonic()
+    pending = transport.post([P2P(True, 1, out), P2P(False, 1, back)])
+    assert pending.wait_for(30)
+    pending.finish()
+    ready_after = time.monotonic() - start
+    sends = transport.outstanding_sends()
+    still_sending = sends is not None and not sends.ready()
+    assert sends is None or sends.wait_for(30)
+    sends is None or sends.finish()
+    return {"ready_after": ready_after, "still_sending": still_sending, "arrived_after": time.monotonic() - start,
+            "received": torch.equal(back, out * 2), "after": transport.outstanding_sends()}

@@ -18,7 +18,7 @@ from pipeschedule.compiler.ir import BUFFERS
 from pipeschedule.runtime.launch import spawn
 
 from replay import replay_high_water
-from runtime_helpers import configs, exact_worker, memory_worker, schedule_of
+from runtime_helpers import background_send_worker, configs, exact_worker, memory_worker, schedule_of
 
 pytestmark = pytest.mark.spawn
 
@@ -118,3 +118,17 @@ def test_first_stage_stash_high_water_is_cap_microbatches(memory):
         assert run["stash_high"] == expected * run["stash_one"], label
     assert rank0["1f1b{}"]["cap"] == 4 and rank0["capped_1f1b{'cap': 1}"]["cap"] == 1
     assert rank0["capped_1f1b{'cap': 2}"]["cap"] == 2
+
+
+def test_host_staged_batches_wait_for_their_receives_only():
+    """[Note: sends in the background]: rank 0's batch [send, receive] is ready once its
+    receive has arrived, while its send waits for rank 1's late receive; the send is then
+    still outstanding, arrives intact, and nothing is left outstanding after it."""
+    delay = 1.5
+    results = spawn(background_send_worker, 2, timeout=60, args=(delay,))
+    first, second = results[0], results[1]
+    assert first["received"] and second["received"]
+    assert first["ready_after"] < delay / 2, first
+    assert first["still_sending"], first
+    assert first["arrived_after"] >= delay * 0.9, first
+    assert first["after"] is None
