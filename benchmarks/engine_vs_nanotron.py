@@ -17,7 +17,8 @@ swapping `trainer.pipeline_engine` between steps. Pairs (nanotron's, ours):
                                   ranks share the GPU)
 
 For each model size (`host-bound`: micro-batch 1, where the host issues kernels about as
-fast as the GPU runs them; `gpu-bound`: micro-batch 4) and m in (8, 32): `WARMUP` rounds,
+fast as the GPU runs them; `gpu-bound`: micro-batch 2, the same kernels on twice the
+data, so the GPU's time is about twice the host's) and m in (8, 32): `WARMUP` rounds,
 then `ROUNDS` measured rounds, each running both engines once, in the order A B then
 B A alternately (so drift falls on both). A step is timed on every rank from a barrier
 to the end of its CUDA work and a second barrier; the figure is the ratio of the medians
@@ -47,7 +48,7 @@ PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_af
 AFAB_MAX_M = 8  # AFAB keeps every microbatch's activations: at m = 32 stage 0 alone needs ~64 GiB here
 MICROBATCHES = (8, 32)
 WARMUP, ROUNDS = 2, 7
-SIZES = {"host-bound": dict(MODEL, micro_batch_size=1), "gpu-bound": dict(MODEL, micro_batch_size=4)}
+SIZES = {"host-bound": dict(MODEL, micro_batch_size=1), "gpu-bound": dict(MODEL, micro_batch_size=2)}
 SMOKE = {"smoke": SMOKE_TRAINER}
 
 
@@ -156,7 +157,8 @@ def render(report: dict) -> str:
              "gradient sync, clipping, AdamW) on nanotron's `LlamaForTraining` (hidden 2048, 16 layers, seq 4096, "
              f"bf16, fp32 accumulation), pp={report['pp']} as four ranks on one GPU, the two engines alternating "
              f"on the same model: {report['warmup']} warm-up rounds, then {report['rounds']} measured rounds "
-             "(A B, then B A). Paired: 1 + median over rounds of (ours - theirs) / theirs.", "",
+             "(A B, then B A). Paired: 1 + median over rounds of (ours - theirs) / theirs. Sizes: "
+             + "; ".join(f"{name} micro-batch {size['micro_batch_size']}" for name, size in SIZES.items()) + ".", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
              "| size | m | nanotron | ours | nanotron median | ours median | ratio of medians | paired ratio "
              "| rounds ours faster | executor's own host time (rank 0) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -186,6 +188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--commit", help="commit to record (the device machine's tree may lack git history)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -204,9 +207,9 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="pipeschedule-vs-"))
     rows = []
     for name, size in sizes.items():
-        rows += run_size(name, size, work, microbatches=MICROBATCHES, warmup=1 if args.smoke else WARMUP,
+        rows += run_size(name, size, work, microbatches=MICROBATCHES, warmup=1 if args.smoke else args.warmup,
                          rounds=2 if args.smoke else args.rounds, timeout=900)
-    report = {"versions": versions(args.commit), "pp": PP, "warmup": WARMUP, "rounds": args.rounds, "rows": rows}
+    report = {"versions": versions(args.commit), "pp": PP, "warmup": args.warmup, "rounds": args.rounds, "rows": rows}
     text = render(report)
     if not args.smoke:
         write_results("engine_vs_nanotron", report, text, out=args.out)

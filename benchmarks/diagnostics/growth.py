@@ -35,7 +35,8 @@ COUNTS = (16, 128)
 STEPS = 3
 
 
-def measure(*, smoke: bool, commit: str | None, engines=ENGINES, seq: int | None = None, counts=COUNTS) -> dict:
+def measure(*, smoke: bool, commit: str | None, engines=ENGINES, seq: int | None = None, counts=COUNTS,
+            steps: int = STEPS) -> dict:
     work = Path(tempfile.mkdtemp(prefix="pipeschedule-growth-"))
     sizes = dict(SMOKE_TRAINER) if smoke else dict(MODEL, micro_batch_size=MICROBATCH_SIZE)
     if seq is not None:
@@ -43,26 +44,26 @@ def measure(*, smoke: bool, commit: str | None, engines=ENGINES, seq: int | None
     rows = []
     for m in (4, 16) if smoke else counts:
         for engine in engines:
-            config = TrainerConfig(engine=engine, pp=2, dp=2, microbatches=m, steps=STEPS, zero_stage=1,
+            config = TrainerConfig(engine=engine, pp=2, dp=2, microbatches=m, steps=steps, zero_stage=1,
                                    fp32_accumulation=True, dtype="bfloat16", **sizes)
             name = f"{engine.replace(':', '_').replace('=', '')}-{m}"
             records = launch(config, work, name, timeout=900)
             per_rank = []
             for record in sorted(records, key=lambda r: r["world_rank"]):
-                steps = record["steps"][WARMUP:] or record["steps"]
+                measured = record["steps"][WARMUP:] or record["steps"]
                 per_rank.append({
                     "world_rank": record["world_rank"], "pp_rank": record["pp_rank"], "dp_rank": record["dp_rank"],
                     "peak_allocated": [s["peak_allocated"] for s in record["steps"]],
                     "peak_reserved": [s["peak_reserved"] for s in record["steps"]],
                     "peak_allocated_pipeline": [s.get("peak_allocated_pipeline") for s in record["steps"]],
                     "allocated_at_start": [s.get("allocated_at_start") for s in record["steps"]],
-                    "seconds": [s["seconds"] for s in steps],
+                    "seconds": [s["seconds"] for s in measured],
                     "ledger_stash": [s["ledger"]["stash_peak_bytes"] if s["ledger"] else None for s in record["steps"]],
                 })
             rows.append({"engine": engine, "m": m, "ranks": per_rank})
             print(f"{engine} m={m}: peak allocated per rank (GiB) "
                   + " / ".join(f"{max(x or 0 for x in r['peak_allocated']) / 2**30:.2f}" for r in per_rank), flush=True)
-    return {"versions": versions(commit), "model": sizes, "pp": 2, "dp": 2, "zero_stage": 1, "steps": STEPS,
+    return {"versions": versions(commit), "model": sizes, "pp": 2, "dp": 2, "zero_stage": 1, "steps": steps,
             "rows": rows}
 
 
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated (default {','.join(ENGINES)})")
     parser.add_argument("--seq", type=int, help=f"sequence length (default {MODEL['seq']})")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps per run (default {STEPS})")
     parser.add_argument("--stem", default="growth", help="results file name, without suffix (default growth)")
     parser.add_argument("--counts", default=",".join(map(str, COUNTS)),
                         help=f"microbatch counts, comma-separated (default {','.join(map(str, COUNTS))})")
@@ -128,7 +130,7 @@ def main(argv=None) -> int:
         print("benchmarks.diagnostics.growth: no CUDA GPU here; use --smoke on a CPU", file=sys.stderr)
         return 2
     report = measure(smoke=args.smoke, commit=args.commit, engines=tuple(args.engines.split(",")), seq=args.seq,
-                     counts=tuple(int(m) for m in args.counts.split(",")))
+                     counts=tuple(int(m) for m in args.counts.split(",")), steps=args.steps)
     text = render(report) if not args.smoke else json.dumps(
         [{"engine": r["engine"], "m": r["m"], "ledger": [x["ledger_stash"] for x in r["ranks"]]}
          for r in report["rows"]])

@@ -118,23 +118,24 @@ def make_trainer(config_file: str, record: bool = False):
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
+            peaks = StepPeaks()
             phases = {"allocated_at_start": torch.cuda.memory_allocated() if cuda else None}
             engine = self.pipeline_engine
-            engine.train_batch_iter = _phase_peak(engine.train_batch_iter, phases)
+            engine.train_batch_iter = _phase_peak(engine.train_batch_iter, phases, peaks)
             start = time.perf_counter()
             try:
-                outputs, loss_avg = super().training_step(dataloader)
+                with peaks:
+                    outputs, loss_avg = super().training_step(dataloader)
+                    if cuda:
+                        torch.cuda.synchronize()
             finally:
                 del engine.train_batch_iter  # the class's method again
-            if cuda:
-                torch.cuda.synchronize()
             seconds = time.perf_counter() - start
             self.records.append({
                 "step": self.iteration_step, "seconds": seconds,
                 "loss": None if loss_avg is None else float(loss_avg),
-                "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-                "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+                "peak_allocated": peaks.allocated if cuda else None,
+                "peak_reserved": peaks.reserved if cuda else None,
                 **phases,
                 "ledger": _ledger_summary(self.pipeline_engine),
             })
@@ -143,7 +144,49 @@ def make_trainer(config_file: str, record: bool = False):
     return (RecordingTrainer if record else DistributedTrainer)(config_file)
 
 
-def _phase_peak(train_batch_iter, phases: dict):
+class StepPeaks:
+    """The CUDA allocator's peak allocated and reserved bytes over one step, however often
+    the peak counters are reset inside it; nothing on a machine without CUDA.
+
+    [Note: nanotron resets the peaks] nanotron's trainer calls its `log_memory` before and
+    after `train_batch_iter` in its first four steps (`iteration_step < 5`), and
+    `log_memory` calls `torch.cuda.reset_peak_memory_stats()`; a step's
+    `max_memory_allocated()` read at its end then covers only what came after the last
+    reset (the gradient sync, clipping and the optimizer step), never the pipeline. Inside
+    `with StepPeaks()`, that reset first folds the peaks so far into `allocated` and
+    `reserved`. (benchmarks/results/growth.json of 2026-12-03 ran three steps and so
+    recorded the optimizer's part only: nanotron's 1F1B and capped 1F1B with cap 1 showed
+    the same stage-0 peak, 7.84 GiB, where the pipeline's part was 9.32 GiB under 1F1B,
+    as the memory model predicted; growth_phases.md.)
+    """
+
+    def __init__(self) -> None:
+        self.allocated = self.reserved = 0
+        self._reset = None
+
+    def fold(self) -> None:
+        if torch.cuda.is_available():
+            self.allocated = max(self.allocated, torch.cuda.max_memory_allocated())
+            self.reserved = max(self.reserved, torch.cuda.max_memory_reserved())
+
+    def __enter__(self) -> StepPeaks:
+        if torch.cuda.is_available():
+            self._reset = torch.cuda.reset_peak_memory_stats
+            torch.cuda.reset_peak_memory_stats = self._folding_reset
+            self._reset()
+        return self
+
+    def _folding_reset(self, device=None) -> None:
+        self.fold()
+        self._reset(device)
+
+    def __exit__(self, *exc) -> None:
+        if self._reset is not None:
+            self.fold()
+            torch.cuda.reset_peak_memory_stats, self._reset = self._reset, None
+
+
+def _phase_peak(train_batch_iter, phases: dict, peaks: StepPeaks):
     """`train_batch_iter` that also notes, in `phases`, the allocator's peak up to its end
     (`peak_allocated_pipeline`: the pipeline's part of the step, before the gradient sync
     and the optimizer step) and what is allocated then (`allocated_after_pipeline`)."""
@@ -153,7 +196,8 @@ def _phase_peak(train_batch_iter, phases: dict):
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()
-        phases["peak_allocated_pipeline"] = torch.cuda.max_memory_allocated() if cuda else None
+            peaks.fold()
+        phases["peak_allocated_pipeline"] = peaks.allocated if cuda else None
         phases["allocated_after_pipeline"] = torch.cuda.memory_allocated() if cuda else None
         return outputs
 
