@@ -25,7 +25,7 @@ from pipeschedule.plan.planner import _Planner
 RESULTS = Path(__file__).parent / "results"
 ENGINES = {"1f1b": ("1f1b", None, 1), "capped_1f1b:cap=2": ("capped_1f1b", 2, 1),
            "interleaved_1f1b:virtual=2": ("interleaved_1f1b", None, 2), "zb_h1": ("zb_h1", None, 1),
-           "capped_1f1b:cap=1": ("capped_1f1b", 1, 1)}
+           "capped_1f1b:cap=1": ("capped_1f1b", 1, 1), "ps_1f1b": ("1f1b", None, 1)}
 
 
 def model_of(record: dict) -> ModelSpec:

@@ -98,7 +98,9 @@ def _section(name: str, rank: int, seconds: list[float], profile: cProfile.Profi
 
 
 def _relative(text: str) -> str:
-    text = text.replace(CHECKOUT, "")
+    """Paths in a profile relative to this checkout, and packages under `site-packages/`
+    (the device machine installs the carried wheels with `--target /tmp/site`)."""
+    text = text.replace(CHECKOUT, "").replace("/tmp/site/", "site-packages/")
     marker = "site-packages/"
     lines = []
     for line in text.splitlines():
