@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import time
 from collections.abc import Iterable
 
 import torch
@@ -56,7 +58,7 @@ from integration.nanotron.registry import AUTO_ENGINE, ENGINES  # noqa: E402
 from integration.nanotron.step import Runner, pipeline_blocks, unwrap  # noqa: E402
 from pipeschedule import compile_schedule  # noqa: E402
 from pipeschedule.compiler.families import FAMILIES  # noqa: E402
-from pipeschedule.plan.auto import choose_cap  # noqa: E402
+from pipeschedule.plan.auto import Measured, choose  # noqa: E402
 from pipeschedule.compiler.ir import Schedule  # noqa: E402
 from pipeschedule.compiler.offload import add_offload  # noqa: E402
 from pipeschedule.compiler.passes import forward_only  # noqa: E402
@@ -236,14 +238,18 @@ class AutoEngine(PipescheduleEngine):
     executor's ledger, `high["stash"]`) and what the rank holds besides it (the
     allocator's peak of the step minus that stash, plus the Adam moments that do not
     exist before the first optimizer step: 8 bytes per parameter of the rank, an upper
-    bound under ZeRO-1); the pp ranks exchange them, and each picks, with
-    `pipeschedule.plan.auto.choose_cap`, the fastest 1F1B-family schedule that fits the
-    GPU's memory less `reserve` GiB (default 2). From the second step on the engine runs
+    bound under ZeRO-1), and times that step's F and B exactly (synchronising around
+    each, this step only) and one copy to host memory; the pp ranks exchange these, and
+    each picks, with `pipeschedule.plan.auto.choose`, the fastest that fits the GPU's
+    memory less `reserve` GiB (default 2) of 1F1B, capped 1F1B (one cap or per-rank
+    caps) and 1F1B with the overflowing ranks' stashes streamed to host memory
+    ([Note: auto offload] there: caps and offload are set against each other in
+    simulation under the measured costs). From the second step on the engine runs
     exactly that engine (the first step's losses are those of any 1F1B-family engine: the
     same computation in another order, bitwise equal on CPU). It logs the choice and the
     YAML line that pins it. On CPU, where the allocator reports nothing, the budget is
-    unbounded and 1F1B is chosen. When not even cap 1 fits, it raises with the rank and
-    its figures. The split and V-shape schedules are not chosen: they need another layout
+    unbounded and 1F1B is chosen. When neither cap 1 nor offload fits, it raises with the
+    rank and its figures. The split and V-shape schedules are not chosen: they need another layout
     (`pipeschedule plan` recommends those, with the YAML to pin them).
     """
 
@@ -266,6 +272,8 @@ class AutoEngine(PipescheduleEngine):
             self._runners, self._switch = {}, False
         if first and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        if first:  # F and B timed exactly in the measured step ([Note: auto offload])
+            self._runner(model, pg, nb_microbatches, train=True).executor.exact_times = True
         out = super().train_batch_iter(model, pg, batch, nb_microbatches, grad_accumulator)
         if first:
             self._choose(model, pg, nb_microbatches)
@@ -281,11 +289,15 @@ class AutoEngine(PipescheduleEngine):
             budget = torch.cuda.get_device_properties(device).total_memory - reserve * 2**30
         else:
             static, budget = 0.0, float("inf")
+        times = [runner.executor.times for (_, _, train), runner in self._runners.items() if train][0]
+        forward, backward = times.forward_s / m, (times.compute_s - times.forward_s) / m  # one stage per rank
         figures = [None] * pg.size()
-        dist.all_gather_object(figures, (static, stash, budget), group=pg)
-        statics, stashes, budgets = zip(*figures)
-        self.figures = {"static": statics, "stash": stashes, "budget": budgets}  # bytes per pp rank
-        self.choice = choose_cap(pg.size(), m, statics, stashes, budgets)
+        dist.all_gather_object(figures, (static, stash, budget, forward, backward, _host_bandwidth(device, stash)),
+                               group=pg)
+        statics, stashes, budgets, forwards, backwards, links = zip(*figures)
+        self.figures = {"static": statics, "stash": stashes, "budget": budgets,  # bytes per pp rank
+                        "forward_s": forwards, "backward_s": backwards, "host_bandwidth": links}
+        self.choice = choose(pg.size(), m, Measured(statics, stashes, budgets, forwards, backwards, links))
         self.spec = parse_engine(self.choice.engine)
         self.family = FAMILIES[self.spec.family]
         self._switch = True
@@ -303,6 +315,25 @@ def build_engine(spec: EngineSpec | str) -> PipescheduleEngine:
     parsed); what nanotron's config loader builds for our names."""
     spec = spec if isinstance(spec, EngineSpec) else parse_engine(spec)
     return AutoEngine(spec) if spec.name == AUTO_ENGINE else PipescheduleEngine(spec)
+
+
+def _host_bandwidth(device: torch.device, stash_bytes: float) -> float:
+    """Bytes per second of one copy from `device` into (pinned) host memory, the size of a
+    stash up to 256 MiB (at least 1 MiB), the faster of two ([Note: auto offload]). The
+    ranks measure at the same moment, so ranks that share a link share it here too."""
+    size = int(min(max(stash_bytes, 2**20), 256 * 2**20))
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty(size, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    best = math.inf
+    for _ in range(2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return size / max(best, 1e-9)
 
 
 def _block_costs(model, blocks) -> list[int]:

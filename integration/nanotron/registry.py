@@ -67,7 +67,8 @@ def accepted_summary() -> str:
         f"{', '.join(NANOTRON_ENGINES)} (nanotron's own engines, no parameters); {ours} "
         "(pipeschedule, each also taking recompute=full|selective|N|N0/N1.. and "
         "offload=R0/R1..[,lead=L][,stream=MiB]); "
-        "auto[:reserve=GiB] (the fastest 1F1B-family schedule that fits, chosen at the first step); "
+        "auto[:reserve=GiB] (the fastest of 1F1B, capped 1F1B and 1F1B with host offload that fits, chosen at the "
+        "first step); "
         "or the mapping form {name: capped_1f1b, cap: 2}"
     )
 

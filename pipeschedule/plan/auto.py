@@ -11,26 +11,69 @@ Fewer microbatches in flight never run faster under 1F1B's order, so the answer 
 rank's largest cap that fits, made non-increasing along the pipeline (as capped_1f1b
 needs): 1F1B itself when every rank holds its pp - r, one uniform cap when that is what
 the caps are, else per-rank caps; nothing fits when a rank cannot hold one microbatch.
+
+[Note: auto offload] A cap buys memory with throughput (a capped first stage waits a
+whole pipeline round trip per microbatch); host offload buys it with copies, nearly free
+over a fast link (GH200's). So when 1F1B does not fit and the first step also measured
+each rank's F and B seconds and its host link (`Measured`), `choose` sets two candidates
+against each other under one cost model (those times, the stash bytes, that link): the
+caps above, and 1F1B with the stashes of every rank that 1F1B overflows streamed to host
+memory in `STREAM_MIB` chunks (`ps_1f1b:offload=R0/R1..,stream=64`). Each is simulated
+(`pipeschedule.simulate`: device stash bytes over the step, step time); a candidate fits
+when static + its simulated device peak stays within every rank's budget, and the faster
+fitting one wins. The simulator moves stashes no faster than the runtime did on the H200
+(it predicted smaller falls than measured there), so an offload it says fits does.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from pipeschedule.compiler.families import generate
+from pipeschedule.compiler.ir import BUFFERS
+from pipeschedule.compiler.offload import OffloadPolicy
+from pipeschedule.compiler.passes import lower
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memory import GiB
+from pipeschedule.plan.offload import evaluate_offload
+from pipeschedule.simulate import CostModel, simulate
+
+STREAM_MIB = 64  # chunk of the streamed offload auto chooses (the H200 runs streamed 64 MiB chunks)
 
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """engine: the pp_engine value chosen; peaks: predicted bytes per rank; why: one line."""
+    """engine: the pp_engine value chosen; peaks: predicted bytes per rank; why: one line;
+    step_time: simulated seconds where candidates were set against each other (None
+    otherwise); offload: the ranks whose stashes stream to host memory."""
 
     engine: str
     cap: int | tuple[int, ...] | None
     peaks: tuple[float, ...]
     why: str
+    step_time: float | None = None
+    offload: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the first step measured, per pp rank ([Note: auto offload]): `static` bytes
+    (all but the stash), one microbatch's `stash` bytes, the `budget` bytes; and, for
+    setting caps against offload, the seconds of one F (`forward_s`) and one B
+    (`backward_s`) of the rank's stage, and its host link's bytes per second
+    (`host_bandwidth`); None where not measured (then caps alone are chosen)."""
+
+    static: tuple[float, ...]
+    stash: tuple[float, ...]
+    budget: tuple[float, ...]
+    forward_s: tuple[float, ...] | None = None
+    backward_s: tuple[float, ...] | None = None
+    host_bandwidth: tuple[float, ...] | None = None
+
+    def times_known(self) -> bool:
+        return None not in (self.forward_s, self.backward_s, self.host_bandwidth)
 
 
 def inflight(pp: int, microbatches: int, cap: int, rank: int) -> int:
@@ -74,4 +117,80 @@ def choose_cap(pp: int, microbatches: int, static: Sequence[float], stash: Seque
     return AutoChoice(f"capped_1f1b:cap={text}", tuple(caps), peaks, f"the largest caps per rank that fit: {text}")
 
 
-__all__ = ["AutoChoice", "choose_cap", "inflight"]
+def choose(pp: int, microbatches: int, measured: Measured) -> AutoChoice:
+    """The fastest of capped 1F1B and 1F1B with streamed offload that fits ([Note: auto
+    offload]); caps alone (`choose_cap`) where the times were not measured. Raises
+    ParameterError naming the rank and its figures when neither fits."""
+    try:
+        capped, refusal = choose_cap(pp, microbatches, measured.static, measured.stash, measured.budget), None
+    except ParameterError as error:
+        capped, refusal = None, error
+    if (capped is not None and capped.cap is None) or not measured.times_known():
+        if capped is None:
+            raise refusal
+        return capped
+    _check_times(pp, measured)
+    cost = _cost(measured)
+    candidates = []
+    if capped is not None:
+        time = simulate(_compiled(pp, microbatches, capped.cap), cost).step_time
+        candidates.append(replace(capped, step_time=time))
+    offloaded = _offload_candidate(pp, microbatches, measured, cost)
+    if offloaded is not None:
+        candidates.append(offloaded)
+    if not candidates:
+        raise ParameterError(f"{refusal}; streaming the stashes of the ranks 1F1B overflows to host memory "
+                             "does not fit either")
+    best = min(candidates, key=lambda c: c.step_time)
+    others = [c for c in candidates if c is not best]
+    if others:
+        best = replace(best, why=f"{best.why}; {best.step_time / others[0].step_time:.3f}x the simulated step "
+                                 f"time of {others[0].engine}")
+    return best
+
+
+def _offload_candidate(pp: int, m: int, measured: Measured, cost: CostModel) -> AutoChoice | None:
+    """1F1B with the stashes of the ranks it overflows streamed to host memory, or None
+    when that does not fit ([Note: auto offload])."""
+    over = tuple(r for r in range(pp) if measured.static[r] + inflight(pp, m, pp, r) * measured.stash[r]
+                 > measured.budget[r])
+    policy = OffloadPolicy(1.0, over, 1, chunk=STREAM_MIB * 2**20)
+    result = evaluate_offload(_compiled(pp, m, None), cost, policy)
+    peaks = tuple(measured.static[r] + result.peak_after[r] for r in range(pp))
+    if any(p > b for p, b in zip(peaks, measured.budget)):
+        return None
+    ranks = "/".join(map(str, over))
+    return AutoChoice(f"ps_1f1b:offload={ranks},stream={STREAM_MIB}", None, peaks,
+                      f"1F1B does not fit; 1F1B with rank {ranks}'s stashes streamed to host memory does",
+                      result.step_time, over)
+
+
+def _compiled(pp: int, m: int, cap):
+    if cap is None:
+        return lower(generate("1f1b", pp=pp, microbatches=m))
+    return lower(generate("capped_1f1b", pp=pp, microbatches=m, cap=list(cap) if isinstance(cap, tuple) else cap))
+
+
+def _cost(measured: Measured) -> CostModel:
+    """The simulator's costs of the measured step: per stage its F and B seconds and its
+    stash bytes (other buffers count as static), messages free, the slowest rank's host link."""
+    link = min(measured.host_bandwidth)
+    stages = len(measured.stash)
+    buffers = {kind: (measured.stash if kind == "stash" else (0,) * stages) for kind in BUFFERS}
+    return CostModel(tuple(measured.forward_s), tuple(measured.backward_s), (0.0,) * stages, buffers,
+                     offload_bandwidth=link, reload_bandwidth=link)
+
+
+def _check_times(pp: int, measured: Measured) -> None:
+    for name in ("forward_s", "backward_s", "host_bandwidth"):
+        figures = getattr(measured, name)
+        if len(figures) != pp or not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                         and math.isfinite(x) and x >= 0 for x in figures):
+            raise ParameterError(f"auto's {name} figures must be one finite number >= 0 per rank (pp={pp}), "
+                                 f"got {list(figures)!r}")
+    if not all(x > 0 for x in measured.host_bandwidth):
+        raise ParameterError(f"auto's host_bandwidth must be > 0 bytes/s on every rank, got "
+                             f"{list(measured.host_bandwidth)!r}")
+
+
+__all__ = ["STREAM_MIB", "AutoChoice", "Measured", "choose", "choose_cap", "inflight"]

@@ -28,13 +28,16 @@ class RemoteOutput:
 @dataclass
 class StepTimes:
     """Host seconds of the last step: in stage forward and autograd backward
-    (`compute_s`), posting and finishing batches (`transport_s`), blocked in waits
-    (`wait_s`), in all (`total_s`); `instructions` counts those run. The executor's own
-    overhead is `total_s - compute_s - transport_s - wait_s`."""
+    (`compute_s`, of which `forward_s` in forwards), posting and finishing batches
+    (`transport_s`), blocked in waits (`wait_s`), in all (`total_s`); `instructions`
+    counts those run. The executor's own overhead is `total_s - compute_s - transport_s
+    - wait_s`. On a GPU the compute times are those of launching the work, unless the
+    executor's `exact_times` is set (then it synchronises around each F, B and W)."""
 
     start: float = 0.0
     total_s: float = 0.0
     compute_s: float = 0.0
+    forward_s: float = 0.0
     transport_s: float = 0.0
     wait_s: float = 0.0
     instructions: int = 0

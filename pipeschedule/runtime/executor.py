@@ -134,6 +134,7 @@ class Executor:
             raise ParameterError(f"rank {rank} is not a rank of {schedule.name!r} "
                                  f"(pp={schedule.pp}: ranks 0..{schedule.pp - 1})")
         self.measure_stash = measure_stash
+        self.exact_times = False  # StepTimes' compute times: synchronise around each F, B, W (slower)
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = schedule.programs[rank]
         self.device = torch.device(device)
@@ -343,10 +344,12 @@ class Executor:
         with (contextlib.nullcontext({}) if stash_bytes is not None else
               saved_storages(self._persistent_storages(i.stage) | storage_ptrs((x, target)), holders, key,
                              stream.add if stream is not None else None)) as saved:
-            start = time.perf_counter()
+            start = self._clock()
             with weights.deferring() if weights is not None else contextlib.nullcontext():
                 y = self.stages.forward(i.stage, i.mb, x, target)
-            self.times.compute_s += time.perf_counter() - start
+            elapsed = self._clock() - start
+            self.times.compute_s += elapsed
+            self.times.forward_s += elapsed
         if stash_bytes is None:
             stash_bytes = sum(saved.values())
             if signature is not None:
@@ -401,10 +404,10 @@ class Executor:
         stash, x = self.buffers.need("stash", i), self.buffers.need("act_in", i)
         grad = None if s == self.last_stage else self.buffers.need("grad_out", i)
         self.offloader.ready(("stash", s, mb), str(i))
-        start = time.perf_counter()
+        start = self._clock()
         if stash.root.requires_grad:
             _backward_from(stash.root, grad)
-        self.times.compute_s += time.perf_counter() - start
+        self.times.compute_s += self._clock() - start
         if stash.weights is not None:  # from here the stash holds W's part only
             held = stash.weights.held_bytes(self._persistent_storages(s))
             self.buffers.resize(("stash", s, mb), held)
@@ -425,9 +428,15 @@ class Executor:
         if stash.weights is None:
             raise RuntimeScheduleError(f"{i}: the stash of (stage {i.stage}, mb {i.mb}) has no W part")
         self.offloader.ready(("stash", i.stage, i.mb), str(i))
-        start = time.perf_counter()
+        start = self._clock()
         stash.weights.run()
-        self.times.compute_s += time.perf_counter() - start
+        self.times.compute_s += self._clock() - start
+
+    def _clock(self) -> float:
+        """perf_counter, after the device's queued work when `exact_times` is set."""
+        if self.exact_times and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _report_split(self, stage: int, weights: WeightGrads) -> None:
         if stage in self.split_report:

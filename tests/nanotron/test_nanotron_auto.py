@@ -34,3 +34,27 @@ def test_auto_trains_as_nanotron_1f1b_on_cpu(tmp_path):
         assert auto["params"][name].equal(value), name
     first, second = auto["stash"][0][:2]
     assert second == 2 * first  # stage 0: cap 1 at step 1, 1F1B's two microbatches at pp=2 from step 2
+
+
+def test_an_offload_choice_is_what_its_engine_runs():
+    """[Note: auto offload]: the engine string auto picks compiles, through the engine, to
+    the schedule the choice simulated: the same device peaks under the same costs."""
+    from dataclasses import replace
+
+    from pipeschedule.compiler.ir import BUFFERS
+    from pipeschedule.plan.auto import Measured, choose
+    from pipeschedule.simulate import CostModel, simulate
+
+    gib, pp, m = 2**30, 4, 8
+    measured = Measured((5.27 * gib, 3.4 * gib, 3.4 * gib, 4.06 * gib), (2.05 * gib, 1.64 * gib, 1.64 * gib, 1.8 * gib),
+                        (9.8 * gib,) * pp, (0.03,) * pp, (0.06,) * pp, (450e9,) * pp)
+    choice = choose(pp, m, measured)
+    engine = build_engine(choice.engine)
+    assert engine.spec.offload == choice.offload
+    schedule = engine.compile(pp=pp, microbatches=m)
+    cost = CostModel((0.03,) * pp, (0.06,) * pp, (0.0,) * pp,
+                     {k: (measured.stash if k == "stash" else (0,) * pp) for k in BUFFERS},
+                     offload_bandwidth=450e9, reload_bandwidth=450e9)
+    result = simulate(schedule, replace(cost, offload_chunk=engine.spec.offload_chunk))
+    assert tuple(s + p for s, p in zip(measured.static, result.peak_bytes)) == choice.peaks
+    assert result.step_time == choice.step_time

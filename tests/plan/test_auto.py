@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.passes import lower
 from pipeschedule.errors import ParameterError
-from pipeschedule.plan.auto import choose_cap, inflight
+from pipeschedule.plan.auto import Measured, choose, choose_cap, inflight
 from pipeschedule.plan.memory import GiB
 from pipeschedule.simulate import simulate
 
@@ -59,3 +59,63 @@ def test_the_choice_fits_and_no_larger_cap_does(pp, m, static, budget):
     for r in range(pp):  # one more microbatch on the first rank whose cap binds would overflow somewhere
         if inflight(pp, m, caps[r], r) < min(pp - r, m) and (r == 0 or caps[r] < caps[r - 1]):
             assert static[r] + (inflight(pp, m, caps[r], r) + 1) * GiB > budget * GiB
+
+
+# -- caps against offload ([Note: auto offload]) -------------------------------------------
+
+def _measured(link: float, budget_gib: float = 9.8, pp: int = 4):
+    """The H200 benchmark model's figures (benchmarks/results/auto_engine.md), with F and B
+    times of that order and a host link of `link` bytes/s."""
+    static = (5.27 * GiB, 3.40 * GiB, 3.40 * GiB, 4.06 * GiB)[:pp]
+    stash = (2.05 * GiB, 1.64 * GiB, 1.64 * GiB, 1.80 * GiB)[:pp]
+    return Measured(static, stash, (budget_gib * GiB,) * pp, (0.03,) * pp, (0.06,) * pp, (link,) * pp)
+
+
+def test_a_fast_link_streams_the_first_stage_instead_of_capping_it():
+    choice = choose(4, 8, _measured(450e9))  # GH200's link
+    assert choice.engine == "ps_1f1b:offload=0,stream=64" and choice.offload == (0,)
+    assert all(p <= 9.8 * GiB for p in choice.peaks)
+    assert "simulated step time of capped_1f1b:cap=2" in choice.why
+
+
+def test_a_slow_link_keeps_the_cap():
+    choice = choose(4, 8, _measured(1e8))  # 0.1 GB/s: every copy outlasts the step
+    assert choice.engine == "capped_1f1b:cap=2" and choice.offload == ()
+    assert choice.step_time is not None
+
+
+def test_without_times_or_when_1f1b_fits_nothing_is_simulated():
+    m = _measured(450e9)
+    assert choose(4, 8, Measured(m.static, m.stash, m.budget)).engine == "capped_1f1b:cap=2"
+    roomy = choose(4, 8, Measured(m.static, m.stash, (20 * GiB,) * 4, m.forward_s, m.backward_s, m.host_bandwidth))
+    assert roomy.engine == "ps_1f1b" and roomy.step_time is None
+
+
+def test_offload_can_fit_where_no_cap_does():
+    choice = choose(4, 8, _measured(450e9, budget_gib=7.0))  # rank 0: 5.27 + one 2.05 stash > 7
+    assert choice.engine.startswith("ps_1f1b:offload=0/1") and all(p <= 7.0 * GiB for p in choice.peaks)
+    with pytest.raises(ParameterError, match="rank 0 needs .* does not fit either"):
+        choose(4, 8, _measured(450e9, budget_gib=5.0))
+
+
+def test_bad_times_are_named():
+    m = _measured(450e9)
+    with pytest.raises(ParameterError, match=r"forward_s figures must be one finite number >= 0 per rank"):
+        choose(4, 8, Measured(m.static, m.stash, m.budget, (0.03,) * 3, m.backward_s, m.host_bandwidth))
+    with pytest.raises(ParameterError, match=r"host_bandwidth must be > 0"):
+        choose(4, 8, Measured(m.static, m.stash, m.budget, m.forward_s, m.backward_s, (0.0,) * 4))
+
+
+@given(pp=st.integers(2, 6), m=st.integers(1, 12), budget=st.integers(3, 16),
+       link=st.sampled_from([1e8, 1e10, 5e10, 4.5e11]), static=st.lists(st.integers(1, 6), min_size=6, max_size=6))
+def test_the_choice_fits_and_is_the_faster_of_what_fits(pp, m, budget, link, static):
+    measured = Measured(tuple(s * GiB for s in static[:pp]), (GiB,) * pp, (budget * GiB,) * pp, (1.0,) * pp,
+                        (2.0,) * pp, (link,) * pp)
+    try:
+        choice = choose(pp, m, measured)
+    except ParameterError:
+        assert any(s + 1 > budget for s in static[:pp])  # cap 1 does not fit somewhere
+        return
+    assert all(p <= budget * GiB for p in choice.peaks)
+    if choice.step_time is not None and "x the simulated step time of" in choice.why:
+        assert float(choice.why.rsplit("; ", 1)[1].split("x", 1)[0]) <= 1.0
