@@ -77,6 +77,17 @@ def render(report: dict) -> str:
         lines.append(f"| {run['reserve_gib']} GiB | {_gib(auto['budget'][:1])} | `{auto['engine']}` | {auto['why']} | "
                      f"{_gib(auto['static'])} | {_gib(auto['stash'])} | {_gib(auto['predicted_peaks'])} | "
                      f"{_gib(measured)} | {'yes' if fits else 'NO'} |")
+    lines += ["", "What the first step timed per rank (F and B of one microbatch, synchronised; one copy to host "
+              "memory, all ranks at once) and the chosen engine's step time (median of the steps after the first):", ""]
+    for run in report["runs"]:
+        auto = run["auto"]
+        if auto is None or "forward_s" not in auto:
+            continue
+        seconds = sorted(t for r in run["ranks"][:1] for t in r["chosen_seconds"])
+        step = f"{seconds[len(seconds) // 2]:.3f} s" if seconds else "-"
+        lines.append(f"- reserve {run['reserve_gib']} GiB: F " + " / ".join(f"{x * 1e3:.1f}" for x in auto["forward_s"])
+                     + " ms, B " + " / ".join(f"{x * 1e3:.1f}" for x in auto["backward_s"]) + " ms, host link "
+                     + " / ".join(f"{x / 1e9:.1f}" for x in auto["host_bandwidth"]) + f" GB/s; step {step}")
     lines += ["", "Prediction error of the chosen engine's peak per rank (measured / predicted - 1):", ""]
     for run in report["runs"]:
         auto = run["auto"]
