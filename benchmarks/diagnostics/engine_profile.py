@@ -162,6 +162,12 @@ def main(argv=None) -> int:
                   "ranks": {r: (work / f"rank{r}.md").read_text() for r in ranks}}
         write_results("engine_profile", report, text, out=args.out)
     print(text[-6000:])
+    print("\nprofiled steps (ms), by rank and engine:")
+    for line in text.splitlines():
+        if line.startswith("## rank "):
+            head = line.removeprefix("## ")
+        elif line.startswith("profiled steps (ms):"):
+            print(f"  {head}: {line.partition(':')[2].strip()}")
     return 0
 
 
