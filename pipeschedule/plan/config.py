@@ -39,7 +39,8 @@ class PlanConfig:
     CUDA context, NCCL buffers and allocator slack (budget = gpu_memory - reserve).
     gpu_tflops / mfu: peak bf16 TFLOP/s and the fraction of it matmuls reach, for absolute
     times only ([Note: compute costs]). p2p_bandwidth (bytes/s) / p2p_latency (s): one
-    pipeline message. virtual: chunks per rank of the interleaved candidates. node_limit:
+    pipeline message. virtual: the most chunks per rank of the interleaved candidates
+    (each count up to it is tried, [Note: virtual counts]). node_limit:
     search budget of each optimal split. offload / host_bandwidth: the offload to report
     for the recommended candidate (None: none) and the host link it runs over (bytes/s
     per direction).
@@ -55,7 +56,7 @@ class PlanConfig:
     mfu: float = 0.5
     p2p_bandwidth: float = 25e9
     p2p_latency: float = 20e-6
-    virtual: int = 2
+    virtual: int = 4
     node_limit: int = 20_000
     gpu_name: str = "custom"
     offload: object = None  # offload.OffloadPolicy or AutoOffload: what `plan` reports offload would add
@@ -101,6 +102,38 @@ class PlanConfig:
         return self.microbatches * self.setup.micro_batch * self.setup.seq / (self.setup.tp * self.pp)
 
 
+# [Note: virtual counts] Interleaving is tried at the chunk counts v = 2 .. config.virtual
+# (default 4) whose pp * v chunks divide the decoder layers evenly, so that every chunk of
+# every rank holds the same number of layers, as Megatron requires of its virtual stages;
+# a count that does not divide, or that leaves a chunk without a layer, is named in the
+# plan's `dropped` with the arithmetic. Of those, `fitting.virtual_tried` keeps the
+# counts from the fewest up while each one's pipeline at nanotron's split is faster than
+# the count's before it (more chunks shorten the bubble and add messages). The capped
+# forms are tried at the fewest chunks only: a cap of v*k stage-microbatches holds about
+# k microbatches whatever v, and each further count's capped split searches cost seconds
+# (the users' case: 3.5 s of CPU per lever combination at v=4) for rows that run at a
+# third of 1F1B's throughput.
+
+
+def virtual_counts(config: PlanConfig) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
+    """([Note: virtual counts]) (the chunk counts per rank tried for interleaving, and
+    (candidate, why) for each count up to config.virtual not tried)."""
+    pp, L = config.pp, config.model.layers
+    if pp == 1:
+        return (), ()
+    tried, dropped = [], []
+    for v in range(2, config.virtual + 1):
+        if L < pp * v:
+            dropped.append((f"interleaved_1f1b v={v}", f"{L} layers over pp*v = {pp * v} chunks leaves a chunk "
+                                                       "without a layer"))
+        elif L % (pp * v):
+            dropped.append((f"interleaved_1f1b v={v}", f"{L} layers do not divide into pp*v = {pp * v} equal chunks "
+                                                       f"({L} = {L // (pp * v)}*{pp * v} + {L % (pp * v)})"))
+        else:
+            tried.append(v)
+    return tuple(tried), tuple(dropped)
+
+
 # -- compute costs ------------------------------------------------------------------------------
 
 
@@ -113,7 +146,7 @@ def layer_seconds(config: PlanConfig) -> tuple[float, float]:
     backward = 2 * forward
     if st.recompute == "full":
         backward += forward
-    elif st.recompute == "selective" and not st.flash:
+    elif st.recompute == "selective" and st.scores_materialised:
         backward += attention / st.tp
     rate = config.gpu_tflops * 1e12 * config.mfu
     return forward / rate, backward / rate
@@ -151,11 +184,11 @@ def _gib(flag: str, value: float, minimum_exclusive: bool = True) -> float:
 
 def build_config(
     model, *, pp: int, microbatches: int, tp: int = 1, dp: int = 1, zero_stage: int = 0, seq: int = 8192,
-    micro_batch: int = 1, recompute: str = "none", sequence_parallel: bool = True, flash: bool = True,
+    micro_batch: int = 1, recompute: str = "none", sequence_parallel: bool = True,
     fp32_grad_accum: bool = True, ddp_buckets: bool = True, activation_formula: str = "nanotron",
     gpu: str | None = "gh200", gpu_memory: float | None = None, reserve: float = 2.0,
     gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
-    virtual: int = 2, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
+    virtual: int = 4, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
     dp_bandwidth: float = 25.0, tp_async: bool = False, attention: str = "flash-attn", adam_fused: bool = True,
 ):
     """A PlanConfig in the command line's units: `model` a preset name, a model file path
@@ -168,7 +201,7 @@ def build_config(
         raise ParameterError(f"model must be a preset name, a model file or a ModelSpec, got {shown(model)}")
     setup = TrainingSetup(
         tp=tp, dp=dp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute,
-        sequence_parallel=sequence_parallel, flash=flash, fp32_grad_accum=fp32_grad_accum,
+        sequence_parallel=sequence_parallel, fp32_grad_accum=fp32_grad_accum,
         ddp_buckets=ddp_buckets, activation_formula=activation_formula, tp_async=tp_async, attention=attention,
         adam_fused=adam_fused,
     )
@@ -198,4 +231,4 @@ def _positive(flag: str, value: float) -> float:
     return value
 
 
-__all__ = ["PlanConfig", "build_config", "head_seconds", "layer_seconds", "weight_seconds"]
+__all__ = ["PlanConfig", "build_config", "head_seconds", "layer_seconds", "virtual_counts", "weight_seconds"]

@@ -1,9 +1,12 @@
-"""The levers besides the schedule: ZeRO stage and recompute mode. `plan_levers` plans
-every combination the config leaves open and picks the fastest that fits.
+"""The levers besides the schedule: ZeRO stage and recompute mode (partial recompute and
+offload are pulled inside each plan, plan/fitting.py). `plan_levers` plans every
+combination the config leaves open and picks the fastest that fits.
 
 [Note: lever search] For each ZeRO stage (0, and 1 when dp > 1) and each recompute mode
 (none, selective, full) the planner runs in full (`planner.plan`: every family, cap,
-split, virtual stage count); the answer is the candidate that fits with the least step
+split, virtual stage count [Note: virtual counts], and on the rows that do not fit,
+partial recompute and host offload [Note: partial recompute], [Note: offload lever] in
+fitting.py); the answer is the candidate that fits with the least step
 time over all of them, step time including the data-parallel reduction and optimizer
 step that the ZeRO stage changes ([Note: step tail]). Each combination's nanotron default
 (nanotron's 1F1B with its split) is kept for the table; the baseline of "x" columns is
@@ -54,7 +57,9 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None) -> LeverPlan:
             setup = replace(config.setup, zero_stage=z, recompute=mode)
             plans[(z, mode)] = plan(replace(config, setup=setup))
     fitting = [(key, p.recommended) for key, p in plans.items() if p.recommended is not None]
-    best = min(fitting, key=lambda item: item[1].step_time, default=None)
+    # The fastest; among equals (1e-9) the first planned, i.e. the fewest levers pulled.
+    fastest = min((c.step_time for _, c in fitting), default=None)
+    best = next((item for item in fitting if item[1].step_time <= fastest * (1 + 1e-9)), None)
     return LeverPlan(config, plans, best)
 
 
@@ -111,6 +116,8 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
                f"(rank {peak.rank}, margin {-peak.overflow / GiB:.1f} GiB); step {cand.step_time:.2f} s = pipeline "
                f"{cand.pipeline_time:.2f} s + " + tail_text(cand))
     out += ["  " + line for line in yaml_lines(key, cand, c.pp)]
+    if cand.note:
+        out.append("  note: " + cand.note)
     if result.best_plan.offload is not None:
         out += offload_lines(result.best_plan)
     if tables != "none":

@@ -53,7 +53,7 @@ def plan_to_dict(plan) -> dict:
         "layout": {"pp": c.pp, "tp": c.setup.tp, "dp": c.setup.dp, "zero_stage": c.setup.zero_stage,
                    "seq": c.setup.seq, "micro_batch": c.setup.micro_batch, "microbatches": c.microbatches,
                    "recompute": c.setup.recompute, "sequence_parallel": c.setup.sequence_parallel,
-                   "flash": c.setup.flash, "fp32_grad_accum": c.setup.fp32_grad_accum,
+                   "flash": not c.setup.scores_materialised, "fp32_grad_accum": c.setup.fp32_grad_accum,
                    "activation_formula": c.setup.activation_formula,
                    "tp_async": c.setup.tp_async, "attention": c.setup.attention},
         "gpu": {"name": c.gpu_name, "memory": c.gpu_memory, "reserve": c.reserve, "budget": c.budget,
@@ -127,6 +127,10 @@ def plan_to_text(plan, tables: str = "all") -> str:
         out.append(_row(plan, i, cand))
         if cand.note and not cand.memory:
             out.append(f"{'':6}{cand.note}")
+    tried = plan.stats.get("virtual_tried")
+    if tried is not None:
+        out.append("  interleaving tried at virtual " + (", ".join(map(str, tried)) if tried else "none")
+                   + f" (counts 2..{c.virtual}, --virtual)")
     for name, why in plan.dropped:
         out.append(f"  not listed: {name}: {why}")
     out += [
@@ -148,6 +152,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         out.append("  nanotron config (our integration reads cap, virtual and split inside pp_engine;")
         out.append("  nanotron's strict config parser rejects a separate key):")
         out += ["    " + line for line in rec.yaml_lines(c.pp, rec is plan.default)]
+        if rec.note:
+            out.append("  note: " + rec.note)
     if plan.offload is not None:
         out += offload_lines(plan)
     z = plan.zero1_default
