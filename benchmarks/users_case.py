@@ -6,8 +6,10 @@ seq 8192, micro-batch 1, GH200 96 GiB (2 GiB reserve), 128 microbatches, dp = 1.
 
 Prints, per dp, nanotron's default (1F1B, its split 21/20/20/19) under each reading of
 the users' setup, and the planner's recommendation over every lever (`plan_levers`: ZeRO
-stage, recompute none/selective/full and partial, schedule, cap, split) with nanotron's
-fp32 gradient accumulation, its YAML and its margin. Pure arithmetic, about a minute.
+stage, recompute none/selective/full and partial, schedule, cap, split, virtual stages,
+host offload over GH200's 450 GB/s link) with nanotron's fp32 gradient accumulation, its
+YAML, its margin and what it keeps on the host; then the same with offload's host memory
+bounded (HOST_BOUND). Pure arithmetic, a few minutes on two cores.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.levers import plan_levers, tail_text, yaml_lines
 from pipeschedule.plan.memory import GiB, TrainingSetup
 from pipeschedule.plan.planner import _Planner
-from pipeschedule.plan.presets import MODELS
+from pipeschedule.plan.fitting import OffloadCandidate
+from pipeschedule.plan.presets import HOST_LINKS, MODELS
 
 MODEL = MODELS["llama3-70b"]
 SPLIT = (21, 20, 20, 19)
 DPS = (1, 2, 4, 8, 16)
 RESERVES = (2, 4)  # GiB kept back: the planner's default, and that plus the model's error at this size (2%)
+HOST_BOUND = 64  # GiB of host memory per GPU offload may take in the bounded table: half of a 128 GB Grace
 READINGS = {
     "A: fp32 accumulation, full recompute": {"fp32_grad_accum": True, "recompute": "full"},
     "B: bf16 gradients and Adam, no recompute": {"fp32_grad_accum": False, "recompute": "none"},
@@ -31,10 +35,11 @@ READINGS = {
 }
 
 
-def config(dp: int, microbatches: int = 128, reserve: float = 2, **setup) -> PlanConfig:
+def config(dp: int, microbatches: int = 128, reserve: float = 2, host: float | None = None, **setup) -> PlanConfig:
     st = TrainingSetup(tp=4, dp=dp, seq=8192, micro_batch=1, sequence_parallel=True, tp_async=True, **setup)
     return PlanConfig(MODEL, st, pp=4, microbatches=microbatches, gpu_memory=96 * GiB, reserve=reserve * GiB,
-                      gpu_name="gh200")
+                      gpu_name="gh200", host_bandwidth=HOST_LINKS["gh200"] * 1e9,
+                      host_memory=None if host is None else host * GiB)
 
 
 def default(dp: int, zero: int, **setup):
@@ -63,27 +68,35 @@ def main() -> None:
                       f"| {-cand.memory[0].overflow / GiB:.1f} | {cand.step_time:.2f} |")
     for reserve in RESERVES:
         recommend(base, reserve)
+    recommend(base, RESERVES[-1], HOST_BOUND)
 
 
-def recommend(base, reserve: float) -> None:
-    print(f"\n## The recommendation, reserve {reserve:g} GiB (budget {96 - reserve:g} GiB; fp32 accumulation; "
-          f"x against "
-          f"reading A's default at dp=1, {base.step_time:.2f} s per step)\n")
-    print("| dp | pp_engine; optimizer.zero_stage | peak GiB per stage | margin GiB | step s | x per GPU | tail |")
-    print("|---|---|---|---|---|---|---|")
+def host_text(cand) -> str:
+    if not isinstance(cand, OffloadCandidate):
+        return "-"
+    return " / ".join(f"{b / GiB:.1f}" for b in cand.host_bytes)
+
+
+def recommend(base, reserve: float, host: float | None = None) -> None:
+    bound = "" if host is None else f", offload at most {host:g} GiB on the host per GPU"
+    print(f"\n## The recommendation, reserve {reserve:g} GiB{bound} (budget {96 - reserve:g} GiB; fp32 accumulation; "
+          f"x against reading A's default at dp=1, {base.step_time:.2f} s per step)\n")
+    print("| dp | pp_engine; optimizer.zero_stage | peak GiB per stage | margin GiB | host GiB per stage | step s "
+          "| x per GPU | tail |")
+    print("|---|---|---|---|---|---|---|---|")
     yamls = {}
     for dp in DPS:
-        levers = plan_levers(config(dp, reserve=reserve, fp32_grad_accum=True))
+        levers = plan_levers(config(dp, reserve=reserve, host=host, fp32_grad_accum=True))
         if levers.best is None:
-            print(f"| {dp} | nothing fits | | | | | |")
+            print(f"| {dp} | nothing fits | | | | | | |")
             continue
         key, cand = levers.best
         yamls[dp] = yaml_lines(key, cand, 4)
         engine = yamls[dp][2].split(": ", 1)[1]
-        print(f"| {dp} | `{engine}`; {key[0]} | {stages(cand)} | {-cand.peak.overflow / GiB:.1f} "
+        print(f"| {dp} | `{engine}`; {key[0]} | {stages(cand)} | {-cand.peak.overflow / GiB:.1f} | {host_text(cand)} "
               f"| {cand.step_time:.2f} | {base.step_time / cand.step_time:.3f} | {tail_text(cand)} |")
     for dp, lines in yamls.items():
-        print(f"\ndp={dp}, reserve {reserve:g} GiB:\n\n```yaml\n" + "\n".join(lines) + "\n```")
+        print(f"\ndp={dp}, reserve {reserve:g} GiB{bound}:\n\n```yaml\n" + "\n".join(lines) + "\n```")
 
 
 if __name__ == "__main__":

@@ -85,10 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--p2p-latency", type=number_arg("--p2p-latency"), default=20.0,
                      help="microseconds per message (default 20)")
     gpu.add_argument("--offload", metavar="SPEC", default=None,
-                     help="report what host offload adds to the recommendation: fraction=F[,lead=L][,ranks=..] or "
+                     help="report what a given host offload adds to the recommendation (offload of whole ranks is "
+                          "searched anyway where the host link is known): fraction=F[,lead=L][,ranks=..] or "
                           "auto[,budget=0.03]; add ,stream=MiB to stream stashes in chunks of that size")
     gpu.add_argument("--host-bandwidth", metavar="GB/s", type=number_arg("--host-bandwidth"), default=None,
                      help="host link per direction (default: the preset's, gh200 450, h200 55.4)")
+    gpu.add_argument("--host-memory", metavar="GiB", type=number_arg("--host-memory"), default=None,
+                     help="host memory per GPU that offloaded stashes may take (default: no bound)")
     search = parser.add_argument_group("search and output")
     search.add_argument("--virtual", type=int_arg("--virtual"), default=4,
                         help="the most chunks per rank tried for interleaved candidates: every count from 2 up to it "
@@ -128,6 +131,7 @@ def config_from_args(args):
         gpu_memory=args.gpu_memory, reserve=args.reserve, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
         p2p_bandwidth=args.p2p_bandwidth, p2p_latency=args.p2p_latency, virtual=args.virtual,
         node_limit=args.node_limit, offload=args.offload, host_bandwidth=args.host_bandwidth,
+        host_memory=args.host_memory,
     )
 
 

@@ -43,7 +43,8 @@ class PlanConfig:
     (each count up to it is tried, [Note: virtual counts]). node_limit:
     search budget of each optimal split. offload / host_bandwidth: the offload to report
     for the recommended candidate (None: none) and the host link it runs over (bytes/s
-    per direction).
+    per direction), which the offload lever also runs over. host_memory: bytes per GPU
+    the offloaded stashes may take on the host (None: no bound).
     """
 
     model: ModelSpec
@@ -61,6 +62,7 @@ class PlanConfig:
     gpu_name: str = "custom"
     offload: object = None  # offload.OffloadPolicy or AutoOffload: what `plan` reports offload would add
     host_bandwidth: float | None = None  # bytes/s per direction of the host link (None: unknown)
+    host_memory: float | None = None  # bytes of host memory per GPU offloaded stashes may take (None: no bound)
     dp_bandwidth: float = 25e9  # bytes/s per GPU of the data-parallel collectives ([Note: step tail])
     hbm_bandwidth: float = 4e12  # bytes/s of GPU memory, for the optimizer step
 
@@ -91,6 +93,8 @@ class PlanConfig:
                                  f"(presets know gh200 and h200; the GPU here is {shown(self.gpu_name)})")
         if self.host_bandwidth is not None:
             check_number("host_bandwidth", self.host_bandwidth, above=True, hint=" (bytes/s)")
+        if self.host_memory is not None:
+            check_number("host_memory", self.host_memory, hint=" (bytes per GPU)")
 
     @property
     def budget(self) -> float:
@@ -190,10 +194,12 @@ def build_config(
     gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
     virtual: int = 4, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
     dp_bandwidth: float = 25.0, tp_async: bool = False, attention: str = "flash-attn", adam_fused: bool = True,
+    host_memory: float | None = None,
 ):
     """A PlanConfig in the command line's units: `model` a preset name, a model file path
     or a ModelSpec; gpu_memory and reserve in GiB (gpu_memory overrides the `gpu` preset),
-    p2p_bandwidth, dp_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds; offload an
+    p2p_bandwidth, dp_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds, host_memory
+    in GiB per GPU (None: offloaded stashes unbounded); offload an
     `--offload` spec, an OffloadPolicy or an AutoOffload."""
     if isinstance(model, str):
         model = load_model(model) if model.endswith((".yaml", ".yml", ".json")) else model_preset(model)
@@ -222,6 +228,7 @@ def build_config(
         offload=parse_offload(offload) if isinstance(offload, str) else offload,
         host_bandwidth=link * 1e9 if (link := host_link(gpu, host_bandwidth)) is not None else None,
         dp_bandwidth=_positive("--dp-bandwidth", dp_bandwidth) * 1e9, hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
+        host_memory=_gib("--host-memory", host_memory, minimum_exclusive=False),
     )
 
 

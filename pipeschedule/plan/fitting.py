@@ -19,7 +19,8 @@ overflow are offloaded, once with stashes moved whole and once streamed in chunk
 STREAM_MIB; the device peak of saved activations is the simulator's with the OFFLOAD /
 RELOAD instructions in place and the step time its run with the stash copies timed over
 the GPU's host link ([Note: simulated streaming] in simulate/engine.py). The faster of
-the two that fits is listed.
+the two that fits is listed. `config.host_memory`, when given, bounds the simulated
+peak each rank keeps on the host.
 
 [Note: lever bound] Neither lever makes a step faster: recompute adds a forward to B and
 offload adds copies the compute may wait for. So a row is tried only when its own step
@@ -160,8 +161,13 @@ def fitted_offload(planner, cand: Candidate) -> tuple[OffloadCandidate | None, s
     if excess > 0:
         return None, f"{head}: rank {floor.rank} is {excess / GiB:.1f} GiB over without any activation"
     ranks = tuple(r.rank for r in over)
+    bound = planner.config.host_memory
     for stream in (None, STREAM_MIB):  # streamed holds less on the device and simulates slower
         row = offloaded(planner, cand, ranks, stream)
+        if bound is not None and max(row.host_bytes) > bound:
+            r = row.host_bytes.index(max(row.host_bytes))
+            return None, (f"{head}: rank {r} would keep {max(row.host_bytes) / GiB:.1f} GiB on the host, over "
+                          f"--host-memory {bound / GiB:g} GiB")
         if row.fits:
             return row, ""
     return None, (f"{head}: with every stash of ranks {'/'.join(map(str, ranks))} on the host, streamed, rank "

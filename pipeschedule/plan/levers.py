@@ -91,16 +91,17 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
     out = [f"Levers for {c.model.name}, pp={c.pp} tp={c.setup.tp} dp={c.setup.dp}, {c.microbatches} microbatches, "
            f"budget {c.budget / GiB:.1f} GiB; x = step throughput against nanotron's default at ZeRO-{base_key[0]}, "
            f"recompute {base_key[1]} (step {base.step_time:.2f} s)", ""]
-    out.append(f"{'ZeRO':>4} {'recompute':<10} {'nanotron default':<28} {'recommended':<52} {'peak GiB':>9} "
+    w = max([52] + [len(p.recommended.engine()) for p in result.plans.values() if p.recommended is not None])
+    out.append(f"{'ZeRO':>4} {'recompute':<10} {'nanotron default':<28} {'recommended':<{w}} {'peak GiB':>9} "
                f"{'step s':>8} {'x':>6}")
     for (z, mode), p in result.plans.items():
         d = p.default
         default = f"{'fits' if d.fits else 'no'} {d.peak.total / GiB:5.1f} GiB {d.step_time:7.2f} s" if d.peak else "-"
         rec = p.recommended
         if rec is None:
-            out.append(f"{z:>4} {mode:<10} {default:<28} {'nothing fits':<52}")
+            out.append(f"{z:>4} {mode:<10} {default:<28} {'nothing fits':<{w}}".rstrip())
             continue
-        out.append(f"{z:>4} {mode:<10} {default:<28} {rec.engine():<52} {rec.peak.total / GiB:9.1f} "
+        out.append(f"{z:>4} {mode:<10} {default:<28} {rec.engine():<{w}} {rec.peak.total / GiB:9.1f} "
                    f"{rec.step_time:8.2f} {base.step_time / rec.step_time:6.3f}")
     out.append("")
     if result.best is None:

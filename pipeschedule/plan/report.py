@@ -79,8 +79,13 @@ def _row(plan, i, cand) -> str:
     kind = "nanotron default" if cand is plan.default else cand.split_kind
     mark = "*" if cand is plan.recommended else " "
     width = max(22, 3 * max(len(x.split or ()) for x in plan.candidates))
-    return (f"{mark}{i + 1:3d}  {cand.label:<26} {kind:<16} {_split(cand.split):<{width}} {fits:<4} {where:<13} "
+    return (f"{mark}{i + 1:3d}  {cand.label:<{_label_width(plan)}} {kind:<16} {_split(cand.split):<{width}} "
+            f"{fits:<4} {where:<13} "
             f"{step} {tok} {rel}")
+
+
+def _label_width(plan) -> int:
+    return max([26] + [len(x.label) for x in plan.candidates])
 
 
 def memory_table(plan, index: int, candidate) -> list[str]:
@@ -121,7 +126,7 @@ def plan_to_text(plan, tables: str = "all") -> str:
     out += ["Assumptions:"] + ["  " + line for line in assumptions(c)]
     out.append("")
     width = max(22, 3 * max(len(x.split or ()) for x in plan.candidates))
-    out.append(f"{'#':>4}  {'schedule':<26} {'split':<16} {'layers per stage':<{width}} {'fits':<4} "
+    out.append(f"{'#':>4}  {'schedule':<{_label_width(plan)}} {'split':<16} {'layers per stage':<{width}} {'fits':<4} "
                f"{'peak GiB':<13} {'step s':>8} {'tok/s/GPU':>9} {'vs default':>6}")
     for i, cand in enumerate(plan.candidates):
         out.append(_row(plan, i, cand))

@@ -191,3 +191,16 @@ def test_eager_attention_costs_selective_recompute_its_scores(capsys):
         steps[attention] = obj["candidates"][obj["default"]]["pipeline_time_s"]
         assert obj["layout"]["attention"] == attention and obj["layout"]["flash"] == (attention != "eager")
     assert steps["eager"] > steps["flash-attn"]
+
+
+def test_host_memory_bounds_what_offload_may_keep_on_the_host(capsys):
+    free = plan(users(virtual=2))
+    host = max(free.recommended.host_bytes)
+    bounded = plan(users(virtual=2, host_memory=host - GiB))
+    assert all(max(c.host_bytes) <= host - GiB for c in bounded.candidates if isinstance(c, OffloadCandidate))
+    assert any(name == "offload" and "--host-memory" in why for name, why in bounded.dropped)
+    from pipeschedule.cli import main
+
+    code = main(["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "8", "--host-memory", "-1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "--host-memory" in err and "-1" in err
