@@ -107,16 +107,17 @@ class PlanConfig:
 
 
 # [Note: virtual counts] Interleaving is tried at the chunk counts v = 2 .. config.virtual
-# (default 4) whose pp * v chunks divide the decoder layers evenly, so that every chunk of
-# every rank holds the same number of layers, as Megatron requires of its virtual stages;
-# a count that does not divide, or that leaves a chunk without a layer, is named in the
-# plan's `dropped` with the arithmetic. Of those, `fitting.virtual_tried` keeps the
-# counts from the fewest up while each one's pipeline at nanotron's split is faster than
-# the count's before it (more chunks shorten the bubble and add messages). The capped
-# forms are tried at the fewest chunks only: a cap of v*k stage-microbatches holds about
-# k microbatches whatever v, and each further count's capped split searches cost seconds
-# (the users' case: 3.5 s of CPU per lever combination at v=4) for rows that run at a
-# third of 1F1B's throughput.
+# (default 4) that give every one of the pp * v chunks a decoder layer; a count that
+# leaves a chunk without one is named in the plan's `dropped` with the arithmetic. Chunks
+# need not hold equal numbers of layers (the engines run any split, and the split search
+# balances them): asking for equal chunks would drop interleaving from Llama3-405B at
+# pp=16 (126 layers over 32 chunks), which the search has always covered. Of the counts,
+# `fitting.virtual_tried` keeps those from the fewest up while each one's pipeline at
+# nanotron's split is faster than the count's before it (more chunks shorten the bubble
+# and add messages). The capped forms are tried at the fewest chunks only: a cap of v*k
+# stage-microbatches holds about k microbatches whatever v, and each further count's
+# capped split searches cost seconds (the users' case: 3.5 s of CPU per lever
+# combination at v=4) for rows that run at a third of 1F1B's throughput.
 
 
 def virtual_counts(config: PlanConfig) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
@@ -130,9 +131,6 @@ def virtual_counts(config: PlanConfig) -> tuple[tuple[int, ...], tuple[tuple[str
         if L < pp * v:
             dropped.append((f"interleaved_1f1b v={v}", f"{L} layers over pp*v = {pp * v} chunks leaves a chunk "
                                                        "without a layer"))
-        elif L % (pp * v):
-            dropped.append((f"interleaved_1f1b v={v}", f"{L} layers do not divide into pp*v = {pp * v} equal chunks "
-                                                       f"({L} = {L // (pp * v)}*{pp * v} + {L % (pp * v)})"))
         else:
             tried.append(v)
     return tuple(tried), tuple(dropped)

@@ -229,25 +229,28 @@ def lever_rows(planner, candidates: Sequence[Candidate]) -> tuple[list[Candidate
 
 def virtual_tried(planner) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
     """[Note: virtual counts] The chunk counts per rank the interleaved candidates are
-    tried at, and (candidate, why) for the others up to `config.virtual`: the counts
-    whose chunks divide the layers evenly (`config.virtual_counts`), from the fewest up,
-    stopping at the first whose pipeline at nanotron's split, timed with the planner's
-    costs, is no faster than the count before it (more chunks shorten the bubble and add
-    messages; past the best count the messages win)."""
+    tried at, and (candidate, why) for the others up to `config.virtual`: the counts that
+    give every chunk a layer (`config.virtual_counts`), from the fewest up, stopping at
+    the first whose pipeline at nanotron's split, timed with the planner's costs, is no
+    faster than the count's before it (more chunks shorten the bubble and add messages;
+    past the best count the messages win). A count nanotron cannot split is kept,
+    untimed: the split search alone tries it."""
     config = planner.config
     counts, dropped = virtual_counts(config)
     tried, before = [], math.inf
     for i, v in enumerate(counts):
         try:
             split = nanotron_split(config.model, config.pp * v)
-        except ParameterError as err:
-            dropped += ((f"interleaved_1f1b v={v}", str(err)),)
+        except ParameterError:  # no nanotron split to time it by: the split search alone tries it
+            tried.append(v)
             continue
         time = planner.simulate(planner.schedule("interleaved_1f1b", None, v), planner.cost(split)).step_time
         if time >= before:
-            why = (f"its pipeline at nanotron's split ({time:.2f} s at v={v}) is no faster than "
-                   f"v={tried[-1]}'s ({before:.2f} s)")
-            dropped += tuple((f"interleaved_1f1b v={w}", why) for w in counts[i:])
+            why = (f"its pipeline at nanotron's split ({time:.2f} s) is no faster than v={tried[-1]}'s "
+                   f"({before:.2f} s)")
+            dropped += ((f"interleaved_1f1b v={v}", why),) + tuple(
+                (f"interleaved_1f1b v={w}", f"not tried past v={v}, which is no faster than v={tried[-1]}")
+                for w in counts[i + 1:])
             break
         tried.append(v)
         before = time

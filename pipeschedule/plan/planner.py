@@ -2,9 +2,9 @@
 
 `plan(config)` evaluates nanotron's default (1F1B with nanotron's split) and the
 alternatives: 1F1B, capped 1F1B at every cap 1..pp-1, interleaved 1F1B (at the chunk
-counts of [Note: virtual counts]) uncapped and capped, the split-backward schedules (ZB-H1; ZB-V, V-Half
-and V-Min with their V-shape placement, two stages per rank, when every stage gets a
-layer) and AFAB, each with nanotron's split and with the split `partition.optimal_split`
+counts of [Note: virtual counts]) uncapped and capped, the split-backward schedules
+(ZB-H1; ZB-V, V-Half and V-Min with their V-shape placement, two stages per rank, when
+every stage gets a layer) and AFAB, each with nanotron's split and with the split `partition.optimal_split`
 finds for it. Every candidate gets a per-rank memory table (memory.py: a rank's
 activations are the simulated peak of its stages' stash together, which lives from F to
 W under a split backward), a simulated step time (pipeschedule.simulate) and the nanotron config

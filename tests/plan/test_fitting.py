@@ -122,11 +122,8 @@ def test_levers_are_tried_only_on_rows_that_could_beat_the_fastest_fit():
 # -- virtual counts -------------------------------------------------------------------------------
 
 
-def test_virtual_counts_that_do_not_divide_are_named_not_listed():
-    tried, dropped = virtual_counts(users())
-    assert tried == (2, 4)
-    assert dropped == (("interleaved_1f1b v=3", "80 layers do not divide into pp*v = 12 equal chunks "
-                                                "(80 = 6*12 + 8)"),)
+def test_virtual_counts_leaving_a_chunk_without_a_layer_are_named_not_listed():
+    assert virtual_counts(users()) == ((2, 3, 4), ())
     small = replace(users(host=None), model=ModelSpec("m", layers=8, hidden=1024, heads=8, kv_heads=8, ffn=4096,
                                                      vocab=1000))
     assert virtual_counts(small) == ((2,), (("interleaved_1f1b v=3", "8 layers over pp*v = 12 chunks leaves a chunk "
@@ -134,17 +131,23 @@ def test_virtual_counts_that_do_not_divide_are_named_not_listed():
                                             ("interleaved_1f1b v=4", "8 layers over pp*v = 16 chunks leaves a chunk "
                                                                     "without a layer")))
     assert virtual_counts(replace(users(), virtual=1)) == ((), ())
+    result = plan(replace(small, microbatches=8))
+    assert {c.virtual for c in result.candidates if c.family == "interleaved_1f1b"} == {2}
+    assert [name for name, _ in result.dropped if name.startswith("interleaved")] == [
+        "interleaved_1f1b v=3", "interleaved_1f1b v=4"]
 
 
 def test_more_chunks_are_tried_while_they_get_faster_and_chosen_where_they_win():
-    many = plan(users(microbatches=128))  # at m=128 v=4's extra messages outweigh its smaller bubble
+    many = plan(users(microbatches=128))  # at m=128 v=3's extra messages outweigh its smaller bubble
     assert many.stats["virtual_tried"] == [2]
-    assert any(name == "interleaved_1f1b v=4" and "no faster than v=2" in why for name, why in many.dropped)
-    assert not any(c.virtual == 4 for c in many.candidates)
+    why = dict(many.dropped)
+    assert "no faster than v=2" in why["interleaved_1f1b v=3"] and "not tried past v=3" in why["interleaved_1f1b v=4"]
+    assert not any(c.virtual > 2 for c in many.candidates)
     few = plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full")
-    assert few.stats["virtual_tried"] == [2, 4]
-    assert few.recommended.family == "interleaved_1f1b" and few.recommended.virtual == 4
-    assert "interleaving tried at virtual 2, 4" in few.to_text(tables="none")
+    assert few.stats["virtual_tried"] == [2, 3]
+    assert few.recommended.family == "interleaved_1f1b" and few.recommended.virtual == 3
+    assert "interleaving tried at virtual 2, 3" in few.to_text(tables="none")
+    assert "no faster than v=3" in dict(few.dropped)["interleaved_1f1b v=4"]
 
 
 # -- --attention ----------------------------------------------------------------------------------
