@@ -3,6 +3,10 @@ seq 8192, micro-batch 1, GH200 96 GiB (2 GiB reserve), 128 microbatches, dp = 1.
 
     python -m benchmarks.users_case            # the tables of docs/users_case.md
     python -m benchmarks.users_case --quick    # dp 1 and 2 only
+    python -m benchmarks.users_case --time 5 --against ../old-checkout
+        # the README's `pipeschedule plan` command (dp=2, reserve 4) timed in turn with the
+        # same command of another checkout, pair by pair (process CPU of each child);
+        # writes benchmarks/results/plan_users_case_time.{md,json}
 
 Prints, per dp, nanotron's default (1F1B, its split 21/20/20/19) under each reading of
 the users' setup, and the planner's recommendation over every lever (`plan_levers`: ZeRO
@@ -15,7 +19,15 @@ bounded (HOST_BOUND). Pure arithmetic, a few minutes on two cores.
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
 
+from benchmarks.common import git_commit, machine, write_results
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.levers import plan_levers, tail_text, yaml_lines
 from pipeschedule.plan.memory import GiB, TrainingSetup
@@ -54,7 +66,12 @@ def main() -> None:
     global DPS, RESERVES
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="dp 1 and 2, reserve 2 GiB only (a smoke run)")
-    if parser.parse_args().quick:
+    parser.add_argument("--time", type=int, metavar="PAIRS", help="time the README's plan command, PAIRS pairs")
+    parser.add_argument("--against", metavar="CHECKOUT", help="with --time: the checkout to pair against")
+    args = parser.parse_args()
+    if args.time:
+        return time_command(args.time, args.against)
+    if args.quick:
         DPS, RESERVES = (1, 2), (2,)
     base = default(1, 0, **READINGS["A: fp32 accumulation, full recompute"])
     print("## nanotron's default per reading (peak GiB per stage, budget 94.0)\n")
@@ -97,6 +114,54 @@ def recommend(base, reserve: float, host: float | None = None) -> None:
               f"| {cand.step_time:.2f} | {base.step_time / cand.step_time:.3f} | {tail_text(cand)} |")
     for dp, lines in yamls.items():
         print(f"\ndp={dp}, reserve {reserve:g} GiB{bound}:\n\n```yaml\n" + "\n".join(lines) + "\n```")
+
+
+COMMAND = ("plan --model llama3-70b --pp 4 --tp 4 --dp 2 --microbatches 128 --tp-async --gpu gh200 --reserve 4 "
+           "--tables none").split()
+
+
+def child_cpu(checkout: str) -> float:
+    """Process CPU seconds of one run of COMMAND from `checkout` (its package imported)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-m", "pipeschedule.cli", *COMMAND], cwd=checkout, check=True,
+                   env=dict(os.environ, PYTHONPATH=checkout), stdout=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def time_command(pairs: int, against: str | None) -> None:
+    """COMMAND from this checkout and `against` in turn (one warm-up each), the ratio of
+    each pair; prints and writes the median."""
+    here = str(Path(__file__).resolve().parents[1])
+    runs = {"this": [], "against": []}
+    for i in range(pairs + 1):
+        for name, path in (("this", here), ("against", against)):
+            if path is not None:
+                cpu = child_cpu(path)
+                if i:  # the first pair warms the caches
+                    runs[name].append(cpu)
+    ratios = [a / b for a, b in zip(runs["this"], runs["against"])]
+    if against is not None:  # named by its commit: no path of this machine goes into the results
+        head = subprocess.run(["git", "-C", against, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        against = f"commit {head.stdout.strip()}" if head.returncode == 0 else Path(against).name
+    report = {"date": datetime.date.today().isoformat(), "command": "pipeschedule " + " ".join(COMMAND),
+              "machine": machine(), "commit": git_commit(), "python": sys.version.split()[0],
+              "against": against, "cpu_s": runs,
+              "median_cpu_s": {k: statistics.median(v) for k, v in runs.items() if v},
+              "median_ratio": statistics.median(ratios) if ratios else None}
+    lines = [f"# `pipeschedule plan`, the README's command ({report['date']})", "",
+             f"    {report['command']}", "",
+             f"Process CPU per run, {pairs} runs after one warm-up, this checkout and {against} in turn.", "",
+             "| checkout | CPU s per run | median |", "|---|---|---:|"]
+    for name, values in runs.items():
+        if values:
+            lines.append(f"| {name} | {' '.join(f'{v:.2f}' for v in values)} | {statistics.median(values):.2f} |")
+    if ratios:
+        lines += ["", f"Ratio this / against, pair by pair: {' '.join(f'{r:.3f}' for r in ratios)}; "
+                      f"median {statistics.median(ratios):.3f}."]
+    lines += ["", f"commit {report['commit']}, python {report['python']}, machine {report['machine']}"]
+    write_results("plan_users_case_time", report, "\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
