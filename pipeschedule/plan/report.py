@@ -167,7 +167,7 @@ def plan_to_text(plan, tables: str = "all") -> str:
         verdict = "fits" if z.fits else f"still does not fit ({_gib(peak.overflow)} GiB over)"
         out.append(f"Hint: with ZeRO-1 (optimizer.zero_stage: 1) at dp={st.dp}, nanotron's default {verdict}: "
                    f"peak {_gib(peak.total)} of {_gib(peak.budget)} GiB (rank {peak.rank}) at "
-                   f"{z.relative or 0:.3f}x the default's throughput.")
+                   f"{z.tokens_per_gpu / plan.default.tokens_per_gpu:.3f}x the default's throughput.")
     if tables != "none":
         shown = plan.candidates if tables == "all" else [x for x in (plan.default, rec) if x is not None]
         seen = set()
