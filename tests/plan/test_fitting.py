@@ -207,3 +207,17 @@ def test_host_memory_bounds_what_offload_may_keep_on_the_host(capsys):
     code = main(["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "8", "--host-memory", "-1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "--host-memory" in err and "-1" in err
+
+
+def test_partial_recompute_reaches_split_backward_and_v_shapes():
+    st = TrainingSetup(tp=4, seq=8192, tp_async=False)  # sync TP linears: the split backward defers
+    result = plan(PlanConfig(L70, st, pp=4, microbatches=16, gpu_memory=96 * GiB, virtual=2))
+    fitted = {c.family: c for c in result.candidates if c.recomputed}
+    assert {"zb_h1", "zbv", "v_half", "interleaved_1f1b", "1f1b"} <= set(fitted) and all(
+        c.fits for c in fitted.values())
+    assert result.recommended.recomputed  # nothing fits without it: the lever is chosen
+    zbv = fitted["zbv"]
+    plain = _Planner(result.config).evaluate("zbv", None, 2, zbv.split, "nanotron")
+    # recomputed layers compute their weight gradients at B: W keeps less, B does more
+    assert zbv.memory[0].terms[ACTIVATIONS] < plain.memory[0].terms[ACTIVATIONS]
+    assert zbv.engine().startswith("zbv:recompute=") and len(zbv.recomputed) == 8
