@@ -25,6 +25,14 @@ from pipeschedule.plan.report import plan_png
 SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
 
 
+class Removed(argparse.Action):
+    """A flag that is gone: one line saying what replaces it."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(self, f"{option_string} was folded into --attention: give --attention "
+                                           f"{' | '.join(ATTENTIONS)} (eager: scores materialised)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, a file, or the sizes)")
     model.add_argument("--model", help=f"preset: {', '.join(MODELS)}")
@@ -50,11 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--adam-fused", action=argparse.BooleanOptionalAction, default=True,
                         help="nanotron torch_adam_is_fused (default on); off adds foreach Adam's temporary")
     layout.add_argument("--attention", choices=ATTENTIONS, default="flash-attn",
-                        help="attention kernel: flash-attn, or the adapter's sdpa-standin (default flash-attn)")
+                        help="attention kernel: flash-attn (nanotron's), the adapter's sdpa-standin, or eager (softmax "
+                             "scores materialised, under --activation-formula korthikanti or llama; selective "
+                             "recompute then reruns them); default flash-attn")
+    layout.add_argument("--flash", "--no-flash", action=Removed, nargs=0, help=argparse.SUPPRESS)
     layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
                         help="nanotron tp_mode REDUCE_SCATTER (default on)")
-    layout.add_argument("--flash", action=argparse.BooleanOptionalAction, default=True,
-                        help="flash attention: scores never materialised (default on)")
     layout.add_argument("--fp32-grad-accum", action=argparse.BooleanOptionalAction, default=True,
                         help="nanotron accumulate_grad_in_fp32 (default on)")
     layout.add_argument("--ddp-buckets", action=argparse.BooleanOptionalAction, default=True,
@@ -76,13 +85,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--p2p-latency", type=number_arg("--p2p-latency"), default=20.0,
                      help="microseconds per message (default 20)")
     gpu.add_argument("--offload", metavar="SPEC", default=None,
-                     help="report what host offload adds to the recommendation: fraction=F[,lead=L][,ranks=..] or "
+                     help="report what a given host offload adds to the recommendation (offload of whole ranks is "
+                          "searched anyway where the host link is known): fraction=F[,lead=L][,ranks=..] or "
                           "auto[,budget=0.03]; add ,stream=MiB to stream stashes in chunks of that size")
     gpu.add_argument("--host-bandwidth", metavar="GB/s", type=number_arg("--host-bandwidth"), default=None,
                      help="host link per direction (default: the preset's, gh200 450, h200 55.4)")
+    gpu.add_argument("--host-memory", metavar="GiB", type=number_arg("--host-memory"), default=None,
+                     help="host memory per GPU that offloaded stashes may take (default: no bound)")
     search = parser.add_argument_group("search and output")
-    search.add_argument("--virtual", type=int_arg("--virtual"), default=2,
-                        help="chunks per rank for interleaved candidates (default 2)")
+    search.add_argument("--virtual", type=int_arg("--virtual"), default=4,
+                        help="the most chunks per rank tried for interleaved candidates: every count from 2 up to it "
+                             "whose chunks divide the layers evenly (default 4)")
     search.add_argument("--node-limit", type=int_arg("--node-limit"), default=20_000,
                         help="search nodes per optimal split (default 20000)")
     search.add_argument("--tables", choices=("all", "top", "none"), default="all",
@@ -113,11 +126,12 @@ def config_from_args(args):
         zero_stage=0 if args.zero == "auto" else int(args.zero), seq=args.seq, micro_batch=args.micro_batch,
         recompute="none" if args.recompute == "auto" else args.recompute, tp_async=args.tp_async,
         attention=args.attention, dp_bandwidth=args.dp_bandwidth, adam_fused=args.adam_fused,
-        sequence_parallel=args.sequence_parallel, flash=args.flash, fp32_grad_accum=args.fp32_grad_accum,
+        sequence_parallel=args.sequence_parallel, fp32_grad_accum=args.fp32_grad_accum,
         ddp_buckets=args.ddp_buckets, activation_formula=args.activation_formula, gpu=args.gpu,
         gpu_memory=args.gpu_memory, reserve=args.reserve, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
         p2p_bandwidth=args.p2p_bandwidth, p2p_latency=args.p2p_latency, virtual=args.virtual,
         node_limit=args.node_limit, offload=args.offload, host_bandwidth=args.host_bandwidth,
+        host_memory=args.host_memory,
     )
 
 

@@ -39,10 +39,12 @@ class PlanConfig:
     CUDA context, NCCL buffers and allocator slack (budget = gpu_memory - reserve).
     gpu_tflops / mfu: peak bf16 TFLOP/s and the fraction of it matmuls reach, for absolute
     times only ([Note: compute costs]). p2p_bandwidth (bytes/s) / p2p_latency (s): one
-    pipeline message. virtual: chunks per rank of the interleaved candidates. node_limit:
+    pipeline message. virtual: the most chunks per rank of the interleaved candidates
+    (each count up to it is tried, [Note: virtual counts]). node_limit:
     search budget of each optimal split. offload / host_bandwidth: the offload to report
     for the recommended candidate (None: none) and the host link it runs over (bytes/s
-    per direction).
+    per direction), which the offload lever also runs over. host_memory: bytes per GPU
+    the offloaded stashes may take on the host (None: no bound).
     """
 
     model: ModelSpec
@@ -55,11 +57,12 @@ class PlanConfig:
     mfu: float = 0.5
     p2p_bandwidth: float = 25e9
     p2p_latency: float = 20e-6
-    virtual: int = 2
+    virtual: int = 4
     node_limit: int = 20_000
     gpu_name: str = "custom"
     offload: object = None  # offload.OffloadPolicy or AutoOffload: what `plan` reports offload would add
     host_bandwidth: float | None = None  # bytes/s per direction of the host link (None: unknown)
+    host_memory: float | None = None  # bytes of host memory per GPU offloaded stashes may take (None: no bound)
     dp_bandwidth: float = 25e9  # bytes/s per GPU of the data-parallel collectives ([Note: step tail])
     hbm_bandwidth: float = 4e12  # bytes/s of GPU memory, for the optimizer step
 
@@ -90,6 +93,8 @@ class PlanConfig:
                                  f"(presets know gh200 and h200; the GPU here is {shown(self.gpu_name)})")
         if self.host_bandwidth is not None:
             check_number("host_bandwidth", self.host_bandwidth, above=True, hint=" (bytes/s)")
+        if self.host_memory is not None:
+            check_number("host_memory", self.host_memory, hint=" (bytes per GPU)")
 
     @property
     def budget(self) -> float:
@@ -99,6 +104,36 @@ class PlanConfig:
     def tokens_per_gpu(self) -> int:
         """Tokens one GPU's pipeline processes per step: m * b * s / (tp * pp)."""
         return self.microbatches * self.setup.micro_batch * self.setup.seq / (self.setup.tp * self.pp)
+
+
+# [Note: virtual counts] Interleaving is tried at the chunk counts v = 2 .. config.virtual
+# (default 4) that give every one of the pp * v chunks a decoder layer; a count that
+# leaves a chunk without one is named in the plan's `dropped` with the arithmetic. Chunks
+# need not hold equal numbers of layers (the engines run any split, and the split search
+# balances them): asking for equal chunks would drop interleaving from Llama3-405B at
+# pp=16 (126 layers over 32 chunks), which the search has always covered. Of the counts,
+# `fitting.virtual_tried` keeps those from the fewest up while each one's pipeline at
+# nanotron's split is faster than the count's before it (more chunks shorten the bubble
+# and add messages). The capped forms are tried at the fewest chunks only: a cap of v*k
+# stage-microbatches holds about k microbatches whatever v, and each further count's
+# capped split searches cost seconds (the users' case: 3.5 s of CPU per lever
+# combination at v=4) for rows that run at a third of 1F1B's throughput.
+
+
+def virtual_counts(config: PlanConfig) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
+    """([Note: virtual counts]) (the chunk counts per rank tried for interleaving, and
+    (candidate, why) for each count up to config.virtual not tried)."""
+    pp, L = config.pp, config.model.layers
+    if pp == 1:
+        return (), ()
+    tried, dropped = [], []
+    for v in range(2, config.virtual + 1):
+        if L < pp * v:
+            dropped.append((f"interleaved_1f1b v={v}", f"{L} layers over pp*v = {pp * v} chunks leaves a chunk "
+                                                       "without a layer"))
+        else:
+            tried.append(v)
+    return tuple(tried), tuple(dropped)
 
 
 # -- compute costs ------------------------------------------------------------------------------
@@ -113,7 +148,7 @@ def layer_seconds(config: PlanConfig) -> tuple[float, float]:
     backward = 2 * forward
     if st.recompute == "full":
         backward += forward
-    elif st.recompute == "selective" and not st.flash:
+    elif st.recompute == "selective" and st.scores_materialised:
         backward += attention / st.tp
     rate = config.gpu_tflops * 1e12 * config.mfu
     return forward / rate, backward / rate
@@ -151,16 +186,18 @@ def _gib(flag: str, value: float, minimum_exclusive: bool = True) -> float:
 
 def build_config(
     model, *, pp: int, microbatches: int, tp: int = 1, dp: int = 1, zero_stage: int = 0, seq: int = 8192,
-    micro_batch: int = 1, recompute: str = "none", sequence_parallel: bool = True, flash: bool = True,
+    micro_batch: int = 1, recompute: str = "none", sequence_parallel: bool = True,
     fp32_grad_accum: bool = True, ddp_buckets: bool = True, activation_formula: str = "nanotron",
     gpu: str | None = "gh200", gpu_memory: float | None = None, reserve: float = 2.0,
     gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
-    virtual: int = 2, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
+    virtual: int = 4, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
     dp_bandwidth: float = 25.0, tp_async: bool = False, attention: str = "flash-attn", adam_fused: bool = True,
+    host_memory: float | None = None,
 ):
     """A PlanConfig in the command line's units: `model` a preset name, a model file path
     or a ModelSpec; gpu_memory and reserve in GiB (gpu_memory overrides the `gpu` preset),
-    p2p_bandwidth, dp_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds; offload an
+    p2p_bandwidth, dp_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds, host_memory
+    in GiB per GPU (None: offloaded stashes unbounded); offload an
     `--offload` spec, an OffloadPolicy or an AutoOffload."""
     if isinstance(model, str):
         model = load_model(model) if model.endswith((".yaml", ".yml", ".json")) else model_preset(model)
@@ -168,7 +205,7 @@ def build_config(
         raise ParameterError(f"model must be a preset name, a model file or a ModelSpec, got {shown(model)}")
     setup = TrainingSetup(
         tp=tp, dp=dp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute,
-        sequence_parallel=sequence_parallel, flash=flash, fp32_grad_accum=fp32_grad_accum,
+        sequence_parallel=sequence_parallel, fp32_grad_accum=fp32_grad_accum,
         ddp_buckets=ddp_buckets, activation_formula=activation_formula, tp_async=tp_async, attention=attention,
         adam_fused=adam_fused,
     )
@@ -189,6 +226,7 @@ def build_config(
         offload=parse_offload(offload) if isinstance(offload, str) else offload,
         host_bandwidth=link * 1e9 if (link := host_link(gpu, host_bandwidth)) is not None else None,
         dp_bandwidth=_positive("--dp-bandwidth", dp_bandwidth) * 1e9, hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
+        host_memory=_gib("--host-memory", host_memory, minimum_exclusive=False),
     )
 
 
@@ -198,4 +236,4 @@ def _positive(flag: str, value: float) -> float:
     return value
 
 
-__all__ = ["PlanConfig", "build_config", "head_seconds", "layer_seconds", "weight_seconds"]
+__all__ = ["PlanConfig", "build_config", "head_seconds", "layer_seconds", "virtual_counts", "weight_seconds"]

@@ -1,9 +1,12 @@
-"""The levers besides the schedule: ZeRO stage and recompute mode. `plan_levers` plans
-every combination the config leaves open and picks the fastest that fits.
+"""The levers besides the schedule: ZeRO stage and recompute mode (partial recompute and
+offload are pulled inside each plan, plan/fitting.py). `plan_levers` plans every
+combination the config leaves open and picks the fastest that fits.
 
 [Note: lever search] For each ZeRO stage (0, and 1 when dp > 1) and each recompute mode
 (none, selective, full) the planner runs in full (`planner.plan`: every family, cap,
-split, virtual stage count); the answer is the candidate that fits with the least step
+split, virtual stage count [Note: virtual counts], and on the rows that do not fit,
+partial recompute and host offload [Note: partial recompute], [Note: offload lever] in
+fitting.py); the answer is the candidate that fits with the least step
 time over all of them, step time including the data-parallel reduction and optimizer
 step that the ZeRO stage changes ([Note: step tail]). Each combination's nanotron default
 (nanotron's 1F1B with its split) is kept for the table; the baseline of "x" columns is
@@ -54,7 +57,9 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None) -> LeverPlan:
             setup = replace(config.setup, zero_stage=z, recompute=mode)
             plans[(z, mode)] = plan(replace(config, setup=setup))
     fitting = [(key, p.recommended) for key, p in plans.items() if p.recommended is not None]
-    best = min(fitting, key=lambda item: item[1].step_time, default=None)
+    # The fastest; among equals (1e-9) the first planned, i.e. the fewest levers pulled.
+    fastest = min((c.step_time for _, c in fitting), default=None)
+    best = next((item for item in fitting if item[1].step_time <= fastest * (1 + 1e-9)), None)
     return LeverPlan(config, plans, best)
 
 
@@ -86,16 +91,17 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
     out = [f"Levers for {c.model.name}, pp={c.pp} tp={c.setup.tp} dp={c.setup.dp}, {c.microbatches} microbatches, "
            f"budget {c.budget / GiB:.1f} GiB; x = step throughput against nanotron's default at ZeRO-{base_key[0]}, "
            f"recompute {base_key[1]} (step {base.step_time:.2f} s)", ""]
-    out.append(f"{'ZeRO':>4} {'recompute':<10} {'nanotron default':<28} {'recommended':<52} {'peak GiB':>9} "
+    w = max([52] + [len(p.recommended.engine()) for p in result.plans.values() if p.recommended is not None])
+    out.append(f"{'ZeRO':>4} {'recompute':<10} {'nanotron default':<28} {'recommended':<{w}} {'peak GiB':>9} "
                f"{'step s':>8} {'x':>6}")
     for (z, mode), p in result.plans.items():
         d = p.default
         default = f"{'fits' if d.fits else 'no'} {d.peak.total / GiB:5.1f} GiB {d.step_time:7.2f} s" if d.peak else "-"
         rec = p.recommended
         if rec is None:
-            out.append(f"{z:>4} {mode:<10} {default:<28} {'nothing fits':<52}")
+            out.append(f"{z:>4} {mode:<10} {default:<28} {'nothing fits':<{w}}".rstrip())
             continue
-        out.append(f"{z:>4} {mode:<10} {default:<28} {rec.engine():<52} {rec.peak.total / GiB:9.1f} "
+        out.append(f"{z:>4} {mode:<10} {default:<28} {rec.engine():<{w}} {rec.peak.total / GiB:9.1f} "
                    f"{rec.step_time:8.2f} {base.step_time / rec.step_time:6.3f}")
     out.append("")
     if result.best is None:
@@ -111,6 +117,8 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
                f"(rank {peak.rank}, margin {-peak.overflow / GiB:.1f} GiB); step {cand.step_time:.2f} s = pipeline "
                f"{cand.pipeline_time:.2f} s + " + tail_text(cand))
     out += ["  " + line for line in yaml_lines(key, cand, c.pp)]
+    if cand.note:
+        out.append("  note: " + cand.note)
     if result.best_plan.offload is not None:
         out += offload_lines(result.best_plan)
     if tables != "none":

@@ -75,7 +75,7 @@ from pipeschedule.checks import MAX_DIMENSION, MAX_LAYERS, is_int, shown
 RECOMPUTE_MODES = ("none", "selective", "full")
 OPTIMIZERS = ("adam", "none")
 ACTIVATION_FORMULAS = ("nanotron", "korthikanti", "llama")
-ATTENTIONS = ("flash-attn", "sdpa-standin")
+ATTENTIONS = ("flash-attn", "sdpa-standin", "eager")
 GiB = 1 << 30
 
 
@@ -156,14 +156,17 @@ class TrainingSetup:
     tp / dp / zero_stage: tensor parallel, data parallel and nanotron's ZeRO stage (0 or
     1). seq / micro_batch: tokens per sequence and sequences per microbatch. recompute:
     "none", "selective" or "full". sequence_parallel: nanotron's `tp_mode:
-    REDUCE_SCATTER`. flash: flash attention (scores never materialised). param_bytes /
+    REDUCE_SCATTER`. flash: the older spelling of attention, checked against it (None:
+    follows attention; True: not "eager"; False: "eager"). param_bytes /
     act_bytes: bytes per parameter and per activation value (2 for bf16).
     fp32_grad_accum: nanotron's `accumulate_grad_in_fp32`. ddp_buckets: count DDP's bf16
     bucket buffers when dp > 1. activation_formula: "korthikanti" or "llama"
     ([Note: memory terms]). optimizer: "adam" (Adam/AdamW: two moments per parameter,
     plus fp32 master weights under fp32_grad_accum) or "none" (no optimizer state, as in
     a gradient-only measurement). tp_async: `tp_linear_async_communication`.
-    attention: "flash-attn" or the adapter's "sdpa-standin". adam_fused: nanotron's
+    attention: "flash-attn", the adapter's "sdpa-standin" (both flash kernels), or "eager"
+    (softmax scores materialised: counted by the korthikanti and llama formulas, which
+    nanotron's Llama, always flash, does not run). adam_fused: nanotron's
     `torch_adam_is_fused` (its example configs: true); false adds foreach Adam's
     temporary to the optimizer step (`optimizer_step_transient`).
     """
@@ -175,7 +178,7 @@ class TrainingSetup:
     micro_batch: int = 1
     recompute: str = "none"
     sequence_parallel: bool = True
-    flash: bool = True
+    flash: bool | None = None
     param_bytes: int = 2
     act_bytes: int = 2
     fp32_grad_accum: bool = True
@@ -200,12 +203,24 @@ class TrainingSetup:
             )
         if self.attention not in ATTENTIONS:
             raise ParameterError(f"attention must be one of {', '.join(ATTENTIONS)}, got {shown(self.attention)}")
+        if self.flash is not None and self.flash != (self.attention != "eager"):
+            raise ParameterError(f"flash={self.flash} contradicts attention={self.attention!r}: scores are "
+                                 "materialised exactly under attention='eager' (give attention alone)")
+        if self.attention == "eager" and self.activation_formula == "nanotron":
+            raise ParameterError("attention 'eager' (scores materialised) is counted by the korthikanti and llama "
+                                 "activation formulas; nanotron's Llama runs flash-attn or the adapter's sdpa-standin")
         if self.optimizer not in OPTIMIZERS:
             raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
         if self.sequence_parallel and self.seq % self.tp:
             raise ParameterError(
                 f"sequence parallel splits the sequence over tp: seq={self.seq} is not divisible by tp={self.tp}"
             )
+
+    @property
+    def scores_materialised(self) -> bool:
+        """Whether attention keeps its softmax scores (attention "eager"): they add to the
+        stash without recompute and to the rerun under selective recompute."""
+        return self.attention == "eager"
 
     def check_model(self, model: ModelSpec) -> None:
         """nanotron's own asserts: tp divides the query heads, the kv heads and the ffn."""
@@ -309,7 +324,7 @@ def layer_activation_bytes(model: ModelSpec, setup: TrainingSetup, recompute: st
         sharded = 4 * sbh + 4 * sbh * k / a + 6 * s * b * f
         per = (8 * sbh + sharded) / t if sp else 8 * sbh + sharded / t
         scores = 2 * a * s * s * b / t
-    if recompute == "none" and not setup.flash:
+    if recompute == "none" and setup.scores_materialised:
         per += scores
     return math.ceil(per * scale)
 

@@ -1,15 +1,16 @@
 """The planner: which schedule, in-flight cap and layer split fit a GPU, and how fast.
 
 `plan(config)` evaluates nanotron's default (1F1B with nanotron's split) and the
-alternatives: 1F1B, capped 1F1B at every cap 1..pp-1, interleaved 1F1B (virtual=2 when
-the layers allow) uncapped and capped, the split-backward schedules (ZB-H1; ZB-V, V-Half
-and V-Min with their V-shape placement, two stages per rank, when every stage gets a
-layer) and AFAB, each with nanotron's split and with the split `partition.optimal_split`
+alternatives: 1F1B, capped 1F1B at every cap 1..pp-1, interleaved 1F1B (at the chunk
+counts of [Note: virtual counts]) uncapped and capped, the split-backward schedules
+(ZB-H1; ZB-V, V-Half and V-Min with their V-shape placement, two stages per rank, when
+every stage gets a layer) and AFAB, each with nanotron's split and with the split `partition.optimal_split`
 finds for it. Every candidate gets a per-rank memory table (memory.py: a rank's
 activations are the simulated peak of its stages' stash together, which lives from F to
 W under a split backward), a simulated step time (pipeschedule.simulate) and the nanotron config
-line that selects it. The recommendation is the candidate that fits with the least
-simulated step time.
+line that selects it. The rows that do not fit get partial recompute and host offload
+fitted where that could beat the fastest fit (plan/fitting.py). The recommendation is
+the candidate that fits with the least simulated step time.
 
 Costs follow [Note: compute costs] and the config, candidates and their nanotron config
 lines live in config.py and candidate.py.
@@ -46,6 +47,7 @@ from pipeschedule.plan.dp_step import step_tail
 from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, layer_seconds, weight_seconds
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
+from pipeschedule.plan.fitting import lever_rows, virtual_tried
 from pipeschedule.plan.offload import AutoOffload, choose_offload, evaluate_offload
 from pipeschedule.simulate import CostModel, simulate
 
@@ -219,76 +221,40 @@ FAST = ("1f1b", "zb_h1", "zbv", "v_half", "interleaved_1f1b")
 SLOW = ("v_min", "afab")  # v_min: the least memory, rarely the fastest
 
 
-def _families(config: PlanConfig, planner: _Planner):
+def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
     """(family, cap, virtual) of every alternative, in the order of FAST and SLOW, each
-    as its `Family` record says: at its own chunks per rank (the config's `virtual` where
-    it takes any), where every stage gets a decoder layer; uncapped, except a family with
-    a default cap (its uncapped form is 1F1B), which is tried at every cap below pp; the
-    caps of the others that take one and do not split the backward, in
-    stage-microbatches below their uncapped peak."""
+    as its `Family` record says: at its own chunks per rank (each count of `virtuals`,
+    `fitting.virtual_tried`'s, where it takes any), where every stage gets a decoder layer;
+    uncapped, except a family with a default cap (its uncapped form is 1F1B), which is
+    tried at every cap below pp; the caps of the others that take one and do not split
+    the backward, in stage-microbatches below their uncapped peak (at the fewest chunks
+    per rank only)."""
     pp, L = config.pp, config.model.layers
     usable = {}
     for name, f in FAMILIES.items():
-        v = config.virtual if f.takes_virtual else f.chunks()
-        if (f.takes_virtual and v == 1) or (pp == 1 and (v > 1 or f.split_backward)) or L < pp * v:
+        vs = virtuals if f.takes_virtual else (f.chunks(),)
+        vs = tuple(v for v in vs if not (pp == 1 and (v > 1 or f.split_backward)) and L >= pp * v)
+        if not vs:
             continue  # the same as another candidate, nothing to gain at pp=1, or a stage without a layer
         if f.split_backward and config.setup.tp_async and config.setup.tp > 1:
             continue  # [Note: dropped candidates]
-        usable[name] = (f, v)
+        usable[name] = (f, vs)
     order = [n for n in FAST if n in usable] + [n for n in usable if n not in FAST and n not in SLOW]
-    out = [(name, None, usable[name][1]) for name in order if usable[name][0].default_cap is None]
+    out = [(name, None, v) for name in order if usable[name][0].default_cap is None for v in usable[name][1]]
     for name in order:
-        f, v = usable[name]
+        f, vs = usable[name]
         if f.default_cap is not None:
-            out += [(name, c, v) for c in range(pp - 1, 0, -1)]
+            out += [(name, c, v) for v in vs for c in range(pp - 1, 0, -1)]
     for name in order:
-        f, v = usable[name]
+        f, vs = usable[name]
         if f.takes_cap and f.default_cap is None and not f.split_backward:
             # Caps in stage-microbatches: v*k holds about as much as k microbatches of 1F1B.
             # Past pp=8 a spread of k is tried rather than every one.
-            peak = max(planner.simulate(planner.schedule(name, None, v), None).peak_inflight)
             ks = range(1, pp) if pp <= 8 else sorted({1, 2, 3, 4, pp // 4, pp // 2, 3 * pp // 4, pp - 1})
-            out += [(name, v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
-    out += [(name, None, usable[name][1]) for name in SLOW if name in usable]
-    return out
-
-
-def fitted_recompute(planner: _Planner, cand: Candidate) -> Candidate | None:
-    """[Note: partial recompute] The fewest layers per stage to recompute (the first N_s
-    of stage s, the engine's `recompute=N0/N1/..`) for `cand` (one stage per rank, no
-    recompute) to fit: each recomputed layer keeps only its input, saving (stash - input)
-    per microbatch in flight on that rank, and its rerun adds one layer's stash to the
-    working set and one layer forward to B. Raised rank by rank until the table fits or
-    every layer recomputes; None when it cannot fit."""
-    config = planner.config
-    model, setup = config.model, config.setup
-    saving = layer_activation_bytes(model, setup) - layer_activation_bytes(model, setup, recompute="full")
-    counts = [0] * len(cand.split)
-    for _ in range(4):
-        over = [r.overflow for r in cand.memory]
-        if all(o <= 0 for o in over):
-            return replace(cand, split_kind=cand.split_kind, note="recomputes the first N_s layers of each stage")
-        for r, o in enumerate(over):
-            if o > 0:
-                rerun = layer_activation_bytes(model, setup) if counts[r] == 0 else 0
-                per_layer = saving * max(1, cand.memory[r].inflight)
-                counts[r] = min(cand.split[r], counts[r] + math.ceil((o + rerun) / per_layer))
-        cand = planner.evaluate(cand.family, cand.cap, 1, cand.split, cand.split_kind, recomputed=tuple(counts))
-    return cand if cand.fits else None
-
-
-def partial_recompute(planner: _Planner, candidates: Sequence[Candidate]) -> list[Candidate]:
-    """Rows with partial recompute fitted ([Note: partial recompute]) for the 1F1B and
-    ZB-H1 rows with nanotron's split that do not fit, when the setup recomputes nothing."""
-    if planner.config.setup.recompute != "none":
-        return []
-    out = []
-    for cand in candidates:
-        if cand.family in ("1f1b", "zb_h1") and cand.virtual == 1 and cand.memory and not cand.fits \
-                and cand.split_kind.startswith("nanotron"):
-            fitted = fitted_recompute(planner, cand)
-            if fitted is not None:
-                out.append(fitted)
+            for v in vs[:1]:  # [Note: virtual counts]: caps at the fewest chunks only
+                peak = max(planner.simulate(planner.schedule(name, None, v), None).peak_inflight)
+                out += [(name, v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
+    out += [(name, None, v) for name in SLOW if name in usable for v in usable[name][1]]
     return out
 
 
@@ -322,7 +288,8 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
     default = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
     candidates = [default]
     best = default.pipeline_time if default.fits else math.inf  # a cutoff: the searches time the pipeline
-    for family, cap, virtual in _families(config, planner):
+    virtuals, virtual_dropped = virtual_tried(planner)
+    for family, cap, virtual in _families(config, planner, virtuals):
         try:
             nanotron = nanotron_split(config.model, config.pp * virtual)
         except ParameterError:
@@ -361,8 +328,8 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
         candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best))
         if candidates[-1].fits:
             best = min(best, candidates[-1].pipeline_time)
-    for cand in partial_recompute(planner, candidates):
-        candidates.append(cand)
+    rows, lever_dropped = lever_rows(planner, candidates)  # partial recompute and offload (plan/fitting.py)
+    candidates += rows
     base = default.tokens_per_gpu
     candidates = [replace(c, relative=c.tokens_per_gpu / base if c.tokens_per_gpu else None) for c in candidates]
     # The fastest that fits; among equals (1e-9) the earliest, i.e. the simplest change.
@@ -375,10 +342,12 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
     if config.setup.dp > 1 and config.setup.zero_stage == 0:
         sharded = replace(config, setup=replace(config.setup, zero_stage=1))
         zero1 = _Planner(sharded).evaluate("1f1b", None, 1, base_split, "nanotron")
-    stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.schedules))
+    stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.schedules),
+                 virtual_tried=list(virtuals))
     # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
     offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
-    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload, dropped(config))
+    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload,
+                dropped(config) + virtual_dropped + tuple(lever_dropped))
 
 
 def offload_report(planner: _Planner, candidate: Candidate) -> dict:

@@ -53,7 +53,7 @@ def plan_to_dict(plan) -> dict:
         "layout": {"pp": c.pp, "tp": c.setup.tp, "dp": c.setup.dp, "zero_stage": c.setup.zero_stage,
                    "seq": c.setup.seq, "micro_batch": c.setup.micro_batch, "microbatches": c.microbatches,
                    "recompute": c.setup.recompute, "sequence_parallel": c.setup.sequence_parallel,
-                   "flash": c.setup.flash, "fp32_grad_accum": c.setup.fp32_grad_accum,
+                   "flash": not c.setup.scores_materialised, "fp32_grad_accum": c.setup.fp32_grad_accum,
                    "activation_formula": c.setup.activation_formula,
                    "tp_async": c.setup.tp_async, "attention": c.setup.attention},
         "gpu": {"name": c.gpu_name, "memory": c.gpu_memory, "reserve": c.reserve, "budget": c.budget,
@@ -79,8 +79,13 @@ def _row(plan, i, cand) -> str:
     kind = "nanotron default" if cand is plan.default else cand.split_kind
     mark = "*" if cand is plan.recommended else " "
     width = max(22, 3 * max(len(x.split or ()) for x in plan.candidates))
-    return (f"{mark}{i + 1:3d}  {cand.label:<26} {kind:<16} {_split(cand.split):<{width}} {fits:<4} {where:<13} "
+    return (f"{mark}{i + 1:3d}  {cand.label:<{_label_width(plan)}} {kind:<16} {_split(cand.split):<{width}} "
+            f"{fits:<4} {where:<13} "
             f"{step} {tok} {rel}")
+
+
+def _label_width(plan) -> int:
+    return max([26] + [len(x.label) for x in plan.candidates])
 
 
 def memory_table(plan, index: int, candidate) -> list[str]:
@@ -121,12 +126,16 @@ def plan_to_text(plan, tables: str = "all") -> str:
     out += ["Assumptions:"] + ["  " + line for line in assumptions(c)]
     out.append("")
     width = max(22, 3 * max(len(x.split or ()) for x in plan.candidates))
-    out.append(f"{'#':>4}  {'schedule':<26} {'split':<16} {'layers per stage':<{width}} {'fits':<4} "
+    out.append(f"{'#':>4}  {'schedule':<{_label_width(plan)}} {'split':<16} {'layers per stage':<{width}} {'fits':<4} "
                f"{'peak GiB':<13} {'step s':>8} {'tok/s/GPU':>9} {'vs default':>6}")
     for i, cand in enumerate(plan.candidates):
         out.append(_row(plan, i, cand))
         if cand.note and not cand.memory:
             out.append(f"{'':6}{cand.note}")
+    tried = plan.stats.get("virtual_tried")
+    if tried is not None:
+        out.append("  interleaving tried at virtual " + (", ".join(map(str, tried)) if tried else "none")
+                   + f" (counts 2..{c.virtual}, --virtual)")
     for name, why in plan.dropped:
         out.append(f"  not listed: {name}: {why}")
     out += [
@@ -148,6 +157,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         out.append("  nanotron config (our integration reads cap, virtual and split inside pp_engine;")
         out.append("  nanotron's strict config parser rejects a separate key):")
         out += ["    " + line for line in rec.yaml_lines(c.pp, rec is plan.default)]
+        if rec.note:
+            out.append("  note: " + rec.note)
     if plan.offload is not None:
         out += offload_lines(plan)
     z = plan.zero1_default
@@ -156,7 +167,7 @@ def plan_to_text(plan, tables: str = "all") -> str:
         verdict = "fits" if z.fits else f"still does not fit ({_gib(peak.overflow)} GiB over)"
         out.append(f"Hint: with ZeRO-1 (optimizer.zero_stage: 1) at dp={st.dp}, nanotron's default {verdict}: "
                    f"peak {_gib(peak.total)} of {_gib(peak.budget)} GiB (rank {peak.rank}) at "
-                   f"{z.relative or 0:.3f}x the default's throughput.")
+                   f"{z.tokens_per_gpu / plan.default.tokens_per_gpu:.3f}x the default's throughput.")
     if tables != "none":
         shown = plan.candidates if tables == "all" else [x for x in (plan.default, rec) if x is not None]
         seen = set()

@@ -77,12 +77,12 @@ def test_korthikanti_formulas(s, b, h, a, t):
     model = ModelSpec("m", layers=2, hidden=h, heads=a, kv_heads=a, ffn=4 * h, vocab=1000)
     sbh = s * b * h
     tp_only = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False,
-                            flash=False)
+                            attention="eager")
     assert layer_activation_bytes(model, tp_only) == math.ceil(sbh * (10 + 24 / t) + 5 * a * s * s * b / t)
-    sp = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=True, flash=True)
+    sp = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=True)
     assert layer_activation_bytes(model, sp) == math.ceil(sbh * 34 / t)
     selective = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=False,
-                              flash=False, recompute="selective")
+                              attention="eager", recompute="selective")
     assert layer_activation_bytes(model, selective) == math.ceil(sbh * (10 + 24 / t))
     full = TrainingSetup(activation_formula="korthikanti", tp=t, seq=s, micro_batch=b, sequence_parallel=True,
                          recompute="full")

@@ -92,6 +92,7 @@ def test_compute_costs():
     assert head_b == pytest.approx(2 * head_f)
 
 
+@pytest.mark.spawn  # matplotlib's font set-up starts a process
 def test_cli_text_json_png(capsys, tmp_path):
     argv = ["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--recompute", "full",
             "--zero", "0"]
@@ -168,7 +169,7 @@ def test_search_memory_equals_the_reported_memory():
 
 
 def test_keyword_api():
-    result = plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full")
+    result = plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full", virtual=2)
     assert result.config.budget == 94 * GiB
     assert result.recommended.engine() == "zb_h1:recompute=full"
     with pytest.raises(ParameterError, match="model must be a preset name"):

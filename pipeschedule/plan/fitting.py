@@ -1,0 +1,261 @@
+"""Rows that fit only with a lever pulled on top of a candidate: partial recompute (the
+fewest layers per stage to recompute) and host offload (whole ranks' stashes, moved whole
+or streamed). `lever_rows(planner, candidates)` adds both to a plan's candidates;
+`virtual_tried(planner)` says at which chunk counts interleaving is tried.
+
+[Note: partial recompute] The engine's `recompute=N0/N1/..` reruns the first N_s decoder
+layers of stage s in B. Each recomputed layer keeps only its input, saving
+(stash - input) per microbatch in flight on its stage; its rerun adds one layer's stash
+to the working set and one layer forward to B (under a split backward also its weight
+gradients, which then leave W). `fitted_recompute` raises the counts rank by rank, over
+the rank's stages in turn (interleaved and V shapes hold several), until every rank fits
+or every layer recomputes. It applies to every family and split the planner lists, when
+the setup itself recomputes nothing.
+
+[Note: offload lever] The engine's `offload=RANKS[,stream=MiB]` moves every stash of the
+listed ranks to host memory after its F and back before its B (fraction 1, lead 1,
+integration/nanotron/engine_spec.py). For a row that does not fit, the ranks that
+overflow are offloaded, once with stashes moved whole and once streamed in chunks of
+STREAM_MIB; the device peak of saved activations is the simulator's with the OFFLOAD /
+RELOAD instructions in place and the step time its run with the stash copies timed over
+the GPU's host link ([Note: simulated streaming] in simulate/engine.py). The faster of
+the two that fits is listed. `config.host_memory`, when given, bounds the simulated
+peak each rank keeps on the host.
+
+[Note: lever bound] Neither lever makes a step faster: recompute adds a forward to B and
+offload adds copies the compute may wait for. So a row is tried only when its own step
+time, without the lever, beats the fastest row that already fits; the others are counted
+in the plan's `dropped` with that reason.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from pipeschedule.compiler.offload import MIB, OffloadPolicy, add_offload
+from pipeschedule.errors import ParameterError
+from pipeschedule.plan.candidate import Candidate
+from pipeschedule.plan.config import virtual_counts
+from pipeschedule.plan.dp_step import step_tail
+from pipeschedule.plan.memory import (
+    ACTIVATIONS,
+    P2P,
+    GiB,
+    layer_activation_bytes,
+    p2p_buffers,
+    rank_memory,
+    stage_footprints,
+    stash_buffers,
+)
+from pipeschedule.plan.partition import nanotron_split
+from pipeschedule.simulate import simulate
+
+STREAM_MIB = 256  # chunk of streamed offload the planner tries: a few per layer stash of a large model
+ROUNDS = 6  # evaluations per fitted_recompute: each raises every overflowing rank's counts
+
+
+@dataclass(frozen=True)
+class OffloadCandidate(Candidate):
+    """A candidate run with host offload ([Note: offload lever]): `offload` the ranks whose
+    stashes all go to host memory, `stream` the chunk in MiB (None: stashes move whole),
+    `host_bytes` the simulated peak per rank of what lies on the host."""
+
+    offload: tuple[int, ...] = ()
+    stream: int | None = None
+    host_bytes: tuple[float, ...] = ()
+
+    @property
+    def label(self) -> str:
+        stream = f" s{self.stream}" if self.stream else ""
+        return super().label + " off=" + "/".join(map(str, self.offload)) + stream
+
+    def engine(self, nanotron_default: bool = False) -> str:
+        base = super().engine(False)
+        params = ["offload=" + "/".join(map(str, self.offload))] + ([f"stream={self.stream}"] if self.stream else [])
+        return base + ("," if ":" in base else ":") + ",".join(params)
+
+    def to_dict(self) -> dict:
+        return super().to_dict() | {"pp_engine": self.engine(), "offload": list(self.offload),
+                                    "stream_mib": self.stream, "host_bytes": [float(x) for x in self.host_bytes]}
+
+
+def fitted_recompute(planner, cand: Candidate) -> Candidate | None:
+    """[Note: partial recompute] The fewest layers per stage to recompute for `cand` (a row
+    of the setup without recompute, evaluated) to fit; None when it cannot fit."""
+    config = planner.config
+    model, setup = config.model, config.setup
+    saving = layer_activation_bytes(model, setup) - layer_activation_bytes(model, setup, recompute="full")
+    placement = planner.schedule(cand.family, cand.cap, cand.virtual).placement
+    split = cand.split
+    counts = [0] * len(split)
+    for _ in range(ROUNDS):
+        if cand.fits:
+            return replace(cand, note="recomputes the first N_s layers of each stage")
+        if all(c == n for c, n in zip(counts, split)):
+            return None
+        for r, mem in enumerate(cand.memory):
+            if mem.overflow <= 0:
+                continue
+            stages = [s for s, rank in enumerate(placement) if rank == r]
+            rerun = layer_activation_bytes(model, setup) if not any(counts[s] for s in stages) else 0
+            per_layer = saving * max(1.0, mem.inflight / len(stages))  # stage-microbatches in flight per stage
+            _raise(counts, split, stages, math.ceil((mem.overflow + rerun) / per_layer))
+        cand = planner.evaluate(cand.family, cand.cap, cand.virtual, split, cand.split_kind, cand.proven,
+                                recomputed=tuple(counts))
+    return replace(cand, note="recomputes the first N_s layers of each stage") if cand.fits else None
+
+
+def _raise(counts: list, split: Sequence[int], stages: Sequence[int], more: int) -> None:
+    """Adds `more` recomputed layers over `stages`, one at a time in turn, none past a
+    stage's layers."""
+    while more > 0 and any(counts[s] < split[s] for s in stages):
+        for s in stages:
+            if more > 0 and counts[s] < split[s]:
+                counts[s] += 1
+                more -= 1
+
+
+def offloaded(planner, cand: Candidate, ranks: Sequence[int], stream: int | None) -> OffloadCandidate:
+    """`cand` (evaluated, one stage's stash per (stage, mb)) with every stash of `ranks`
+    offloaded ([Note: offload lever]); memory and step time as `_Planner.evaluate` counts
+    them, the saved activations and the pipeline time simulated with the offload."""
+    config = planner.config
+    schedule = planner.schedule(cand.family, cand.cap, cand.virtual)
+    policy = OffloadPolicy(1.0, tuple(ranks), 1, None if stream is None else stream * MIB)
+    moved = add_offload(schedule, policy)
+    footprints = stage_footprints(config.model, config.setup, cand.split, cand.recomputed)
+    link = dict(offload_bandwidth=config.host_bandwidth, reload_bandwidth=config.host_bandwidth)
+    cost = replace(planner.cost(cand.split, stash_buffers(footprints), False, cand.recomputed), **link)
+    stash = simulate(moved, policy.cost(cost))
+    timing_cost = replace(planner.cost(cand.split, p2p_buffers(footprints) | stash_buffers(footprints), False,
+                                       cand.recomputed), **link)
+    timing = simulate(moved, policy.cost(timing_cost))
+    memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes,
+                         peak_p2p=[r.terms[P2P] for r in cand.memory], peak_inflight=stash.peak_inflight,
+                         budget=config.budget, setup=config.setup)
+    plain = planner.cost(cand.split, recomputed=cand.recomputed)
+    backward = [b + w for b, w in zip(plain.backward, plain.weight)]
+    tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,
+                            dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
+    step = timing.step_time + tail
+    slower = timing.step_time / cand.pipeline_time - 1
+    note = (f"stashes of rank{'s' if len(ranks) > 1 else ''} {'/'.join(map(str, ranks))} on the host "
+            f"({', '.join(f'{b / GiB:.1f}' for b in stash.peak_host_bytes)} GiB per rank), "
+            f"{'streamed in ' + str(stream) + ' MiB chunks' if stream else 'moved whole'}: pipeline {slower:+.1%}")
+    return OffloadCandidate(cand.family, cand.cap, cand.virtual, cand.split, cand.split_kind, step,
+                            config.tokens_per_gpu / step, tuple(memory), cand.proven, note, None,
+                            timing.step_time, parts, cand.recompute, cand.recomputed,
+                            offload=tuple(ranks), stream=stream, host_bytes=tuple(stash.peak_host_bytes))
+
+
+def fitted_offload(planner, cand: Candidate) -> tuple[OffloadCandidate | None, str]:
+    """Offload of `cand`'s overflowing ranks that fits ([Note: offload lever]): stashes
+    moved whole, else streamed; or None and why not. A rank whose memory without any
+    activation is already over the budget rules offload out without a simulation."""
+    over = [r for r in cand.memory if not r.fits]
+    floor = max(over, key=lambda r: r.total - r.terms.get(ACTIVATIONS, 0.0))
+    excess = floor.total - floor.terms.get(ACTIVATIONS, 0.0) - floor.budget
+    head = f"{cand.label} split {'/'.join(map(str, cand.split))}"
+    if excess > 0:
+        return None, f"{head}: rank {floor.rank} is {excess / GiB:.1f} GiB over without any activation"
+    ranks = tuple(r.rank for r in over)
+    bound = planner.config.host_memory
+    for stream in (None, STREAM_MIB):  # streamed holds less on the device and simulates slower
+        row = offloaded(planner, cand, ranks, stream)
+        if bound is not None and max(row.host_bytes) > bound:
+            r = row.host_bytes.index(max(row.host_bytes))
+            return None, (f"{head}: rank {r} would keep {max(row.host_bytes) / GiB:.1f} GiB on the host, over "
+                          f"--host-memory {bound / GiB:g} GiB")
+        if row.fits:
+            return row, ""
+    return None, (f"{head}: with every stash of ranks {'/'.join(map(str, ranks))} on the host, streamed, rank "
+                  f"{row.peak.rank} is still {row.peak.overflow / GiB:.1f} GiB over")
+
+
+def _unevaluated(planner, cand: Candidate) -> Candidate | None:
+    """`cand` with its memory table: evaluated at its split when the split search left it
+    without numbers (no split fits)."""
+    if cand.memory:
+        return cand
+    if cand.split is None:
+        return None
+    return planner.evaluate(cand.family, cand.cap, cand.virtual, cand.split, cand.split_kind, cand.proven)
+
+
+def lever_rows(planner, candidates: Sequence[Candidate]) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """Rows fitted with partial recompute or offload ([Note: partial recompute], [Note:
+    offload lever]) for the candidates that do not fit and could beat the fastest that
+    does ([Note: lever bound]), the fastest first; and (lever, why) for what was not tried
+    or did not fit."""
+    config = planner.config
+    fastest = min((c.step_time for c in candidates if c.fits), default=math.inf)
+    rows, dropped, pruned, seen, unmodelled = [], [], 0, set(), []
+    offload_known = config.host_bandwidth is not None
+    todo = [c for c in candidates if not c.fits and c.split is not None]
+    todo = sorted(filter(None, (_unevaluated(planner, c) for c in todo)), key=lambda c: c.step_time)
+    for cand in todo:  # the fastest first: a fit found lowers the bound for the rest
+        key = (cand.family, cand.cap, cand.virtual, cand.split)
+        if key in seen:
+            continue
+        seen.add(key)
+        if cand.step_time >= fastest:
+            pruned += 1
+            continue
+        fitted = [fitted_recompute(planner, cand)] if config.setup.recompute == "none" else []
+        split_backward = planner.schedule(cand.family, cand.cap, cand.virtual).split_backward
+        if offload_known and split_backward:
+            unmodelled.append(cand.label)
+        elif offload_known:
+            row, why = fitted_offload(planner, cand)
+            fitted.append(row)
+            if row is None:
+                dropped.append(("offload", why))
+        for row in filter(None, fitted):
+            rows.append(row)
+            fastest = min(fastest, row.step_time)
+    if pruned:
+        dropped.append(("partial recompute, offload",
+                        f"not tried on {pruned} row{'s' if pruned > 1 else ''} that do not fit and are no faster "
+                        f"than the fastest row that fits (neither lever makes a step faster)"))
+    if not offload_known:
+        dropped.append(("offload", f"the host link of {config.gpu_name} is unknown: give --host-bandwidth GB/s"))
+    if unmodelled:
+        dropped.append(("offload", f"not tried on {', '.join(dict.fromkeys(unmodelled))}: under a split backward the "
+                                   "simulator does not model offload together with the stash kept from B to W"))
+    return rows, dropped
+
+
+def virtual_tried(planner) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
+    """[Note: virtual counts] The chunk counts per rank the interleaved candidates are
+    tried at, and (candidate, why) for the others up to `config.virtual`: the counts that
+    give every chunk a layer (`config.virtual_counts`), from the fewest up, stopping at
+    the first whose pipeline at nanotron's split, timed with the planner's costs, is no
+    faster than the count's before it (more chunks shorten the bubble and add messages;
+    past the best count the messages win). A count nanotron cannot split is kept,
+    untimed: the split search alone tries it."""
+    config = planner.config
+    counts, dropped = virtual_counts(config)
+    tried, before = [], math.inf
+    for i, v in enumerate(counts):
+        try:
+            split = nanotron_split(config.model, config.pp * v)
+        except ParameterError:  # no nanotron split to time it by: the split search alone tries it
+            tried.append(v)
+            continue
+        time = planner.simulate(planner.schedule("interleaved_1f1b", None, v), planner.cost(split)).step_time
+        if time >= before:
+            why = (f"its pipeline at nanotron's split ({time:.2f} s) is no faster than v={tried[-1]}'s "
+                   f"({before:.2f} s)")
+            dropped += ((f"interleaved_1f1b v={v}", why),) + tuple(
+                (f"interleaved_1f1b v={w}", f"not tried past v={v}, which is no faster than v={tried[-1]}")
+                for w in counts[i + 1:])
+            break
+        tried.append(v)
+        before = time
+    return tuple(tried), dropped
+
+
+__all__ = ["OffloadCandidate", "STREAM_MIB", "fitted_offload", "fitted_recompute", "lever_rows", "offloaded",
+           "virtual_tried"]
