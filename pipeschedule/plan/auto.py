@@ -23,8 +23,9 @@ memory in `STREAM_MIB` chunks (`ps_1f1b:offload=R0/R1..,stream=64`). Each is sim
 when static + its device peak stays within every rank's budget, and the faster fitting
 one wins. Two rules keep offload honest, both from its run on the H200
 (benchmarks/results/auto_engine.md, four ranks sharing one GPU and its PCIe link):
-- An offloading rank is counted with at least one whole stash on the device: the
-  simulator gave 0.15 to 1.0 stash there, the runtime kept 0.45.
+- An offloading rank is counted with at least one whole stash on the device
+  ([Note: streamed offload floor] in plan/offload.py: the runtime kept 0.45 of a stash
+  where the simulator said 0.15).
 - Where a cap fits, offload is considered only on ranks whose link copies a stash out
   within one F (`stash / host_bandwidth <= forward_s`), so that streaming hides behind
   the compute: there, with copies slower than F, the simulator put offload at 0.82x of
@@ -45,7 +46,7 @@ from pipeschedule.compiler.offload import OffloadPolicy
 from pipeschedule.compiler.passes import lower
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memory import GiB
-from pipeschedule.plan.offload import evaluate_offload
+from pipeschedule.plan.offload import evaluate_offload, streamed_device_peak
 from pipeschedule.simulate import CostModel, simulate
 
 STREAM_MIB = 64  # chunk of the streamed offload auto chooses (the H200 runs streamed 64 MiB chunks)
@@ -154,7 +155,7 @@ def _offload_candidate(pp: int, m: int, measured: Measured, cost: CostModel) -> 
         return None
     policy = OffloadPolicy(1.0, over, 1, chunk=STREAM_MIB * 2**20)
     result = evaluate_offload(_compiled(pp, m, None), cost, policy)
-    peaks = tuple(measured.static[r] + (max(result.peak_after[r], measured.stash[r]) if r in over
+    peaks = tuple(measured.static[r] + (streamed_device_peak(result.peak_after[r], [measured.stash[r]]) if r in over
                                         else result.peak_after[r]) for r in range(pp))
     if any(p > b for p, b in zip(peaks, measured.budget)):
         return None

@@ -17,7 +17,8 @@ listed ranks to host memory after its F and back before its B (fraction 1, lead 
 integration/nanotron/engine_spec.py). For a row that does not fit, the ranks that
 overflow are offloaded, once with stashes moved whole and once streamed in chunks of
 STREAM_MIB; the device peak of saved activations is the simulator's with the OFFLOAD /
-RELOAD instructions in place and the step time its run with the stash copies timed over
+RELOAD instructions in place (streamed: at least one stash, [Note: streamed offload floor]
+in plan/offload.py) and the step time its run with the stash copies timed over
 the GPU's host link ([Note: simulated streaming] in simulate/engine.py). The faster of
 the two that fits is listed. `config.host_memory`, when given, bounds the simulated
 peak each rank keeps on the host.
@@ -49,6 +50,7 @@ from pipeschedule.plan.memory import (
     stage_footprints,
     stash_buffers,
 )
+from pipeschedule.plan.offload import streamed_device_peak
 from pipeschedule.plan.partition import nanotron_split
 from pipeschedule.simulate import simulate
 
@@ -129,10 +131,16 @@ def offloaded(planner, cand: Candidate, ranks: Sequence[int], stream: int | None
     link = dict(offload_bandwidth=config.host_bandwidth, reload_bandwidth=config.host_bandwidth)
     cost = replace(planner.cost(cand.split, stash_buffers(footprints), False, cand.recomputed), **link)
     stash = simulate(moved, policy.cost(cost))
+    peak_stash = list(stash.peak_bytes)
+    if stream is not None:  # [Note: streamed offload floor]
+        per_stage = stash_buffers(footprints)["stash"]
+        for r in ranks:
+            mine = [per_stage[s] for s, owner in enumerate(schedule.placement) if owner == r]
+            peak_stash[r] = streamed_device_peak(peak_stash[r], mine)
     timing_cost = replace(planner.cost(cand.split, p2p_buffers(footprints) | stash_buffers(footprints), False,
                                        cand.recomputed), **link)
     timing = simulate(moved, policy.cost(timing_cost))
-    memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes,
+    memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash,
                          peak_p2p=[r.terms[P2P] for r in cand.memory], peak_inflight=stash.peak_inflight,
                          budget=config.budget, setup=config.setup)
     plain = planner.cost(cand.split, recomputed=cand.recomputed)
