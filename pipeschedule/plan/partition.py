@@ -24,10 +24,14 @@ a fixed graph ([Note: critical path bound]), so every simulated split hands back
 critical path: a linear lower bound on the step time of EVERY split. The search is one
 branch and bound over stage boundaries (where stage 0 ends, then stage 1, ...). Its cuts
 (bounds): each rank's busy time (m * its F+B+W), the critical paths of the seeds
-(nanotron's split, a balanced split) and, when a short first pass does not settle it, of
-probes (the schedule with one stage made heavier). A node's bound is the largest cut
-over the stages fixed so far plus a bound for the rest (alike layers: the cheapest stages
-filled first, up to the per-stage caps the cuts and the memory imply). A leaf that
+(nanotron's split, a balanced split) and, when a short first pass does not settle it,
+those of Kelley's method on the relaxation to real layer counts ([Note: split
+relaxation], split_relax.py; alike layers), with the relaxation's combined cut, or of
+probes (the schedule with one stage made heavier; layers that differ). Every step time
+and chain comes from the schedule's step graph ([Note: step graph]), equal to the
+simulator's. A node's bound is the largest cut over the stages fixed so far plus a bound
+for the rest (alike layers: the cheapest stages filled first, up to the per-stage caps
+the cuts and the memory imply). A leaf that
 survives is simulated once and its critical path joins the cuts. When the search
 finishes, no split that fits beats the best simulated one: optimal for the simulator,
 not for a proxy. It stops at `node_limit` nodes and then says so (`proven=False`); a
@@ -54,7 +58,8 @@ from pipeschedule.plan.split_problem import (
     raise_infeasible,
     stage_inflight,
 )
-from pipeschedule.plan.split_search import Cut, Search, balanced_seed, boundary_tables
+from pipeschedule.plan.step_graph import StepGraph
+from pipeschedule.plan.split_search import Cut, Search, balanced_seed, boundary_tables, relax
 
 # -- nanotron's split ------------------------------------------------------------------------
 
@@ -126,15 +131,15 @@ class SplitResult:
 
 
 def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[Sequence[int]] = (),
-                  node_limit: int = 200_000, cutoff: float = math.inf) -> SplitResult:
+                  node_limit: int = 200_000, cutoff: float = math.inf, graph: StepGraph | None = None) -> SplitResult:
     """The split with the least simulated step time among those that fit
     ([Note: exact split search]). `seeds`: splits to try first (for example nanotron's).
     `cutoff`: only splits faster than this are of interest (a planner passes the best
     time it already has), which prunes harder. Raises SplitInfeasible when none fits. If
     the search visits more than `node_limit` nodes it stops with the best split found and
-    `proven=False`.
+    `proven=False`. `graph`: the schedule's StepGraph when the caller has built it.
     """
-    ev = Evaluator(problem, schedule)
+    ev = Evaluator(problem, schedule, graph)
     L, S, m = problem.num_layers, problem.num_stages, schedule.microbatches
     maxe, feasible = boundary_tables(ev)
     if not feasible[0][0]:
@@ -157,10 +162,14 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
     search.node_limit = min(node_limit, 500)
     proven = search.run()
     if not proven and node_limit > search.node_limit:
-        base = ev.costs(search.fallback[0] or tuple([L // S] * (S - 1) + [L - (L // S) * (S - 1)]))
-        for heavy in range(S):
-            forward, backward, weight = ([c * (1.5 if t == heavy else 1.0) for t, c in enumerate(k)] for k in base)
-            search.add_path(ev.probe(forward, backward, weight))
+        if problem.homogeneous:  # [Note: split relaxation]
+            relax(search, rounds=2 * S + 10)
+        else:
+            base = ev.costs(search.fallback[0] or tuple([L // S] * (S - 1) + [L - (L // S) * (S - 1)]))
+            for heavy in range(S):
+                forward, backward, weight = ([c * (1.5 if t == heavy else 1.0) for t, c in enumerate(k)]
+                                             for k in base)
+                search.add_path(ev.probe(forward, backward, weight))
         search.node_limit = node_limit
         proven = search.run()
     split, time = (search.best_split, search.best_time) if search.best_split else search.fallback

@@ -8,7 +8,9 @@ layer) and AFAB, each with nanotron's split and with the split `partition.optima
 finds for it. Every candidate gets a per-rank memory table (memory.py: a rank's
 activations are the simulated peak of its stages' stash together, which lives from F to
 W under a split backward), a simulated step time (pipeschedule.simulate) and the nanotron config
-line that selects it. The recommendation is the candidate that fits with the least
+line that selects it. Step times and peaks come from each schedule's step graph and
+program order ([Note: step graph], [Note: peaks from program order]), built once per
+schedule and equal to what `simulate` gives. The recommendation is the candidate that fits with the least
 simulated step time.
 
 Costs follow [Note: compute costs] and the config, candidates and their nanotron config
@@ -47,6 +49,8 @@ from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, lay
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
 from pipeschedule.plan.offload import AutoOffload, choose_offload, evaluate_offload
+from pipeschedule.plan.peaks import Peaks
+from pipeschedule.plan.step_graph import StepGraph
 from pipeschedule.simulate import CostModel, simulate
 
 
@@ -60,12 +64,36 @@ class _Planner:
         self.weight = weight_seconds(config)  # (layer, head): W of split-backward schedules
         self.boundary = boundary_bytes(config.model, config.setup)
         self.schedules: dict = {}
+        self.graphs: dict = {}  # (family, cap, virtual) -> (StepGraph, Peaks) of its schedule
         self.stats = {"evaluations": 0, "simulations": 0, "searches": 0, "proven": 0, "search_nodes": 0,
                       "search_simulations": 0}
 
     def simulate(self, schedule, cost):
         self.stats["simulations"] += 1
         return simulate(schedule, cost)
+
+    def graph(self, family: str, cap, virtual: int) -> tuple[StepGraph, Peaks]:
+        """The schedule's step graph and peaks ([Note: step graph], [Note: peaks from
+        program order]): its simulated step times, chains and peaks under any costs."""
+        cap = tuple(cap) if isinstance(cap, list) else cap
+        key = (family, cap, virtual)
+        if key not in self.graphs:
+            schedule = self.schedule(family, cap, virtual)
+            self.graphs[key] = (StepGraph(schedule), Peaks(schedule))
+        return self.graphs[key]
+
+    def step(self, family: str, cap, virtual: int, cost: CostModel) -> float:
+        """simulate(schedule, cost).step_time, from the step graph."""
+        graph = self.graph(family, cap, virtual)[0]
+        msgs = graph.message_times(cost.buffer_bytes["act_out"], cost.buffer_bytes["grad_in"], cost.latency,
+                                   cost.bandwidth)
+        return graph.step(cost.forward, cost.backward, cost.weight, msgs)[0]
+
+    def peaks(self, family: str, cap, virtual: int, cost: CostModel) -> tuple[tuple, tuple]:
+        """(peak_bytes, peak_inflight) of simulate(schedule, cost), from program order
+        (counted as the simulation it stands for; `step` of the same cost is not counted again)."""
+        self.stats["simulations"] += 1
+        return self.graph(family, cap, virtual)[1].of(cost)
 
     def schedule(self, family: str, cap, virtual: int):
         cap = tuple(cap) if isinstance(cap, list) else cap
@@ -111,19 +139,21 @@ class _Planner:
             kept = tuple(weight_stash_bytes(config.model, config.setup, fp.layers, last=fp.last,
                                             recomputed=fp.recomputed) for fp in footprints)
             stash_cost = replace(stash_cost, weight_stash=kept)
-        stash = self.simulate(schedule, stash_cost)
+        peak_stash, peak_inflight = self.peaks(family, cap, virtual, stash_cost)
         # Messages are timed from act_out and grad_in, which p2p_buffers sets to the boundary
-        # as the timing cost does: this run is also the step's timing.
-        p2p = timing = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb, recomputed))
-        memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
-                             peak_inflight=stash.peak_inflight, budget=config.budget, setup=config.setup)
+        # as the timing cost does: this cost is also the step's timing.
+        p2p_cost = self.cost(split, p2p_buffers(footprints), sb, recomputed)
+        peak_p2p = self.peaks(family, cap, virtual, p2p_cost)[0]
+        pipeline = self.step(family, cap, virtual, p2p_cost)
+        memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash, peak_p2p=peak_p2p,
+                             peak_inflight=peak_inflight, budget=config.budget, setup=config.setup)
         cost = self.cost(split, split_backward=sb, recomputed=recomputed)
         backward = [b + w for b, w in zip(cost.backward, cost.weight)]
         tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,
                                 dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
-        step = timing.step_time + tail
+        step = pipeline + tail
         return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
-                         config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=timing.step_time,
+                         config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=pipeline,
                          tail=parts, recompute=config.setup.recompute,
                          recomputed=tuple(recomputed) if recomputed and any(recomputed) else None)
 
@@ -142,7 +172,7 @@ class _Planner:
         static[0] += per_param * model.embedding_params(setup.tp)
         static[-1] += per_param * model.head_params(setup.tp)
         probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
-        p2p = self.simulate(schedule, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward)).peak_bytes
+        p2p = self.peaks(family, cap, virtual, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward))[0]
         working = [0.0] * schedule.pp
         for s, fp in enumerate(probe):
             r = schedule.placement[s]
@@ -164,7 +194,8 @@ class _Planner:
         self.stats["searches"] += 1
         try:
             found = optimal_split(self.problem(family, cap, virtual), schedule, seeds=seeds,
-                                  node_limit=self.config.node_limit, cutoff=cutoff)
+                                  node_limit=self.config.node_limit, cutoff=cutoff,
+                                  graph=self.graph(family, cap, virtual)[0])
         except SplitInfeasible as err:
             if err.overflow <= 0:  # the per-stage bound refused, the rank totals fit: evaluate it
                 row = self.evaluate(family, cap, virtual, err.split, "best found")
@@ -246,7 +277,8 @@ def _families(config: PlanConfig, planner: _Planner):
         if f.takes_cap and f.default_cap is None and not f.split_backward:
             # Caps in stage-microbatches: v*k holds about as much as k microbatches of 1F1B.
             # Past pp=8 a spread of k is tried rather than every one.
-            peak = max(planner.simulate(planner.schedule(name, None, v), None).peak_inflight)
+            schedule = planner.schedule(name, None, v)
+            peak = max(planner.peaks(name, None, v, CostModel.default(schedule))[1])
             ks = range(1, pp) if pp <= 8 else sorted({1, 2, 3, 4, pp // 4, pp // 2, 3 * pp // 4, pp - 1})
             out += [(name, v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
     out += [(name, None, usable[name][1]) for name in SLOW if name in usable]
