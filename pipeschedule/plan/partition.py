@@ -144,6 +144,10 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
     maxe, feasible = boundary_tables(ev)
     if not feasible[0][0]:
         raise_infeasible(ev)
+    if problem.budget is not None and ev.homogeneous and len(set(ev.rank_of)) < S and least_overflow(ev)[1] > 1.0:
+        # Ranks of several stages whose stages fit alone but not together (a V shape): for
+        # alike layers least_overflow is exact, so no split fits and no search finds one.
+        raise_infeasible(ev, by_ranks=True)
     search = Search(ev, maxe, feasible, node_limit)
     search.best_time = cutoff
     for r in range(schedule.pp):  # each rank's busy time

@@ -15,6 +15,7 @@ pins `Peaks` to `simulate` over every family and byte table.
 
 from __future__ import annotations
 
+from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.ir import BUFFERS, Op, Schedule
 from pipeschedule.errors import ParameterError
 
@@ -27,6 +28,7 @@ class Peaks:
     """Per rank, the sequence of byte changes of a lowered schedule without host copies;
     `of(cost)` evaluates it under one cost's buffer bytes."""
 
+    @gc_paused  # many small tuples and lists, none in a cycle (compiler/gcpause.py)
     def __init__(self, schedule: Schedule) -> None:
         self.schedule = schedule
         S = schedule.num_stages

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.families import FAMILIES, generate
+from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.plan.memory import (
     GiB,
     boundary_bytes,
@@ -201,6 +202,14 @@ class _Planner:
                 row = self.evaluate(family, cap, virtual, err.split, "best found")
                 return replace(row, note="the search's per-stage bound admits no split; this one fits its rank totals")
             self.stats["proven"] += 1
+            if err.by_ranks and cutoff < math.inf:
+                # The split problem's bytes are bounds: with a time to beat, the search shows the
+                # split that overflows them least, as it did when it ran out of splits.
+                row = self.evaluate(family, cap, virtual, err.split, "no better", True)
+                if row.fits:
+                    if row.pipeline_time >= cutoff:
+                        return replace(row, note="no split of this schedule beats the best candidate before it")
+                    return replace(row, split_kind="optimal")
             return Candidate(family, cap_label(cap), virtual, err.split, "least overflow",
                              note=f"no split fits: the best still overflows rank {err.rank} "
                                   f"by {err.overflow / GiB:.1f} GiB")
@@ -339,6 +348,7 @@ def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:
     return tuple((name, why) for name, f in FAMILIES.items() if f.split_backward)
 
 
+@gc_paused  # thousands of cuts, columns and graphs, none in a cycle (compiler/gcpause.py)
 def plan(config: PlanConfig | None = None, **options) -> Plan:
     """Evaluate nanotron's default and every alternative; see the module docstring.
 

@@ -189,11 +189,13 @@ class Evaluator:
 
 class SplitInfeasible(ParameterError):
     """No split fits the memory budget. `overflow` is the least possible excess in bytes
-    of the tightest rank, `split` a split that achieves it, `stage` / `rank` where."""
+    of the tightest rank, `split` a split that achieves it, `stage` / `rank` where.
+    `by_ranks`: every stage fits alone, the totals of ranks with several stages do not."""
 
-    def __init__(self, message: str, *, overflow: float, split, stage: int, rank: int) -> None:
+    def __init__(self, message: str, *, overflow: float, split, stage: int, rank: int, by_ranks: bool = False) -> None:
         super().__init__(message)
         self.overflow, self.split, self.stage, self.rank = overflow, tuple(split), stage, rank
+        self.by_ranks = by_ranks
 
 
 def least_overflow(ev: Evaluator):
@@ -273,7 +275,7 @@ def least_overflow_alike(ev: Evaluator):
     return worst_rank(ev, tuple(split))
 
 
-def raise_infeasible(ev: Evaluator) -> None:
+def raise_infeasible(ev: Evaluator, by_ranks: bool = False) -> None:
     split, overflow, stage = least_overflow(ev)
     rank = ev.rank_of[stage]
     where = f"rank {rank}" + (f" (stage {stage})" if ev.p.num_stages == len(ev.cap) else "")
@@ -281,7 +283,7 @@ def raise_infeasible(ev: Evaluator) -> None:
         f"no split of {ev.p.num_layers} layers over {ev.p.num_stages} stages fits the memory budget: the split "
         f"that overflows least, {list(split)}, still puts {where} over its budget of "
         f"{ev.p.budget[rank]:.0f} bytes by {overflow:.0f} bytes ({overflow / GiB:.2f} GiB)",
-        overflow=overflow, split=split, stage=stage, rank=rank,
+        overflow=overflow, split=split, stage=stage, rank=rank, by_ranks=by_ranks,
     )
 
 

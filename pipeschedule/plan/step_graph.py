@@ -23,6 +23,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
+from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.errors import ParameterError, ScheduleError
 from pipeschedule.simulate.critical_path import CriticalPath
@@ -44,6 +45,7 @@ class StepGraph:
     send of message i, which sets its time.
     """
 
+    @gc_paused  # many small tuples and lists, none in a cycle (compiler/gcpause.py)
     def __init__(self, schedule: Schedule) -> None:
         self.pp, self.num_stages = schedule.pp, schedule.num_stages
         S = self.num_stages
