@@ -78,7 +78,8 @@ def report(rows: list[dict], meta: dict) -> str:
         "CPU seconds, best of the runs shown. Schedules: distinct schedules (family, cap, virtual) tried;",
         "candidates: (schedule, split) pairs evaluated with full memory tables (plan rows in brackets);",
         "searches: exact split searches run (proven: finished, so optimal or proven unable to beat the",
-        "best before it); splits simulated: by the searches (seeds, probes, leaves); simulations: all.",
+        "best before it); splits simulated: by the searches (seeds, relaxation points, probes, leaves);",
+        "simulations: all (step evaluations: by the step graph and program-order peaks, as simulated).",
         "",
         "| recompute | CPU s (runs) | wall s (best) | schedules | candidates (rows) | searches (proven) | search nodes "
         "| splits simulated | simulations | recommended |",
