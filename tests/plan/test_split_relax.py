@@ -1,13 +1,18 @@
 """The relaxation of the split search ([Note: split relaxation]): the simplex on its dual
 hands back an optimal pair, the cuts' weights and the real split, over random cuts and
-boxes; the weights always make a convex combination (so a valid cut)."""
+boxes; the weights always make a convex combination (so a valid cut); and a search that
+starts from the relaxation's cuts still finds the brute-force optimum."""
+
+import math
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule.plan.split_relax import Relaxation
+from pipeschedule.plan.split_search import Cut, Search, boundary_tables, relax
 from strategies import examples
+from test_partition import brute_force, cases
 
 
 def fill_min(const, unit, lo, hi, L):
@@ -67,3 +72,27 @@ def test_a_wrong_bound_would_be_caught():
     bound, n, weights = relaxation.solve()
     assert bound == pytest.approx(8.0) and n == pytest.approx([2.0, 2.0]) and weights == pytest.approx([0.5, 0.5])
     assert fill_min(0.0, [1.0, 3.0], [1, 1], [3, 3], 4) == pytest.approx(6.0) and 6.0 < bound
+
+
+@settings(max_examples=examples(200))
+@given(cases())
+def test_relaxed_search_matches_brute_force(case):
+    """The search with the relaxation's cuts first (its combined cut, the chains at n*, the
+    rounded splits) still finds the least simulated step time of every split that fits:
+    nothing it adds cuts off the optimum."""
+    problem, schedule = case
+    best, ev = brute_force(problem, schedule)
+    if best is None or not problem.homogeneous:
+        return
+    maxe, feasible = boundary_tables(ev)
+    search = Search(ev, maxe, feasible, 200_000)
+    m = schedule.microbatches
+    for r in range(schedule.pp):
+        mine = [m if ev.rank_of[s] == r else 0 for s in range(problem.num_stages)]
+        search.add_cut(Cut(ev, mine, mine, mine, 0.0))
+    relax(search, rounds=2 * problem.num_stages + 10)
+    assert len(search.cuts) >= schedule.pp + 2  # at least a chain at n* and the combined cut
+    assert search.run()
+    time = search.best_time if search.best_split else math.inf
+    assert time == pytest.approx(best[0], rel=1e-9)
+    assert ev.fits(search.best_split)
