@@ -10,8 +10,8 @@ activations are the simulated peak of its stages' stash together, which lives fr
 W under a split backward), a simulated step time (pipeschedule.simulate) and the nanotron config
 line that selects it. Step times and peaks come from each schedule's step graph and
 program order ([Note: step graph], [Note: peaks from program order]), built once per
-schedule and equal to what `simulate` gives. The recommendation is the candidate that fits with the least
-simulated step time.
+schedule and equal to what `simulate` gives. The recommendation is the candidate that
+fits with the least simulated step time.
 
 Costs follow [Note: compute costs] and the config, candidates and their nanotron config
 lines live in config.py and candidate.py.
@@ -68,10 +68,6 @@ class _Planner:
         self.graphs: dict = {}  # (family, cap, virtual) -> (StepGraph, Peaks) of its schedule
         self.stats = {"evaluations": 0, "simulations": 0, "searches": 0, "proven": 0, "search_nodes": 0,
                       "search_simulations": 0}
-
-    def simulate(self, schedule, cost):
-        self.stats["simulations"] += 1
-        return simulate(schedule, cost)
 
     def graph(self, family: str, cap, virtual: int) -> tuple[StepGraph, Peaks]:
         """The schedule's step graph and peaks ([Note: step graph], [Note: peaks from
