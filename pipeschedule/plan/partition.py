@@ -25,14 +25,14 @@ critical path: a linear lower bound on the step time of EVERY split. The search 
 branch and bound over stage boundaries (where stage 0 ends, then stage 1, ...). Its cuts
 (bounds): each rank's busy time (m * its F+B+W), the critical paths of the seeds
 (nanotron's split, a balanced split) and, when a short first pass does not settle it,
-those of Kelley's method on the relaxation to real layer counts ([Note: split
-relaxation], split_relax.py; alike layers), with the relaxation's combined cut, or of
-probes (the schedule with one stage made heavier; layers that differ). Every step time
-and chain comes from the schedule's step graph ([Note: step graph]), equal to the
-simulator's. A node's bound is the largest cut over the stages fixed so far plus a bound
-for the rest (alike layers: the cheapest stages filled first, up to the per-stage caps
-the cuts and the memory imply). A leaf that
-survives is simulated once and its critical path joins the cuts. When the search
+those of probes (the schedule with one stage made heavier) and, for alike layers, of
+Kelley's method on the relaxation to real layer counts ([Note: split relaxation],
+split_relax.py), with the relaxation's combined cut. Every step time and chain comes
+from the schedule's step graph ([Note: step graph]), equal to the simulator's. A node's
+bound is the largest cut over the stages fixed so far plus a bound for the rest (alike
+layers: the cheapest stages filled first, up to the per-stage caps the cuts and the
+memory imply). A leaf that survives is simulated once and its critical path joins the
+cuts. When the search
 finishes, no split that fits beats the best simulated one: optimal for the simulator,
 not for a proxy. It stops at `node_limit` nodes and then says so (`proven=False`); a
 `cutoff` (the best time a planner already has) prunes harder. Memory is exact: rank
@@ -162,18 +162,17 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
             search.evaluate(split)
     # A first, short search with the cuts at hand often settles it; if not, probes: the
     # schedule with one stage made heavier yields the chain through that stage's busy
-    # period (a chain is a valid cut whatever costs found it), and the search goes on.
+    # period (a chain is a valid cut whatever costs found it), then for alike layers the
+    # relaxation's chains and combined cut, and the search goes on.
     search.node_limit = min(node_limit, 500)
     proven = search.run()
     if not proven and node_limit > search.node_limit:
+        base = ev.costs(search.fallback[0] or tuple([L // S] * (S - 1) + [L - (L // S) * (S - 1)]))
+        for heavy in range(S):
+            forward, backward, weight = ([c * (1.5 if t == heavy else 1.0) for t, c in enumerate(k)] for k in base)
+            search.add_path(ev.probe(forward, backward, weight))
         if problem.homogeneous:  # [Note: split relaxation]
             relax(search, rounds=2 * S + 10)
-        else:
-            base = ev.costs(search.fallback[0] or tuple([L // S] * (S - 1) + [L - (L // S) * (S - 1)]))
-            for heavy in range(S):
-                forward, backward, weight = ([c * (1.5 if t == heavy else 1.0) for t, c in enumerate(k)]
-                                             for k in base)
-                search.add_path(ev.probe(forward, backward, weight))
         search.node_limit = node_limit
         proven = search.run()
     split, time = (search.best_split, search.best_time) if search.best_split else search.fallback
