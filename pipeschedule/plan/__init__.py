@@ -4,6 +4,9 @@
     partition      nanotron's layer split and the exact optimal split
     split_problem  the split problem: costs and memory of every split, simulated
     split_search   the branch and bound of the optimal split
+    split_relax    its relaxation to real layer counts, by the simplex method
+    step_graph     a schedule's step time and critical path under many costs (= simulate's)
+    peaks          per-rank peak bytes and in-flight from program order (= simulate's)
     config         what a plan is for (`PlanConfig`, `build_config`), compute costs
     candidate      one evaluated way to run the pipeline; caps that fit a split
     offload        how much to offload within a step-time budget; the `--offload` spec

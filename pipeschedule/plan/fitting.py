@@ -252,7 +252,7 @@ def virtual_tried(planner) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]
         except ParameterError:  # no nanotron split to time it by: the split search alone tries it
             tried.append(v)
             continue
-        time = planner.simulate(planner.schedule("interleaved_1f1b", None, v), planner.cost(split)).step_time
+        time = planner.step("interleaved_1f1b", None, v, planner.cost(split))
         if time >= before:
             why = (f"its pipeline at nanotron's split ({time:.2f} s) is no faster than v={tried[-1]}'s "
                    f"({before:.2f} s)")

@@ -24,11 +24,15 @@ a fixed graph ([Note: critical path bound]), so every simulated split hands back
 critical path: a linear lower bound on the step time of EVERY split. The search is one
 branch and bound over stage boundaries (where stage 0 ends, then stage 1, ...). Its cuts
 (bounds): each rank's busy time (m * its F+B+W), the critical paths of the seeds
-(nanotron's split, a balanced split) and, when a short first pass does not settle it, of
-probes (the schedule with one stage made heavier). A node's bound is the largest cut
-over the stages fixed so far plus a bound for the rest (alike layers: the cheapest stages
-filled first, up to the per-stage caps the cuts and the memory imply). A leaf that
-survives is simulated once and its critical path joins the cuts. When the search
+(nanotron's split, a balanced split) and, when a short first pass does not settle it,
+those of probes (the schedule with one stage made heavier) and, for alike layers, of
+Kelley's method on the relaxation to real layer counts ([Note: split relaxation],
+split_relax.py), with the relaxation's combined cut. Every step time and chain comes
+from the schedule's step graph ([Note: step graph]), equal to the simulator's. A node's
+bound is the largest cut over the stages fixed so far plus a bound for the rest (alike
+layers: the cheapest stages filled first, up to the per-stage caps the cuts and the
+memory imply). A leaf that survives is simulated once and its critical path joins the
+cuts. When the search
 finishes, no split that fits beats the best simulated one: optimal for the simulator,
 not for a proxy. It stops at `node_limit` nodes and then says so (`proven=False`); a
 `cutoff` (the best time a planner already has) prunes harder. Memory is exact: rank
@@ -54,7 +58,8 @@ from pipeschedule.plan.split_problem import (
     raise_infeasible,
     stage_inflight,
 )
-from pipeschedule.plan.split_search import Cut, Search, balanced_seed, boundary_tables
+from pipeschedule.plan.step_graph import StepGraph
+from pipeschedule.plan.split_search import Cut, Search, balanced_seed, boundary_tables, relax
 
 # -- nanotron's split ------------------------------------------------------------------------
 
@@ -126,19 +131,23 @@ class SplitResult:
 
 
 def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[Sequence[int]] = (),
-                  node_limit: int = 200_000, cutoff: float = math.inf) -> SplitResult:
+                  node_limit: int = 200_000, cutoff: float = math.inf, graph: StepGraph | None = None) -> SplitResult:
     """The split with the least simulated step time among those that fit
     ([Note: exact split search]). `seeds`: splits to try first (for example nanotron's).
     `cutoff`: only splits faster than this are of interest (a planner passes the best
     time it already has), which prunes harder. Raises SplitInfeasible when none fits. If
     the search visits more than `node_limit` nodes it stops with the best split found and
-    `proven=False`.
+    `proven=False`. `graph`: the schedule's StepGraph when the caller has built it.
     """
-    ev = Evaluator(problem, schedule)
+    ev = Evaluator(problem, schedule, graph)
     L, S, m = problem.num_layers, problem.num_stages, schedule.microbatches
     maxe, feasible = boundary_tables(ev)
     if not feasible[0][0]:
         raise_infeasible(ev)
+    if problem.budget is not None and ev.homogeneous and len(set(ev.rank_of)) < S and least_overflow(ev)[1] > 1.0:
+        # Ranks of several stages whose stages fit alone but not together (a V shape): for
+        # alike layers least_overflow is exact, so no split fits and no search finds one.
+        raise_infeasible(ev, by_ranks=True)
     search = Search(ev, maxe, feasible, node_limit)
     search.best_time = cutoff
     for r in range(schedule.pp):  # each rank's busy time
@@ -153,7 +162,8 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
             search.evaluate(split)
     # A first, short search with the cuts at hand often settles it; if not, probes: the
     # schedule with one stage made heavier yields the chain through that stage's busy
-    # period (a chain is a valid cut whatever costs found it), and the search goes on.
+    # period (a chain is a valid cut whatever costs found it), then for alike layers the
+    # relaxation's chains and combined cut, and the search goes on.
     search.node_limit = min(node_limit, 500)
     proven = search.run()
     if not proven and node_limit > search.node_limit:
@@ -161,6 +171,8 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
         for heavy in range(S):
             forward, backward, weight = ([c * (1.5 if t == heavy else 1.0) for t, c in enumerate(k)] for k in base)
             search.add_path(ev.probe(forward, backward, weight))
+        if problem.homogeneous:  # [Note: split relaxation]
+            relax(search, rounds=2 * S + 10)
         search.node_limit = node_limit
         proven = search.run()
     split, time = (search.best_split, search.best_time) if search.best_split else search.fallback

@@ -8,9 +8,12 @@ every stage gets a layer) and AFAB, each with nanotron's split and with the spli
 finds for it. Every candidate gets a per-rank memory table (memory.py: a rank's
 activations are the simulated peak of its stages' stash together, which lives from F to
 W under a split backward), a simulated step time (pipeschedule.simulate) and the nanotron config
-line that selects it. The rows that do not fit get partial recompute and host offload
-fitted where that could beat the fastest fit (plan/fitting.py). The recommendation is
-the candidate that fits with the least simulated step time.
+line that selects it. Step times and peaks come from each schedule's step graph and
+program order ([Note: step graph], [Note: peaks from program order]), built once per
+schedule and equal to what `simulate` gives. The rows that do not fit get partial
+recompute and host offload fitted where that could beat the fastest fit
+(plan/fitting.py). The recommendation is the candidate that fits with the least
+simulated step time.
 
 Costs follow [Note: compute costs] and the config, candidates and their nanotron config
 lines live in config.py and candidate.py.
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.families import FAMILIES, generate
+from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.plan.memory import (
     GiB,
     boundary_bytes,
@@ -49,6 +53,8 @@ from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
 from pipeschedule.plan.fitting import lever_rows, virtual_tried
 from pipeschedule.plan.offload import AutoOffload, choose_offload, evaluate_offload
+from pipeschedule.plan.peaks import Peaks
+from pipeschedule.plan.step_graph import StepGraph
 from pipeschedule.simulate import CostModel, simulate
 
 
@@ -62,12 +68,32 @@ class _Planner:
         self.weight = weight_seconds(config)  # (layer, head): W of split-backward schedules
         self.boundary = boundary_bytes(config.model, config.setup)
         self.schedules: dict = {}
+        self.graphs: dict = {}  # (family, cap, virtual) -> (StepGraph, Peaks) of its schedule
         self.stats = {"evaluations": 0, "simulations": 0, "searches": 0, "proven": 0, "search_nodes": 0,
                       "search_simulations": 0}
 
-    def simulate(self, schedule, cost):
+    def graph(self, family: str, cap, virtual: int) -> tuple[StepGraph, Peaks]:
+        """The schedule's step graph and peaks ([Note: step graph], [Note: peaks from
+        program order]): its simulated step times, chains and peaks under any costs."""
+        cap = tuple(cap) if isinstance(cap, list) else cap
+        key = (family, cap, virtual)
+        if key not in self.graphs:
+            schedule = self.schedule(family, cap, virtual)
+            self.graphs[key] = (StepGraph(schedule), Peaks(schedule))
+        return self.graphs[key]
+
+    def step(self, family: str, cap, virtual: int, cost: CostModel) -> float:
+        """simulate(schedule, cost).step_time, from the step graph."""
+        graph = self.graph(family, cap, virtual)[0]
+        msgs = graph.message_times(cost.buffer_bytes["act_out"], cost.buffer_bytes["grad_in"], cost.latency,
+                                   cost.bandwidth)
+        return graph.step(cost.forward, cost.backward, cost.weight, msgs)[0]
+
+    def peaks(self, family: str, cap, virtual: int, cost: CostModel) -> tuple[tuple, tuple]:
+        """(peak_bytes, peak_inflight) of simulate(schedule, cost), from program order
+        (counted as the simulation it stands for; `step` of the same cost is not counted again)."""
         self.stats["simulations"] += 1
-        return simulate(schedule, cost)
+        return self.graph(family, cap, virtual)[1].of(cost)
 
     def schedule(self, family: str, cap, virtual: int):
         cap = tuple(cap) if isinstance(cap, list) else cap
@@ -113,19 +139,21 @@ class _Planner:
             kept = tuple(weight_stash_bytes(config.model, config.setup, fp.layers, last=fp.last,
                                             recomputed=fp.recomputed) for fp in footprints)
             stash_cost = replace(stash_cost, weight_stash=kept)
-        stash = self.simulate(schedule, stash_cost)
+        peak_stash, peak_inflight = self.peaks(family, cap, virtual, stash_cost)
         # Messages are timed from act_out and grad_in, which p2p_buffers sets to the boundary
-        # as the timing cost does: this run is also the step's timing.
-        p2p = timing = self.simulate(schedule, self.cost(split, p2p_buffers(footprints), sb, recomputed))
-        memory = rank_memory(footprints, schedule.placement, peak_stash=stash.peak_bytes, peak_p2p=p2p.peak_bytes,
-                             peak_inflight=stash.peak_inflight, budget=config.budget, setup=config.setup)
+        # as the timing cost does: this cost is also the step's timing.
+        p2p_cost = self.cost(split, p2p_buffers(footprints), sb, recomputed)
+        peak_p2p = self.peaks(family, cap, virtual, p2p_cost)[0]
+        pipeline = self.step(family, cap, virtual, p2p_cost)
+        memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash, peak_p2p=peak_p2p,
+                             peak_inflight=peak_inflight, budget=config.budget, setup=config.setup)
         cost = self.cost(split, split_backward=sb, recomputed=recomputed)
         backward = [b + w for b, w in zip(cost.backward, cost.weight)]
         tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,
                                 dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
-        step = timing.step_time + tail
+        step = pipeline + tail
         return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
-                         config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=timing.step_time,
+                         config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=pipeline,
                          tail=parts, recompute=config.setup.recompute,
                          recomputed=tuple(recomputed) if recomputed and any(recomputed) else None)
 
@@ -144,7 +172,7 @@ class _Planner:
         static[0] += per_param * model.embedding_params(setup.tp)
         static[-1] += per_param * model.head_params(setup.tp)
         probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
-        p2p = self.simulate(schedule, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward)).peak_bytes
+        p2p = self.peaks(family, cap, virtual, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward))[0]
         working = [0.0] * schedule.pp
         for s, fp in enumerate(probe):
             r = schedule.placement[s]
@@ -166,12 +194,21 @@ class _Planner:
         self.stats["searches"] += 1
         try:
             found = optimal_split(self.problem(family, cap, virtual), schedule, seeds=seeds,
-                                  node_limit=self.config.node_limit, cutoff=cutoff)
+                                  node_limit=self.config.node_limit, cutoff=cutoff,
+                                  graph=self.graph(family, cap, virtual)[0])
         except SplitInfeasible as err:
             if err.overflow <= 0:  # the per-stage bound refused, the rank totals fit: evaluate it
                 row = self.evaluate(family, cap, virtual, err.split, "best found")
                 return replace(row, note="the search's per-stage bound admits no split; this one fits its rank totals")
             self.stats["proven"] += 1
+            if err.by_ranks and cutoff < math.inf:
+                # The split problem's bytes are bounds: with a time to beat, the search shows the
+                # split that overflows them least, as it did when it ran out of splits.
+                row = self.evaluate(family, cap, virtual, err.split, "no better", True)
+                if row.fits:
+                    if row.pipeline_time >= cutoff:
+                        return replace(row, note="no split of this schedule beats the best candidate before it")
+                    return replace(row, split_kind="optimal")
             return Candidate(family, cap_label(cap), virtual, err.split, "least overflow",
                              note=f"no split fits: the best still overflows rank {err.rank} "
                                   f"by {err.overflow / GiB:.1f} GiB")
@@ -252,7 +289,8 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
             # Past pp=8 a spread of k is tried rather than every one.
             ks = range(1, pp) if pp <= 8 else sorted({1, 2, 3, 4, pp // 4, pp // 2, 3 * pp // 4, pp - 1})
             for v in vs[:1]:  # [Note: virtual counts]: caps at the fewest chunks only
-                peak = max(planner.simulate(planner.schedule(name, None, v), None).peak_inflight)
+                schedule = planner.schedule(name, None, v)
+                peak = max(planner.peaks(name, None, v, CostModel.default(schedule))[1])
                 out += [(name, v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
     out += [(name, None, v) for name in SLOW if name in usable for v in usable[name][1]]
     return out
@@ -273,6 +311,7 @@ def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:
     return tuple((name, why) for name, f in FAMILIES.items() if f.split_backward)
 
 
+@gc_paused  # thousands of cuts, columns and graphs, none in a cycle (compiler/gcpause.py)
 def plan(config: PlanConfig | None = None, **options) -> Plan:
     """Evaluate nanotron's default and every alternative; see the module docstring.
 

@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from pipeschedule.simulate.critical_path import CriticalPath, critical_path
+from pipeschedule.simulate.critical_path import CriticalPath
 from pipeschedule.checks import check_number
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.plan.memory import GiB
-from pipeschedule.simulate import CostModel, simulate
+from pipeschedule.plan.step_graph import StepGraph
+from pipeschedule.simulate import CostModel
 
 # -- the problem -----------------------------------------------------------------------------
 
@@ -110,15 +111,17 @@ def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
 
 
 class Evaluator:
-    """Stage costs, bytes and cached simulations of the splits of one problem."""
+    """Stage costs, bytes and cached simulations of the splits of one problem (`graph`:
+    the schedule's StepGraph, built here unless given)."""
 
-    def __init__(self, problem: SplitProblem, schedule: Schedule) -> None:
+    def __init__(self, problem: SplitProblem, schedule: Schedule, graph: StepGraph | None = None) -> None:
         if problem.num_stages != schedule.num_stages or len(problem.rank_bytes) != schedule.pp:
             raise ParameterError(
                 f"the split problem has {problem.num_stages} stages and {len(problem.rank_bytes)} ranks; the "
                 f"schedule has {schedule.num_stages} stages on {schedule.pp} ranks"
             )
         self.p, self.schedule = problem, schedule
+        self.homogeneous = problem.homogeneous
         self.inflight = stage_inflight(schedule)
         self.rank_of = schedule.placement
         self.prefix = {k: [0.0, *accumulate(getattr(problem, k))] for k in (
@@ -127,6 +130,10 @@ class Evaluator:
         self.cap = [b - x for b, x in zip(budget, problem.rank_bytes)]
         self.cache: dict[tuple, object] = {}
         self.simulations = 0
+        # [Note: step graph]: one graph for every split, the simulator's times and chains.
+        self.graph = graph if graph is not None else StepGraph(schedule)
+        self.messages = self.graph.message_times(problem.boundary, problem.boundary, problem.latency,
+                                                 problem.bandwidth)
 
     def _range(self, key: str, j: int, e: int) -> float:
         return self.prefix[key][e] - self.prefix[key][j]
@@ -151,23 +158,19 @@ class Evaluator:
                          latency=p.latency, bandwidth=p.bandwidth)
 
     def simulate(self, split: Sequence[int]):
-        """(step time, critical path) of a split, cached by its stage costs."""
+        """(step time, critical path) of a split, cached by its stage costs: what
+        `simulate` and `critical_path` give, from the schedule's step graph."""
         forward, backward, weight = self.costs(split)
         key = (forward, backward, weight)
         if key not in self.cache:
-            cost = self.cost_model(split)
-            result = simulate(self.schedule, cost)
             self.simulations += 1
-            self.cache[key] = (result.step_time, critical_path(self.schedule, result, cost))
+            self.cache[key] = self.graph.step(forward, backward, weight, self.messages)
         return self.cache[key]
 
     def probe(self, forward, backward, weight) -> CriticalPath:
         """The critical path under arbitrary per-stage costs."""
-        p = self.p
-        cost = CostModel(tuple(forward), tuple(backward), tuple(weight), {"act_out": p.boundary, "grad_in": p.boundary},
-                         latency=p.latency, bandwidth=p.bandwidth)
         self.simulations += 1
-        return critical_path(self.schedule, simulate(self.schedule, cost), cost)
+        return self.graph.step(forward, backward, weight, self.messages)[1]
 
     def rank_bytes(self, split: Sequence[int]) -> list[float]:
         bounds = [0, *accumulate(split)]
@@ -186,11 +189,13 @@ class Evaluator:
 
 class SplitInfeasible(ParameterError):
     """No split fits the memory budget. `overflow` is the least possible excess in bytes
-    of the tightest rank, `split` a split that achieves it, `stage` / `rank` where."""
+    of the tightest rank, `split` a split that achieves it, `stage` / `rank` where.
+    `by_ranks`: every stage fits alone, the totals of ranks with several stages do not."""
 
-    def __init__(self, message: str, *, overflow: float, split, stage: int, rank: int) -> None:
+    def __init__(self, message: str, *, overflow: float, split, stage: int, rank: int, by_ranks: bool = False) -> None:
         super().__init__(message)
         self.overflow, self.split, self.stage, self.rank = overflow, tuple(split), stage, rank
+        self.by_ranks = by_ranks
 
 
 def least_overflow(ev: Evaluator):
@@ -200,19 +205,23 @@ def least_overflow(ev: Evaluator):
     answer."""
     if ev.p.homogeneous and len(set(ev.rank_of)) < ev.p.num_stages:
         return least_overflow_alike(ev)
-    L, S = ev.p.num_layers, ev.p.num_stages
+    L, S, p = ev.p.num_layers, ev.p.num_stages, ev.p
     best = [[math.inf] * (L + 1) for _ in range(S + 1)]
     back = [[0] * (L + 1) for _ in range(S + 1)]
     best[0][0] = -math.inf
+    static, stash = ev.prefix["layer_static"], ev.prefix["layer_stash"]
     for s in range(S):
-        r = ev.rank_of[s]
+        cap, row, k = ev.cap[ev.rank_of[s]], best[s], ev.inflight[s]
+        extra_static, extra_stash = p.stage_static[s], p.stage_stash[s]
+        starts = [j for j in range(s, L + 1) if row[j] != math.inf]
         for e in range(s + 1, L - (S - s - 1) + 1):
-            for j in range(s, e):
-                if best[s][j] == math.inf:
-                    continue
-                value = max(best[s][j], ev.stage_bytes(s, j, e) - ev.cap[r])
-                if value < best[s + 1][e]:
-                    best[s + 1][e], back[s + 1][e] = value, j
+            # value of ending stage s at e after stage s-1 ended at j: ev.stage_bytes term for term
+            values = [max(row[j], (static[e] - static[j]) + extra_static + k * ((stash[e] - stash[j]) + extra_stash)
+                          - cap) for j in starts if j < e]
+            if values:
+                i = min(range(len(values)), key=values.__getitem__)  # the first j of least value
+                if values[i] < best[s + 1][e]:
+                    best[s + 1][e], back[s + 1][e] = values[i], starts[i]
     split, e = [], L
     for s in range(S, 0, -1):
         j = back[s][e]
@@ -266,7 +275,7 @@ def least_overflow_alike(ev: Evaluator):
     return worst_rank(ev, tuple(split))
 
 
-def raise_infeasible(ev: Evaluator) -> None:
+def raise_infeasible(ev: Evaluator, by_ranks: bool = False) -> None:
     split, overflow, stage = least_overflow(ev)
     rank = ev.rank_of[stage]
     where = f"rank {rank}" + (f" (stage {stage})" if ev.p.num_stages == len(ev.cap) else "")
@@ -274,7 +283,7 @@ def raise_infeasible(ev: Evaluator) -> None:
         f"no split of {ev.p.num_layers} layers over {ev.p.num_stages} stages fits the memory budget: the split "
         f"that overflows least, {list(split)}, still puts {where} over its budget of "
         f"{ev.p.budget[rank]:.0f} bytes by {overflow:.0f} bytes ({overflow / GiB:.2f} GiB)",
-        overflow=overflow, split=split, stage=stage, rank=rank,
+        overflow=overflow, split=split, stage=stage, rank=rank, by_ranks=by_ranks,
     )
 
 

@@ -1,32 +1,41 @@
 """The exact split search of [Note: exact split search] (partition.py): linear cuts from
-critical paths, per-stage caps they imply, and a branch and bound over stage boundaries
-that simulates the leaves it reaches.
+critical paths, per-stage caps they imply, a branch and bound over stage boundaries that
+simulates the leaves it reaches, and Kelley's method on the relaxation that strengthens
+its cuts ([Note: split relaxation], split_relax.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from itertools import accumulate
+from itertools import accumulate, repeat
 from operator import add, sub
 
 from pipeschedule.simulate.critical_path import CriticalPath
 from pipeschedule.plan.split_problem import Evaluator
+from pipeschedule.plan.split_relax import Relaxation
 
 
 class Cut:
     """A linear lower bound on the step time: const + sum over stages of the weighted
-    layer costs ([Note: exact split search]); per-stage prefix sums make a range O(1)."""
+    layer costs ([Note: exact split search]); per-stage prefix sums make a range O(1).
+    `coef` keeps what made it (per-stage weights of F, B and W, and the constant)."""
 
     def __init__(self, ev: Evaluator, forward, backward, weight, const: float) -> None:
         p = ev.p
+        self.coef = (tuple(forward), tuple(backward), tuple(weight), const)
         self.const = const + sum(
             a * x + b * y + c * z
             for a, b, c, x, y, z in zip(forward, backward, weight, p.stage_forward, p.stage_backward, p.stage_weight)
         )
         self.prefix = []
+        layers = list(zip(p.layer_forward, p.layer_backward, p.layer_weight))
         for a, b, c in zip(forward, backward, weight):
-            unit = [a * f + b * g + c * h for f, g, h in zip(p.layer_forward, p.layer_backward, p.layer_weight)]
+            if ev.homogeneous:  # one layer's weight, summed as the list of equal ones would be
+                f, g, h = layers[0]
+                self.prefix.append([0.0, *accumulate(repeat(a * f + b * g + c * h, len(layers)))])
+                continue
+            unit = [a * f + b * g + c * h for f, g, h in layers]
             self.prefix.append([0.0, *accumulate(unit)])
         self.unit = [pre[1] - pre[0] for pre in self.prefix]  # per-layer weight when homogeneous
 
@@ -170,17 +179,20 @@ class Search:
     For speed the cuts are stored by column: `prefix_col[s][e]` lists every cut's value of
     stage s over layers 0..e-1, `bound_col[s][e]` the same plus the completion bound of
     stages s+1.. from layer e, so a node's bound for boundary e is one max over a sum.
+    The columns of the first `built` cuts are there; the rest are added when a run starts
+    (cuts found outside a run, by seeds or the relaxation, cost nothing until then).
     """
 
     def __init__(self, ev: Evaluator, maxe, feasible, node_limit: int) -> None:
         self.ev, self.maxe, self.feasible, self.node_limit = ev, maxe, feasible, node_limit
         self.L, self.S = ev.p.num_layers, ev.p.num_stages
-        self.homogeneous = ev.p.homogeneous
+        self.homogeneous = ev.homogeneous
         self.memory_caps = [maxe[s][0] for s in range(self.S)]
         self.cuts: list[Cut] = []
         self.caps = None
         self.prefix_col = [[[] for _ in range(self.L + 1)] for _ in range(self.S)]
         self.bound_col = [[[] for _ in range(self.L + 1)] for _ in range(self.S)]
+        self.built, self.running = 0, False
         self.best_split, self.best_time = None, math.inf
         self.fallback = (None, math.inf)  # the best split simulated, even above a cutoff
         self.nodes = 0
@@ -198,9 +210,15 @@ class Search:
                 pcol[e].append(pre[e])
                 bcol[e].append(pre[e] + nxt[e])
 
+    def _build(self) -> None:
+        for cut in self.cuts[self.built:]:
+            self._columns(cut)
+        self.built = len(self.cuts)
+
     def add_cut(self, cut: Cut) -> None:
         self.cuts.append(cut)
-        self._columns(cut)
+        if self.running:
+            self._build()
 
     def add_path(self, path: CriticalPath) -> None:
         self.add_cut(Cut(self.ev, path.forward, path.backward, path.weight, path.messages))
@@ -226,8 +244,9 @@ class Search:
         self.caps = caps
         self.prefix_col = [[[] for _ in range(self.L + 1)] for _ in range(self.S)]
         self.bound_col = [[[] for _ in range(self.L + 1)] for _ in range(self.S)]
-        for cut in self.cuts:
-            self._columns(cut)
+        self.built = 0
+        if self.running:
+            self._build()
 
     def run(self) -> bool:
         """Search (again, from the top, with every cut found so far); True when it
@@ -237,7 +256,12 @@ class Search:
             return True
         self.chosen: list[int] = []
         self.used = [0.0] * len(self.ev.cap)
-        return self._dfs(0, 0, [c.const for c in self.cuts])
+        self._build()
+        self.running = True
+        try:
+            return self._dfs(0, 0, [c.const for c in self.cuts])
+        finally:
+            self.running = False
 
     def _partial(self, partial: list) -> list:
         """`partial` (cut values of the stages chosen so far) extended to cuts added since."""
@@ -293,4 +317,59 @@ class Search:
         return True
 
 
-__all__ = ["Cut", "Search", "balanced_seed", "boundary_tables", "stage_caps"]
+def combined(ev: Evaluator, cuts: list, weights: list) -> Cut:
+    """sum_c weights[c] * cuts[c] (weights >= 0, sum 1): a cut ([Note: split relaxation])."""
+    S = ev.p.num_stages
+    parts = [[0.0] * S for _ in range(3)]
+    const = 0.0
+    for w, cut in zip(weights, cuts):
+        if w > 0:
+            for part, coef in zip(parts, cut.coef):
+                for s in range(S):
+                    part[s] += w * coef[s]
+            const += w * cut.coef[3]
+    return Cut(ev, *parts, const)
+
+
+def rounded(n: list, L: int) -> tuple | None:
+    """Real layer counts to whole ones summing to L: floors, then one more layer for the
+    largest remainders; None where a stage would get none."""
+    whole = [int(x + 1e-9) for x in n]
+    order = sorted(range(len(n)), key=lambda s: whole[s] - n[s])
+    for s in order[:max(0, L - sum(whole))]:
+        whole[s] += 1
+    return tuple(whole) if sum(whole) == L and min(whole) >= 1 else None
+
+
+def relax(search: Search, rounds: int) -> None:
+    """Kelley's method on [Note: split relaxation] (alike layers): solve the relaxation,
+    add the critical path at its real split n* and simulate n* rounded to whole layers,
+    until its bound reaches the best time, the chain at n* is no longer than its bound,
+    or `rounds`; then add the relaxation's combined cut, with which the search's root
+    prunes every split the relaxation rules out."""
+    ev, S, L = search.ev, search.S, search.L
+    p = ev.p
+    relaxation = Relaxation([1] * S, search.caps or search.memory_caps, L)
+    weights = None
+    for _ in range(rounds):
+        for cut in search.cuts[len(relaxation.consts):]:
+            relaxation.add(cut.const, cut.unit)
+        bound, n, weights = relaxation.solve()
+        if bound >= search.limit:
+            break
+        costs = [[x * layer + extra for x, extra in zip(n, stage)] for layer, stage in (
+            (p.layer_forward[0], p.stage_forward), (p.layer_backward[0], p.stage_backward),
+            (p.layer_weight[0], p.stage_weight))]
+        path = ev.probe(*costs)
+        search.add_path(path)
+        if path.length(*costs) <= bound * (1 + 1e-9):
+            break  # the relaxation is solved: only branching proves more
+        split = rounded(n, L)
+        if split is not None and split not in search.seen and ev.fits(split):
+            search.evaluate(split)  # its chain joins the cuts; a better time tightens the caps
+            relaxation.set_upper(search.caps or search.memory_caps)
+    if weights is not None:
+        search.add_cut(combined(ev, search.cuts[:len(weights)], weights))
+
+
+__all__ = ["Cut", "Search", "balanced_seed", "boundary_tables", "combined", "relax", "stage_caps"]

@@ -1,0 +1,106 @@
+"""Peak live bytes and peak in-flight microbatches per rank from program order alone:
+what `simulate` reports as `peak_bytes` and `peak_inflight`, without timing a step.
+
+[Note: peaks from program order] Without OFFLOAD or RELOAD the bytes a rank holds change
+only at its own instructions ([Note: when bytes count] in simulate/engine.py): F(s) adds
+act_in (stage 0), stash, act_out (when the output leaves the rank) and the next stage's
+act_in (when it runs on the same rank); B(s) adds grad_in (when the gradient leaves the
+rank) and the previous stage's grad_out (same rank), and at its end shrinks the stash to
+`weight_stash` where the cost resizes it; a receive adds its buffer; FREE releases one.
+So the peak is the largest running sum of these changes in program order, added in the
+simulator's order (the same float sums), and the planner, which needs peaks of many byte
+tables of one schedule, gets them without running it. tests/plan/test_step_graph.py
+pins `Peaks` to `simulate` over every family and byte table.
+"""
+
+from __future__ import annotations
+
+from pipeschedule.compiler.gcpause import gc_paused
+from pipeschedule.compiler.ir import BUFFERS, Op, Schedule
+from pipeschedule.errors import ParameterError
+
+# What each instruction changes, as an index into the table `_deltas` builds per cost.
+_F, _B, _SHRINK, _RECV_F, _RECV_B = range(5)
+_FREE = {buf: 5 + i for i, buf in enumerate(BUFFERS)}
+
+
+class Peaks:
+    """Per rank, the sequence of byte changes of a lowered schedule without host copies;
+    `of(cost)` evaluates it under one cost's buffer bytes."""
+
+    @gc_paused  # many small tuples and lists, none in a cycle (compiler/gcpause.py)
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        S = schedule.num_stages
+        self.changes = []  # per rank: table * S + stage per change, in program order
+        self.inflight = []  # per rank: +1 / -1 per F / B
+        F, B, FREE, RECV_F, RECV_B = Op.F, Op.B, Op.FREE, Op.RECV_F, Op.RECV_B  # identity: an enum's hash is slow
+        free = {buf: code * S for buf, code in _FREE.items()}
+        for r, program in enumerate(schedule.programs):
+            changes, moves = [], []
+            for instr in program:
+                op = instr.op
+                if op is FREE:
+                    changes.append(free[instr.buf] + instr.stage)
+                elif op is F:
+                    changes.append(_F * S + instr.stage)
+                    moves.append(1)
+                elif op is B:
+                    changes.append(_B * S + instr.stage)
+                    changes.append(_SHRINK * S + instr.stage)
+                    moves.append(-1)
+                elif op is RECV_F:
+                    changes.append(_RECV_F * S + instr.stage)
+                elif op is RECV_B:
+                    changes.append(_RECV_B * S + instr.stage)
+                elif op is Op.OFFLOAD or op is Op.RELOAD:
+                    raise ParameterError(f"peaks from program order hold without host copies; rank {r} runs {instr} "
+                                         f"(simulate it with pipeschedule.simulate)")
+            self.changes.append(changes)
+            self.inflight.append(moves)
+
+    def _deltas(self, cost) -> list:
+        """The signed change of each table entry, as the simulator's `_Run` tables make them."""
+        sched, S = self.schedule, self.schedule.num_stages
+        act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
+        placement = sched.placement
+        local = [s + 1 < S and placement[s + 1] == placement[s] for s in range(S)]
+        f_alloc = [(act_in[s] if s == 0 else 0) + stash[s] + (act_out[s] if sched.sends_forward(s) else 0)
+                   + (act_in[s + 1] if local[s] else 0) for s in range(S)]
+        b_alloc = [(grad_in[s] if sched.sends_backward(s) else 0) + (grad_out[s - 1] if s > 0 and local[s - 1]
+                   else 0) for s in range(S)]
+        free = dict(cost.buffer_bytes)
+        shrink = [0] * S
+        if cost.weight_stash is not None and sched.split_backward:
+            shrink = [-(whole - kept) for whole, kept in zip(stash, cost.weight_stash)]
+            free["stash"] = cost.weight_stash
+        table = f_alloc + b_alloc + shrink + list(act_in) + list(grad_out)
+        for buf in BUFFERS:
+            table += [-x for x in free[buf]]
+        return table
+
+    def of(self, cost) -> tuple[tuple, tuple]:
+        """(peak bytes, peak in-flight) per rank, as `simulate(schedule, cost)` gives them."""
+        table = self._deltas(cost)
+        peaks = []
+        for changes in self.changes:
+            live = peak = 0
+            for i in changes:
+                d = table[i]
+                if d:
+                    live += d
+                    if live > peak:
+                        peak = live
+            peaks.append(peak)
+        inflight = []
+        for moves in self.inflight:
+            now = top = 0
+            for d in moves:
+                now += d
+                if now > top:
+                    top = now
+            inflight.append(top)
+        return tuple(peaks), tuple(inflight)
+
+
+__all__ = ["Peaks"]
