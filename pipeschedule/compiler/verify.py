@@ -608,10 +608,11 @@ def _walk_rank(schedule: Schedule, rank: int, own, tables, sends, recvs, batches
     b_done = done[B]
     carried = {SEND_F: states["act_out"], SEND_B: states["grad_in"], RECV_F: states["act_in"],
                RECV_B: states["grad_out"]}  # the buffer a message moves
-    host = -(len(schedule.programs[rank]) + 1)
-    computes = comm = made = frees = 0
+    program = schedule.programs[rank]
+    host = -(len(program) + 1)
+    computes = comm = made = moves = 0  # every other step is a FREE: counted at the end
     out_to, in_from, mine, run_start, run_end, batch = {}, {}, [], -1, -1, -1
-    for index, i in enumerate(schedule.programs[rank]):
+    for index, i in enumerate(program):
         op, s, mb = i.op, i.stage, i.mb
         if s not in own or mb >= m:  # coverage: stage in range and on this rank
             return None
@@ -622,21 +623,23 @@ def _walk_rank(schedule: Schedule, rank: int, own, tables, sends, recvs, batches
             if i.peer is not None or state is None or host < state < 0:  # never produced, or freed
                 return None
             states_of[key] = ~index
-            frees += 1
         elif op is F or op is B or op is W:
-            if i.peer is not None or done[op][key] or (op is W and not b_done[key]):  # a second one, W before B
+            flags = done[op]
+            if i.peer is not None or flags[key] or (op is W and not b_done[key]):  # a second one, W before B
                 return None
-            done[op][key] = True
+            flags[key] = True
             computes += 1
-            for states_of, shift in makes[op][s]:
+            produced = makes[op][s]
+            for states_of, shift in produced:
                 states_of[key + shift] = index
-            made += len(makes[op][s])
+            made += len(produced)
             for states_of in uses[op][s]:
                 if states_of[key] is None or states_of[key] < 0:
                     return None
         elif op is OFFLOAD or op is RELOAD:
             if i.peer is not None or not _moved(op, states.get(i.buf, nowhere), key, index, host):
                 return None
+            moves += 1
         else:  # SEND_F, RECV_F, SEND_B, RECV_B: a remote neighbour stage, which is the peer
             other, peer = s + 1 if (op is SEND_F or op is RECV_B) else s - 1, i.peer
             if not 0 <= other < S or placement[other] == rank or peer != placement[other]:
@@ -669,7 +672,7 @@ def _walk_rank(schedule: Schedule, rank: int, own, tables, sends, recvs, batches
     rank_batches.append(mine)
     sends.update(((rank, peer), channel) for peer, channel in out_to.items())
     recvs.update(((peer, rank), channel) for peer, channel in in_from.items())
-    return computes, comm, made, frees
+    return computes, comm, made, len(program) - computes - comm - moves
 
 
 def _walk_tables(schedule: Schedule, states):
