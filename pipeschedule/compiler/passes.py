@@ -93,40 +93,51 @@ def _send_and_due(schedule: Schedule, starts, durations, gaps) -> dict:
     """Puts each send in the gap right after its producer and returns, per channel
     (src * pp + dst), the gap each receive is due in ([Note: message placement]) and the
     receive's gap entry, in send order."""
-    placement, pp = schedule.placement, schedule.pp
-    sends_fwd = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
-    sends_bwd = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
-    f_pc, b_pc = _consumer_pcs(schedule, sends_fwd, sends_bwd)
-    cost_f, cost_b = durations.forward, durations.backward  # per stage
+    pp = schedule.pp
+    forward, backward = _message_kinds(schedule, durations)
     channels: dict[int, tuple[list[int], list[tuple]]] = {}
     for rank, program in enumerate(schedule.programs):
         rank_starts, rank_gaps = starts[rank], gaps[rank]
         rank_starts.append(float("inf"))  # the sender's next compute after its last
+        to = [None] * pp  # this rank's channels, by the rank they go to
         for pc, i in enumerate(program):
-            op, stage, mb = i.op, i.stage, i.mb
-            if op is F and sends_fwd[stage]:
-                c_rank, c_pc = placement[stage + 1], f_pc[stage + 1][mb]
-                produced = rank_starts[pc] + cost_f[stage]  # the message exists from its producer's end
-                send, recv = make_instr(SEND_F, stage, mb, c_rank), make_instr(RECV_F, stage + 1, mb, rank)
-            elif op is B and sends_bwd[stage]:
-                c_rank, c_pc = placement[stage - 1], b_pc[stage - 1][mb]
-                produced = rank_starts[pc] + cost_b[stage]
-                send, recv = make_instr(SEND_B, stage, mb, c_rank), make_instr(RECV_B, stage - 1, mb, rank)
-            else:
+            op = i.op
+            kind = forward[i.stage] if op is F else backward[i.stage] if op is B else None
+            if kind is None:
                 continue
-            rank_gaps[pc + 1] = [(produced, rank, pc, 0, send)]  # the first entry of that gap
+            c_rank, c_pcs, cost, send_op, recv_op, recv_stage = kind
+            mb = i.mb
+            c_pc = c_pcs[mb]
+            produced = rank_starts[pc] + cost  # the message exists from its producer's end
+            rank_gaps[pc + 1] = [(produced, rank, pc, 0, make_instr(send_op, i.stage, mb, c_rank))]  # its first entry
             # due: the consumer rank's first compute that starts no earlier than
             # min(sender's next, consumer's start); starts on a rank never decrease.
             c_starts = starts[c_rank]
             due = c_starts[c_pc]
             if rank_starts[pc + 1] < due:
                 due = rank_starts[pc + 1]
-            channel = channels.get(rank * pp + c_rank)
+            channel = to[c_rank]
             if channel is None:
-                channel = channels[rank * pp + c_rank] = ([], [])
+                channel = to[c_rank] = channels[rank * pp + c_rank] = ([], [])
             channel[0].append(bisect_left(c_starts, due, 0, c_pc))
-            channel[1].append((produced, rank, pc, 1, recv))
+            channel[1].append((produced, rank, pc, 1, make_instr(recv_op, recv_stage, mb, rank)))
     return channels
+
+
+def _message_kinds(schedule: Schedule, durations) -> tuple[list, list]:
+    """Per stage, the message its F (first list) or its B (second) sends, None where the
+    neighbour stage runs on the same rank: (the consumer's rank, the consumer's pc by mb
+    (`_consumer_pcs`), the producer's duration, the send's op, the receive's op, the
+    receive's stage)."""
+    placement, stages = schedule.placement, schedule.num_stages
+    sends_fwd = [schedule.sends_forward(s) for s in range(stages)]
+    sends_bwd = [schedule.sends_backward(s) for s in range(stages)]
+    f_pc, b_pc = _consumer_pcs(schedule, sends_fwd, sends_bwd)
+    forward = [(placement[s + 1], f_pc[s + 1], durations.forward[s], SEND_F, RECV_F, s + 1) if sends_fwd[s] else None
+               for s in range(stages)]
+    backward = [(placement[s - 1], b_pc[s - 1], durations.backward[s], SEND_B, RECV_B, s - 1) if sends_bwd[s]
+                else None for s in range(stages)]
+    return forward, backward
 
 
 def _consumer_pcs(schedule: Schedule, sends_fwd, sends_bwd) -> tuple[list, list]:
