@@ -316,25 +316,26 @@ def check_deadlock(schedule: Schedule, communication=None) -> None:
             partners[a].append(b)
             partners[b].append(a)
     unposted = list(map(len, partners))  # messages whose partner batch is not yet posted
-    posted = [False] * len(batches)
-    nexts = [0] * schedule.pp  # per rank: index of its next batch in rank_batches
+    for mine in rank_batches:  # every rank reaches its first batch at once: compute never blocks
+        for other in partners[mine[0]] if mine else ():
+            unposted[other] -= 1
+    nexts = [0] * schedule.pp  # per rank: index of its posted batch in rank_batches
     waiting: dict[int, int] = {}  # batch -> the rank blocked on it
     runnable = list(range(schedule.pp))
     while runnable:
         rank = runnable.pop()
         mine, k = rank_batches[rank], nexts[rank]
-        while k < len(mine):
-            batch = mine[k]
-            if not posted[batch]:
-                posted[batch] = True
-                for other in partners[batch]:  # posting it may complete a partner's batch
+        n = len(mine)
+        while k < n:
+            if unposted[mine[k]]:  # its batch waits for a partner
+                waiting[mine[k]] = rank
+                break
+            k += 1
+            if k < n:  # posts the next one, which may complete a partner's batch
+                for other in partners[mine[k]]:
                     unposted[other] -= 1
                     if unposted[other] == 0 and other in waiting:
                         runnable.append(waiting.pop(other))
-            if unposted[batch]:
-                waiting[batch] = rank
-                break
-            k += 1
         nexts[rank] = k
     blocked = [r for r in range(schedule.pp) if nexts[r] < len(rank_batches[r])]
     if blocked:
