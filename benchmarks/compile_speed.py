@@ -44,6 +44,7 @@ from benchmarks.common import git_commit, machine, torch_version, write_results
 from pipeschedule.compiler import passes
 from pipeschedule.compiler.families import generate
 from pipeschedule.simulate import simulate
+from pipeschedule.compiler.ir import make_instr
 from pipeschedule.compiler.verify import RULES, verify
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout's root
@@ -112,6 +113,44 @@ def run_ours(pp: int, virtual: int, microbatches: int) -> tuple[dict, int]:
     t4 = clock()
     times.update(generate=t1 - t0, lower=t2 - t1, verify=t3 - t2, simulate=t4 - t3)
     return times, sum(len(p) for p in lowered.programs)
+
+
+# [Note: walk probe] Where the time per instruction grows with size, the interpreter is
+# not doing more per instruction: every phase's tables are flat lists sized up front,
+# and the collector is paused in every phase. What grows is the cost of reaching an
+# instruction: a lowered schedule of 717k instructions is some 60 MB of objects, far
+# past the CPU caches, and a program's instructions were made at different times
+# (computes by the generator, messages rank by rank, FREEs in program order), so a walk
+# in program order jumps about memory. The probe times a walk that reads one field of
+# every instruction and does nothing else, over the lowered programs and over copies
+# made in program order: the first is the least any pass over the IR pays per
+# instruction at that size, and its rise beside the second's is the cost of the layout.
+
+
+def _read_every_op(programs) -> int:
+    n = 0
+    for program in programs:
+        for instr in program:
+            if instr.op is None:
+                n += 1
+    return n
+
+
+def walk_probe(pp, virtual, microbatches, repeat: int = 3) -> dict:
+    """ns per instruction of reading each one's op ([Note: walk probe]), best of `repeat`:
+    over the lowered programs ("lowered") and over copies made in program order ("in_order")."""
+    lowered = passes.lower(generate("interleaved_1f1b", pp=pp, microbatches=microbatches, virtual=virtual))
+    copies = [[make_instr(i.op, i.stage, i.mb, i.peer, i.buf) for i in program] for program in lowered.programs]
+    count = sum(map(len, lowered.programs))
+    out = {}
+    for name, programs in (("lowered", lowered.programs), ("in_order", copies)):
+        best = math.inf
+        for _ in range(repeat):
+            t0 = clock()
+            _read_every_op(programs)
+            best = min(best, clock() - t0)
+        out[name] = 1e9 * best / count
+    return out
 
 
 def time_ours(pp, virtual, microbatches, repeat):
@@ -280,6 +319,7 @@ def run_grid(grid_pp, grid_m, virtual, torch_budget, has_torch, log):
             cell = {"pp": p, "virtual": virtual, "microbatches": m, "instructions": count,
                     "ours": times, "ours_total": sum(times.values()),
                     "ours_us_per_instr": 1e6 * sum(times.values()) / count,
+                    "walk_ns_per_instr": walk_probe(p, virtual, m),
                     "torch": None, "torch_total": None, "torch_skipped": None}
             if has_torch:
                 size = p * virtual * m
@@ -320,8 +360,10 @@ def _grid_line(cell) -> str:
     torch_text = f"{cell['torch_total']:8.3f}" if cell["torch_total"] is not None else "       -"
     ratio = (f"{cell['torch_total'] / cell['ours_total']:6.1f}x"
              if cell["torch_total"] is not None else "      -")
+    walk = cell.get("walk_ns_per_instr") or {}
+    probe = f"{walk['lowered']:5.0f} {walk['in_order']:5.0f}" if walk else "    -     -"
     return (f"{cell['pp']:>4} {cell['microbatches']:>5} {cell['instructions']:>9} "
-            f"{cell['ours_total']:8.3f} {cell['ours_us_per_instr']:8.2f} {torch_text} {ratio}")
+            f"{cell['ours_total']:8.3f} {cell['ours_us_per_instr']:8.2f} {probe} {torch_text} {ratio}")
 
 
 # -- report ----------------------------------------------------------------------------
@@ -397,14 +439,17 @@ def markdown(result: dict) -> str:
         f"## Growth (virtual={result['grid'][0]['virtual']}; ours best of {OURS_REPEAT} per cell, PyTorch one run, "
         f"best of {SMALL_REPEAT} below {SMALL_S} s)",
         "",
-        "| pp | m | instructions | ours s | µs/instr | PyTorch s | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| pp | m | instructions | ours s | µs/instr | bare walk ns/instr: lowered, in program order | PyTorch s "
+        "| ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["grid"]:
         t = f"{c['torch_total']:.3f}" if c["torch_total"] is not None else "—"
         r = f"{c['torch_total'] / c['ours_total']:.1f}x" if c["torch_total"] is not None else "—"
+        walk = c.get("walk_ns_per_instr") or {}
+        probe = f"{walk['lowered']:.0f}, {walk['in_order']:.0f}" if walk else "—"
         lines.append(f"| {c['pp']} | {c['microbatches']} | {c['instructions']} | {c['ours_total']:.3f} | "
-                     f"{c['ours_us_per_instr']:.2f} | {t} | {r} |")
+                     f"{c['ours_us_per_instr']:.2f} | {probe} | {t} | {r} |")
     skipped = [c for c in result["grid"] if c["torch_skipped"]]
     if skipped:
         lines += ["", f"PyTorch cells not run ({len(skipped)}): budget {result['torch_budget_s']:g} s in all; "
@@ -414,7 +459,10 @@ def markdown(result: dict) -> str:
     if result["growth"].get("torch"):
         lines += ["", "Fitted exponents (PyTorch, cells run):", "", "```",
                   *_fmt_exponents(result["growth"]["torch"]), "```"]
-    lines += ["", result["growth_summary"], ""]
+    lines += ["", result["growth_summary"], "",
+              "Bare walk: the time to read one field of every lowered instruction and nothing else, best of 3, "
+              "over the lowered programs and over copies made in program order ([Note: walk probe] in "
+              "benchmarks/compile_speed.py): the least any pass over the IR pays per instruction at that size.", ""]
     if result.get("profile"):
         lines += ["## Profile of ours (headline)", "", "```", result["profile"].strip(), "```", ""]
     return "\n".join(lines)
@@ -438,7 +486,7 @@ def measure_growth(grid_pp, grid_m, virtual: int, torch_budget: float, has_torch
     """The growth grid, printed as it runs: its cells, the fitted exponents (ours, and
     PyTorch's over the cells it ran) and the summary line."""
     print(f"\ngrowth (virtual={virtual}); PyTorch budget {torch_budget:g} s")
-    print("  pp     m  instrs   ours s  µs/inst  torch s  ratio")
+    print("  pp     m  instrs   ours s  µs/inst walk ns: lowered, in order  torch s  ratio")
     cells, spent = run_grid(grid_pp, grid_m, virtual, torch_budget, has_torch, print)
     fits = {"ours": growth(cells, "ours_total")}
     if any(c["torch_total"] is not None for c in cells):

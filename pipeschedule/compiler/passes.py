@@ -50,6 +50,14 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
     instr), kind 0 for the send and 1 for the receive. Sorting a gap orders its messages
     by when they were produced; (time, rank, pc, kind) never ties (a producer sends one
     message), so the sort never compares instructions."""
+    starts, times = _timed(schedule, cost)
+    gaps = _gaps(schedule, starts, times)
+    return schedule._with_trusted_programs(tuple(tuple(_merged(p, g)) for p, g in zip(schedule.programs, gaps)))
+
+
+def _timed(schedule: Schedule, cost):
+    """`asap` of the compute order under `cost` ([Note: cost-aware timing]) and the
+    per-stage times it used; raises ScheduleError (rule deadlock) for a cyclic order."""
     times = stage_times(cost, schedule.num_stages)  # None for None: unit costs
     starts, stuck = asap(schedule.num_stages, schedule.programs, times)
     if stuck:
@@ -61,6 +69,11 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
             f"(rank {rank} is blocked at step {pc}, {instr})",
             rule="deadlock", rank=rank, index=pc, instr=instr, mb=instr.mb,
         )
+    return starts, times
+
+
+def _gaps(schedule: Schedule, starts, times) -> list:
+    """gaps[r][pc] of `add_communication`: every message in the gap it goes in."""
     gaps = [[None] * (len(program) + 1) for program in schedule.programs]
     channels = _send_and_due(schedule, starts, durations_of(schedule.programs, schedule.num_stages, times), gaps)
     for channel, (dues, receives) in channels.items():
@@ -73,47 +86,58 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
                 dst_gaps[at] = [entry]
             else:
                 dst_gaps[at].append(entry)
-    return schedule._with_trusted_programs(tuple(_merged(p, g) for p, g in zip(schedule.programs, gaps)))
+    return gaps
 
 
 def _send_and_due(schedule: Schedule, starts, durations, gaps) -> dict:
     """Puts each send in the gap right after its producer and returns, per channel
     (src * pp + dst), the gap each receive is due in ([Note: message placement]) and the
     receive's gap entry, in send order."""
-    placement, pp = schedule.placement, schedule.pp
-    sends_fwd = [schedule.sends_forward(s) for s in range(schedule.num_stages)]
-    sends_bwd = [schedule.sends_backward(s) for s in range(schedule.num_stages)]
-    f_pc, b_pc = _consumer_pcs(schedule, sends_fwd, sends_bwd)
-    cost_f, cost_b = durations.forward, durations.backward  # per stage
+    pp = schedule.pp
+    forward, backward = _message_kinds(schedule, durations)
     channels: dict[int, tuple[list[int], list[tuple]]] = {}
     for rank, program in enumerate(schedule.programs):
         rank_starts, rank_gaps = starts[rank], gaps[rank]
         rank_starts.append(float("inf"))  # the sender's next compute after its last
+        to = [None] * pp  # this rank's channels, by the rank they go to
         for pc, i in enumerate(program):
-            op, stage, mb = i.op, i.stage, i.mb
-            if op is F and sends_fwd[stage]:
-                c_rank, c_pc = placement[stage + 1], f_pc[stage + 1][mb]
-                produced = rank_starts[pc] + cost_f[stage]  # the message exists from its producer's end
-                send, recv = make_instr(SEND_F, stage, mb, c_rank), make_instr(RECV_F, stage + 1, mb, rank)
-            elif op is B and sends_bwd[stage]:
-                c_rank, c_pc = placement[stage - 1], b_pc[stage - 1][mb]
-                produced = rank_starts[pc] + cost_b[stage]
-                send, recv = make_instr(SEND_B, stage, mb, c_rank), make_instr(RECV_B, stage - 1, mb, rank)
-            else:
+            op = i.op
+            kind = forward[i.stage] if op is F else backward[i.stage] if op is B else None
+            if kind is None:
                 continue
-            rank_gaps[pc + 1] = [(produced, rank, pc, 0, send)]  # the first entry of that gap
+            c_rank, c_pcs, cost, send_op, recv_op, recv_stage = kind
+            mb = i.mb
+            c_pc = c_pcs[mb]
+            produced = rank_starts[pc] + cost  # the message exists from its producer's end
+            rank_gaps[pc + 1] = [(produced, rank, pc, 0, make_instr(send_op, i.stage, mb, c_rank))]  # its first entry
             # due: the consumer rank's first compute that starts no earlier than
             # min(sender's next, consumer's start); starts on a rank never decrease.
             c_starts = starts[c_rank]
             due = c_starts[c_pc]
             if rank_starts[pc + 1] < due:
                 due = rank_starts[pc + 1]
-            channel = channels.get(rank * pp + c_rank)
+            channel = to[c_rank]
             if channel is None:
-                channel = channels[rank * pp + c_rank] = ([], [])
+                channel = to[c_rank] = channels[rank * pp + c_rank] = ([], [])
             channel[0].append(bisect_left(c_starts, due, 0, c_pc))
-            channel[1].append((produced, rank, pc, 1, recv))
+            channel[1].append((produced, rank, pc, 1, make_instr(recv_op, recv_stage, mb, rank)))
     return channels
+
+
+def _message_kinds(schedule: Schedule, durations) -> tuple[list, list]:
+    """Per stage, the message its F (first list) or its B (second) sends, None where the
+    neighbour stage runs on the same rank: (the consumer's rank, the consumer's pc by mb
+    (`_consumer_pcs`), the producer's duration, the send's op, the receive's op, the
+    receive's stage)."""
+    placement, stages = schedule.placement, schedule.num_stages
+    sends_fwd = [schedule.sends_forward(s) for s in range(stages)]
+    sends_bwd = [schedule.sends_backward(s) for s in range(stages)]
+    f_pc, b_pc = _consumer_pcs(schedule, sends_fwd, sends_bwd)
+    forward = [(placement[s + 1], f_pc[s + 1], durations.forward[s], SEND_F, RECV_F, s + 1) if sends_fwd[s] else None
+               for s in range(stages)]
+    backward = [(placement[s - 1], b_pc[s - 1], durations.backward[s], SEND_B, RECV_B, s - 1) if sends_bwd[s]
+                else None for s in range(stages)]
+    return forward, backward
 
 
 def _consumer_pcs(schedule: Schedule, sends_fwd, sends_bwd) -> tuple[list, list]:
@@ -131,20 +155,18 @@ def _consumer_pcs(schedule: Schedule, sends_fwd, sends_bwd) -> tuple[list, list]
     return f_pc, b_pc
 
 
-def _merged(program, rank_gaps) -> tuple:
+def _merged(program, rank_gaps):
     """One rank's compute order with each gap's messages, in production order, before
-    the compute they precede."""
-    out: list[Instr] = []
-    append = out.append
+    the compute they precede (an iterator)."""
+    n = len(program)
     for pc, gap in enumerate(rank_gaps):
         if gap is not None:
             if len(gap) > 1:
                 gap.sort()
             for entry in gap:
-                append(entry[4])
-        if pc < len(program):
-            append(program[pc])
-    return tuple(out)
+                yield entry[4]
+        if pc < n:
+            yield program[pc]
 
 
 def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
@@ -159,43 +181,45 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
     of the next stage goes after that stage's F, and act_out after its SEND_F's run, as
     in training.
     """
+    return schedule._with_trusted_programs(tuple(_with_frees(schedule, program) for program in schedule.programs))
+
+
+def _with_frees(schedule: Schedule, program) -> tuple:
+    """`add_frees` of one rank's program (any iterable of its instructions in order)."""
     split = schedule.split_backward
     forward_only = schedule.forward_only
     last = schedule.num_stages - 1
-    programs = []
-    for program in schedule.programs:
-        out: list[Instr] = []
-        append = out.append
-        pending: list[Instr] = []  # frees waiting for the current comm run to end
-        for i in program:
-            op = i.op
-            if op is SEND_F or op is SEND_B:
-                append(i)
-                pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out" if op is SEND_F else "grad_in"))
-                continue
-            if op is RECV_F or op is RECV_B:
-                append(i)
-                continue
-            if pending:  # the run of communication ended: its frees go before what follows
-                out += pending
-                pending = []
+    out: list[Instr] = []
+    append = out.append
+    pending: list[Instr] = []  # frees waiting for the current comm run to end
+    for i in program:
+        op = i.op
+        if op is SEND_F or op is SEND_B:
             append(i)
-            if op is F:
-                if forward_only:
-                    append(make_instr(FREE, i.stage, i.mb, None, "act_in"))
-                    append(make_instr(FREE, i.stage, i.mb, None, "stash"))
-            elif op is B:
-                stage, mb = i.stage, i.mb
-                append(make_instr(FREE, stage, mb, None, "act_in"))
-                if not split:  # else W frees the stash
-                    append(make_instr(FREE, stage, mb, None, "stash"))
-                if stage < last:
-                    append(make_instr(FREE, stage, mb, None, "grad_out"))
-            elif op is W:
+            pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out" if op is SEND_F else "grad_in"))
+            continue
+        if op is RECV_F or op is RECV_B:
+            append(i)
+            continue
+        if pending:  # the run of communication ended: its frees go before what follows
+            out += pending
+            pending = []
+        append(i)
+        if op is F:
+            if forward_only:
+                append(make_instr(FREE, i.stage, i.mb, None, "act_in"))
                 append(make_instr(FREE, i.stage, i.mb, None, "stash"))
-        out.extend(pending)
-        programs.append(tuple(out))
-    return schedule._with_trusted_programs(tuple(programs))
+        elif op is B:
+            stage, mb = i.stage, i.mb
+            append(make_instr(FREE, stage, mb, None, "act_in"))
+            if not split:  # else W frees the stash
+                append(make_instr(FREE, stage, mb, None, "stash"))
+            if stage < last:
+                append(make_instr(FREE, stage, mb, None, "grad_out"))
+        elif op is W:
+            append(make_instr(FREE, i.stage, i.mb, None, "stash"))
+    out.extend(pending)
+    return tuple(out)
 
 
 PASSES = (add_communication, add_frees)
@@ -229,10 +253,15 @@ def is_lowered(schedule: Schedule) -> bool:
 
 @gc_paused
 def lower(schedule: Schedule, cost=None) -> Schedule:
-    """Applies every pass of `PASSES` in order to a compute-only schedule, the order timed
+    """Applies the passes of `PASSES` in order to a compute-only schedule, the order timed
     with `cost` (None: unit costs). A function of its arguments alone: equal schedules
     lower to equal programs. Give the cost the order was generated with
     (`generate(..., cost=c)`) to place the messages as `compile_schedule(..., cost=c)` does."""
-    for lowering_pass in PASSES:
-        schedule = lowering_pass(schedule, cost=cost)
-    return schedule
+    # add_frees(add_communication(schedule, cost=cost)), the passes of PASSES, with each
+    # rank's merged order handed to add_frees' rule as it is made rather than built as a
+    # program of its own (4% of lowering pp=64, v=2, m=512). Pinned to PASSES by
+    # tests/compiler/test_lowering_pure.py.
+    starts, times = _timed(schedule, cost)
+    gaps = _gaps(schedule, starts, times)
+    return schedule._with_trusted_programs(
+        tuple(_with_frees(schedule, _merged(p, g)) for p, g in zip(schedule.programs, gaps)))

@@ -316,25 +316,26 @@ def check_deadlock(schedule: Schedule, communication=None) -> None:
             partners[a].append(b)
             partners[b].append(a)
     unposted = list(map(len, partners))  # messages whose partner batch is not yet posted
-    posted = [False] * len(batches)
-    nexts = [0] * schedule.pp  # per rank: index of its next batch in rank_batches
+    for mine in rank_batches:  # every rank reaches its first batch at once: compute never blocks
+        for other in partners[mine[0]] if mine else ():
+            unposted[other] -= 1
+    nexts = [0] * schedule.pp  # per rank: index of its posted batch in rank_batches
     waiting: dict[int, int] = {}  # batch -> the rank blocked on it
     runnable = list(range(schedule.pp))
     while runnable:
         rank = runnable.pop()
         mine, k = rank_batches[rank], nexts[rank]
-        while k < len(mine):
-            batch = mine[k]
-            if not posted[batch]:
-                posted[batch] = True
-                for other in partners[batch]:  # posting it may complete a partner's batch
+        n = len(mine)
+        while k < n:
+            if unposted[mine[k]]:  # its batch waits for a partner
+                waiting[mine[k]] = rank
+                break
+            k += 1
+            if k < n:  # posts the next one, which may complete a partner's batch
+                for other in partners[mine[k]]:
                     unposted[other] -= 1
                     if unposted[other] == 0 and other in waiting:
                         runnable.append(waiting.pop(other))
-            if unposted[batch]:
-                waiting[batch] = rank
-                break
-            k += 1
         nexts[rank] = k
     blocked = [r for r in range(schedule.pp) if nexts[r] < len(rank_batches[r])]
     if blocked:
@@ -559,7 +560,11 @@ RULES = (check_coverage, check_dependencies, check_matching, check_deadlock, che
 # produced once (above), a rank whose FREEs (each of a produced buffer, once) number
 # its productions has no leak. States live in flat lists indexed by stage * m + mb
 # (lists over the whole schedule: a rank touches only its own stages' keys, so ranks
-# never share an entry), with check_liveness' encoding ([Note: buffer states]).
+# never share an entry), with check_liveness' encoding ([Note: buffer states]). Per-rank
+# tables answer the questions each instruction asks (`base`: each stage's key offset,
+# None for another rank's; `_message_tables`: each message's peer, buffer and channel),
+# so that a stage of no rank or of another rank's, or a message with no remote
+# neighbour, shows as an IndexError or TypeError on them, caught as a failed check.
 # tests/compiler/test_verify_walk.py pins this walk to the three rules (a differential
 # test on valid and edited schedules of every family, with offload); a check added here
 # or there without the other fails it. A forward-only schedule is left to the separate
@@ -603,73 +608,99 @@ def _walk_rank(schedule: Schedule, rank: int, own, tables, sends, recvs, batches
     run, communication instructions, buffers produced, FREEs); adds the rank's messages
     and batches to the tables as `_communication` does. `tables`: the buffer states and
     done-flags by stage * m + mb, states for no buffer, and `_walk_tables`."""
-    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+    m = schedule.microbatches
     states, done, nowhere, makes, uses = tables
     b_done = done[B]
-    carried = {SEND_F: states["act_out"], SEND_B: states["grad_in"], RECV_F: states["act_in"],
-               RECV_B: states["grad_out"]}  # the buffer a message moves
-    host = -(len(schedule.programs[rank]) + 1)
-    computes = comm = made = frees = 0
-    out_to, in_from, mine, run_start, run_end, batch = {}, {}, [], -1, -1, -1
-    for index, i in enumerate(schedule.programs[rank]):
-        op, s, mb = i.op, i.stage, i.mb
-        if s not in own or mb >= m:  # coverage: stage in range and on this rank
-            return None
-        key = s * m + mb
-        if op is FREE:
-            states_of = states.get(i.buf, nowhere)
-            state = states_of[key]
-            if i.peer is not None or state is None or host < state < 0:  # never produced, or freed
+    base = [s * m if s in own else None for s in range(schedule.num_stages)]  # None + mb: a TypeError
+    out_to, in_from = {}, {}
+    talk = _message_tables(schedule, rank, own, states, done, out_to, in_from)
+    program = schedule.programs[rank]
+    host = -(len(program) + 1)
+    computes = comm = made = moves = 0  # every other step is a FREE: counted at the end
+    mine, run_start, run_end, batch = [], -1, -1, -1
+    try:
+        for index, i in enumerate(program):
+            op, mb = i.op, i.mb
+            if mb >= m:
                 return None
-            states_of[key] = ~index
-            frees += 1
-        elif op is F or op is B or op is W:
-            if i.peer is not None or done[op][key] or (op is W and not b_done[key]):  # a second one, W before B
-                return None
-            done[op][key] = True
-            computes += 1
-            for states_of, shift in makes[op][s]:
-                states_of[key + shift] = index
-            made += len(makes[op][s])
-            for states_of in uses[op][s]:
-                if states_of[key] is None or states_of[key] < 0:
+            key = base[i.stage] + mb  # coverage: stage in range (IndexError) and on this rank (TypeError)
+            if op is FREE:
+                states_of = states.get(i.buf, nowhere)
+                state = states_of[key]
+                if i.peer is not None or state is None or host < state < 0:  # never produced, or freed
                     return None
-        elif op is OFFLOAD or op is RELOAD:
-            if i.peer is not None or not _moved(op, states.get(i.buf, nowhere), key, index, host):
-                return None
-        else:  # SEND_F, RECV_F, SEND_B, RECV_B: a remote neighbour stage, which is the peer
-            other, peer = s + 1 if (op is SEND_F or op is RECV_B) else s - 1, i.peer
-            if not 0 <= other < S or placement[other] == rank or peer != placement[other]:
-                return None
-            comm += 1
-            if index != run_end:  # a new batch, as in _communication
-                if run_end >= 0:
-                    batches.append((rank, run_start, run_end))
-                run_start, batch = index, len(batches)
-                mine.append(batch)
-            run_end = index + 1
-            buffer = carried[op]
-            state = buffer[key]
-            if op is SEND_F or op is SEND_B:
-                if done[op][key] or state is None or state < 0:  # a second send, or its tensor not live
+                states_of[key] = ~index
+            elif op is F or op is B or op is W:
+                flags = done[op]
+                if i.peer is not None or flags[key] or (op is W and not b_done[key]):  # a second one, W before B
                     return None
-                done[op][key] = True
-                channel = out_to.get(peer) or out_to.setdefault(peer, ([], []))
-                channel[0].append((other * m + mb) << 1 | (op is SEND_B))  # [Note: tensor ints]
-            else:
-                if state is not None:  # a second receive
+                flags[key] = True
+                computes += 1
+                produced = makes[op][i.stage]
+                for states_of, shift in produced:
+                    states_of[key + shift] = index
+                made += len(produced)
+                for states_of in uses[op][i.stage]:
+                    if states_of[key] is None or states_of[key] < 0:
+                        return None
+            elif op is OFFLOAD or op is RELOAD:
+                if i.peer is not None or not _moved(op, states.get(i.buf, nowhere), key, index, host):
                     return None
-                buffer[key] = index
-                made += 1
-                channel = in_from.get(peer) or in_from.setdefault(peer, ([], []))
-                channel[0].append(key << 1 | (op is RECV_B))
-            channel[1].append(batch)
+                moves += 1
+            else:  # SEND_F, RECV_F, SEND_B, RECV_B: a remote neighbour stage, which is the peer
+                peer, buffer, flags, channel, tensor = talk[op][i.stage]  # None: no remote neighbour (TypeError)
+                if i.peer != peer:
+                    return None
+                comm += 1
+                if index != run_end:  # a new batch, as in _communication
+                    if run_end >= 0:
+                        batches.append((rank, run_start, run_end))
+                    run_start, batch = index, len(batches)
+                    mine.append(batch)
+                run_end = index + 1
+                state = buffer[key]
+                if flags is not None:  # a send
+                    if flags[key] or state is None or state < 0:  # a second send, or its tensor not live
+                        return None
+                    flags[key] = True
+                else:
+                    if state is not None:  # a second receive
+                        return None
+                    buffer[key] = index
+                    made += 1
+                channel[0].append(tensor + (mb << 1))  # [Note: tensor ints]
+                channel[1].append(batch)
+    except (TypeError, IndexError, KeyError):  # a stage of no rank or another's, an op of none: [Note: merged walk]
+        return None
     if run_end >= 0:
         batches.append((rank, run_start, run_end))
     rank_batches.append(mine)
-    sends.update(((rank, peer), channel) for peer, channel in out_to.items())
-    recvs.update(((peer, rank), channel) for peer, channel in in_from.items())
-    return computes, comm, made, frees
+    sends.update(((rank, peer), channel) for peer, channel in out_to.items() if channel[0])
+    recvs.update(((peer, rank), channel) for peer, channel in in_from.items() if channel[0])
+    return computes, comm, made, len(program) - computes - comm - moves
+
+
+def _message_tables(schedule: Schedule, rank: int, own, states, done, out_to: dict, in_from: dict) -> dict:
+    """Per communication op and stage, what [Note: merged walk] checks and records of a
+    message of rank's: None where the stage is not rank's or its neighbour that way is
+    on rank (no message), else (the peer: the neighbour's rank, the buffer the message
+    moves, the done-flags of a send (None for a receive), the channel's two lists in
+    `out_to` / `in_from`, the message's tensor int at mb 0 ([Note: tensor ints]))."""
+    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+    talk = {}
+    for op, step, buf, sending in ((SEND_F, 1, "act_out", True), (RECV_B, 1, "grad_out", False),
+                                   (RECV_F, -1, "act_in", False), (SEND_B, -1, "grad_in", True)):
+        row = talk[op] = [None] * S
+        for s in own:
+            other = s + step
+            if not 0 <= other < S or placement[other] == rank:
+                continue
+            peer = placement[other]
+            named = other if sending else s  # a tensor is named by its receive's (stage, mb)
+            channel = (out_to if sending else in_from).setdefault(peer, ([], []))
+            flags = done[op] if sending else None
+            row[s] = (peer, states[buf], flags, channel, (named * m) << 1 | (op is SEND_B or op is RECV_B))
+    return talk
 
 
 def _walk_tables(schedule: Schedule, states):

@@ -98,6 +98,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
             raise ParameterError(f"cost 'weight_stash' (a stash resized at its B) is not modelled together with "
                                  f"OFFLOAD (rank {moved[0]} runs {moved[1]}); leave one of them out")
     trace = run(schedule, cost)
+    events = EventLog(schedule.programs, trace.ends, trace.waits, trace.channels)
     step_time = max(trace.finish, default=0)
     total = sum(trace.busy)
     bubble = 1 - total / (schedule.pp * step_time) if step_time > 0 else 0.0
@@ -107,8 +108,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
         busy=tuple(trace.busy),
         peak_inflight=tuple(trace.peak_inflight),
         peak_bytes=tuple(trace.peak_bytes),
-        memory=MemoryCurves(trace.memory),
-        events=EventLog(schedule.programs, trace.ends, trace.waits, trace.channels),
+        memory=MemoryCurves(trace.memory, trace.replay, events),
+        events=events,
         peak_host_bytes=tuple(trace.peak_host_bytes),
     )
 

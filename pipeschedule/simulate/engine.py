@@ -84,6 +84,17 @@ runtime differs ([Note: streamed offload] in runtime/stream_offload.py): its chu
 whole storages (a storage larger than the chunk is one larger chunk), and a chunk still
 being copied out when its RELOAD comes stays on the device instead of coming back.
 
+[Note: replayed memory] Without OFFLOAD, RELOAD, streamed or resized stashes, a rank's live
+bytes change only at the instructions of [Note: when bytes count], by amounts fixed by
+program order, at the start of each (a receive's: its batch's post), which `EventLog`
+derives from the ends anyway. `run` therefore first runs without writing the memory
+curves (about 15% of its time at pp=64, v=2, m=512) and `MemoryCurves` replays a rank's
+changes from its program and its start times when the curve is first read: the same
+additions in the same order, so the same points. Live bytes and peaks are still counted
+in the run. A run that meets OFFLOAD or RELOAD starts again writing the curves as it goes
+(the host link adds points of its own); so does one with a streamed or resized stash.
+tests/simulate/test_simulate.py pins the replayed curves to the written ones.
+
 [Note: event-driven run] Ranks wait on each other only at communication batches, so a
 rank runs straight through its program until it posts a batch some of whose partners
 are not yet posted. It then parks, holding a count of missing partners. Posting an op
@@ -234,11 +245,12 @@ class Trace:
     busy: list
     peak_inflight: list
     peak_bytes: list
-    memory: list  # per rank: (times, live bytes) lists of equal length, every change as it happened
+    memory: list | None  # per rank: (times, live bytes) lists of equal length, every change as it happened
     ends: list  # per rank: end of each instruction, None for FREE
     peak_host_bytes: list  # per rank: the most bytes held in host memory by OFFLOAD
     waits: list  # per rank: pc -> start of each compute that waited for a RELOAD
     channels: dict  # (src << 32 | dst) -> (send posts, message times, receive posts), message by message
+    replay: _Replay | None = None  # where `memory` is None: the changes, replayed ([Note: replayed memory])
 
 
 def _point(times: list, values: list, t, live) -> None:
@@ -269,10 +281,12 @@ def _change(times: list, values: list, t, live) -> None:
 
 class MemoryCurves(Sequence):
     """Per rank, the (time, live bytes) step curve of `SimResult.memory`: the changes `run`
-    recorded, folded by `_point` on first read of each rank."""
+    recorded (or, where it recorded none, `replay`'s, timed by `events`: [Note: replayed
+    memory]), folded by `_point` on first read of each rank."""
 
-    def __init__(self, changes: list[tuple[list, list]]) -> None:
-        self._changes = changes
+    def __init__(self, changes: list[tuple[list, list]] | None, replay: _Replay | None = None,
+                 events: EventLog | None = None) -> None:
+        self._changes, self._replay, self._events = changes, replay, events
         self._curves: dict[int, tuple] = {}
 
     def __getitem__(self, rank):
@@ -280,7 +294,10 @@ class MemoryCurves(Sequence):
             return tuple(self[r] for r in range(*rank.indices(len(self))))
         rank = range(len(self))[rank]  # negative indices; IndexError past the end
         if rank not in self._curves:
-            times, values = self._changes[rank]
+            if self._changes is None:
+                times, values = self._replay.changes(rank, self._events.times(rank)[0])
+            else:
+                times, values = self._changes[rank]
             folded_t, folded_v = [times[0]], [values[0]]
             for t, live in zip(times[1:], values[1:]):
                 _point(folded_t, folded_v, t, live)
@@ -288,7 +305,7 @@ class MemoryCurves(Sequence):
         return self._curves[rank]
 
     def __len__(self) -> int:
-        return len(self._changes)
+        return len(self._changes) if self._changes is not None else len(self._replay.programs)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, (MemoryCurves, tuple, list)):
@@ -300,6 +317,45 @@ class MemoryCurves(Sequence):
 
     def __repr__(self) -> str:
         return repr(tuple(self))
+
+
+class _Replay:
+    """The memory changes of ranks that `run` did not write ([Note: replayed memory]): the
+    bytes each instruction adds or releases, by stage, as `_Run` counts them."""
+
+    def __init__(self, programs, f_alloc, b_alloc, free_bytes, act_in, grad_out) -> None:
+        self.programs, self.f_alloc, self.b_alloc = programs, f_alloc, b_alloc
+        self.free_bytes, self.act_in, self.grad_out = free_bytes, act_in, grad_out
+
+    def changes(self, rank: int, starts: list) -> tuple[list, list]:
+        """(times, live bytes) of every change on `rank`, as `_Run` writes them; `starts`:
+        each instruction's start (`EventLog.times`)."""
+        f_alloc, b_alloc, free_bytes, act_in, grad_out = (self.f_alloc, self.b_alloc, self.free_bytes,
+                                                          self.act_in, self.grad_out)
+        times, values, live = [0], [0], 0
+        for instr, t in zip(self.programs[rank], starts):
+            op = instr.op
+            if op is FREE:
+                live -= free_bytes[instr.buf][instr.stage]
+            elif op is F or op is B:
+                grow = f_alloc[instr.stage] if op is F else b_alloc[instr.stage]
+                if not grow:
+                    continue
+                live += grow
+            elif op is RECV_F:
+                live += act_in[instr.stage]
+            elif op is RECV_B:
+                live += grad_out[instr.stage]
+            else:  # W, SEND_F, SEND_B: no bytes (OFFLOAD, RELOAD: never replayed)
+                continue
+            times.append(t)
+            values.append(live)
+        return times, values
+
+
+class _Records(Exception):
+    """Raised by a run without memory records that meets OFFLOAD or RELOAD ([Note:
+    replayed memory])."""
 
 
 def _complete(ops, end, channels, ends):
@@ -323,8 +379,12 @@ def run(schedule: Schedule, cost) -> Trace:
     Per rank, `ends[pc]` is the end of instruction pc (None for FREE, which takes no
     time; the landing of its copy for OFFLOAD and RELOAD); `EventLog` derives the start
     times from them. OFFLOAD and RELOAD go to the rank's `HostLink`, which also sees
-    every buffer-touching instruction while some buffer of the rank is moved."""
-    return _Run(schedule, cost).trace()
+    every buffer-touching instruction while some buffer of the rank is moved. The memory
+    curves are replayed when read where nothing moves ([Note: replayed memory])."""
+    try:
+        return _Run(schedule, cost, records=False).trace()
+    except _Records:
+        return _Run(schedule, cost, records=True).trace()
 
 
 class _RankState:
@@ -344,7 +404,7 @@ class _Run:
     everything through local variables and calls out only for what is rare (a copy to
     or from the host, a streamed or resized stash) and once per batch of messages."""
 
-    def __init__(self, schedule: Schedule, cost) -> None:
+    def __init__(self, schedule: Schedule, cost, records: bool = True) -> None:
         self.schedule, pp, stages, placement = schedule, schedule.pp, schedule.num_stages, schedule.placement
         act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
         local = [s + 1 < stages and placement[s + 1] == placement[s] for s in range(stages)]  # s -> s+1 on one rank
@@ -384,6 +444,10 @@ class _Run:
         self.parts = [(self.programs[r], self.ends[r], *self.memory[r], self.links[r]) for r in range(pp)]
         self.special = [streamed is not None or self.b_shrink is not None for streamed in self.streamed]
         self.messages = (self.channels, self.waiting, self.msg_f, self.msg_b, act_in, grad_out)
+        # Whether the memory curves are written as the run goes ([Note: replayed memory]).
+        self.records = records or any(self.special)
+        self.replay = None if self.records else _Replay(self.programs, self.f_alloc, self.b_alloc, self.free_bytes,
+                                                        act_in, grad_out)
 
     def trace(self) -> Trace:
         """Runs every rank until none can ([Note: event-driven run]); raises ScheduleError
@@ -397,14 +461,15 @@ class _Run:
                 state.live = link.finish(state.live)
         states = self.states
         return Trace([s.t for s in states], [s.busy for s in states], [s.peak_inflight for s in states],
-                     [s.peak for s in states], self.memory, self.ends, [link.peak_host for link in self.links],
-                     [link.waited for link in self.links], dict(self.channels))
+                     [s.peak for s in states], self.memory if self.records else None, self.ends,
+                     [link.peak_host for link in self.links], [link.waited for link in self.links],
+                     dict(self.channels), self.replay)
 
     def advance(self, r: int) -> None:
         """Runs rank r's program from where it stands until it parks on a batch whose
         partners have not all posted, or ends."""
         program, rank_ends, mem_t, mem_v, link = self.parts[r]
-        state, moved, special = self.states[r], link.moved, self.special[r]
+        state, moved, special, records = self.states[r], link.moved, self.special[r], self.records
         free_bytes, f_alloc, b_alloc = self.free_bytes, self.f_alloc, self.b_alloc
         fcost, bcost, wcost = self.costs
         pc, t, live, peak = state.pc, state.t, state.live, state.peak
@@ -422,10 +487,13 @@ class _Run:
                     live, released = link.free((instr.buf, instr.stage, instr.mb), free_bytes[instr.buf][instr.stage],
                                                t, live)
                     live -= released
+                    mem_t.append(t)
+                    mem_v.append(live)
                 else:
                     live -= free_bytes[instr.buf][instr.stage]
-                mem_t.append(t)
-                mem_v.append(live)
+                    if records:
+                        mem_t.append(t)
+                        mem_v.append(live)
             elif op is F or op is B or op is W:
                 s = instr.stage
                 if op is F:
@@ -445,11 +513,14 @@ class _Run:
                         live += grow
                         if live > peak:
                             peak = live
-                        mem_t.append(t)
-                        mem_v.append(live)
+                        if records:
+                            mem_t.append(t)
+                            mem_v.append(live)
                     t += spend
                     rank_ends[pc] = t
                 busy += spend
+            elif not records and (op is OFFLOAD or op is RELOAD):
+                raise _Records  # the host link writes memory points: run again writing them all
             elif op is OFFLOAD:  # asynchronous copies: [Note: host link]
                 live, rank_ends[pc] = link.offload((instr.buf, instr.stage, instr.mb),
                                                    free_bytes[instr.buf][instr.stage], t, live)
@@ -511,7 +582,7 @@ class _Run:
         batch, clock, live, peak); when a receive waits, the rank is parked on the batch."""
         program, rank_ends, mem_t, mem_v, link = self.parts[r]
         channels, waiting, msg_f, msg_b, act_in, grad_out = self.messages
-        moved = link.moved
+        moved, records = link.moved, self.records
         if moved:
             live = link.drain(t, live)
         post = batch_end = t
@@ -542,8 +613,9 @@ class _Run:
                 live += act_in[instr.stage] if op is RECV_F else grad_out[instr.stage]
                 if live > peak:
                     peak = live
-                mem_t.append(t)
-                mem_v.append(live)
+                if records:
+                    mem_t.append(t)
+                    mem_v.append(live)
                 k = len(mine)
                 mine.append(post)
                 if len(theirs) <= k:  # a receive whose send is not posted yet

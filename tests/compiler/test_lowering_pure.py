@@ -8,9 +8,14 @@ import hashlib
 
 import pytest
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from pipeschedule import Schedule, compile_schedule, generate, lower, verify
+from pipeschedule.compiler.passes import PASSES
 from pipeschedule.compiler.families import FAMILIES, family_virtual
 from pipeschedule.simulate import simulate
+from strategies import examples, schedule_params
 
 
 def measured(stages: int):
@@ -78,3 +83,34 @@ def test_compile_with_cost_gives_the_programs_it_gave_before(name):
     schedule = compile_schedule(name, pp=4, microbatches=6, virtual=virtual,
                                 cost=measured(4 * family_virtual(name, virtual)))
     assert hashlib.sha256(schedule.to_json().encode()).hexdigest()[:16] == GOLDEN[name]
+
+
+def passes_one_by_one(schedule, cost=None):
+    """The plain rule `lower` stands for: every pass of PASSES in turn."""
+    for lowering_pass in PASSES:
+        schedule = lowering_pass(schedule, cost=cost)
+    return schedule
+
+
+@settings(max_examples=examples(150), deadline=None)
+@given(schedule_params(max_pp=6, max_m=10, max_v=3), st.booleans(), st.booleans())
+def test_lower_is_its_passes_one_by_one(family_params, costed, evaluation):
+    # `lower` hands each merged order to add_frees' rule without building it: the same
+    # programs as the passes run in turn, under unit costs and measured ones, for
+    # training and forward-only orders.
+    family, params = family_params
+    order = generate(family, **params)
+    cost = measured(order.num_stages) if costed else None
+    if evaluation:  # the forwards alone, as passes.forward_only lowers them
+        order = Schedule(order.name, order.pp, order.virtual, order.microbatches, order.placement,
+                         tuple(tuple(i for i in p if i.op.value == "F") for p in order.programs), order.params,
+                         forward_only=True)
+    expected = passes_one_by_one(order, cost)
+    assert lower(order, cost) == expected
+    assert lower(order, cost).programs == expected.programs
+
+
+def test_the_passes_one_by_one_differ_from_a_compute_order():
+    # So that the test above compares something: the passes add messages and frees.
+    order = generate("interleaved_1f1b", pp=2, microbatches=4, virtual=2)
+    assert passes_one_by_one(order) != order and len(passes_one_by_one(order).programs[0]) > len(order.programs[0])

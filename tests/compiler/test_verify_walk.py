@@ -2,7 +2,8 @@
 of rules 1, 2 and 5. It is pinned here to the rule functions: on valid schedules of
 every family (split backward, V placement, offload, forward-only) and on mutated ones,
 it passes exactly when the three rules pass, collects exactly what `_communication`
-does, and `verify` names the same first error as running `RULES` one by one."""
+does, and `verify` names the same first error as running `RULES` one by one. Rule 4's
+check is compared with a direct reading of it on the same edits."""
 
 import sys
 
@@ -217,3 +218,70 @@ def test_every_single_aimed_edit_of_small_schedules(name, virtual):
                 programs[rank] = tuple(edited)
                 agree(Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches,
                                schedule.placement, tuple(programs), schedule.params), whole=False)
+
+
+# -- rule 4 ------------------------------------------------------------------------------------
+
+
+def deadlock_by_messages(schedule):
+    """Rule 4 read directly: a rank posts each batch when it reaches it, every message
+    posted counts down what its partner batch waits for, and a rank moves past a batch
+    whose count is 0. Returns the blocked ranks and the first step of each one's batch."""
+    sends, recvs, batches, rank_batches = checks._communication(schedule)
+    partners = [[] for _ in batches]
+    for key, (_, out) in sends.items():
+        for a, b in zip(out, recvs.get(key, ((), ()))[1]):
+            partners[a].append(b)
+            partners[b].append(a)
+    unposted, posted = list(map(len, partners)), [False] * len(batches)
+    nexts, moved = [0] * schedule.pp, True
+    while moved:  # sweep the ranks until none moves
+        moved = False
+        for rank, mine in enumerate(rank_batches):
+            while nexts[rank] < len(mine):
+                batch = mine[nexts[rank]]
+                if not posted[batch]:
+                    posted[batch] = moved = True
+                    for other in partners[batch]:
+                        unposted[other] -= 1
+                if unposted[batch]:
+                    break
+                nexts[rank] += 1
+                moved = True
+    return {r: batches[rank_batches[r][nexts[r]]][1] for r in range(schedule.pp) if nexts[r] < len(rank_batches[r])}
+
+
+def deadlock_agrees(schedule) -> bool:
+    """check_deadlock blocks the ranks, at the steps, that the direct reading does;
+    returns whether the schedule deadlocks."""
+    blocked = deadlock_by_messages(schedule)
+    found = outcome(lambda: checks.check_deadlock(schedule))
+    if not blocked:
+        assert found is None
+        return False
+    rule, rank, index, text = found
+    first = min(blocked)
+    assert (rule, rank, index) == ("deadlock", first, blocked[first])
+    shown = ", ".join(f"rank {r} at step {blocked[r]} ({schedule.programs[r][blocked[r]]})"
+                      for r in sorted(blocked)[:8])
+    assert shown in text
+    return True
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(mutants())
+def test_check_deadlock_agrees_with_the_direct_reading(schedule):
+    deadlock_agrees(schedule)
+
+
+@pytest.mark.parametrize("name,virtual", SMALL)
+def test_check_deadlock_on_every_single_aimed_edit(name, virtual):
+    base = compile_schedule(name, pp=3, microbatches=3, virtual=virtual)
+    deadlocks = 0
+    for rank, program in enumerate(base.programs):
+        for edited in single_edits(list(program), base.pp):
+            programs = list(base.programs)
+            programs[rank] = tuple(edited)
+            deadlocks += deadlock_agrees(Schedule(base.name, base.pp, base.virtual, base.microbatches, base.placement,
+                                                  tuple(programs), base.params))
+    assert deadlocks > 0  # the comparison met deadlocks, not only schedules that finish

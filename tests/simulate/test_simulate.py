@@ -15,7 +15,9 @@ from pipeschedule.errors import FormatError, ParameterError, ScheduleError
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, COMPUTE_OPS, SEND_OPS, Instr, Op, Schedule
 from pipeschedule.compiler.passes import lower
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 from pipeschedule.simulate import CostModel, SimResult, load_cost, simulate
+from pipeschedule.simulate.engine import EventLog, MemoryCurves, _Run
 from strategies import build, examples, schedule_params
 
 MICROBATCHES = (1, 2, 3, 4, 5, 8, 13)
@@ -521,3 +523,57 @@ def test_weight_stash_with_boundaries_exceeds_the_ledger_by_at_most_one_gradient
     for rank in range(schedule.pp):
         ledger = replay_high_water(schedule, rank, sizes, resized)
         assert ledger <= result.peak_bytes[rank] <= ledger + sizes_by_kind["grad_in"], (rank, ledger, result.peak_bytes)
+
+
+# -- replayed memory curves ([Note: replayed memory] in engine.py) -------------------------------
+
+
+def written_curves(schedule, cost):
+    """The memory curves of a run that writes every change as it goes (the plain rule)."""
+    trace = _Run(schedule, cost, records=True).trace()
+    assert trace.replay is None
+    return MemoryCurves(trace.memory), EventLog(schedule.programs, trace.ends, trace.waits, trace.channels)
+
+
+@settings(max_examples=examples(120), deadline=None)
+@given(schedule_params(max_pp=6, max_m=10, max_v=3), st.data())
+def test_replayed_memory_curves_are_the_written_ones(family_params, data):
+    family, params = family_params
+    schedule = build(family, params)
+    stages = schedule.num_stages
+    times = st.lists(st.sampled_from([0, 1, 2.5, Fraction(1, 3)]), min_size=stages, max_size=stages)
+    cost = CostModel(
+        tuple(data.draw(times)), tuple(data.draw(times)), tuple(data.draw(times)),
+        {k: tuple(data.draw(times)) for k in BUFFERS if data.draw(st.booleans())},
+        latency=data.draw(st.sampled_from([0, 0.5, 2])), bandwidth=data.draw(st.sampled_from([math.inf, 1, 4])),
+    )
+    if sum(cost.forward) + sum(cost.backward) + sum(cost.weight) == 0:
+        return
+    result = simulate(schedule, cost)
+    assert result.memory._changes is None  # replayed: nothing moves, no stash is resized
+    curves, events = written_curves(schedule, cost)
+    assert [list(result.memory[r]) for r in range(schedule.pp)] == [list(curves[r]) for r in range(schedule.pp)]
+    assert list(result.events) == list(events)
+    for rank, curve in enumerate(result.memory):
+        assert max(b for _, b in curve) == result.peak_bytes[rank]
+
+
+def test_a_replayed_curve_differs_where_the_bytes_do():
+    # The comparison above can fail: the replay reads the same byte tables the run counts.
+    schedule = lowered("1f1b", pp=3, microbatches=4)
+    cost = CostModel.default(schedule)
+    curves, _ = written_curves(schedule, cost)
+    replayed = simulate(schedule, cost).memory
+    assert replayed == curves
+    trace_replay = replayed._replay
+    trace_replay.free_bytes = {**trace_replay.free_bytes, "stash": (0,) * schedule.num_stages}
+    replayed._curves.clear()
+    assert replayed != curves
+
+
+def test_offload_and_resized_stashes_write_their_curves():
+    schedule = add_offload(lowered("1f1b", pp=3, microbatches=4), OffloadPolicy(fraction=1.0, lead=0))
+    cost = CostModel.default(schedule)
+    result = simulate(schedule, cost)
+    assert result.memory._changes is not None  # the second, writing run
+    assert result.memory == written_curves(schedule, cost)[0]
