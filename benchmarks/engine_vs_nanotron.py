@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from integration.nanotron.example import TrainerConfig
-from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, versions, write_results
+from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, versions, write_results
 
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
 AFAB_MAX_M = 8  # AFAB keeps every microbatch's activations: at m = 32 stage 0 alone needs ~64 GiB here
@@ -115,7 +112,7 @@ def _host_times(engine) -> dict:
     """Where this rank's host time went in the engine's last training step (the
     executor's `StepTimes`: stage forwards and autograd backwards, posting and finishing
     batches, blocked in waits, and the executor's own rest)."""
-    times = [runner.executor.times for (_, _, train), runner in engine._runners.items() if train][0]
+    times = engine.training_times()
     return {"total_s": times.total_s, "compute_s": times.compute_s, "transport_s": times.transport_s,
             "wait_s": times.wait_s, "overhead_s": times.overhead_s, "instructions": times.instructions}
 
@@ -126,14 +123,8 @@ def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds
     path = work / f"{name}.yaml"
     path.write_text(config.yaml(str(work / f"checkpoints-{name}")))
     out = work / f"{name}.json"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PP), "--master-port", str(port),
-               "-m", "benchmarks.engine_vs_nanotron", "--rank-main", str(path), str(out),
-               ",".join(map(str, microbatches)), str(warmup), str(rounds)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = torchrun(PP, ["-m", "benchmarks.engine_vs_nanotron", "--rank-main", str(path), str(out),
+                           ",".join(map(str, microbatches)), str(warmup), str(rounds)], timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{name}: torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}")
     rows = json.loads(out.read_text())

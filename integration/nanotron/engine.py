@@ -199,10 +199,22 @@ class PipescheduleEngine(PipelineEngine):
         and per-instruction trace cover the last step), or None before the first
         `train_batch_iter`. Raises if the engine trained at several (pg, m): the ledger
         would be ambiguous."""
-        ledgers = [runner.executor.ledger for (_, _, train), runner in self._runners.items() if train]
-        if len(ledgers) > 1:
-            raise EngineRuntimeError(f"this engine ran {len(ledgers)} training configurations; the ledger is ambiguous")
-        return ledgers[0] if ledgers else None
+        executor = self._training_executor("ledger")
+        return None if executor is None else executor.ledger
+
+    def training_times(self):
+        """The `StepTimes` of this rank's executor for the last training step (host seconds
+        in computes, transport and waits), or None before the first `train_batch_iter`;
+        raises as `training_ledger` does."""
+        executor = self._training_executor("step times")
+        return None if executor is None else executor.times
+
+    def _training_executor(self, what: str):
+        executors = [runner.executor for (_, _, train), runner in self._runners.items() if train]
+        if len(executors) > 1:
+            raise EngineRuntimeError(f"this engine ran {len(executors)} training configurations; the {what} "
+                                     "would be ambiguous")
+        return executors[0] if executors else None
 
     def split_report(self) -> dict:
         """stage -> `SplitReport` of this rank's stages, from the runs so far (split-backward
@@ -289,7 +301,7 @@ class AutoEngine(PipescheduleEngine):
             budget = torch.cuda.get_device_properties(device).total_memory - reserve * 2**30
         else:
             static, budget = 0.0, float("inf")
-        times = [runner.executor.times for (_, _, train), runner in self._runners.items() if train][0]
+        times = self.training_times()
         forward, backward = times.forward_s / m, (times.compute_s - times.forward_s) / m  # one stage per rank
         figures = [None] * pg.size()
         dist.all_gather_object(figures, (static, stash, budget, forward, backward, _host_bandwidth(device, stash)),

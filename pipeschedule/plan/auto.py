@@ -42,11 +42,11 @@ from dataclasses import dataclass, replace
 
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.ir import BUFFERS
-from pipeschedule.compiler.offload import OffloadPolicy
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 from pipeschedule.compiler.passes import lower
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memory import GiB
-from pipeschedule.plan.offload import evaluate_offload, streamed_device_peak
+from pipeschedule.plan.offload import streamed_device_peak
 from pipeschedule.simulate import CostModel, simulate
 
 STREAM_MIB = 64  # chunk of the streamed offload auto chooses (the H200 runs streamed 64 MiB chunks)
@@ -154,9 +154,9 @@ def _offload_candidate(pp: int, m: int, measured: Measured, cost: CostModel) -> 
     if any(measured.stash[r] / measured.host_bandwidth[r] > measured.forward_s[r] for r in over):
         return None
     policy = OffloadPolicy(1.0, over, 1, chunk=STREAM_MIB * 2**20)
-    result = evaluate_offload(_compiled(pp, m, None), cost, policy)
-    peaks = tuple(measured.static[r] + (streamed_device_peak(result.peak_after[r], [measured.stash[r]]) if r in over
-                                        else result.peak_after[r]) for r in range(pp))
+    result = simulate(add_offload(_compiled(pp, m, None), policy), policy.cost(cost))
+    peaks = tuple(measured.static[r] + (streamed_device_peak(result.peak_bytes[r], [measured.stash[r]]) if r in over
+                                        else result.peak_bytes[r]) for r in range(pp))
     if any(p > b for p, b in zip(peaks, measured.budget)):
         return None
     ranks = "/".join(map(str, over))
