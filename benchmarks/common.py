@@ -19,7 +19,9 @@ import datetime
 import json
 import os
 import platform
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -102,6 +104,18 @@ def versions(commit: str | None = None) -> dict:
     return info
 
 
+def torchrun(nproc: int, args: list[str], *, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m torch.distributed.run --nproc-per-node nproc` on a free local port with
+    `args` (e.g. `["-m", "module", ...]`), unbuffered; the finished process, output captured."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(port), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
 def write_results(stem: str, report: dict, markdown: str | None = None, out: Path | None = None) -> list[Path]:
     """`report` as `out/stem.json` and `markdown` as `out/stem.md` (out: RESULTS);
     returns the paths written."""
@@ -117,5 +131,5 @@ def write_results(stem: str, report: dict, markdown: str | None = None, out: Pat
 
 __all__ = [
     "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER", "cpu_model", "git_commit",
-    "machine", "torch_version", "versions", "write_results",
+    "machine", "torchrun", "torch_version", "versions", "write_results",
 ]

@@ -25,17 +25,14 @@ Writes benchmarks/results/trainer.json (raw) and trainer.md (tables); prints the
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_TRAINER, versions, write_results
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, versions, write_results
 from integration.nanotron.example import TrainerConfig
 
 ENGINES = ("1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1")
@@ -55,14 +52,8 @@ def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list
     path = work / f"{name}.yaml"
     path.write_text(config.yaml(str(work / f"checkpoints-{name}")))
     record = work / f"record-{name}"
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(config.world),
-               "--master-port", str(port), "-m", "integration.nanotron.train", "--config-file", str(path),
-               "--record", str(record)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = torchrun(config.world, ["-m", "integration.nanotron.train", "--config-file", str(path),
+                                     "--record", str(record)], timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"{config.engine}: torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}")
     return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(config.world)]

@@ -20,16 +20,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, versions, write_results
+from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, versions, write_results
 from integration.nanotron.example import TrainerConfig
 
 PAIRS = (("1f1b", "ps_1f1b"), ("afab", "ps_afab"))
@@ -138,15 +135,9 @@ def main(argv=None) -> int:
                            fp32_accumulation=True, **sizes)
     path = work / "config.yaml"
     path.write_text(config.yaml(str(work / "checkpoints")))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     pairs = ",".join(f"{a}:{b}" for a, b in PAIRS)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(PP), "--master-port", str(port),
-               "-m", "benchmarks.diagnostics.engine_profile", "--rank-main", str(path), str(work), pairs,
-               str(args.microbatches), str(1 if args.smoke else args.steps)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = torchrun(PP, ["-m", "benchmarks.diagnostics.engine_profile", "--rank-main", str(path), str(work), pairs,
+                           str(args.microbatches), str(1 if args.smoke else args.steps)], timeout=900)
     if result.returncode != 0:
         print(f"torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}", file=sys.stderr)
         return 1
