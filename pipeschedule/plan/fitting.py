@@ -129,15 +129,15 @@ def offloaded(planner, cand: Candidate, ranks: Sequence[int], stream: int | None
     moved = add_offload(schedule, policy)
     footprints = stage_footprints(config.model, config.setup, cand.split, cand.recomputed)
     link = dict(offload_bandwidth=config.host_bandwidth, reload_bandwidth=config.host_bandwidth)
-    cost = replace(planner.cost(cand.split, stash_buffers(footprints), False, cand.recomputed), **link)
+    stashes = stash_buffers(footprints)
+    cost = replace(planner.cost(cand.split, stashes, False, cand.recomputed), **link)
     stash = simulate(moved, policy.cost(cost))
     peak_stash = list(stash.peak_bytes)
     if stream is not None:  # [Note: streamed offload floor]
-        per_stage = stash_buffers(footprints)["stash"]
         for r in ranks:
-            mine = [per_stage[s] for s, owner in enumerate(schedule.placement) if owner == r]
+            mine = [stashes["stash"][s] for s, owner in enumerate(schedule.placement) if owner == r]
             peak_stash[r] = streamed_device_peak(peak_stash[r], mine)
-    timing_cost = replace(planner.cost(cand.split, p2p_buffers(footprints) | stash_buffers(footprints), False,
+    timing_cost = replace(planner.cost(cand.split, p2p_buffers(footprints) | stashes, False,
                                        cand.recomputed), **link)
     timing = simulate(moved, policy.cost(timing_cost))
     memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash,
