@@ -157,7 +157,7 @@ class StepPeaks:
     `reserved`. (benchmarks/results/growth.json of 2026-12-03 ran three steps and so
     recorded the optimizer's part only: nanotron's 1F1B and capped 1F1B with cap 1 showed
     the same stage-0 peak, 7.84 GiB, where the pipeline's part was 9.32 GiB under 1F1B,
-    as the memory model predicted; growth_phases.md.)
+    as the memory model predicted; docs/memory_calibration.md.)
     """
 
     def __init__(self) -> None:
