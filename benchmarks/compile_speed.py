@@ -435,7 +435,14 @@ def markdown(result: dict) -> str:
         lines += [f"The grid's cell of the same size below (best of {OURS_REPEAT}) took {same[0]['ours_total']:.3f} s "
                   f"({100 * (same[0]['ours_total'] / h['ours_total'] - 1):+.0f}% against the best of {h['repeat']}); "
                   "runs on this shared machine vary by that much.", ""]
-    lines += [
+    lines += _growth_markdown(result)
+    if result.get("profile"):
+        lines += ["## Profile of ours (headline)", "", "```", result["profile"].strip(), "```", ""]
+    return "\n".join(lines)
+
+def _growth_markdown(result: dict) -> list[str]:
+    """The growth grid's section of `markdown`: the table, skipped PyTorch cells, fitted exponents."""
+    lines = [
         f"## Growth (virtual={result['grid'][0]['virtual']}; ours best of {OURS_REPEAT} per cell, PyTorch one run, "
         f"best of {SMALL_REPEAT} below {SMALL_S} s)",
         "",
@@ -463,9 +470,7 @@ def markdown(result: dict) -> str:
               "Bare walk: the time to read one field of every lowered instruction and nothing else, best of 3, "
               "over the lowered programs and over copies made in program order ([Note: walk probe] in "
               "benchmarks/compile_speed.py): the least any pass over the IR pays per instruction at that size.", ""]
-    if result.get("profile"):
-        lines += ["## Profile of ours (headline)", "", "```", result["profile"].strip(), "```", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def summarize_growth(fit: dict, cells) -> str:
