@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import statistics
 import sys
 import time
@@ -133,6 +134,47 @@ def syncs(fn, device) -> int | None:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+# [Note: host CPU overhead] At micro-batch size 1 the step is host-bound, and the
+# difference of two steps' wall times carries whatever the host did meanwhile: another
+# process on its core, a page fault, the GPU driver's threads. Those hit the executor and
+# the baseline at random, by several ms either way (runs gpu_overhead_run{1,2,3}: -0.64%,
+# +0.79%, +2.70% from the same code). The CPU time of the one thread that issues the step
+# (`time.thread_time`, from the call until it returns) leaves out time the thread was
+# not running; it holds everything the thread did: the executor's own Python, its
+# launches, and any spin in a synchronising call. So the paired median of (executor CPU
+# - baseline CPU) is the host work the executor adds, which is what a host-bound step
+# pays; `overhead_cpu_fraction` sets it against the executor's median wall step. Each
+# timed call starts after a full collection, so the collector's work during it is the
+# call's own (it is not switched off: the executor's garbage is part of its cost).
+
+
+def timed_rounds(variants: dict, *, warmup: int, rounds: int, before, device) -> dict:
+    """Per variant: wall step ("step"), wall until the call returns ("host") and the
+    calling thread's CPU time until then ("cpu") of each measured round, the variants
+    interleaved (round r starts with the r-th; see the module docstring)."""
+    runs = {key: {"step": [], "host": [], "cpu": []} for key in variants}
+    keys = list(variants)
+    for r in range(warmup + rounds):
+        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+            before()
+            gc.collect()
+            sync(device)
+            start, cpu = time.perf_counter(), time.thread_time()
+            variants[key]()
+            issued, cpu = time.perf_counter(), time.thread_time() - cpu
+            sync(device)
+            if r >= warmup:
+                runs[key]["step"].append(time.perf_counter() - start)
+                runs[key]["host"].append(issued - start)
+                runs[key]["cpu"].append(cpu)
+    return runs
+
+
+def paired_median(runs: dict, figure: str) -> float:
+    """Median over rounds of executor minus baseline (`ordered`) in the same round."""
+    return statistics.median(e - o for e, o in zip(runs["executor"][figure], runs["ordered"][figure]))
+
+
 def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int, warmup: int,
                  microbatch_size: int, split: tuple[int, ...]) -> dict:
     """`steps` measured rounds after `warmup` (see the module docstring); raw and summary
@@ -183,19 +225,7 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
         for p in params:
             p.grad = None
 
-    runs = {key: {"step": [], "host": []} for key in variants}
-    keys = list(variants)
-    for r in range(warmup + steps):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-            zero_grads()
-            sync(device)
-            start = time.perf_counter()
-            variants[key]()
-            issued = time.perf_counter()
-            sync(device)
-            if r >= warmup:
-                runs[key]["step"].append(time.perf_counter() - start)
-                runs[key]["host"].append(issued - start)
+    runs = timed_rounds(variants, warmup=warmup, rounds=steps, before=zero_grads, device=device)
     host_times = {key: sum(getattr(e.times, key) for e in pipeline.executors)  # before the profiled steps
                   for key in ("compute_s", "transport_s", "wait_s", "total_s")}
     for key, fn in variants.items():
@@ -205,7 +235,8 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
         runs[key]["profile"] = gpu_busy(fn, device)
     zero_grads()
     median = {key: statistics.median(run["step"]) for key, run in runs.items()}
-    paired = statistics.median(e - o for e, o in zip(runs["executor"]["step"], runs["ordered"]["step"]))
+    paired = paired_median(runs, "step")
+    paired_cpu = paired_median(runs, "cpu")
     pipe = median["executor"]
     return {
         "schedule": "1f1b", "pp": pp, "microbatches": m, "microbatch_size": microbatch_size,
@@ -214,6 +245,7 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
         "pure_compute_s": median["ordered"], "executor_step_s": pipe,
         "overhead_s": paired, "overhead_fraction": paired / pipe,
         "overhead_us_per_instruction": paired / instructions * 1e6,
+        "overhead_cpu_s": paired_cpu, "overhead_cpu_fraction": paired_cpu / pipe,
         "runs": runs,
         "executor_host_times_last_step": host_times,
     }
@@ -225,29 +257,34 @@ def overhead_lines(results: list[dict]) -> list[str]:
     lines = [f"## Executor overhead (in-process, one GPU, 1f1b, m={results[0]['microbatches']})", "",
              "Baseline: the same forward and backward calls in the same order from a plain loop (`ordered`); "
              "overhead: the median over rounds of executor minus baseline in the same round, against the "
-             "executor's median step (benchmarks/gpu_overhead.py).", "",
+             "executor's median step; host CPU: the same pairing over the issuing thread's CPU time "
+             "([Note: host CPU overhead] in benchmarks/gpu_overhead.py).", "",
              "| micro-batch size | baseline ms | through the executor ms | overhead | per instruction us | "
-             "min to min |", "|---|---|---|---|---|---|"]
+             "min to min | host CPU overhead |", "|---|---|---|---|---|---|---|"]
     for o in results:
         minima = o.get("min_s")
         min_to_min = (f"{(minima['executor'] - minima['ordered']) / minima['executor']:+.2%}" if minima else "-")
+        cpu = (f"{o['overhead_cpu_s'] * 1e3:+.2f} ms ({o['overhead_cpu_fraction']:+.2%})"
+               if "overhead_cpu_s" in o else "-")
         lines.append(f"| {o.get('microbatch_size', 1)} | {o['pure_compute_s'] * 1e3:.2f} | "
                      f"{o['executor_step_s'] * 1e3:.2f} | {o['overhead_fraction']:+.2%} | "
-                     f"{o['overhead_us_per_instruction']:.1f} | {min_to_min} |")
+                     f"{o['overhead_us_per_instruction']:.1f} | {min_to_min} | {cpu} |")
     lines.append("")
     for o in results:
         if "median_s" not in o:  # a report from before the variants were split out
             continue
         lines += [f"Micro-batch size {o.get('microbatch_size', 1)}, {o['steps']} rounds, "
                   f"{o['instructions']} instructions and {o['compute_calls']} forward/backward calls per step:", "",
-                  "| variant | median ms | min ms | max ms | host ms (median) | GPU busy ms | kernels | syncs |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| variant | median ms | min ms | max ms | host ms (median) | host CPU ms (median) | GPU busy ms "
+                  "| kernels | syncs |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for key, run in o["runs"].items():
             prof = run.get("profile") or {}
             busy = f"{prof['busy_ms']:.1f}" if "busy_ms" in prof else "-"
+            cpu = f"{statistics.median(run['cpu']) * 1e3:.1f}" if run.get("cpu") else "-"
             lines.append(f"| {key} | {o['median_s'][key] * 1e3:.1f} | {min(run['step']) * 1e3:.1f} | "
-                         f"{max(run['step']) * 1e3:.1f} | {statistics.median(run['host']) * 1e3:.1f} | {busy} | "
-                         f"{prof.get('kernels', '-')} | {run.get('syncs', '-')} |")
+                         f"{max(run['step']) * 1e3:.1f} | {statistics.median(run['host']) * 1e3:.1f} | {cpu} | "
+                         f"{busy} | {prof.get('kernels', '-')} | {run.get('syncs', '-')} |")
         lines.append("")
     lines += ["GPU busy: one profiled step, the union of kernel and copy intervals; syncs: synchronising CUDA calls "
               "in one step (sync-debug mode). Where the host time comes near the GPU busy time the step is "
