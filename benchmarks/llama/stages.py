@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.llama.model import DecoderLayer, FinalNorm, LMHead, Loss, ModelConfig, TokenEmbedding
+from pipeschedule.runtime.stages import module_state
 
 
 class LlamaStages:
@@ -36,10 +37,16 @@ class LlamaStages:
         logits = self.head(self.norm(x)["hidden_states"])["logits"]
         return self.loss(logits, target["label_ids"], target["label_mask"])["loss"]
 
-    def parameters(self, stage: int):
+    def modules(self, stage: int) -> list[torch.nn.Module]:
         modules = list(self.layers[stage])
         if stage == 0:
             modules.append(self.embedding)
         if stage == len(self.split) - 1:
             modules += [self.norm, self.head]
-        return [p for module in modules for p in module.parameters()]
+        return modules
+
+    def parameters(self, stage: int):
+        return [p for module in self.modules(stage) for p in module.parameters()]
+
+    def state(self, stage: int) -> tuple:
+        return module_state(self.modules(stage))

@@ -32,6 +32,7 @@ from integration.nanotron.stage_call import StageCall, consumer_tracking, one_st
 from pipeschedule.compiler.ir import Instr, Op, Schedule  # noqa: E402
 from pipeschedule.runtime import DistTransport, Executor, RemoteOutput  # noqa: E402
 from pipeschedule.runtime.ledger import signature_of  # noqa: E402
+from pipeschedule.runtime.stages import module_state  # noqa: E402
 
 LAYOUT_WAIT_S = 60.0  # how long a receiving rank waits for its sender's boundary layout
 
@@ -194,6 +195,9 @@ class ModelStages:
         return itertools.chain.from_iterable(
             itertools.chain(b.parameters(), b.buffers()) for b in self.blocks if self.stage_of[id(b)] == stage
         )
+
+    def state(self, stage: int) -> tuple:
+        return module_state(b for b in self.blocks if self.stage_of[id(b)] == stage)
 
 
 class NanotronExecutor(Executor):

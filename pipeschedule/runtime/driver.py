@@ -31,7 +31,8 @@ class StepTimes:
     (`compute_s`, of which `forward_s` in forwards), posting and finishing batches
     (`transport_s`), blocked in waits (`wait_s`), in all (`total_s`); `instructions`
     counts those run. The executor's own overhead is `total_s - compute_s - transport_s
-    - wait_s`. On a GPU the compute times are those of launching the work, unless the
+    - wait_s`; `measured` counts the F whose stash was measured with saved-tensor hooks
+    ([Note: what the ledger counts]). On a GPU the compute times are those of launching the work, unless the
     executor's `exact_times` is set (then it synchronises around each F, B and W)."""
 
     start: float = 0.0
@@ -41,6 +42,7 @@ class StepTimes:
     transport_s: float = 0.0
     wait_s: float = 0.0
     instructions: int = 0
+    measured: int = 0
 
     @property
     def overhead_s(self) -> float:

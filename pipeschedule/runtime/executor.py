@@ -26,8 +26,9 @@
   for B, so a stage never holds its outputs until backward. Outputs that are views, or
   that are the act_in itself, are only dropped, not emptied.
 - Stash bytes: F measures what autograd saves with the ledger's saved-tensor hooks
-  ([Note: what the ledger counts]) on the first F of each stage and input signature in a
-  step (`measure_stash="first"`) or on every F (`"every"`); a stash that may be offloaded
+  ([Note: what the ledger counts]) on the first F of each stage and input signature
+  (`measure_stash="first"`: again each step, or only when the stage's `Stages.state`
+  changed where the stages give one) or on every F (`"every"`); a stash that may be offloaded
   is always packed through them. Where no hooks ran, autograd keeps its own shallow copy
   of a saved output, so emptying the output's `.data` (below) is safe either way.
 - Shapes: each boundary tensor's shape is given (`shapes=`) or exchanged once
@@ -98,6 +99,7 @@ from pipeschedule.runtime.transport import P2P, Transport
 
 _LOG = logging.getLogger("pipeschedule.runtime")
 MEASURE_STASH = ("first", "every")
+STASH_SIZES_KEPT = 256  # measured stash sizes kept across steps, at most (then measured afresh)
 
 
 class Executor:
@@ -112,8 +114,9 @@ class Executor:
     `pool`: boundary buffers from a `BufferPool` (allocated once, reused across steps);
     False allocates each one afresh, as the caching allocator serves it.
     `measure_stash`: "first" (the default) measures the stash of the first F of each stage
-    and input signature in a step, and charges later ones of the same signature the same
-    bytes; "every" measures every F (for stages whose saved tensors vary with the data,
+    and input signature, and charges later ones of the same signature the same bytes, in
+    this step and, where `stages` has `state(stage)`, in later steps of the same state;
+    "every" measures every F (for stages whose saved tensors vary with the data,
     not only with the input shapes). See [Note: what the ledger counts] in ledger.
     `offload_chunk`: bytes; a stash the program offloads before its B streams to host
     memory in chunks of this size while F saves it, and back `reload_window` chunks ahead
@@ -147,6 +150,8 @@ class Executor:
         self._agreed = self._agreeing = False  # every rank runs this schedule ([Note: schedule agreement])
         self.shapes = Shapes(transport, shapes)
         self._history: deque[tuple[int, Instr]] = deque(maxlen=history)
+        self._stash_bytes: dict[tuple, int] = {}  # (stage, state, input signature) -> stash bytes
+        self._state_of = getattr(stages, "state", None)  # Stages.state, where given
         self._pc, self._waiting, self._broken = 0, None, False
         self.split = schedule.split_backward
         self.split_mode: dict[int, str] = {}  # stage -> "split" | "full", from its first F
@@ -186,7 +191,8 @@ class Executor:
                     yield from self._exchange(batch)
                     batch = []
                 self._pc = pc
-                self.offloader.poll()
+                if self.offloads:
+                    self.offloader.poll()
                 self._handler(instr)(instr)
                 self._ran(pc, instr)
             if batch:
@@ -205,7 +211,9 @@ class Executor:
         self._pc = 0
         self._losses: list[torch.Tensor | None] = [None] * self.schedule.microbatches
         self._persistent: dict[int, set[int]] = {}
-        self._stash_bytes: dict[tuple, int] = {}  # (stage, input signature) -> stash bytes, this step
+        self._states: dict[int, Any] = {}  # stage -> Stages.state this step
+        if self._state_of is None or len(self._stash_bytes) > STASH_SIZES_KEPT:
+            self._stash_bytes = {}  # measured afresh this step
         self._broken = True  # until the step completes; a failed or abandoned step leaves it set
         self.ledger.begin_step()
         self.times = StepTimes(start=time.perf_counter())
@@ -335,7 +343,7 @@ class Executor:
         signature = None
         if self.measure_stash == "first" and holders is None:
             try:
-                signature = (i.stage, self._input_signature(i, x, target))
+                signature = (i.stage, self._stage_state(i.stage), self._input_signature(i, x, target))
             except (RuntimeError, TypeError):  # inputs without plain sizes and strides (nested tensors): measure
                 pass
         stash_bytes = None if signature is None else self._stash_bytes.get(signature)
@@ -352,6 +360,7 @@ class Executor:
             self.times.forward_s += elapsed
         if stash_bytes is None:
             stash_bytes = sum(saved.values())
+            self.times.measured += 1
             if signature is not None:
                 self._stash_bytes[signature] = stash_bytes
         if weights is not None:
@@ -363,6 +372,12 @@ class Executor:
             landed = stream.end_forward()
             stash_bytes = sum(chunk.nbytes for chunk in stream.chunks)
         self.buffers.add(key, Stash(root, meta, weights, holders), stash_bytes, hosted=landed)
+
+    def _stage_state(self, stage: int):
+        """`Stages.state(stage)` once per step (None where the stages give none)."""
+        if stage not in self._states:
+            self._states[stage] = None if self._state_of is None else self._state_of(stage)
+        return self._states[stage]
 
     def _input_signature(self, i: Instr, x, target):
         """What F(i)'s saved tensors may depend on besides the values

@@ -19,8 +19,11 @@ program with these sizes (what the simulator does) gives the same curve exactly:
               act_out, since it outlives the send. The hooks cost a few microseconds of
               host time per saved tensor, so by default (`Executor(measure_stash=
               "first")`) only the first F of each stage and input signature
-              (`signature_of`: shapes, dtypes, grad mode) in a step runs under them; the
-              other F of that stage and signature are charged the same bytes. Exact
+              (`signature_of`: shapes, dtypes, grad mode) runs under them; the other F
+              of that stage and signature are charged the same bytes. The sizes last
+              one step, or, where the stages give `Stages.state` (training flags,
+              requires_grad, autocast: `module_state`), as long as the stage's state
+              is the same: in steady training no F runs under the hooks. Exact
               unless what a stage saves depends on the values of its inputs (e.g. routing
               in a mixture of experts): then `measure_stash="every"`.
     grad_out  nbytes of the received (at RECV_B) or locally handed-off (at B) gradient

@@ -23,6 +23,13 @@ executor runs F under a mode that defers the stage's `F.linear` weight gradients
 
 `stages.parameters(stage)` names the tensors of a stage that live across steps
 (parameters and module buffers); the memory ledger does not count them as stash.
+
+`stages.state(stage)` (optional) is a hashable value of what, besides its inputs' shapes,
+what F saves depends on and what may change between steps: modules' training flags
+(dropout keeps a mask only in training), parameters' requires_grad, autocast
+(`module_state` gives all three). Where it is given, a stash size measured once stays
+valid in later steps while the state is the same; where not, it is measured again each
+step ([Note: what the ledger counts]).
 """
 
 from __future__ import annotations
@@ -40,6 +47,24 @@ class Stages(Protocol):
     def forward(self, stage: int, mb: int, act_in: Any, target: Any | None) -> torch.Tensor: ...
 
     def parameters(self, stage: int) -> Iterable[torch.Tensor]: ...
+
+
+def module_state(modules: Iterable[nn.Module | None]) -> tuple:
+    """`Stages.state` of a stage made of `modules`: autocast, each submodule's training
+    flag and each parameter's requires_grad, in order."""
+    flags: list = [_autocast()]
+    for module in modules:
+        if module is not None:
+            flags.extend(m.training for m in module.modules())
+            flags.extend(p.requires_grad for p in module.parameters())
+    return tuple(flags)
+
+
+def _autocast() -> tuple:
+    try:
+        return torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4: no device argument
+        return torch.is_autocast_enabled(), torch.is_autocast_cpu_enabled()
 
 
 class ModuleStages:
@@ -62,3 +87,6 @@ class ModuleStages:
     def parameters(self, stage: int) -> Iterable[torch.Tensor]:
         chunk = self.chunks[stage]
         return chain(chunk.parameters(), chunk.buffers())
+
+    def state(self, stage: int) -> tuple:
+        return module_state([self.chunks[stage]])

@@ -1,8 +1,9 @@
 """The executor's stash measurement (`Executor(measure_stash=...)`,
-[Note: what the ledger counts]): "first" runs the ledger's saved-tensor hooks on the first F of each stage and
-input signature in a step and charges the others the same bytes; "every" runs them on
-every F. Both must give exact gradients, and the same ledger wherever what a stage saves
-depends only on the input shapes."""
+[Note: what the ledger counts]): "first" runs the ledger's saved-tensor hooks on the
+first F of each stage and input signature and charges the others the same bytes (in
+later steps too while the stage's `Stages.state` is the same); "every" runs them on
+every F. Both must give exact gradients, and the same ledger wherever what a stage
+saves depends only on the input shapes."""
 
 from __future__ import annotations
 
@@ -98,9 +99,9 @@ def test_value_dependent_stash_is_exact_only_with_every():
     assert sizes["first"] == (sizes["every"][0], sizes["every"][0])
 
 
-def test_the_measurement_starts_afresh_each_step():
+def test_the_measurement_starts_afresh_when_the_stage_state_changes():
     """A stage that saves more in its second step (dropout in training mode keeps a mask)
-    is measured again: the cache of sizes lasts one step."""
+    is measured again: its training flag is part of `Stages.state`."""
     schedule = lower(generate("1f1b", pp=2, microbatches=2))
     torch.manual_seed(0)
     chunks = [nn.Sequential(nn.Linear(width(0), width(1)), nn.Dropout(0.5)), nn.Linear(width(1), width(2))]
@@ -113,6 +114,64 @@ def test_the_measurement_starts_afresh_each_step():
     pipeline.step(inputs, targets)
     after = pipeline.executors[0].ledger.sizes["stash", 0, 1]
     assert after > before
+
+
+def test_steady_steps_measure_nothing_and_charge_the_same_bytes():
+    """With the stage state unchanged, only the first step runs the hooks; the ledger of
+    every later step equals the first one's and "every"'s."""
+    schedule = lower(generate("1f1b", pp=2, microbatches=4))
+    inputs, targets = make_data(2, 4)
+    cached = InProcessPipeline(schedule, ModuleStages(sigmoid_chunks(2), loss_fn), measure_stash="first")
+    every = InProcessPipeline(schedule, ModuleStages(sigmoid_chunks(2), loss_fn), measure_stash="every")
+    measured = []
+    for _ in range(3):
+        cached.step(inputs, targets)
+        measured.append([e.times.measured for e in cached.executors])
+    every.step(inputs, targets)
+    assert measured == [[1, 1], [0, 0], [0, 0]]
+    assert [e.ledger.trace for e in cached.executors] == [e.ledger.trace for e in every.executors]
+
+
+def test_freezing_a_layer_is_measured_again():
+    """A frozen layer changes what the stage saves (its input is no longer needed for the
+    weight gradient); requires_grad is part of `Stages.state`, so the next step measures
+    again."""
+    schedule = lower(generate("1f1b", pp=2, microbatches=2))
+    torch.manual_seed(0)
+    chunks = [nn.Sequential(nn.Linear(width(0), 6), nn.GELU(), nn.Linear(6, width(1))), nn.Linear(width(1), width(2))]
+    pipeline = InProcessPipeline(schedule, ModuleStages(chunks, loss_fn))
+    inputs, targets = make_data(2, 2)
+    pipeline.step(inputs, targets)
+    before = pipeline.executors[0].ledger.sizes["stash", 0, 0]
+    chunks[0][2].requires_grad_(False)
+    pipeline.step(inputs, targets)
+    assert pipeline.executors[0].times.measured == 1
+    frozen = pipeline.executors[0].ledger.sizes["stash", 0, 0]
+    every = InProcessPipeline(schedule, ModuleStages(chunks, loss_fn), measure_stash="every")
+    every.step(inputs, targets)
+    assert frozen == every.executors[0].ledger.sizes["stash", 0, 0] < before
+
+
+class Stateless:
+    """`Stages` without `state`: what the executor cannot tell about a step."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def forward(self, stage, mb, act_in, target):
+        return self.inner.forward(stage, mb, act_in, target)
+
+    def parameters(self, stage):
+        return self.inner.parameters(stage)
+
+
+def test_stages_without_state_are_measured_every_step():
+    schedule = lower(generate("1f1b", pp=2, microbatches=3))
+    pipeline = InProcessPipeline(schedule, Stateless(ModuleStages(sigmoid_chunks(2), loss_fn)))
+    inputs, targets = make_data(2, 3)
+    for _ in range(2):
+        pipeline.step(inputs, targets)
+        assert [e.times.measured for e in pipeline.executors] == [1, 1]
 
 
 def test_signature_separates_shapes_dtypes_grad_mode_and_structure():
