@@ -1,7 +1,7 @@
 """Executor overhead on one GPU (part 2 of `benchmarks.gpu`).
 
 All four stages of the Llama-style model run in ONE process on the GPU, as plain modules
-(`LlamaStages`). One 1F1B step (m microbatches) is timed four ways, the variants
+(`LlamaStages`). One 1F1B step (m microbatches) is timed five ways, the variants
 alternating round by round so that drift (clocks, allocator state, neighbours on the
 host) hits all of them alike:
 
@@ -14,13 +14,18 @@ host) hits all of them alike:
                output is detached into a leaf that requires grad, and each stage's
                backward is its own autograd call with the received gradient. This is
                the baseline: "the pure compute of the same forward and backward calls"
+    ordered_again
+               the baseline once more, as its own variant: its paired median against
+               `ordered` ("control") is what the method reads when nothing differs, the
+               noise floor of the overhead figure
     executor   `InProcessPipeline` running the compiled 1f1b schedule: everything the
                runtime adds (dispatch, buffer table, ledger, buffer pool copies, the
                in-process transport)
     executor_every
                the executor measuring every F's stash with the ledger's saved-tensor
                hooks (`measure_stash="every"`); the default measures the first F of
-               each stage and input signature per step, and the difference to
+               each stage and input signature once while the stage's state (training
+               flags, requires_grad, autocast) stays the same, and the difference to
                `executor` is what the hooks would cost on every F
 
 The variants are interleaved step by step (round r runs each variant once, starting
@@ -170,9 +175,9 @@ def timed_rounds(variants: dict, *, warmup: int, rounds: int, before, device) ->
     return runs
 
 
-def paired_median(runs: dict, figure: str) -> float:
-    """Median over rounds of executor minus baseline (`ordered`) in the same round."""
-    return statistics.median(e - o for e, o in zip(runs["executor"][figure], runs["ordered"][figure]))
+def paired_median(runs: dict, figure: str, variant: str = "executor") -> float:
+    """Median over rounds of `variant` minus baseline (`ordered`) in the same round."""
+    return statistics.median(e - o for e, o in zip(runs[variant][figure], runs["ordered"][figure]))
 
 
 def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int, warmup: int,
@@ -213,13 +218,17 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
             if s > 0:
                 grads[s - 1, mb] = x.grad
 
+    def ordered_again():
+        ordered()
+
     def executor():
         pipeline.step(inputs, targets)
 
     def executor_every():
         measuring_every.step(inputs, targets)
 
-    variants = {"fused": fused, "ordered": ordered, "executor": executor, "executor_every": executor_every}
+    variants = {"fused": fused, "ordered": ordered, "ordered_again": ordered_again, "executor": executor,
+                "executor_every": executor_every}
 
     def zero_grads():
         for p in params:
@@ -237,6 +246,7 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
     median = {key: statistics.median(run["step"]) for key, run in runs.items()}
     paired = paired_median(runs, "step")
     paired_cpu = paired_median(runs, "cpu")
+    control = paired_median(runs, "step", "ordered_again")
     pipe = median["executor"]
     return {
         "schedule": "1f1b", "pp": pp, "microbatches": m, "microbatch_size": microbatch_size,
@@ -246,6 +256,7 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
         "overhead_s": paired, "overhead_fraction": paired / pipe,
         "overhead_us_per_instruction": paired / instructions * 1e6,
         "overhead_cpu_s": paired_cpu, "overhead_cpu_fraction": paired_cpu / pipe,
+        "control_s": control, "control_fraction": control / pipe,
         "runs": runs,
         "executor_host_times_last_step": host_times,
     }
@@ -260,15 +271,16 @@ def overhead_lines(results: list[dict]) -> list[str]:
              "executor's median step; host CPU: the same pairing over the issuing thread's CPU time "
              "([Note: host CPU overhead] in benchmarks/gpu_overhead.py).", "",
              "| micro-batch size | baseline ms | through the executor ms | overhead | per instruction us | "
-             "min to min | host CPU overhead |", "|---|---|---|---|---|---|---|"]
+             "min to min | host CPU overhead | control |", "|---|---|---|---|---|---|---|---|"]
     for o in results:
         minima = o.get("min_s")
         min_to_min = (f"{(minima['executor'] - minima['ordered']) / minima['executor']:+.2%}" if minima else "-")
         cpu = (f"{o['overhead_cpu_s'] * 1e3:+.2f} ms ({o['overhead_cpu_fraction']:+.2%})"
                if "overhead_cpu_s" in o else "-")
+        control = f"{o['control_fraction']:+.2%}" if "control_fraction" in o else "-"
         lines.append(f"| {o.get('microbatch_size', 1)} | {o['pure_compute_s'] * 1e3:.2f} | "
                      f"{o['executor_step_s'] * 1e3:.2f} | {o['overhead_fraction']:+.2%} | "
-                     f"{o['overhead_us_per_instruction']:.1f} | {min_to_min} | {cpu} |")
+                     f"{o['overhead_us_per_instruction']:.1f} | {min_to_min} | {cpu} | {control} |")
     lines.append("")
     for o in results:
         if "median_s" not in o:  # a report from before the variants were split out
