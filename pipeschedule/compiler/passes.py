@@ -181,45 +181,30 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
     of the next stage goes after that stage's F, and act_out after its SEND_F's run, as
     in training.
     """
-    return schedule._with_trusted_programs(tuple(_with_frees(schedule, program) for program in schedule.programs))
+    programs = tuple(_lowered(schedule, *_gapped(program)) for program in schedule.programs)
+    return schedule._with_trusted_programs(programs)
 
 
-def _with_frees(schedule: Schedule, program) -> tuple:
-    """`add_frees` of one rank's program (any iterable of its instructions in order)."""
-    split = schedule.split_backward
-    forward_only = schedule.forward_only
-    last = schedule.num_stages - 1
-    out: list[Instr] = []
-    append = out.append
-    pending: list[Instr] = []  # frees waiting for the current comm run to end
-    for i in program:
+def _gapped(program) -> tuple[list, list]:
+    """A compute + communication program as `_lowered` takes it: its other instructions
+    in order, and the gap before each of them (and after the last): the run of
+    communication there, each as a gap entry (program index, 0, 0, kind, instr) in
+    program order, or None."""
+    others: list[Instr] = []
+    gaps: list = []
+    gap = None
+    for index, i in enumerate(program):
         op = i.op
-        if op is SEND_F or op is SEND_B:
-            append(i)
-            pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out" if op is SEND_F else "grad_in"))
-            continue
-        if op is RECV_F or op is RECV_B:
-            append(i)
-            continue
-        if pending:  # the run of communication ended: its frees go before what follows
-            out += pending
-            pending = []
-        append(i)
-        if op is F:
-            if forward_only:
-                append(make_instr(FREE, i.stage, i.mb, None, "act_in"))
-                append(make_instr(FREE, i.stage, i.mb, None, "stash"))
-        elif op is B:
-            stage, mb = i.stage, i.mb
-            append(make_instr(FREE, stage, mb, None, "act_in"))
-            if not split:  # else W frees the stash
-                append(make_instr(FREE, stage, mb, None, "stash"))
-            if stage < last:
-                append(make_instr(FREE, stage, mb, None, "grad_out"))
-        elif op is W:
-            append(make_instr(FREE, i.stage, i.mb, None, "stash"))
-    out.extend(pending)
-    return tuple(out)
+        if op is SEND_F or op is SEND_B or op is RECV_F or op is RECV_B:
+            if gap is None:
+                gap = []
+            gap.append((index, 0, 0, 0 if op is SEND_F or op is SEND_B else 1, i))
+        else:
+            others.append(i)
+            gaps.append(gap)
+            gap = None
+    gaps.append(gap)
+    return others, gaps
 
 
 PASSES = (add_communication, add_frees)
@@ -258,10 +243,52 @@ def lower(schedule: Schedule, cost=None) -> Schedule:
     lower to equal programs. Give the cost the order was generated with
     (`generate(..., cost=c)`) to place the messages as `compile_schedule(..., cost=c)` does."""
     # add_frees(add_communication(schedule, cost=cost)), the passes of PASSES, with each
-    # rank's merged order handed to add_frees' rule as it is made rather than built as a
-    # program of its own (4% of lowering pp=64, v=2, m=512). Pinned to PASSES by
-    # tests/compiler/test_lowering_pure.py.
+    # rank's merged order and its frees made in one loop (`_lowered`) rather than built
+    # as a program of its own. Pinned to PASSES by tests/compiler/test_lowering_pure.py.
     starts, times = _timed(schedule, cost)
     gaps = _gaps(schedule, starts, times)
-    return schedule._with_trusted_programs(
-        tuple(_with_frees(schedule, _merged(p, g)) for p, g in zip(schedule.programs, gaps)))
+    return schedule._with_trusted_programs(tuple(_lowered(schedule, p, g) for p, g in zip(schedule.programs, gaps)))
+
+
+def _lowered(schedule: Schedule, program, rank_gaps) -> tuple:
+    """One rank's lowered program: `program` (its instructions other than communication)
+    with each gap's messages, in production order, before the instruction they precede
+    (`_merged`), and add_frees' FREEs. A run of communication is exactly one gap (the
+    program's instructions stand between gaps), so the frees of a gap's sends go right
+    after the gap, and only the program's own instructions need their op looked at."""
+    split = schedule.split_backward
+    forward_only = schedule.forward_only
+    last = schedule.num_stages - 1
+    out: list[Instr] = []
+    append = out.append
+    n = len(program)
+    for pc, gap in enumerate(rank_gaps):
+        if gap is not None:
+            if len(gap) > 1:
+                gap.sort()
+            pending = []
+            for entry in gap:
+                i = entry[4]
+                append(i)
+                if not entry[3]:  # a send: its buffer is freed after the run
+                    pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out" if i.op is SEND_F else "grad_in"))
+            out += pending
+        if pc == n:
+            break
+        i = program[pc]
+        append(i)
+        op = i.op
+        if op is F:
+            if forward_only:
+                append(make_instr(FREE, i.stage, i.mb, None, "act_in"))
+                append(make_instr(FREE, i.stage, i.mb, None, "stash"))
+        elif op is B:
+            stage, mb = i.stage, i.mb
+            append(make_instr(FREE, stage, mb, None, "act_in"))
+            if not split:  # else W frees the stash
+                append(make_instr(FREE, stage, mb, None, "stash"))
+            if stage < last:
+                append(make_instr(FREE, stage, mb, None, "grad_out"))
+        elif op is W:
+            append(make_instr(FREE, i.stage, i.mb, None, "stash"))
+    return tuple(out)
