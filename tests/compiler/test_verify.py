@@ -8,6 +8,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import Instr, Op, Schedule, ScheduleError, compile_schedule, verify
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 from pipeschedule.compiler.verify import RULES, grid
 
 from strategies import FAMILY_NAMES, examples, schedules
@@ -60,6 +61,15 @@ def lowered(draw, min_pp=1, min_m=1):
     schedule = draw(schedules(max_pp=6, max_m=12))
     assume(schedule.pp >= min_pp and schedule.microbatches >= min_m)
     return schedule
+
+
+@st.composite
+def offloaded(draw):
+    """A lowered schedule that offloads every stash it can (fraction 1 on every rank),
+    with the RELOAD 0 to 3 computes ahead: one in `schedules` offloads only some of the
+    time, and filtering those out made Hypothesis give up now and then."""
+    schedule = draw(schedules(max_pp=6, max_m=12, offload=False))
+    return add_offload(schedule, OffloadPolicy(fraction=1.0, lead=draw(st.integers(0, 3))))
 
 
 def test_the_strategies_draw_every_family_of_the_table():
@@ -222,7 +232,7 @@ def test_dropping_a_w_breaks_coverage(schedule, data):
 
 
 @settings(max_examples=examples(40))
-@given(lowered(), st.data())
+@given(offloaded(), st.data())
 def test_dropping_a_reload_leaves_the_stash_on_the_host(schedule, data):
     reloads = where(schedule, lambda i: i.op is Op.RELOAD)
     assume(reloads)
@@ -235,7 +245,7 @@ def test_dropping_a_reload_leaves_the_stash_on_the_host(schedule, data):
 
 
 @settings(max_examples=examples(40))
-@given(lowered(), st.data())
+@given(offloaded(), st.data())
 def test_dropping_an_offload_makes_its_reload_wrong(schedule, data):
     offloads = where(schedule, lambda i: i.op is Op.OFFLOAD)
     assume(offloads)
