@@ -1,7 +1,7 @@
 """Executor overhead on one GPU (part 2 of `benchmarks.gpu`).
 
 All four stages of the Llama-style model run in ONE process on the GPU, as plain modules
-(`LlamaStages`). One 1F1B step (m microbatches) is timed five ways, the variants
+(`LlamaStages`). One 1F1B step (m microbatches) is timed six ways, the variants
 alternating round by round so that drift (clocks, allocator state, neighbours on the
 host) hits all of them alike:
 
@@ -21,6 +21,11 @@ host) hits all of them alike:
     executor   `InProcessPipeline` running the compiled 1f1b schedule: everything the
                runtime adds (dispatch, buffer table, ledger, buffer pool copies, the
                in-process transport)
+    executor_per_step
+               the executor on the same stages less their `state` (as stages that give
+               none): the stash of the first F of each stage and input signature is
+               measured again each step, as before the sizes were kept across steps;
+               the difference to `executor` is what keeping them saves
     executor_every
                the executor measuring every F's stash with the ledger's saved-tensor
                hooks (`measure_stash="every"`); the default measures the first F of
@@ -175,9 +180,21 @@ def timed_rounds(variants: dict, *, warmup: int, rounds: int, before, device) ->
     return runs
 
 
-def paired_median(runs: dict, figure: str, variant: str = "executor") -> float:
-    """Median over rounds of `variant` minus baseline (`ordered`) in the same round."""
-    return statistics.median(e - o for e, o in zip(runs[variant][figure], runs["ordered"][figure]))
+def paired_median(runs: dict, figure: str, variant: str = "executor", baseline: str = "ordered") -> float:
+    """Median over rounds of `variant` minus `baseline` in the same round."""
+    return statistics.median(e - o for e, o in zip(runs[variant][figure], runs[baseline][figure]))
+
+
+class _WithoutState:
+    """`stages` less `Stages.state` (executor_per_step in the module docstring)."""
+
+    def __init__(self, stages) -> None:
+        self._stages = stages
+
+    def __getattr__(self, name: str):
+        if name == "state":
+            raise AttributeError(name)
+        return getattr(self._stages, name)
 
 
 def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int, warmup: int,
@@ -192,6 +209,7 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
     schedule = compile_schedule("1f1b", pp=pp, microbatches=m)
     pipeline = InProcessPipeline(schedule, stages, device=device)
     measuring_every = InProcessPipeline(schedule, stages, device=device, measure_stash="every")
+    per_step = InProcessPipeline(schedule, _WithoutState(stages), device=device)
     order = compute_order(schedule)
     instructions = sum(len(p) for p in schedule.programs)
     last = pp - 1
@@ -224,11 +242,14 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
     def executor():
         pipeline.step(inputs, targets)
 
+    def executor_per_step():
+        per_step.step(inputs, targets)
+
     def executor_every():
         measuring_every.step(inputs, targets)
 
     variants = {"fused": fused, "ordered": ordered, "ordered_again": ordered_again, "executor": executor,
-                "executor_every": executor_every}
+                "executor_per_step": executor_per_step, "executor_every": executor_every}
 
     def zero_grads():
         for p in params:
@@ -257,6 +278,8 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
         "overhead_us_per_instruction": paired / instructions * 1e6,
         "overhead_cpu_s": paired_cpu, "overhead_cpu_fraction": paired_cpu / pipe,
         "control_s": control, "control_fraction": control / pipe,
+        "kept_sizes_save_s": paired_median(runs, "step", "executor_per_step", "executor"),
+        "kept_sizes_save_cpu_s": paired_median(runs, "cpu", "executor_per_step", "executor"),
         "runs": runs,
         "executor_host_times_last_step": host_times,
     }
@@ -298,6 +321,10 @@ def overhead_lines(results: list[dict]) -> list[str]:
                          f"{max(run['step']) * 1e3:.1f} | {statistics.median(run['host']) * 1e3:.1f} | {cpu} | "
                          f"{busy} | {prof.get('kernels', '-')} | {run.get('syncs', '-')} |")
         lines.append("")
+        if "kept_sizes_save_s" in o:
+            lines += [f"Stash sizes kept across steps (executor_per_step - executor, paired medians): "
+                      f"{o['kept_sizes_save_s'] * 1e3:+.2f} ms of the step, "
+                      f"{o['kept_sizes_save_cpu_s'] * 1e3:+.2f} ms of host CPU.", ""]
     lines += ["GPU busy: one profiled step, the union of kernel and copy intervals; syncs: synchronising CUDA calls "
               "in one step (sync-debug mode). Where the host time comes near the GPU busy time the step is "
               "host-bound: then a hiccup of the host lengthens the step (the max column), and the difference "

@@ -418,7 +418,8 @@ class Executor:
         s, mb = i.stage, i.mb
         stash, x = self.buffers.need("stash", i), self.buffers.need("act_in", i)
         grad = None if s == self.last_stage else self.buffers.need("grad_out", i)
-        self.offloader.ready(("stash", s, mb), str(i))
+        if self.offloads:  # (a program without OFFLOAD moves nothing to wait for)
+            self.offloader.ready(("stash", s, mb), str(i))
         start = self._clock()
         if stash.root.requires_grad:
             _backward_from(stash.root, grad)
@@ -442,7 +443,8 @@ class Executor:
         stash = self.buffers.need("stash", i)
         if stash.weights is None:
             raise RuntimeScheduleError(f"{i}: the stash of (stage {i.stage}, mb {i.mb}) has no W part")
-        self.offloader.ready(("stash", i.stage, i.mb), str(i))
+        if self.offloads:
+            self.offloader.ready(("stash", i.stage, i.mb), str(i))
         start = self._clock()
         stash.weights.run()
         self.times.compute_s += self._clock() - start
