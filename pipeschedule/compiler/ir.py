@@ -1,191 +1,31 @@
-"""The IR: instructions, programs and schedules, with their JSON and text forms.
+"""The IR: schedules, with their JSON and text forms; instructions (instr.py) and
+programs (program.py) are re-exported from here.
 
 A schedule has `pp` ranks, `virtual` chunks per rank, `S = pp * virtual` stages and `m`
 microbatches. `placement[s]` is the rank that runs stage s. Each rank has a program: a
-tuple of `Instr`. Stages are numbered globally (0 .. S-1); an instruction on rank r
-always names a stage that rank r runs ("local" stage). Communication instructions also
-name the peer rank.
-
-Text form of one instruction (PyTorch style, extended so that it round-trips):
-
-    1F3            forward of stage 1, microbatch 3
-    1SEND_F3@2     send the output of (1, 3) to rank 2
-    1FREE3:stash   release the stash of (1, 3)
-
-[Note: buffers] Each (stage, mb) owns up to five buffers:
-
-    act_in    input activation     produced by RECV_F, by F(s-1) when s-1 runs on the
-                                   same rank (local hand-off), or by the data loader at F
-                                   on stage 0; used by F and B
-    act_out   output activation    produced by F; used by SEND_F. Exists only where the
-                                   next stage runs on another rank.
-    stash     saved for backward   produced by F; used by B (and W when split)
-    grad_out  gradient of output   produced by RECV_B, or by B(s+1) on the same rank;
-                                   used by B. Not on the last stage (the loss is there).
-    grad_in   gradient of input    produced by B; used by SEND_B. Exists only where the
-                                   previous stage runs on another rank.
+sequence of `Instr` (a tuple, or a `Program`, which stores the same instructions packed:
+[Note: packed programs] in program.py). Stages are numbered globally (0 .. S-1); an
+instruction on rank r always names a stage that rank r runs ("local" stage).
+Communication instructions also name the peer rank. The buffers each (stage, mb) owns
+are in [Note: buffers] (instr.py).
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from pipeschedule.errors import FormatError
 from pipeschedule.checks import check_schedule_size, is_int, shown
+from pipeschedule.compiler.instr import (
+    BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Instr, Op, make_instr,
+)
+from pipeschedule.compiler.program import Program, Template
+from pipeschedule.errors import FormatError
 
 FORMAT = "pipeschedule/1"
 
-
-class Op(str, enum.Enum):
-    """Instruction kinds; the value is the short code used in the text form."""
-
-    F = "F"
-    B = "B"
-    W = "W"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-    FREE = "FREE"
-    OFFLOAD = "OFFLOAD"
-    RELOAD = "RELOAD"
-
-    def __str__(self) -> str:
-        return self.value
-
-    # Enum's own __hash__ is written in Python; instructions are hashed millions of times
-    # by the passes and the verifier, and a str enum hashes like its value anyway.
-    __hash__ = str.__hash__
-
-
-COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W})
-SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
-RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
-COMM_OPS = SEND_OPS | RECV_OPS
-# Ops that name one buffer of (stage, mb): FREE releases it; OFFLOAD starts moving its
-# storage to host memory and RELOAD back to the device, both asynchronously (a use of the
-# buffer waits for the RELOAD to land).
-BUF_OPS = frozenset({Op.FREE, Op.OFFLOAD, Op.RELOAD})
-BUFFERS = ("act_in", "act_out", "stash", "grad_out", "grad_in")
-
-
-@dataclass(frozen=True, slots=True)
-class Instr:
-    """One instruction of a rank's program.
-
-    `peer` is set exactly for communication ops, `buf` exactly for FREE, OFFLOAD, RELOAD.
-    """
-
-    op: Op
-    stage: int
-    mb: int
-    peer: int | None = None
-    buf: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.op, Op):
-            try:
-                object.__setattr__(self, "op", Op(self.op))
-            except ValueError:
-                raise FormatError(
-                    f"unknown op {shown(self.op)}; accepted: {', '.join(o.value for o in Op)}"
-                ) from None
-        for name in ("stage", "mb"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 0:
-                raise FormatError(f"instruction {name} must be an integer >= 0, got {shown(value)}")
-        if self.op in COMM_OPS:
-            if not is_int(self.peer) or self.peer < 0:
-                raise FormatError(f"{self.op.value} needs a peer rank (integer >= 0), got {shown(self.peer)}")
-        elif self.peer is not None:
-            raise FormatError(f"{self.op.value} takes no peer, got peer={shown(self.peer)}")
-        if self.op in BUF_OPS:
-            if self.buf not in BUFFERS:
-                raise FormatError(f"{self.op.value} needs buf in {', '.join(BUFFERS)}, got {shown(self.buf)}")
-        elif self.buf is not None:
-            raise FormatError(f"{self.op.value} takes no buf, got buf={shown(self.buf)}")
-
-    def __str__(self) -> str:
-        text = f"{self.stage}{self.op.value}{self.mb}"
-        if self.peer is not None:
-            text += f"@{self.peer}"
-        if self.buf is not None:
-            text += f":{self.buf}"
-        return text
-
-    @staticmethod
-    def parse(token: str) -> Instr:
-        """Inverse of `str()`: `Instr.parse(str(i)) == i`."""
-        if not isinstance(token, str):
-            raise FormatError(f"instruction token must be a string, got {shown(token)}")
-        match = _TOKEN.match(token.strip())
-        if match is None:
-            raise FormatError(
-                f"cannot parse instruction {shown(token)}; expected forms like 1F3, 1SEND_F3@2, 1FREE3:stash"
-            )
-        stage, op, mb, peer, buf = match.groups()
-        return Instr(Op(op), int(stage), int(mb), int(peer) if peer is not None else None, buf)
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"op": self.op.value, "stage": self.stage, "mb": self.mb}
-        if self.peer is not None:
-            out["peer"] = self.peer
-        if self.buf is not None:
-            out["buf"] = self.buf
-        return out
-
-    @staticmethod
-    def from_dict(obj: Any) -> Instr:
-        if not isinstance(obj, dict):
-            raise FormatError(f"instruction must be an object, got {shown(obj)}")
-        unknown = set(obj) - {"op", "stage", "mb", "peer", "buf"}
-        if unknown:
-            raise FormatError(f"instruction {shown(obj)} has unknown fields {sorted(unknown)}")
-        for key in ("op", "stage", "mb"):
-            if key not in obj:
-                raise FormatError(f"instruction {shown(obj)} lacks field {shown(key)}")
-        if not isinstance(obj["op"], str):
-            raise FormatError(f"instruction op must be a string, got {shown(obj['op'])}")
-        return Instr(obj["op"], obj["stage"], obj["mb"], obj.get("peer"), obj.get("buf"))
-
-
-class _UncheckedInstr:
-    """`make_instr(op, stage, mb, peer=None, buf=None)`: an `Instr` built without
-    validation, for the compiler's own trusted code paths (about four times faster than
-    the checked constructor; loaders use the checked one).
-
-    An object with Instr's very slots, filled by plain attribute stores, that then
-    becomes an Instr by `__class__` assignment (which Python allows between classes of
-    the same slot layout; the result is an ordinary Instr). Generating and lowering
-    pp=64, v=2, m=512 builds 717k instructions; setting Instr's frozen slots through
-    their descriptors took 0.30 us each against 0.21 us this way, 0.06 s of the compile.
-    `make_instr` is the class itself, not a function calling it: one Python call less
-    per instruction."""
-
-    __slots__ = Instr.__slots__
-
-    def __init__(self, op, stage, mb, peer=None, buf=None) -> None:
-        self.op = op
-        self.stage = stage
-        self.mb = mb
-        self.peer = peer
-        self.buf = buf
-        self.__class__ = Instr
-
-
-make_instr = _UncheckedInstr
-
-
-_TOKEN = re.compile(
-    r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$"
-)
-
-
-Program = tuple  # tuple[Instr, ...]: one rank's instructions in order
 
 
 @dataclass(frozen=True)
@@ -211,7 +51,7 @@ class Schedule:
     virtual: int
     microbatches: int
     placement: tuple[int, ...]
-    programs: tuple[tuple[Instr, ...], ...]
+    programs: tuple[Sequence[Instr], ...]  # each a tuple of Instr or a Program
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)
     forward_only: bool = False
     split_backward: bool = field(init=False, repr=False, compare=False)
@@ -233,12 +73,15 @@ class Schedule:
         for s, rank in enumerate(placement):
             if not is_int(rank) or not 0 <= rank < self.pp:
                 raise FormatError(f"placement[{s}] = {shown(rank)} is not a rank in 0..{self.pp - 1}")
-        programs = tuple(tuple(p) for p in self.programs)
+        programs = tuple(p if type(p) is Program else tuple(p) for p in self.programs)
         if len(programs) != self.pp:
             raise FormatError(f"schedule has {len(programs)} programs; pp = {self.pp} are needed")
         split = False
         W = Op.W  # a local: Op.W costs about 80 ns per instruction here
         for rank, program in enumerate(programs):
+            if type(program) is Program:  # its templates are of checked instructions
+                split = split or any(program.templates[k].op is W for k in set(program.ids))
+                continue
             for instr in program:
                 if type(instr) is not Instr and not isinstance(instr, Instr):
                     raise FormatError(f"rank {rank}: {shown(instr)} is not an instruction")
@@ -307,15 +150,16 @@ class Schedule:
     def replace_programs(self, programs: Iterable[Sequence[Instr]]) -> Schedule:
         return Schedule(
             self.name, self.pp, self.virtual, self.microbatches, self.placement,
-            tuple(tuple(p) for p in programs), dict(self.params), self.forward_only,
+            tuple(programs), dict(self.params), self.forward_only,
         )
 
-    def _with_trusted_programs(self, programs: tuple[tuple[Instr, ...], ...]) -> Schedule:
+    def _with_trusted_programs(self, programs: tuple[Sequence[Instr], ...]) -> Schedule:
         """`replace_programs` without the checks of construction, for the lowering passes.
 
         Only for programs that hold `self`'s own (already checked) instructions plus
-        instructions a pass built itself with `make_instr`, as a tuple of tuples, and no
-        new W (so `split_backward` carries over). Checking every instruction again cost
+        instructions a pass built itself (with `make_instr`, or as `Program`s of templates
+        of checked instructions), each a tuple or a `Program`, and no new W (so
+        `split_backward` carries over). Checking every instruction again cost
         about 0.08 s per pass at pp=64, v=2, m=512. It sets exactly the declared fields.
         """
         twin = object.__new__(Schedule)
@@ -452,3 +296,9 @@ def dump(schedule: Schedule, path: str) -> None:
     text = schedule.to_text() if str(path).endswith(".txt") else schedule.to_json()
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)
+
+
+__all__ = [
+    "BUF_OPS", "BUFFERS", "COMM_OPS", "COMPUTE_OPS", "FORMAT", "RECV_OPS", "SEND_OPS", "Instr", "Op", "Program",
+    "Schedule", "Template", "dump", "load", "make_instr",
+]

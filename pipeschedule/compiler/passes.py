@@ -15,7 +15,8 @@ from bisect import bisect_left
 from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.timing import asap, durations_of, stage_times
-from pipeschedule.compiler.ir import COMPUTE_OPS, Instr, Op, Schedule, make_instr
+from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Op, Schedule
+from pipeschedule.compiler.program import Program, Template, Templates, packed
 
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
@@ -43,16 +44,17 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
     """Adds SEND_F right after each F whose output leaves the rank, SEND_B right after
     each B whose input gradient leaves it, and the matching RECV_F / RECV_B early enough
     ([Note: message placement]). Input: compute only. Output: compute + communication,
-    deadlock-free under rule 4 whenever the compute order itself is free of cycles.
+    deadlock-free under rule 4 whenever the compute order itself is free of cycles, as
+    `Program`s ([Note: packed programs]).
 
     gaps[r][pc] holds the messages that go right before rank r's pc-th compute (pc ==
-    len: after the last one), each as (production time, sender rank, sender pc, kind,
-    instr), kind 0 for the send and 1 for the receive. Sorting a gap orders its messages
-    by when they were produced; (time, rank, pc, kind) never ties (a producer sends one
-    message), so the sort never compares instructions."""
-    starts, times = _timed(schedule, cost)
-    gaps = _gaps(schedule, starts, times)
-    return schedule._with_trusted_programs(tuple(tuple(_merged(p, g)) for p, g in zip(schedule.programs, gaps)))
+    len: after the last one), each as an entry (production time, sender rank, sender pc,
+    template id, mb, the template id of the FREE after a send's run or None for a
+    receive). Sorting a gap orders its messages by when they were produced; (time, rank,
+    pc) never ties (a producer sends one message), so the sort never looks further."""
+    lowering = _Lowering(schedule, frees=False)
+    gaps = lowering.place(cost)
+    return lowering.done(lowering.merged(rank, gaps[rank]) for rank in range(schedule.pp))
 
 
 def _timed(schedule: Schedule, cost):
@@ -72,101 +74,192 @@ def _timed(schedule: Schedule, cost):
     return starts, times
 
 
-def _gaps(schedule: Schedule, starts, times) -> list:
-    """gaps[r][pc] of `add_communication`: every message in the gap it goes in."""
-    gaps = [[None] * (len(program) + 1) for program in schedule.programs]
-    channels = _send_and_due(schedule, starts, durations_of(schedule.programs, schedule.num_stages, times), gaps)
-    for channel, (dues, receives) in channels.items():
-        dst_gaps = gaps[channel % schedule.pp]
-        at = len(dst_gaps)  # NCCL matches by order: a receive never goes after a later message's receive
-        for due, entry in zip(reversed(dues), reversed(receives)):
-            if due < at:
-                at = due
-            if dst_gaps[at] is None:
-                dst_gaps[at] = [entry]
+class _Lowering:
+    """What the passes share while lowering one schedule: its programs as columns over
+    one template table ([Note: packed programs]), which gains the templates of the
+    messages and FREEs the passes add, and, per template, the FREEs that follow it
+    (`after`) and, for a send, the FREE after its run (`send_free`)."""
+
+    def __init__(self, schedule: Schedule, *, frees: bool) -> None:
+        self.schedule = schedule
+        templates, self.ids, self.mbs = packed(schedule.programs)
+        self.table = Templates(templates)
+        self.after: list = [()] * len(templates)  # template id -> ids of the FREEs right after it
+        self.send_free: dict[int, int] = {}  # a send's template id -> its FREE's
+        self.frees = frees
+        if frees:
+            for k, t in enumerate(templates):
+                self.after[k] = self._frees_after(t)
+
+    def _frees_after(self, t: Template) -> tuple[int, ...]:
+        """add_frees' FREEs right after an instruction of template `t` (none after
+        communication: those go after its run)."""
+        schedule, free = self.schedule, self.table.id
+        if t.op is F and schedule.forward_only:  # nothing is kept for a backward
+            return free(FREE, t.stage, None, "act_in"), free(FREE, t.stage, None, "stash")
+        if t.op is B:
+            out = [free(FREE, t.stage, None, "act_in")]
+            if not schedule.split_backward:  # else W frees the stash
+                out.append(free(FREE, t.stage, None, "stash"))
+            if t.stage < schedule.num_stages - 1:
+                out.append(free(FREE, t.stage, None, "grad_out"))
+            return tuple(out)
+        if t.op is W:
+            return (free(FREE, t.stage, None, "stash"),)
+        if t.op is SEND_F or t.op is SEND_B:
+            self.send_free[self.table.id(*t)] = free(FREE, t.stage, None, "act_out" if t.op is SEND_F else "grad_in")
+        return ()
+
+    def place(self, cost) -> list:
+        """gaps[r][pc] of `add_communication` for the compute order: every message in the
+        gap it goes in ([Note: message placement])."""
+        schedule = self.schedule
+        starts, times = _timed(schedule, cost)
+        gaps = [[None] * (len(ids) + 1) for ids in self.ids]
+        durations = durations_of(schedule.programs, schedule.num_stages, times)
+        channels = self._send_and_due(starts, self._message_kinds(durations), gaps)
+        for channel, (dues, receives) in channels.items():
+            dst_gaps = gaps[channel % schedule.pp]
+            at = len(dst_gaps)  # NCCL matches by order: a receive never goes after a later message's receive
+            for due, entry in zip(reversed(dues), reversed(receives)):
+                if due < at:
+                    at = due
+                if dst_gaps[at] is None:
+                    dst_gaps[at] = [entry]
+                else:
+                    dst_gaps[at].append(entry)
+        return gaps
+
+    def _send_and_due(self, starts, kinds: list, gaps) -> dict:
+        """Puts each send in the gap right after its producer and returns, per channel
+        (src * pp + dst), the gap each receive is due in ([Note: message placement]) and the
+        receive's gap entry, in send order. `kinds`: `_message_kinds`."""
+        pp = self.schedule.pp
+        channels: dict[int, tuple[list[int], list[tuple]]] = {}
+        for rank in range(pp):
+            rank_starts, rank_gaps = starts[rank], gaps[rank]
+            rank_starts.append(float("inf"))  # the sender's next compute after its last
+            to = [None] * pp  # this rank's channels, by the rank they go to
+            pc = -1
+            for k, mb in zip(self.ids[rank], self.mbs[rank]):
+                pc += 1
+                kind = kinds[k]
+                if kind is None:
+                    continue
+                c_rank, c_pcs, cost, send, receive, free = kind
+                c_pc = c_pcs[mb]
+                produced = rank_starts[pc] + cost  # the message exists from its producer's end
+                rank_gaps[pc + 1] = [(produced, rank, pc, send, mb, free)]  # its first entry
+                # due: the consumer rank's first compute that starts no earlier than
+                # min(sender's next, consumer's start); starts on a rank never decrease.
+                c_starts = starts[c_rank]
+                due = c_starts[c_pc]
+                if rank_starts[pc + 1] < due:
+                    due = rank_starts[pc + 1]
+                channel = to[c_rank]
+                if channel is None:
+                    channel = to[c_rank] = channels[rank * pp + c_rank] = ([], [])
+                channel[0].append(bisect_left(c_starts, due, 0, c_pc))
+                channel[1].append((produced, rank, pc, receive, mb, None))
+        return channels
+
+    def _message_kinds(self, durations) -> list:
+        """Per template of the compute order, the message an instruction of it sends, None
+        for none (not F or B, or the neighbour stage runs on the same rank): (the
+        consumer's rank, the consumer's pc by mb (`_consumer_pcs`), the producer's
+        duration, the send's template id, the receive's, the id of the FREE after the
+        send's run, None where the pass adds no FREEs)."""
+        schedule, table = self.schedule, self.table
+        placement = schedule.placement
+        kinds: list = []
+        for t in list(table.list):
+            s = t.stage
+            if t.op is F and schedule.sends_forward(s):
+                peer, step, cost, ops, buf = placement[s + 1], 1, durations.forward[s], (SEND_F, RECV_F), "act_out"
+            elif t.op is B and schedule.sends_backward(s):
+                peer, step, cost, ops, buf = placement[s - 1], -1, durations.backward[s], (SEND_B, RECV_B), "grad_in"
             else:
-                dst_gaps[at].append(entry)
-    return gaps
-
-
-def _send_and_due(schedule: Schedule, starts, durations, gaps) -> dict:
-    """Puts each send in the gap right after its producer and returns, per channel
-    (src * pp + dst), the gap each receive is due in ([Note: message placement]) and the
-    receive's gap entry, in send order."""
-    pp = schedule.pp
-    forward, backward = _message_kinds(schedule, durations)
-    channels: dict[int, tuple[list[int], list[tuple]]] = {}
-    for rank, program in enumerate(schedule.programs):
-        rank_starts, rank_gaps = starts[rank], gaps[rank]
-        rank_starts.append(float("inf"))  # the sender's next compute after its last
-        to = [None] * pp  # this rank's channels, by the rank they go to
-        for pc, i in enumerate(program):
-            op = i.op
-            kind = forward[i.stage] if op is F else backward[i.stage] if op is B else None
-            if kind is None:
+                kinds.append(None)
                 continue
-            c_rank, c_pcs, cost, send_op, recv_op, recv_stage = kind
-            mb = i.mb
-            c_pc = c_pcs[mb]
-            produced = rank_starts[pc] + cost  # the message exists from its producer's end
-            rank_gaps[pc + 1] = [(produced, rank, pc, 0, make_instr(send_op, i.stage, mb, c_rank))]  # its first entry
-            # due: the consumer rank's first compute that starts no earlier than
-            # min(sender's next, consumer's start); starts on a rank never decrease.
-            c_starts = starts[c_rank]
-            due = c_starts[c_pc]
-            if rank_starts[pc + 1] < due:
-                due = rank_starts[pc + 1]
-            channel = to[c_rank]
-            if channel is None:
-                channel = to[c_rank] = channels[rank * pp + c_rank] = ([], [])
-            channel[0].append(bisect_left(c_starts, due, 0, c_pc))
-            channel[1].append((produced, rank, pc, 1, make_instr(recv_op, recv_stage, mb, rank)))
-    return channels
+            free = table.id(FREE, s, None, buf) if self.frees else None
+            kinds.append((peer, (F if step == 1 else B, s + step), cost, table.id(ops[0], s, peer),
+                          table.id(ops[1], s + step, placement[s]), free))
+        consumers = self._consumer_pcs({kind[1] for kind in kinds if kind is not None})
+        return [None if kind is None else (kind[0], consumers[kind[1]], *kind[2:]) for kind in kinds]
 
+    def _consumer_pcs(self, wanted: set) -> dict:
+        """For each (op, stage) in `wanted`: the pc of its instruction on its rank by mb."""
+        m = self.schedule.microbatches
+        rows = {key: [0] * m for key in wanted}
+        row_of = [rows.get((t.op, t.stage)) for t in self.table.list]
+        for ids, mbs in zip(self.ids, self.mbs):
+            pc = -1
+            for k, mb in zip(ids, mbs):
+                pc += 1
+                row = row_of[k]
+                if row is not None:
+                    row[mb] = pc
+        return rows
 
-def _message_kinds(schedule: Schedule, durations) -> tuple[list, list]:
-    """Per stage, the message its F (first list) or its B (second) sends, None where the
-    neighbour stage runs on the same rank: (the consumer's rank, the consumer's pc by mb
-    (`_consumer_pcs`), the producer's duration, the send's op, the receive's op, the
-    receive's stage)."""
-    placement, stages = schedule.placement, schedule.num_stages
-    sends_fwd = [schedule.sends_forward(s) for s in range(stages)]
-    sends_bwd = [schedule.sends_backward(s) for s in range(stages)]
-    f_pc, b_pc = _consumer_pcs(schedule, sends_fwd, sends_bwd)
-    forward = [(placement[s + 1], f_pc[s + 1], durations.forward[s], SEND_F, RECV_F, s + 1) if sends_fwd[s] else None
-               for s in range(stages)]
-    backward = [(placement[s - 1], b_pc[s - 1], durations.backward[s], SEND_B, RECV_B, s - 1) if sends_bwd[s]
-                else None for s in range(stages)]
-    return forward, backward
+    def merged(self, rank: int, rank_gaps: list) -> tuple[list, list]:
+        """One rank's compute order with each gap's messages, in production order, before
+        the compute they precede, and the FREEs the passes add: a template's `after`
+        right after it, and the FREEs of a gap's sends right after the gap (a run of
+        communication is exactly one gap, which a FREE inside would split into two
+        batches). Returns the (ids, mbs) columns."""
+        ids, mbs, after = self.ids[rank], self.mbs[rank], self.after
+        out_ids: list[int] = []
+        out_mbs: list[int] = []
+        add_id, add_mb = out_ids.append, out_mbs.append
+        n = len(ids)
+        for pc, gap in enumerate(rank_gaps):
+            if gap is not None:
+                if len(gap) > 1:
+                    gap.sort()
+                for entry in gap:
+                    add_id(entry[3])
+                    add_mb(entry[4])
+                for entry in gap:
+                    if entry[5] is not None:  # a send: its buffer is freed after the run
+                        add_id(entry[5])
+                        add_mb(entry[4])
+            if pc == n:
+                break
+            k, mb = ids[pc], mbs[pc]
+            add_id(k)
+            add_mb(mb)
+            for free in after[k]:
+                add_id(free)
+                add_mb(mb)
+        return out_ids, out_mbs
 
+    def gapped(self, rank: int, comm: set) -> list:
+        """A compute + communication program as `merged` takes it: the columns of its other
+        instructions (replacing this rank's), and the gap before each of them (and after
+        the last): the run of communication there (`comm`: the templates of
+        communication), each as a gap entry (program index, 0, 0, template id, mb, FREE id
+        or None) in program order, or None."""
+        send_free = self.send_free
+        others_ids, others_mbs, gaps = [], [], []
+        gap = None
+        for index, (k, mb) in enumerate(zip(self.ids[rank], self.mbs[rank])):
+            if k in comm:
+                if gap is None:
+                    gap = []
+                gap.append((index, 0, 0, k, mb, send_free.get(k)))
+            else:
+                others_ids.append(k)
+                others_mbs.append(mb)
+                gaps.append(gap)
+                gap = None
+        gaps.append(gap)
+        self.ids[rank], self.mbs[rank] = others_ids, others_mbs
+        return gaps
 
-def _consumer_pcs(schedule: Schedule, sends_fwd, sends_bwd) -> tuple[list, list]:
-    """f_pc[s][mb] / b_pc[s][mb]: the pc of F(s, mb) / B(s, mb) on its rank, for the
-    stages whose F / B consume a message (None for the others)."""
-    m, stages = schedule.microbatches, schedule.num_stages
-    f_pc = [[0] * m if s and sends_fwd[s - 1] else None for s in range(stages)]
-    b_pc = [[0] * m if s + 1 < stages and sends_bwd[s + 1] else None for s in range(stages)]
-    for program in schedule.programs:
-        for pc, i in enumerate(program):
-            op = i.op
-            row = f_pc[i.stage] if op is F else b_pc[i.stage] if op is B else None
-            if row is not None:
-                row[i.mb] = pc
-    return f_pc, b_pc
-
-
-def _merged(program, rank_gaps):
-    """One rank's compute order with each gap's messages, in production order, before
-    the compute they precede (an iterator)."""
-    n = len(program)
-    for pc, gap in enumerate(rank_gaps):
-        if gap is not None:
-            if len(gap) > 1:
-                gap.sort()
-            for entry in gap:
-                yield entry[4]
-        if pc < n:
-            yield program[pc]
+    def done(self, columns) -> Schedule:
+        """The schedule with these (ids, mbs) columns, one per rank, as its programs."""
+        columns = list(columns)  # every template is in the table now
+        return self.schedule._with_trusted_programs(tuple(self.table.program(ids, mbs) for ids, mbs in columns))
 
 
 def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
@@ -181,30 +274,10 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
     of the next stage goes after that stage's F, and act_out after its SEND_F's run, as
     in training.
     """
-    programs = tuple(_lowered(schedule, *_gapped(program)) for program in schedule.programs)
-    return schedule._with_trusted_programs(programs)
-
-
-def _gapped(program) -> tuple[list, list]:
-    """A compute + communication program as `_lowered` takes it: its other instructions
-    in order, and the gap before each of them (and after the last): the run of
-    communication there, each as a gap entry (program index, 0, 0, kind, instr) in
-    program order, or None."""
-    others: list[Instr] = []
-    gaps: list = []
-    gap = None
-    for index, i in enumerate(program):
-        op = i.op
-        if op is SEND_F or op is SEND_B or op is RECV_F or op is RECV_B:
-            if gap is None:
-                gap = []
-            gap.append((index, 0, 0, 0 if op is SEND_F or op is SEND_B else 1, i))
-        else:
-            others.append(i)
-            gaps.append(gap)
-            gap = None
-    gaps.append(gap)
-    return others, gaps
+    lowering = _Lowering(schedule, frees=True)
+    comm = {k for k, t in enumerate(lowering.table.list) if t.op in COMM_OPS}
+    gaps = [lowering.gapped(rank, comm) for rank in range(schedule.pp)]
+    return lowering.done(lowering.merged(rank, gaps[rank]) for rank in range(schedule.pp))
 
 
 PASSES = (add_communication, add_frees)
@@ -233,7 +306,13 @@ def forward_only(schedule: Schedule, *, cost=None) -> Schedule:
 
 def is_lowered(schedule: Schedule) -> bool:
     """False for a compute order only: no communication and no FREE anywhere."""
-    return any(i.op not in COMPUTE_OPS for program in schedule.programs for i in program)
+    for program in schedule.programs:
+        if type(program) is Program:  # its templates in use ([Note: packed programs])
+            if any(program.templates[k].op not in COMPUTE_OPS for k in set(program.ids)):
+                return True
+        elif any(i.op not in COMPUTE_OPS for i in program):
+            return True
+    return False
 
 
 @gc_paused
@@ -243,52 +322,8 @@ def lower(schedule: Schedule, cost=None) -> Schedule:
     lower to equal programs. Give the cost the order was generated with
     (`generate(..., cost=c)`) to place the messages as `compile_schedule(..., cost=c)` does."""
     # add_frees(add_communication(schedule, cost=cost)), the passes of PASSES, with each
-    # rank's merged order and its frees made in one loop (`_lowered`) rather than built
-    # as a program of its own. Pinned to PASSES by tests/compiler/test_lowering_pure.py.
-    starts, times = _timed(schedule, cost)
-    gaps = _gaps(schedule, starts, times)
-    return schedule._with_trusted_programs(tuple(_lowered(schedule, p, g) for p, g in zip(schedule.programs, gaps)))
-
-
-def _lowered(schedule: Schedule, program, rank_gaps) -> tuple:
-    """One rank's lowered program: `program` (its instructions other than communication)
-    with each gap's messages, in production order, before the instruction they precede
-    (`_merged`), and add_frees' FREEs. A run of communication is exactly one gap (the
-    program's instructions stand between gaps), so the frees of a gap's sends go right
-    after the gap, and only the program's own instructions need their op looked at."""
-    split = schedule.split_backward
-    forward_only = schedule.forward_only
-    last = schedule.num_stages - 1
-    out: list[Instr] = []
-    append = out.append
-    n = len(program)
-    for pc, gap in enumerate(rank_gaps):
-        if gap is not None:
-            if len(gap) > 1:
-                gap.sort()
-            pending = []
-            for entry in gap:
-                i = entry[4]
-                append(i)
-                if not entry[3]:  # a send: its buffer is freed after the run
-                    pending.append(make_instr(FREE, i.stage, i.mb, None, "act_out" if i.op is SEND_F else "grad_in"))
-            out += pending
-        if pc == n:
-            break
-        i = program[pc]
-        append(i)
-        op = i.op
-        if op is F:
-            if forward_only:
-                append(make_instr(FREE, i.stage, i.mb, None, "act_in"))
-                append(make_instr(FREE, i.stage, i.mb, None, "stash"))
-        elif op is B:
-            stage, mb = i.stage, i.mb
-            append(make_instr(FREE, stage, mb, None, "act_in"))
-            if not split:  # else W frees the stash
-                append(make_instr(FREE, stage, mb, None, "stash"))
-            if stage < last:
-                append(make_instr(FREE, stage, mb, None, "grad_out"))
-        elif op is W:
-            append(make_instr(FREE, i.stage, i.mb, None, "stash"))
-    return tuple(out)
+    # rank's messages and its FREEs merged in one loop (`_Lowering.merged`) rather than
+    # built as a program of their own. Pinned to PASSES by tests/compiler/test_lowering_pure.py.
+    lowering = _Lowering(schedule, frees=True)
+    gaps = lowering.place(cost)
+    return lowering.done(lowering.merged(rank, gaps[rank]) for rank in range(schedule.pp))

@@ -1,0 +1,147 @@
+"""Programs stored packed: one rank's instructions as two columns of ints.
+
+[Note: packed programs] A lowered schedule at pp=64, v=2, m=512 holds 717k instructions,
+and the passes that build, check and simulate it ran mostly on making and reading `Instr`
+objects. Yet an instruction is fixed by its op, stage, peer and buf but for its
+microbatch, and a schedule has few such combinations (under 1,500 there, each used once
+per microbatch). A `Program` stores each combination once, as a `Template`, in a table
+shared by every rank of the schedule, and each instruction as two ints: the index of its
+template (`ids`) and its microbatch (`mbs`). The passes that run once per instruction
+(lowering, the verifier's walk, the simulator) read the columns and look up, by template,
+what they worked out once per template: where its stage runs, which buffers it makes,
+what it costs. Nothing else needs to know: a `Program` is a sequence of `Instr` that
+compares equal to, and hashes as, the tuple of the same instructions, which it builds on
+the first use of an element and keeps. `packed` gives any schedule's programs as one
+table and columns, packing tuples of `Instr` where it has to.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Sequence
+
+from pipeschedule.compiler.instr import Instr, Op, make_instr
+
+
+class Template(NamedTuple):
+    """An instruction less its microbatch: `Template(op, stage, peer, buf).instr(mb)`."""
+
+    op: Op
+    stage: int
+    peer: int | None
+    buf: str | None
+
+    def instr(self, mb: int) -> Instr:
+        return make_instr(self.op, self.stage, mb, self.peer, self.buf)
+
+
+class Program(Sequence):
+    """One rank's instructions, packed ([Note: packed programs]): instruction k is
+    `templates[ids[k]].instr(mbs[k])`.
+
+    Built by the compiler's own passes from templates of checked instructions, as
+    `make_instr` is (`Templates.program` builds one; nothing is checked again). `ids` and
+    `mbs` are tuples of ints of one length, every id an index of `templates`.
+    """
+
+    __slots__ = ("templates", "ids", "mbs", "_instrs")
+
+    def __init__(self, templates: tuple[Template, ...], ids: tuple[int, ...], mbs: tuple[int, ...]) -> None:
+        self.templates, self.ids, self.mbs = templates, ids, mbs
+        self._instrs: tuple[Instr, ...] | None = None
+
+    @property
+    def instrs(self) -> tuple[Instr, ...]:
+        """The instructions as a tuple (built once, on first use)."""
+        if self._instrs is None:
+            rows = map(self.templates.__getitem__, self.ids)
+            self._instrs = tuple(make_instr(t.op, t.stage, mb, t.peer, t.buf) for t, mb in zip(rows, self.mbs))
+        return self._instrs
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return self.instrs[index]  # a slice gives a tuple, as a tuple's slice does
+
+    def __iter__(self) -> Iterator[Instr]:
+        return iter(self.instrs)
+
+    def __contains__(self, instr) -> bool:
+        return instr in self.instrs
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Program):
+            if other.templates is self.templates:
+                return self.ids == other.ids and self.mbs == other.mbs
+            return self.instrs == other.instrs
+        if isinstance(other, tuple):
+            return self.instrs == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.instrs)
+
+    def __add__(self, other):  # as the tuple would: a tuple
+        return self.instrs + tuple(other) if isinstance(other, (tuple, Program)) else NotImplemented
+
+    def __radd__(self, other):
+        return other + self.instrs if isinstance(other, tuple) else NotImplemented
+
+    def __repr__(self) -> str:
+        return repr(self.instrs)
+
+    def __reduce__(self):
+        return Program, (self.templates, self.ids, self.mbs)
+
+
+class Templates:
+    """A template table being built: `id(op, stage, peer, buf)` numbers each distinct
+    template in the order first asked for; `program(ids, mbs)` packs columns against the
+    table as it stands (`frozen()`), so build every template first."""
+
+    def __init__(self, templates: Sequence[Template] = ()) -> None:
+        self.list: list[Template] = list(templates)
+        self._index: dict[tuple, int] = {t: k for k, t in enumerate(self.list)}
+        self._frozen: tuple[Template, ...] | None = None
+
+    def id(self, op: Op, stage: int, peer: int | None = None, buf: str | None = None) -> int:
+        key = (op, stage, peer, buf)  # hashes and compares as the Template it stands for
+        found = self._index.get(key)
+        if found is None:
+            found = self._index[key] = len(self.list)
+            self.list.append(Template(*key))
+            self._frozen = None
+        return found
+
+    def frozen(self) -> tuple[Template, ...]:
+        """The table as a tuple: the same object until a new template is added."""
+        if self._frozen is None:
+            self._frozen = tuple(self.list)
+        return self._frozen
+
+    def program(self, ids, mbs) -> Program:
+        return Program(self.frozen(), tuple(ids), tuple(mbs))
+
+    def pack(self, program: Sequence[Instr]) -> tuple[list[int], list[int]]:
+        """(ids, mbs) of `program`, a Program (of any table) or a sequence of `Instr`."""
+        if type(program) is Program:
+            remap = [self.id(*t) for t in program.templates]
+            return [remap[k] for k in program.ids], list(program.mbs)
+        index, ids, mbs = self._index, [], []
+        for i in program:
+            key = (i.op, i.stage, i.peer, i.buf)
+            found = index.get(key)
+            ids.append(self.id(*key) if found is None else found)
+            mbs.append(i.mb)
+        return ids, mbs
+
+
+def packed(programs: Sequence[Sequence[Instr]]) -> tuple[tuple[Template, ...], list, list]:
+    """`programs` as (one template table, each program's ids, each program's mbs): the
+    programs' own columns when all are `Program`s of one table, else packed afresh."""
+    first = programs[0] if programs else None
+    if type(first) is Program and all(type(p) is Program and p.templates is first.templates for p in programs):
+        return first.templates, [p.ids for p in programs], [p.mbs for p in programs]
+    table = Templates()
+    columns = [table.pack(p) for p in programs]
+    return table.frozen(), [ids for ids, _ in columns], [mbs for _, mbs in columns]
