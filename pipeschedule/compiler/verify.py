@@ -28,6 +28,7 @@ from pipeschedule.compiler.gcpause import gc_paused
 
 from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.ir import BUFFERS, Instr, Op, Schedule
+from pipeschedule.compiler.walk import needed_per_microbatch, passes
 
 # Plain names for the ops: enum attribute lookups dominate loops over a million steps.
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -181,7 +182,7 @@ def check_dependencies(schedule: Schedule) -> None:
         # and B found its receive, so when the counts agree no send is missing either, and
         # the search below for the missing one can be skipped (130k lookups at pp=64, m=512).
         stages = schedule.stages_of(rank)
-        if len(done) == _needed_per_microbatch(schedule, stages) * schedule.microbatches:
+        if len(done) == needed_per_microbatch(schedule, stages) * schedule.microbatches:
             continue
         for s in stages:
             for op, needed in ((SEND_F, schedule.sends_forward(s)),
@@ -192,15 +193,6 @@ def check_dependencies(schedule: Schedule) -> None:
                             raise _fail(schedule, "dependency", rank, len(program),
                                         f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never "
                                         "gets it")
-
-
-def _needed_per_microbatch(schedule: Schedule, stages) -> int:
-    """How many of F, B and transfers (what check_dependencies records) a rank running
-    `stages` has per microbatch: F and B of each stage, and each stage's messages."""
-    if schedule.forward_only:
-        return sum(1 + schedule.recvs_forward(s) + schedule.sends_forward(s) for s in stages)
-    return sum(2 + schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
-               + schedule.recvs_backward(s) for s in stages)
 
 
 # -- rule 3: matching ------------------------------------------------------------------
@@ -535,217 +527,10 @@ def check_caps(schedule: Schedule) -> None:
 RULES = (check_coverage, check_dependencies, check_matching, check_deadlock, check_liveness, check_caps)
 
 
-# -- the merged walk -------------------------------------------------------------------
-
-
-# [Note: merged walk] Rules 1, 2 and 5 each walk every instruction (717k at pp=64, v=2,
-# m=512). `_passes_walked_rules` walks once, reads each instruction's fields once, and
-# drops the checks that the others imply (below). The rules name the first error by
-# rule, then rank, then step, which one walk cannot reproduce cheaply, so the walk never
-# raises: any failed check returns None and `verify` runs the separate rules, which
-# raise the right error. None is therefore always safe (only slower); tables must come
-# back only when each of the three rules would pass. Checks left out because, when
-# every check here passes, they cannot fail:
-# - liveness "produced a second time": each buffer key has one producer, unique by
-#   coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
-#   dependency checks (RECV_F / RECV_B only of a stage whose neighbour is remote, once);
-# - dependency's "F runs before its input arrives": F's use of act_in needs it
-#   produced, by RECV_F of a remote neighbour or by F(s-1) of a local one, which is
-#   exactly what dependency asks for (stage 0 needs nothing); likewise B's use of
-#   grad_out covers B's input gradient (the last stage needs nothing);
-# - coverage's "B before its F": B's use of stash needs it produced, and only F(s, mb)
-#   produces stash (s, mb).
-# The per-rank counts at the end are the rules' own: each key is one a rule wants, each
-# once, so a count that agrees means nothing is missing; and since every buffer is
-# produced once (above), a rank whose FREEs (each of a produced buffer, once) number
-# its productions has no leak. States live in flat lists indexed by stage * m + mb
-# (lists over the whole schedule: a rank touches only its own stages' keys, so ranks
-# never share an entry), with check_liveness' encoding ([Note: buffer states]). Per-rank
-# tables answer the questions each instruction asks (`base`: each stage's key offset,
-# None for another rank's; `_message_tables`: each message's peer, buffer and channel),
-# so that a stage of no rank or of another rank's, or a message with no remote
-# neighbour, shows as an IndexError or TypeError on them, caught as a failed check.
-# tests/compiler/test_verify_walk.py pins this walk to the three rules (a differential
-# test on valid and edited schedules of every family, with offload); a check added here
-# or there without the other fails it. A forward-only schedule is left to the separate
-# rules (None): evaluation schedules are small and rare.
-
-
-def _passes_walked_rules(schedule: Schedule):
-    """What `_communication(schedule)` returns when check_coverage, check_dependencies
-    and check_liveness all pass, None when any fails, from one walk per rank
-    ([Note: merged walk])."""
-    if schedule.forward_only:
-        return None
-    S, m = schedule.num_stages, schedule.microbatches
-    states = {buf: [None] * (S * m) for buf in BUFFERS}  # [Note: buffer states], at stage * m + mb
-    done = {op: [False] * (S * m) for op in (F, B, W, SEND_F, SEND_B)}
-    nowhere = [None] * (S * m)  # the states of a name that is no buffer: never produced
-    tables = (states, done, nowhere, *_walk_tables(schedule, states))
-    stages_by_rank: list[list[int]] = [[] for _ in range(schedule.pp)]
-    for s, r in enumerate(schedule.placement):
-        stages_by_rank[r].append(s)
-    sends, recvs, batches, rank_batches = {}, {}, [], []
-    for rank in range(schedule.pp):
-        stages = stages_by_rank[rank]
-        counts = _walk_rank(schedule, rank, frozenset(stages), tables, sends, recvs, batches, rank_batches)
-        if counts is None:
-            return None
-        computes, comm, made, frees = counts
-        n_ops = 3 if schedule.split_backward else 2
-        if computes != n_ops * len(stages) * m:  # coverage: an F, B or W missing
-            return None
-        fb = computes - (len(stages) * m if schedule.split_backward else 0)  # F and B alone
-        if fb + comm != _needed_per_microbatch(schedule, stages) * m:  # dependency: a send missing
-            return None
-        if made != frees:  # liveness: a leak
-            return None
-    return sends, recvs, batches, rank_batches
-
-
-def _walk_rank(schedule: Schedule, rank: int, own, tables, sends, recvs, batches, rank_batches):
-    """One rank of [Note: merged walk]: None at the first failed check, else (F, B and W
-    run, communication instructions, buffers produced, FREEs); adds the rank's messages
-    and batches to the tables as `_communication` does. `tables`: the buffer states and
-    done-flags by stage * m + mb, states for no buffer, and `_walk_tables`."""
-    m = schedule.microbatches
-    states, done, nowhere, makes, uses = tables
-    b_done = done[B]
-    base = [s * m if s in own else None for s in range(schedule.num_stages)]  # None + mb: a TypeError
-    out_to, in_from = {}, {}
-    talk = _message_tables(schedule, rank, own, states, done, out_to, in_from)
-    program = schedule.programs[rank]
-    host = -(len(program) + 1)
-    computes = comm = made = moves = 0  # every other step is a FREE: counted at the end
-    mine, run_start, run_end, batch = [], -1, -1, -1
-    try:
-        for index, i in enumerate(program):
-            op, mb = i.op, i.mb
-            if mb >= m:
-                return None
-            key = base[i.stage] + mb  # coverage: stage in range (IndexError) and on this rank (TypeError)
-            if op is FREE:
-                states_of = states.get(i.buf, nowhere)
-                state = states_of[key]
-                if i.peer is not None or state is None or host < state < 0:  # never produced, or freed
-                    return None
-                states_of[key] = ~index
-            elif op is F or op is B or op is W:
-                flags = done[op]
-                if i.peer is not None or flags[key] or (op is W and not b_done[key]):  # a second one, W before B
-                    return None
-                flags[key] = True
-                computes += 1
-                produced = makes[op][i.stage]
-                for states_of, shift in produced:
-                    states_of[key + shift] = index
-                made += len(produced)
-                for states_of in uses[op][i.stage]:
-                    if states_of[key] is None or states_of[key] < 0:
-                        return None
-            elif op is OFFLOAD or op is RELOAD:
-                if i.peer is not None or not _moved(op, states.get(i.buf, nowhere), key, index, host):
-                    return None
-                moves += 1
-            else:  # SEND_F, RECV_F, SEND_B, RECV_B: a remote neighbour stage, which is the peer
-                peer, buffer, flags, channel, tensor = talk[op][i.stage]  # None: no remote neighbour (TypeError)
-                if i.peer != peer:
-                    return None
-                comm += 1
-                if index != run_end:  # a new batch, as in _communication
-                    if run_end >= 0:
-                        batches.append((rank, run_start, run_end))
-                    run_start, batch = index, len(batches)
-                    mine.append(batch)
-                run_end = index + 1
-                state = buffer[key]
-                if flags is not None:  # a send
-                    if flags[key] or state is None or state < 0:  # a second send, or its tensor not live
-                        return None
-                    flags[key] = True
-                else:
-                    if state is not None:  # a second receive
-                        return None
-                    buffer[key] = index
-                    made += 1
-                channel[0].append(tensor + (mb << 1))  # [Note: tensor ints]
-                channel[1].append(batch)
-    except (TypeError, IndexError, KeyError):  # a stage of no rank or another's, an op of none: [Note: merged walk]
-        return None
-    if run_end >= 0:
-        batches.append((rank, run_start, run_end))
-    rank_batches.append(mine)
-    sends.update(((rank, peer), channel) for peer, channel in out_to.items() if channel[0])
-    recvs.update(((peer, rank), channel) for peer, channel in in_from.items() if channel[0])
-    return computes, comm, made, len(program) - computes - comm - moves
-
-
-def _message_tables(schedule: Schedule, rank: int, own, states, done, out_to: dict, in_from: dict) -> dict:
-    """Per communication op and stage, what [Note: merged walk] checks and records of a
-    message of rank's: None where the stage is not rank's or its neighbour that way is
-    on rank (no message), else (the peer: the neighbour's rank, the buffer the message
-    moves, the done-flags of a send (None for a receive), the channel's two lists in
-    `out_to` / `in_from`, the message's tensor int at mb 0 ([Note: tensor ints]))."""
-    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
-    talk = {}
-    for op, step, buf, sending in ((SEND_F, 1, "act_out", True), (RECV_B, 1, "grad_out", False),
-                                   (RECV_F, -1, "act_in", False), (SEND_B, -1, "grad_in", True)):
-        row = talk[op] = [None] * S
-        for s in own:
-            other = s + step
-            if not 0 <= other < S or placement[other] == rank:
-                continue
-            peer = placement[other]
-            named = other if sending else s  # a tensor is named by its receive's (stage, mb)
-            channel = (out_to if sending else in_from).setdefault(peer, ([], []))
-            flags = done[op] if sending else None
-            row[s] = (peer, states[buf], flags, channel, (named * m) << 1 | (op is SEND_B or op is RECV_B))
-    return talk
-
-
-def _walk_tables(schedule: Schedule, states):
-    """Per op (F, B, W) and stage, what [Note: merged walk] does to buffers: the buffers
-    it produces, each as (states, shift: the key's offset, one stage's m for the hand-off
-    to a neighbour stage on this rank), and those it then reads ([Note: buffers])."""
-    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
-    act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
-    makes = {F: [], B: [], W: [()] * S}
-    uses = {F: [(act_in,)] * S, B: [], W: [(stash,)] * S}
-    for s in range(S):
-        onward = () if s == S - 1 else ((act_out, 0),) if placement[s + 1] != placement[s] else ((act_in, m),)
-        makes[F].append(((stash, 0),) + (((act_in, 0),) if s == 0 else ()) + onward)
-        makes[B].append(() if s == 0 else ((grad_in, 0),) if placement[s - 1] != placement[s] else ((grad_out, -m),))
-        uses[B].append((act_in, stash, grad_out) if s < S - 1 else (act_in, stash))
-    return makes, uses
-
-
-def _moved(op: Op, states_of: list, key: int, index: int, host: int) -> bool:
-    """OFFLOAD or RELOAD of one buffer in [Note: merged walk]: whether its check_liveness
-    check passes; if so, the buffer's new state is written."""
-    state = states_of[key]
-    if state is None:
-        return False
-    if op is OFFLOAD:
-        if state < 0:
-            return False
-        states_of[key] = host - index
-    else:
-        if state > host:
-            return False
-        states_of[key] = index
-    return True
-
-
 @gc_paused
 def verify(schedule: Schedule) -> None:
     """Raises ScheduleError at the first broken rule; returns None for a valid schedule."""
-    communication = _passes_walked_rules(schedule)
-    if communication is not None:
-        # Coverage, dependencies and liveness pass ([Note: merged walk]): the remaining
-        # rules in RULES' order name the first error, if any.
-        check_matching(schedule, communication)
-        check_deadlock(schedule, communication)
-        check_caps(schedule)
+    if passes(schedule):  # every rule holds, proved in one walk ([Note: one walk] in walk.py)
         return
-    for rule in RULES:
+    for rule in RULES:  # the first error, named by rule, rank and step
         rule(schedule)

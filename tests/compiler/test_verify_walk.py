@@ -1,9 +1,9 @@
-"""The verifier's merged walk ([Note: merged walk] in verify.py) is a second, faster copy
-of rules 1, 2 and 5. It is pinned here to the rule functions: on valid schedules of
-every family (split backward, V placement, offload, forward-only) and on mutated ones,
-it passes exactly when the three rules pass, collects exactly what `_communication`
-does, and `verify` names the same first error as running `RULES` one by one. Rule 4's
-check is compared with a direct reading of it on the same edits."""
+"""The verifier's one walk ([Note: one walk] in walk.py) is a second, faster proof of
+all six rules. It is pinned here to the rule functions: on valid schedules of every
+family (split backward, V placement, offload, caps, forward-only) and on edited ones
+(instructions and caps), it passes exactly when every rule passes, and `verify` names
+the same first error as running `RULES` one by one. Rule 4's check is compared with a
+direct reading of it on the same edits."""
 
 import sys
 
@@ -19,6 +19,7 @@ from pipeschedule.compiler.passes import forward_only
 from strategies import FAMILY_NAMES, examples, schedules
 
 checks = sys.modules["pipeschedule.compiler.verify"]  # the module (`pipeschedule.compiler.verify` is also the function)
+walk = sys.modules["pipeschedule.compiler.walk"]
 
 
 def outcome(run):
@@ -63,10 +64,15 @@ def op_class(op):
 @st.composite
 def mutants(draw):
     """A schedule of any family (with offload half of the time, forward-only a quarter
-    of the time) with 1 to 3 edits of its programs."""
+    of the time) with 1 to 3 edits of its programs, and a cap lowered on a sixth of
+    them (rule 6)."""
     schedule = draw(schedules(max_pp=5, max_m=6, max_v=3))
     if draw(st.integers(0, 3)) == 0:
         schedule = forward_only(schedule)
+    params = dict(schedule.params)
+    if draw(st.integers(0, 5)) == 0:
+        params["cap"] = draw(st.integers(1, 2 * schedule.virtual) | st.lists(
+            st.integers(1, 2 * schedule.virtual), min_size=schedule.pp, max_size=schedule.pp))
     programs = [list(p) for p in schedule.programs]
     for _ in range(draw(st.integers(1, 3))):  # valid schedules: the next test
         rank = draw(st.integers(0, schedule.pp - 1))
@@ -131,52 +137,44 @@ def mutants(draw):
             mb = max(0, i.mb + draw(st.sampled_from((-1, 0, 1))))
             program[k] = Instr(i.op, stage, mb, i.peer, i.buf)
     return Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, schedule.placement,
-                    tuple(map(tuple, programs)), schedule.params, schedule.forward_only)
+                    tuple(map(tuple, programs)), params, schedule.forward_only)
 
 
-def walked_rules(schedule):
-    """The first error of rules 1, 2 and 5 run in RULES' order (each may assume that
-    the rules before it passed), or None."""
-    for rule in (checks.check_coverage, checks.check_dependencies, checks.check_liveness):
-        found = outcome(lambda rule=rule: rule(schedule))
-        if found is not None:
-            return found
-    return None
-
-
-def agree(schedule, whole=True):
-    """The walk passes exactly when rules 1, 2 and 5 do, with `_communication`'s tables;
-    and (`whole`) verify names the error that RULES one by one name."""
-    walked = checks._passes_walked_rules(schedule)
-    separate = walked_rules(schedule)
-    if schedule.forward_only:
-        assert walked is None  # left to the separate rules
-    else:
-        assert (walked is not None) == (separate is None), separate
-    if walked is not None:
-        assert walked == checks._communication(schedule)
-    if not whole:
-        return separate
-
+def first_error(schedule):
+    """The first error of the rules run in RULES' order (each may assume that the rules
+    before it passed), or None."""
     def one_by_one():
         for rule in checks.RULES:
             rule(schedule)
 
-    assert outcome(lambda: checks.verify(schedule)) == outcome(one_by_one)
+    return outcome(one_by_one)
+
+
+def agree(schedule, whole=True):
+    """The walk passes exactly when every rule does; and (`whole`) verify names the error
+    that RULES one by one name. Returns that error, or None."""
+    walked = walk.passes(schedule)
+    separate = first_error(schedule)
+    if schedule.forward_only:
+        assert walked is False  # left to the separate rules
+    else:
+        assert walked == (separate is None), separate
+    if whole:
+        assert outcome(lambda: checks.verify(schedule)) == separate
     return separate
 
 
 @settings(max_examples=examples(500), deadline=None)
 @given(mutants())
-def test_the_merged_walk_agrees_with_the_rules(schedule):
+def test_the_walk_agrees_with_the_rules(schedule):
     agree(schedule)
 
 
 @settings(max_examples=examples(100), deadline=None)
 @given(schedules(max_pp=6, max_m=8))
-def test_valid_schedules_pass_the_merged_walk(schedule):
+def test_valid_schedules_pass_the_walk(schedule):
     assert agree(schedule) is None
-    assert checks._passes_walked_rules(schedule) is not None
+    assert walk.passes(schedule) is True
 
 
 def single_edits(program, pp):

@@ -1,0 +1,279 @@
+"""The verifier's one walk: rules 1 to 6 proved in one pass over packed programs.
+
+[Note: one walk] The rules of verify.py each walk every instruction (717k at pp=64, v=2,
+m=512), and rules 3 and 4 then walk the messages and batches they collected. `passes`
+proves all six in one walk over the packed columns ([Note: packed programs]), run in
+the order rule 4 describes: each rank runs until it posts a batch some of whose partners
+are not yet posted, and parks there; a message posted after its partner completes it,
+and a parked rank whose last missing partner posts goes back on the stack ([Note:
+event-driven run] in simulate/engine.py is the same loop with times). The rules name the
+first error by rule, then rank, then step, which one walk cannot reproduce cheaply, so
+the walk never raises: at any failed check it returns False and `verify` runs the rules
+one by one, which raise the right error. False is therefore always safe (only slower);
+True must come back only when every rule would pass.
+
+What the walk checks, and where:
+- once per template of each rank's program, before the walk: its stage runs on that
+  rank (coverage); a message's neighbour stage runs on another rank, which is its peer
+  (dependency); every microbatch is below m (coverage);
+- per instruction, with check_liveness' encoding of buffer states ([Note: buffer states]
+  in verify.py) in flat lists indexed by stage * m + mb (a rank touches only its own
+  stages' keys, so ranks never share an entry): F, B and W run once each, W after its B
+  (coverage); each reads live buffers and makes its own; a send's tensor is live and
+  sent once, a receive happens once (dependency, liveness); a FREE, OFFLOAD or RELOAD
+  finds its buffer in a state that allows it (liveness); F and B keep the in-flight
+  count within the cap (caps);
+- per message, when its second side posts: both sides name the same tensor ([Note:
+  tensor ints] in verify.py) (matching);
+- per rank at its end: the counts the rules would find (an F, B, W or message missing:
+  coverage, dependency; a buffer never freed: liveness);
+- at the end: no rank is parked (deadlock; a message never matched leaves its batch
+  parked, so matching's "n sends, m receives" shows here too).
+Checks left out because, when every check here passes, they cannot fail:
+- liveness "produced a second time": each buffer key has one producer, unique by
+  coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
+  dependency checks (RECV_F / RECV_B only of a stage whose neighbour is remote, once);
+- dependency's "F runs before its input arrives": F's use of act_in needs it produced,
+  by RECV_F of a remote neighbour or by F(s-1) of a local one, which is exactly what
+  dependency asks for (stage 0 needs nothing); likewise B's use of grad_out covers B's
+  input gradient (the last stage needs nothing);
+- coverage's "B before its F": B's use of stash needs it produced, and only F(s, mb)
+  produces stash (s, mb).
+The counts at a rank's end are the rules' own: each key is one a rule wants, each once,
+so a count that agrees means nothing is missing; and since every buffer is produced once
+(above), a rank whose FREEs (each of a produced buffer, once) number its productions has
+no leak. tests/compiler/test_verify_walk.py pins this walk to the rules (a differential
+test on valid and edited schedules of every family, with offload and caps); a check
+added here or there without the other fails it. A forward-only schedule is left to the
+separate rules (False): evaluation schedules are small and rare.
+"""
+
+from __future__ import annotations
+
+from pipeschedule.compiler.instr import BUFFERS, Op
+from pipeschedule.compiler.ir import Schedule
+from pipeschedule.compiler.program import Template, packed
+from pipeschedule.errors import FormatError
+
+F, B, W, FREE, OFFLOAD, RELOAD = Op.F, Op.B, Op.W, Op.FREE, Op.OFFLOAD, Op.RELOAD
+SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+
+# What the walk does with an instruction, by its template.
+_FREE, _COMPUTE, _MESSAGE, _OFFLOAD, _RELOAD = range(5)
+# A message's buffer, its neighbour stage (+1 or -1) and whether it sends.
+_MESSAGES = {SEND_F: ("act_out", 1, True), RECV_B: ("grad_out", 1, False),
+             RECV_F: ("act_in", -1, False), SEND_B: ("grad_in", -1, True)}
+
+
+def needed_per_microbatch(schedule: Schedule, stages) -> int:
+    """How many of F, B and transfers (what check_dependencies records) a rank running
+    `stages` has per microbatch: F and B of each stage, and each stage's messages."""
+    if schedule.forward_only:
+        return sum(1 + schedule.recvs_forward(s) + schedule.sends_forward(s) for s in stages)
+    return sum(2 + schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
+               + schedule.recvs_backward(s) for s in stages)
+
+
+def passes(schedule: Schedule) -> bool:
+    """True when every rule of verify.py holds for `schedule`, False when some check of
+    [Note: one walk] fails (or the schedule is forward-only)."""
+    if schedule.forward_only:
+        return False
+    try:
+        caps = schedule.caps()
+    except FormatError:  # check_caps reports it, after the rules before it
+        return False
+    walk = _Walk(schedule, caps)
+    if not walk.ready:
+        return False
+    stack = walk.stack
+    while stack:
+        if not walk.advance(stack.pop()):
+            return False
+    return walk.finished == schedule.pp
+
+
+class _Walk:
+    """The state of [Note: one walk]: per template what its instructions do (`act`) and
+    with which tables (`arg`); per rank its columns, where it stands and what it has
+    counted; the ranks that can run (`stack`) and the partners each parked rank waits
+    for (`waiting`). `ready` is False when a template sits on a rank it cannot."""
+
+    def __init__(self, schedule: Schedule, caps) -> None:
+        self.schedule = schedule
+        S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
+        self.templates, self.ids, self.mbs = packed(schedule.programs)
+        templates = self.templates
+        self.states = {buf: [None] * (S * m) for buf in BUFFERS}  # [Note: buffer states], at stage * m + mb
+        self.done = {op: [False] * (S * m) for op in (F, B, W, SEND_F, SEND_B)}
+        self.channels: dict[tuple[int, int], tuple[list, list]] = {}  # (src, dst) -> tensors sent, received
+        self.owner, self.act, self.arg = [], [], []
+        for t in templates:
+            owner, act, arg = self._template(t)
+            self.owner.append(owner)
+            self.act.append(act)
+            self.arg.append(arg)
+        self.base = [t.stage * m for t in templates]  # an instruction's key: base + mb
+        self.caps = caps if caps is not None else [len(ids) for ids in self.ids]  # in flight never exceeds these
+        self.steps = self._steps(caps is not None)
+        self.hosts = [-(len(ids) + 1) for ids in self.ids]  # states <= host: on the host
+        self.at = [[0, 0, 0, 0, 0, 0] for _ in range(pp)]  # per rank: pc, computes, messages, made, moves, in flight
+        self.waiting = [0] * pp
+        self.stack = list(range(pp - 1, -1, -1))  # rank 0 first
+        self.finished = 0
+        self.ready = all(self._placed(r) for r in range(pp))
+
+    def _template(self, t: Template) -> tuple:
+        """(the rank where instructions of `t` may run, or -1 for none; what they do;
+        with which tables)."""
+        schedule, states, done = self.schedule, self.states, self.done
+        S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+        s = t.stage
+        if s >= S:
+            return -1, None, None
+        owner = placement[s]
+        if t.op is FREE or t.op is OFFLOAD or t.op is RELOAD:
+            return owner, (_FREE, _OFFLOAD, _RELOAD)[(FREE, OFFLOAD, RELOAD).index(t.op)], states[t.buf]
+        if t.op is F or t.op is B or t.op is W:
+            makes, uses = _buffers(schedule, t.op, s, states)
+            return owner, _COMPUTE, (done[t.op], makes, uses, done[B] if t.op is W else None)
+        buf, step, sending = _MESSAGES[t.op]
+        other = s + step
+        if not 0 <= other < S or placement[other] == owner or t.peer != placement[other]:
+            return -1, None, None  # no remote neighbour that way, or not the peer
+        named = other if sending else s  # [Note: tensor ints]: a tensor is named by its receive
+        sent, received = self.channels.setdefault((owner, t.peer) if sending else (t.peer, owner), ([], []))
+        mine, theirs = (sent, received) if sending else (received, sent)
+        tensor = (named * m) << 1 | (t.op is SEND_B or t.op is RECV_B)
+        return owner, _MESSAGE, (states[buf], done[t.op] if sending else None, mine, theirs, tensor, t.peer)
+
+    def _steps(self, capped: bool) -> list[int]:
+        """Per template, what an instruction of it adds to its rank's in-flight count
+        (+1 for F, -1 for B, 0 for the rest or without caps)."""
+        return [(1 if t.op is F else -1 if t.op is B else 0) if capped and act == _COMPUTE else 0
+                for t, act in zip(self.templates, self.act)]
+
+    def _placed(self, rank: int) -> bool:
+        """Whether every template rank's program uses may run there, and every mb is in range."""
+        ids, mbs = self.ids[rank], self.mbs[rank]
+        if mbs and max(mbs) >= self.schedule.microbatches:
+            return False
+        owner = self.owner
+        return all(owner[k] == rank for k in set(ids))
+
+    def advance(self, r: int) -> bool:
+        """Runs rank r from where it stands until it parks on a batch some of whose
+        partners have not posted, or ends; False at the first failed check."""
+        ids, mbs, act, arg, base = self.ids[r], self.mbs[r], self.act, self.arg, self.base
+        at, steps, host, cap = self.at[r], self.steps, self.hosts[r], self.caps[r]
+        waiting, stack = self.waiting, self.stack
+        pc, computes, messages, made, moves, inflight = at
+        n = len(ids)
+        while pc < n:
+            k = ids[pc]
+            a = act[k]
+            if a == _FREE:
+                states_of = arg[k]
+                key = base[k] + mbs[pc]
+                state = states_of[key]
+                if state is None or host < state < 0:  # never produced, or freed
+                    return False
+                states_of[key] = ~pc
+            elif a == _COMPUTE:
+                flags, makes, uses, before = arg[k]
+                key = base[k] + mbs[pc]
+                if flags[key] or (before is not None and not before[key]):  # a second one, W before its B
+                    return False
+                flags[key] = True
+                for states_of, shift in makes:
+                    states_of[key + shift] = pc
+                made += len(makes)
+                for states_of in uses:
+                    state = states_of[key]
+                    if state is None or state < 0:
+                        return False
+                step = steps[k]
+                if step:
+                    inflight += step
+                    if inflight > cap:
+                        return False
+                computes += 1
+            elif a == _MESSAGE:  # a batch: this message and the ones right after it
+                missing = 0
+                while True:
+                    buffer, flags, mine, theirs, tensor, peer = arg[k]
+                    mb = mbs[pc]
+                    key = base[k] + mb
+                    state = buffer[key]
+                    if flags is not None:  # a send: its tensor live, sent once
+                        if flags[key] or state is None or state < 0:
+                            return False
+                        flags[key] = True
+                    else:  # a receive: once
+                        if state is not None:
+                            return False
+                        buffer[key] = pc
+                        made += 1
+                    tensor += mb << 1
+                    j = len(mine)
+                    mine.append(tensor)
+                    if len(theirs) > j:  # its partner posted first, and is parked on it
+                        if theirs[j] != tensor:
+                            return False
+                        waiting[peer] -= 1
+                        if not waiting[peer]:
+                            stack.append(peer)
+                    else:
+                        missing += 1
+                    messages += 1
+                    pc += 1
+                    if pc == n:
+                        break
+                    k = ids[pc]
+                    if act[k] != _MESSAGE:
+                        break
+                if missing:  # parked until the partners post
+                    waiting[r] = missing
+                    at[:] = pc, computes, messages, made, moves, inflight
+                    return True
+                continue
+            else:  # OFFLOAD needs the buffer on the device, RELOAD on the host
+                states_of = arg[k]
+                key = base[k] + mbs[pc]
+                state = states_of[key]
+                if state is None or (state < 0 if a == _OFFLOAD else state > host):
+                    return False
+                states_of[key] = host - pc if a == _OFFLOAD else pc
+                moves += 1
+            pc += 1
+        at[:] = pc, computes, messages, made, moves, inflight
+        self.finished += 1
+        return self._counts_agree(r, computes, messages, made, n - computes - messages - moves)
+
+    def _counts_agree(self, rank: int, computes: int, messages: int, made: int, frees: int) -> bool:
+        """The counts at a rank's end ([Note: one walk]): every F, B (and W) there, every
+        message, and as many FREEs as buffers made."""
+        schedule = self.schedule
+        m, split = schedule.microbatches, schedule.split_backward
+        stages = schedule.stages_of(rank)
+        if computes != (3 if split else 2) * len(stages) * m:  # coverage: an F, B or W missing
+            return False
+        fb = computes - (len(stages) * m if split else 0)  # F and B alone
+        if fb + messages != needed_per_microbatch(schedule, stages) * m:  # dependency: a message missing
+            return False
+        return made == frees  # liveness: a leak
+
+
+def _buffers(schedule: Schedule, op: Op, s: int, states: dict) -> tuple[tuple, tuple]:
+    """What F, B or W of stage s does to buffers ([Note: buffers] in instr.py): the
+    buffers it makes, each as (states, shift: the key's offset, one stage's m for the
+    hand-off to a neighbour stage on its rank), and those it then reads."""
+    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+    act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
+    if op is F:
+        onward = () if s == S - 1 else ((act_out, 0),) if placement[s + 1] != placement[s] else ((act_in, m),)
+        return ((stash, 0),) + (((act_in, 0),) if s == 0 else ()) + onward, (act_in,)
+    if op is B:
+        makes = () if s == 0 else ((grad_in, 0),) if placement[s - 1] != placement[s] else ((grad_out, -m),)
+        return makes, ((act_in, stash, grad_out) if s < S - 1 else (act_in, stash))
+    return (), (stash,)
