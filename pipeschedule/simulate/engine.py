@@ -109,7 +109,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections import defaultdict
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Iterator, NamedTuple, Sequence
@@ -118,6 +117,7 @@ from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.simulate.hostlink import HostLink
 from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.program import Template, packed
 
 MOVE_OPS = frozenset({Op.OFFLOAD, Op.RELOAD})
 # Plain names for the ops: an enum attribute costs about 80 ns, a global a few, and the
@@ -151,6 +151,7 @@ class EventLog(Sequence[Event]):
         # as `run` keeps them: (src << 32 | dst) -> (send posts, message times, receive posts)
         self._channels = channels or {}
         self._times: dict[int, tuple[list, list]] = {}  # rank -> (starts, ends), on demand
+        self._packed = None  # the programs' `packed` columns, on demand
         self._offsets = [0, *accumulate(len(p) for p in programs)]
 
     def times(self, rank: int) -> tuple[list, list]:
@@ -161,18 +162,22 @@ class EventLog(Sequence[Event]):
         at the clock; an OFFLOAD or RELOAD starts at the clock and ends when its copy
         lands, leaving the clock where it is."""
         if rank not in self._times:
+            if self._packed is None:
+                self._packed = packed(self._programs)
+            templates, ids, _ = self._packed
             starts, ends, clock, post = [], [], 0, None
             waits = self._waits[rank]
             sent: dict[int, int] = {}  # peer -> sends to it so far: the k of the next one
-            for pc, (instr, end) in enumerate(zip(self._programs[rank], self._ends[rank])):
-                if instr.op in COMM_OPS:
+            for pc, (k, end) in enumerate(zip(ids[rank], self._ends[rank])):
+                op, peer = templates[k].op, templates[k].peer
+                if op in COMM_OPS:
                     if post is None:
                         post = batch_end = clock
                     starts.append(post)
-                    if instr.op in SEND_OPS:
-                        k = sent.get(instr.peer, 0)
-                        sent[instr.peer] = k + 1
-                        end = self._message_end(rank << 32 | instr.peer, k, end)
+                    if op in SEND_OPS:
+                        j = sent.get(peer, 0)
+                        sent[peer] = j + 1
+                        end = self._message_end(rank << 32 | peer, j, end)
                     elif end > batch_end:
                         batch_end = end
                 else:
@@ -183,7 +188,7 @@ class EventLog(Sequence[Event]):
                     starts.append(clock)
                     if end is None:
                         end = clock
-                    elif instr.op in MOVE_OPS:
+                    elif op in MOVE_OPS:
                         ends.append(end)
                         continue
                     clock = end
@@ -305,7 +310,7 @@ class MemoryCurves(Sequence):
         return self._curves[rank]
 
     def __len__(self) -> int:
-        return len(self._changes) if self._changes is not None else len(self._replay.programs)
+        return len(self._changes) if self._changes is not None else len(self._replay.ids)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, (MemoryCurves, tuple, list)):
@@ -321,31 +326,26 @@ class MemoryCurves(Sequence):
 
 class _Replay:
     """The memory changes of ranks that `run` did not write ([Note: replayed memory]): the
-    bytes each instruction adds or releases, by stage, as `_Run` counts them."""
+    bytes each instruction adds or releases, by template, as `_Run` counts them."""
 
-    def __init__(self, programs, f_alloc, b_alloc, free_bytes, act_in, grad_out) -> None:
-        self.programs, self.f_alloc, self.b_alloc = programs, f_alloc, b_alloc
-        self.free_bytes, self.act_in, self.grad_out = free_bytes, act_in, grad_out
+    def __init__(self, templates, ids, act, nbytes) -> None:
+        self.templates, self.ids, self.act, self.nbytes = templates, ids, act, nbytes
 
     def changes(self, rank: int, starts: list) -> tuple[list, list]:
         """(times, live bytes) of every change on `rank`, as `_Run` writes them; `starts`:
         each instruction's start (`EventLog.times`)."""
-        f_alloc, b_alloc, free_bytes, act_in, grad_out = (self.f_alloc, self.b_alloc, self.free_bytes,
-                                                          self.act_in, self.grad_out)
+        act, nbytes = self.act, self.nbytes
         times, values, live = [0], [0], 0
-        for instr, t in zip(self.programs[rank], starts):
-            op = instr.op
-            if op is FREE:
-                live -= free_bytes[instr.buf][instr.stage]
-            elif op is F or op is B:
-                grow = f_alloc[instr.stage] if op is F else b_alloc[instr.stage]
-                if not grow:
+        for k, t in zip(self.ids[rank], starts):
+            a = act[k]
+            if a == _FREE:
+                live -= nbytes[k]
+            elif a == _F or a == _B:
+                if not nbytes[k]:
                     continue
-                live += grow
-            elif op is RECV_F:
-                live += act_in[instr.stage]
-            elif op is RECV_B:
-                live += grad_out[instr.stage]
+                live += nbytes[k]
+            elif a == _RECV:
+                live += nbytes[k]
             else:  # W, SEND_F, SEND_B: no bytes (OFFLOAD, RELOAD: never replayed)
                 continue
             times.append(t)
@@ -358,12 +358,11 @@ class _Records(Exception):
     replayed memory])."""
 
 
-def _complete(ops, end, channels, ends):
+def _complete(ops, end, ends):
     """Completes the ops of a batch that were waiting for their partners (all posted by
     now): writes each op's message completion into `ends` and returns the batch's end,
-    at least `end` ([Note: simulated semantics])."""
-    for channel, k, pc in ops:
-        send_posts, send_msgs, recv_posts = channels[channel]
+    at least `end` ([Note: simulated semantics]). `ops`: (channel, k, pc) of each."""
+    for (send_posts, send_msgs, recv_posts), k, pc in ops:
         done = max(send_posts[k], recv_posts[k])
         if send_msgs[k]:
             done += send_msgs[k]
@@ -397,12 +396,20 @@ class _RankState:
         self.pc = self.t = self.live = self.peak = self.inflight = self.peak_inflight = self.busy = 0
 
 
+# What the run does with an instruction, by its template's op.
+_FREE, _F, _B, _W, _SEND, _RECV, _OFFLOAD, _RELOAD = range(8)
+_ACTS = {FREE: _FREE, F: _F, B: _B, W: _W, SEND_F: _SEND, SEND_B: _SEND, RECV_F: _RECV, RECV_B: _RECV,
+         OFFLOAD: _OFFLOAD, RELOAD: _RELOAD}
+
+
 class _Run:
-    """One simulated step: the schedule's per-stage tables, each rank's state, the message
-    channels and the ranks parked on a batch ([Note: event-driven run]). `advance` is
-    the loop over instructions; it runs a million times for pp=64, m=512, so it reads
-    everything through local variables and calls out only for what is rare (a copy to
-    or from the host, a streamed or resized stash) and once per batch of messages."""
+    """One simulated step: the schedule's programs as columns and, per template, what an
+    instruction of it does, its bytes and its time ([Note: packed programs]); each rank's
+    state, the message channels and the ranks parked on a batch ([Note: event-driven
+    run]). `advance` is the loop over instructions; it runs a million times for pp=64,
+    m=512, so it reads everything through local variables and calls out only for what is
+    rare (a copy to or from the host, a streamed or resized stash) and once per batch of
+    messages."""
 
     def __init__(self, schedule: Schedule, cost, records: bool = True) -> None:
         self.schedule, pp, stages, placement = schedule, schedule.pp, schedule.num_stages, schedule.placement
@@ -425,12 +432,15 @@ class _Run:
         self.msg_f = [latency + b / bandwidth if bandwidth != math.inf else latency for b in act_out]
         self.msg_b = [latency + b / bandwidth if bandwidth != math.inf else latency for b in grad_in]
         self.costs = cost.forward, cost.backward, cost.weight
+        self.programs = schedule.programs
+        self.templates, self.ids, self.mbs = packed(schedule.programs)
+        self.act, self.nbytes, self.spend = self._per_template(act_in, grad_out)
         # channel (src << 32 | dst) -> (post times of its sends, their message times, post
         # times of its receives); entry k of each belongs to the channel's k-th message.
         # A peer that is not a rank gets a channel nobody posts to, so it deadlocks.
-        self.channels: dict[int, tuple] = defaultdict(lambda: ([], [], []))
-        self.programs = schedule.programs
-        self.ends = [[None] * len(p) for p in self.programs]
+        self.channels: dict[int, tuple] = {}
+        self.chan = [self._rank_channels(r) for r in range(pp)]  # per rank, by template: a message's channel
+        self.ends = [[None] * len(ids) for ids in self.ids]
         self.memory = [([0], [0]) for _ in range(pp)]
         self.links = [HostLink(cost.offload_bandwidth, cost.reload_bandwidth, cost.offload_slowdown, *self.memory[r],
                                _change, cost.offload_chunk, cost.reload_window) for r in range(pp)]
@@ -441,13 +451,49 @@ class _Run:
         self.waiting = [0] * pp  # per rank: partners its parked batch still misses
         self.stack = list(range(pp - 1, -1, -1))  # ranks that can run, rank 0 first
         # What each call of `advance` and `post_batch` reads, gathered once.
-        self.parts = [(self.programs[r], self.ends[r], *self.memory[r], self.links[r]) for r in range(pp)]
+        self.parts = [(self.ids[r], self.mbs[r], self.ends[r], *self.memory[r], self.links[r]) for r in range(pp)]
         self.special = [streamed is not None or self.b_shrink is not None for streamed in self.streamed]
-        self.messages = (self.channels, self.waiting, self.msg_f, self.msg_b, act_in, grad_out)
         # Whether the memory curves are written as the run goes ([Note: replayed memory]).
         self.records = records or any(self.special)
-        self.replay = None if self.records else _Replay(self.programs, self.f_alloc, self.b_alloc, self.free_bytes,
-                                                        act_in, grad_out)
+        self.replay = None if self.records else _Replay(self.templates, self.ids, self.act, self.nbytes)
+
+    def _per_template(self, act_in, grad_out) -> tuple[list, list, list]:
+        """Per template: what its instructions do; their bytes (F, B: allocated at the
+        start; RECV: its buffer; FREE, OFFLOAD, RELOAD: the buffer's); their time (F, B,
+        W: the stage's; SEND: the message's). Raises ScheduleError for a stage the
+        schedule does not have."""
+        fcost, bcost, wcost = self.costs
+        acts, nbytes, spends = [], [], []
+        for t in self.templates:
+            a, s = _ACTS[t.op], t.stage
+            if s >= self.schedule.num_stages:
+                raise ScheduleError(f"rule coverage: {t.instr(0)} names stage {s}, but the schedule has stages "
+                                    f"0..{self.schedule.num_stages - 1}", rule="coverage")
+            acts.append(a)
+            if a == _F:
+                nbytes.append(self.f_alloc[s]), spends.append(fcost[s])
+            elif a == _B:
+                nbytes.append(self.b_alloc[s]), spends.append(bcost[s])
+            elif a == _W:
+                nbytes.append(0), spends.append(wcost[s])
+            elif a == _SEND:
+                nbytes.append(0), spends.append(self.msg_f[s] if t.op is SEND_F else self.msg_b[s])
+            elif a == _RECV:
+                nbytes.append(act_in[s] if t.op is RECV_F else grad_out[s]), spends.append(0)
+            else:
+                nbytes.append(self.free_bytes[t.buf][s]), spends.append(0)
+        return acts, nbytes, spends
+
+    def _rank_channels(self, r: int) -> list:
+        """Rank r's channel of each message template its program holds (None for the rest)."""
+        chan, channels = [None] * len(self.templates), self.channels
+        for k in set(self.ids[r]):
+            a = self.act[k]
+            if a == _SEND or a == _RECV:
+                peer = self.templates[k].peer
+                key = r << 32 | peer if a == _SEND else peer << 32 | r
+                chan[k] = channels.get(key) or channels.setdefault(key, ([], [], []))
+        return chan
 
     def trace(self) -> Trace:
         """Runs every rank until none can ([Note: event-driven run]); raises ScheduleError
@@ -468,46 +514,41 @@ class _Run:
     def advance(self, r: int) -> None:
         """Runs rank r's program from where it stands until it parks on a batch whose
         partners have not all posted, or ends."""
-        program, rank_ends, mem_t, mem_v, link = self.parts[r]
+        ids, mbs, rank_ends, mem_t, mem_v, link = self.parts[r]
+        act, nbytes, spends, templates = self.act, self.nbytes, self.spend, self.templates
         state, moved, special, records = self.states[r], link.moved, self.special[r], self.records
-        free_bytes, f_alloc, b_alloc = self.free_bytes, self.f_alloc, self.b_alloc
-        fcost, bcost, wcost = self.costs
         pc, t, live, peak = state.pc, state.t, state.live, state.peak
         inflight, peak_inflight, busy = state.inflight, state.peak_inflight, state.busy
         if self.parked[r] is not None:  # resumed: every partner of the parked batch has posted
             ops, batch_end, _ = self.parked[r]
             self.parked[r] = None
-            t = _complete(ops, batch_end, self.channels, rank_ends)
-        n = len(program)
+            t = _complete(ops, batch_end, rank_ends)
+        n = len(ids)
         while pc < n:
-            instr = program[pc]
-            op = instr.op
-            if op is FREE:
+            k = ids[pc]
+            a = act[k]
+            if a == _FREE:
                 if moved:  # some buffer is off the device: [Note: host link]
-                    live, released = link.free((instr.buf, instr.stage, instr.mb), free_bytes[instr.buf][instr.stage],
-                                               t, live)
+                    tpl = templates[k]
+                    live, released = link.free((tpl.buf, tpl.stage, mbs[pc]), nbytes[k], t, live)
                     live -= released
                     mem_t.append(t)
                     mem_v.append(live)
                 else:
-                    live -= free_bytes[instr.buf][instr.stage]
+                    live -= nbytes[k]
                     if records:
                         mem_t.append(t)
                         mem_v.append(live)
-            elif op is F or op is B or op is W:
-                s = instr.stage
-                if op is F:
-                    grow, spend = f_alloc[s], fcost[s]
+            elif a <= _W:
+                grow, spend = nbytes[k], spends[k]
+                if a == _F:
                     inflight += 1
                     if inflight > peak_inflight:
                         peak_inflight = inflight
-                elif op is B:
-                    grow, spend = b_alloc[s], bcost[s]
+                elif a == _B:
                     inflight -= 1
-                else:
-                    grow, spend = 0, wcost[s]
                 if moved or special:  # copies to or from the host, a streamed or resized stash
-                    t, live, peak, spend = self.compute_aside(r, pc, instr, grow, spend, t, live, peak)
+                    t, live, peak, spend = self.compute_aside(r, pc, templates[k], mbs[pc], grow, spend, t, live, peak)
                 else:
                     if grow:
                         live += grow
@@ -519,30 +560,32 @@ class _Run:
                     t += spend
                     rank_ends[pc] = t
                 busy += spend
-            elif not records and (op is OFFLOAD or op is RELOAD):
-                raise _Records  # the host link writes memory points: run again writing them all
-            elif op is OFFLOAD:  # asynchronous copies: [Note: host link]
-                live, rank_ends[pc] = link.offload((instr.buf, instr.stage, instr.mb),
-                                                   free_bytes[instr.buf][instr.stage], t, live)
-            elif op is RELOAD:
-                live, peak, rank_ends[pc] = link.reload((instr.buf, instr.stage, instr.mb),
-                                                        free_bytes[instr.buf][instr.stage], t, live, peak)
-            else:  # a run of communication: one batch
+            elif a <= _RECV:  # a run of communication: one batch
                 pc, t, live, peak = self.post_batch(r, pc, t, live, peak)
                 if self.parked[r] is not None:
                     break
                 continue
+            elif not records:
+                raise _Records  # the host link writes memory points: run again writing them all
+            else:  # asynchronous copies: [Note: host link]
+                tpl = templates[k]
+                key = (tpl.buf, tpl.stage, mbs[pc])
+                if a == _OFFLOAD:
+                    live, rank_ends[pc] = link.offload(key, nbytes[k], t, live)
+                else:
+                    live, peak, rank_ends[pc] = link.reload(key, nbytes[k], t, live, peak)
             pc += 1
         state.pc, state.t, state.live, state.peak = pc, t, live, peak
         state.inflight, state.peak_inflight, state.busy = inflight, peak_inflight, busy
 
-    def compute_aside(self, r: int, pc: int, instr, grow, spend, t, live, peak):
-        """F, B or W on a rank with moved buffers, streamed stashes or stashes resized at
-        B: it waits for the reloads of what it reads and lands finished copies ([Note:
-        host link]), streams its stash ([Note: simulated streaming]) or shrinks it at
-        its end ([Note: when bytes count]). Returns (t, live, peak, busy time spent)."""
+    def compute_aside(self, r: int, pc: int, tpl: Template, mb: int, grow, spend, t, live, peak):
+        """F, B or W (of template `tpl`, microbatch `mb`) on a rank with moved buffers,
+        streamed stashes or stashes resized at B: it waits for the reloads of what it
+        reads and lands finished copies ([Note: host link]), streams its stash ([Note:
+        simulated streaming]) or shrinks it at its end ([Note: when bytes count]).
+        Returns (t, live, peak, busy time spent)."""
         link, streams, (mem_t, mem_v), rank_ends = self.links[r], self.streamed[r], self.memory[r], self.ends[r]
-        op, s, mb = instr.op, instr.stage, instr.mb
+        op, s = tpl.op, tpl.stage
         stream = streams is not None and (s, mb) in streams and op is not W
         if stream and op is F:
             grow -= self.stash[s]  # its pieces count as they are produced
@@ -580,52 +623,54 @@ class _Run:
         simulated semantics]): a send records its post (it does not hold the rank), a
         receive whose send is posted completes now, the others wait. Returns (pc after the
         batch, clock, live, peak); when a receive waits, the rank is parked on the batch."""
-        program, rank_ends, mem_t, mem_v, link = self.parts[r]
-        channels, waiting, msg_f, msg_b, act_in, grad_out = self.messages
+        ids, mbs, rank_ends, mem_t, mem_v, link = self.parts[r]
+        act, nbytes, spends, chan, waiting = self.act, self.nbytes, self.spend, self.chan[r], self.waiting
         moved, records = link.moved, self.records
         if moved:
             live = link.drain(t, live)
         post = batch_end = t
-        first, ops, missing, n = pc, None, 0, len(program)
+        first, ops, missing, n = pc, None, 0, len(ids)
         while pc < n:
-            instr = program[pc]
-            op, peer = instr.op, instr.peer
-            if op is SEND_F or op is SEND_B:
-                mine, msgs, theirs = channels[r << 32 | peer]
-                msgs.append(msg_f[instr.stage] if op is SEND_F else msg_b[instr.stage])
-                k = len(mine)
+            k = ids[pc]
+            a = act[k]
+            if a == _SEND:
+                mine, msgs, theirs = chan[k]
+                msgs.append(spends[k])
+                j = len(mine)
                 if moved:  # a reloaded buffer is read once it lands
-                    mine.append(link.ready_buffer(("act_out" if op is SEND_F else "grad_in", instr.stage, instr.mb),
+                    tpl = self.templates[k]
+                    mine.append(link.ready_buffer(("act_out" if tpl.op is SEND_F else "grad_in", tpl.stage, mbs[pc]),
                                                   post))
                 else:
                     mine.append(post)
                 rank_ends[pc] = post  # sends do not hold the sender up ([Note: simulated semantics])
-                if len(theirs) > k:  # the receiver posted first and is parked on this ...
+                if len(theirs) > j:  # the receiver posted first and is parked on this ...
+                    peer = self.templates[k].peer
                     if peer == r:  # ... earlier in this very batch
                         missing -= 1
                     else:
                         waiting[peer] -= 1
                         if waiting[peer] == 0:
                             self.stack.append(peer)
-            elif op is RECV_F or op is RECV_B:
-                channel = peer << 32 | r
-                theirs, msgs, mine = channels[channel]
-                live += act_in[instr.stage] if op is RECV_F else grad_out[instr.stage]
+            elif a == _RECV:
+                channel = chan[k]
+                theirs, msgs, mine = channel
+                live += nbytes[k]
                 if live > peak:
                     peak = live
                 if records:
                     mem_t.append(t)
                     mem_v.append(live)
-                k = len(mine)
+                j = len(mine)
                 mine.append(post)
-                if len(theirs) <= k:  # a receive whose send is not posted yet
+                if len(theirs) <= j:  # a receive whose send is not posted yet
                     missing += 1
                     ops = ops or []
-                    ops.append((channel, k, pc))
+                    ops.append((channel, j, pc))
                 else:
-                    done = theirs[k] if theirs[k] > post else post
-                    if msgs[k]:
-                        done += msgs[k]
+                    done = theirs[j] if theirs[j] > post else post
+                    if msgs[j]:
+                        done += msgs[j]
                     rank_ends[pc] = done
                     if done > batch_end:
                         batch_end = done
@@ -635,7 +680,7 @@ class _Run:
         if missing:
             self.parked[r], waiting[r] = (ops, batch_end, first), missing
         else:
-            t = batch_end if ops is None else _complete(ops, batch_end, channels, rank_ends)  # ops: messages to self
+            t = batch_end if ops is None else _complete(ops, batch_end, rank_ends)  # ops: messages to self
         return pc, t, live, peak
 
     def check_finished(self) -> None:
