@@ -87,13 +87,15 @@ being copied out when its RELOAD comes stays on the device instead of coming bac
 [Note: replayed memory] Without OFFLOAD, RELOAD, streamed or resized stashes, a rank's live
 bytes change only at the instructions of [Note: when bytes count], by amounts fixed by
 program order, at the start of each (a receive's: its batch's post), which `EventLog`
-derives from the ends anyway. `run` therefore first runs without writing the memory
-curves (about 15% of its time at pp=64, v=2, m=512) and `MemoryCurves` replays a rank's
-changes from its program and its start times when the curve is first read: the same
-additions in the same order, so the same points. Live bytes and peaks are still counted
-in the run. A run that meets OFFLOAD or RELOAD starts again writing the curves as it goes
-(the host link adds points of its own); so does one with a streamed or resized stash.
-tests/simulate/test_simulate.py pins the replayed curves to the written ones.
+derives from the ends anyway. Such a schedule ("plain") therefore runs a loop that
+counts time alone (`_Run.advance_plain`: about 40% less time than the general loop at
+pp=64, v=2, m=512); each rank's peak is the largest running sum of its instructions'
+byte changes in program order (the same additions in the same order as the general
+loop's, so the same number), and `MemoryCurves` replays a rank's changes from its
+program and its start times when the curve is first read. The general loop
+(`_Run.advance`) writes the curves as it goes (the host link adds points of its own).
+tests/simulate/test_simulate.py pins the plain run to the general one: ends, events,
+curves and peaks.
 
 [Note: event-driven run] Ranks wait on each other only at communication batches, so a
 rank runs straight through its program until it posts a batch some of whose partners
@@ -330,6 +332,13 @@ class _Replay:
 
     def __init__(self, templates, ids, act, nbytes) -> None:
         self.templates, self.ids, self.act, self.nbytes = templates, ids, act, nbytes
+        # per template, the change of live bytes an instruction of it makes
+        self.change = [-b if a == _FREE else b if a == _F or a == _B or a == _RECV else 0 for a, b in zip(act, nbytes)]
+
+    def peak(self, ids) -> float:
+        """The most live bytes of a rank whose program has these template ids: the
+        largest running sum of its changes, from 0."""
+        return max(accumulate(map(self.change.__getitem__, ids), initial=0))
 
     def changes(self, rank: int, starts: list) -> tuple[list, list]:
         """(times, live bytes) of every change on `rank`, as `_Run` writes them; `starts`:
@@ -351,11 +360,6 @@ class _Replay:
             times.append(t)
             values.append(live)
         return times, values
-
-
-class _Records(Exception):
-    """Raised by a run without memory records that meets OFFLOAD or RELOAD ([Note:
-    replayed memory])."""
 
 
 def _complete(ops, end, ends):
@@ -380,10 +384,7 @@ def run(schedule: Schedule, cost) -> Trace:
     times from them. OFFLOAD and RELOAD go to the rank's `HostLink`, which also sees
     every buffer-touching instruction while some buffer of the rank is moved. The memory
     curves are replayed when read where nothing moves ([Note: replayed memory])."""
-    try:
-        return _Run(schedule, cost, records=False).trace()
-    except _Records:
-        return _Run(schedule, cost, records=True).trace()
+    return _Run(schedule, cost).trace()
 
 
 class _RankState:
@@ -406,12 +407,14 @@ class _Run:
     """One simulated step: the schedule's programs as columns and, per template, what an
     instruction of it does, its bytes and its time ([Note: packed programs]); each rank's
     state, the message channels and the ranks parked on a batch ([Note: event-driven
-    run]). `advance` is the loop over instructions; it runs a million times for pp=64,
-    m=512, so it reads everything through local variables and calls out only for what is
-    rare (a copy to or from the host, a streamed or resized stash) and once per batch of
-    messages."""
+    run]). `advance_plain` and `advance` are the loops over instructions, the first for
+    a schedule where nothing moves ([Note: replayed memory]), the second for any; they run
+    a million times for pp=64, m=512, so they read everything through local variables.
+    `advance` calls out for what is rare (a copy to or from the host, a streamed or
+    resized stash) and once per batch of messages. `general`: run the general loop
+    whatever the schedule (tests compare the two)."""
 
-    def __init__(self, schedule: Schedule, cost, records: bool = True) -> None:
+    def __init__(self, schedule: Schedule, cost, general: bool = False) -> None:
         self.schedule, pp, stages, placement = schedule, schedule.pp, schedule.num_stages, schedule.placement
         act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
         local = [s + 1 < stages and placement[s + 1] == placement[s] for s in range(stages)]  # s -> s+1 on one rank
@@ -453,9 +456,8 @@ class _Run:
         # What each call of `advance` and `post_batch` reads, gathered once.
         self.parts = [(self.ids[r], self.mbs[r], self.ends[r], *self.memory[r], self.links[r]) for r in range(pp)]
         self.special = [streamed is not None or self.b_shrink is not None for streamed in self.streamed]
-        # Whether the memory curves are written as the run goes ([Note: replayed memory]).
-        self.records = records or any(self.special)
-        self.replay = None if self.records else _Replay(self.templates, self.ids, self.act, self.nbytes)
+        moves = any(a == _OFFLOAD or a == _RELOAD for a in self.act)
+        self.plain = not (general or moves or any(self.special))  # [Note: replayed memory]
 
     def _per_template(self, act_in, grad_out) -> tuple[list, list, list]:
         """Per template: what its instructions do; their bytes (F, B: allocated at the
@@ -498,25 +500,105 @@ class _Run:
     def trace(self) -> Trace:
         """Runs every rank until none can ([Note: event-driven run]); raises ScheduleError
         for a deadlock or a message never received."""
-        stack = self.stack
+        stack, advance = self.stack, self.advance_plain if self.plain else self.advance
         while stack:
-            self.advance(stack.pop())
+            advance(stack.pop())
         self.check_finished()
         for state, link in zip(self.states, self.links):
             if link.pending:  # copies landing after the program's end (a FREE cancels the rest)
                 state.live = link.finish(state.live)
-        states = self.states
+        states, replay = self.states, None
+        if self.plain:  # the peaks from program order ([Note: replayed memory])
+            replay = _Replay(self.templates, self.ids, self.act, self.nbytes)
+            for state, ids in zip(states, self.ids):
+                state.peak = replay.peak(ids)
         return Trace([s.t for s in states], [s.busy for s in states], [s.peak_inflight for s in states],
-                     [s.peak for s in states], self.memory if self.records else None, self.ends,
+                     [s.peak for s in states], None if self.plain else self.memory, self.ends,
                      [link.peak_host for link in self.links], [link.waited for link in self.links],
-                     dict(self.channels), self.replay)
+                     dict(self.channels), replay)
+
+    def advance_plain(self, r: int) -> None:
+        """`advance` for a schedule where nothing moves ([Note: replayed memory]): time,
+        in-flight counts and busy time; the bytes are counted once the run ends."""
+        ids, rank_ends, chan, act, spends = self.ids[r], self.ends[r], self.chan[r], self.act, self.spend
+        waiting, stack, state = self.waiting, self.stack, self.states[r]
+        pc, t, inflight, peak_inflight, busy = state.pc, state.t, state.inflight, state.peak_inflight, state.busy
+        if self.parked[r] is not None:  # resumed: every partner of the parked batch has posted
+            ops, batch_end, _ = self.parked[r]
+            self.parked[r] = None
+            t = _complete(ops, batch_end, rank_ends)
+        n = len(ids)
+        while pc < n:
+            k = ids[pc]
+            a = act[k]
+            if a == _FREE:
+                pc += 1
+                continue
+            if a <= _W:
+                if a == _F:
+                    inflight += 1
+                    if inflight > peak_inflight:
+                        peak_inflight = inflight
+                elif a == _B:
+                    inflight -= 1
+                spend = spends[k]
+                t += spend
+                busy += spend
+                rank_ends[pc] = t
+                pc += 1
+                continue
+            post = batch_end = t  # a run of communication: one batch ([Note: simulated semantics])
+            first, ops, missing = pc, None, 0
+            while True:
+                if a == _SEND:  # it does not hold the sender up
+                    mine, msgs, theirs = chan[k]
+                    msgs.append(spends[k])
+                    j = len(mine)
+                    mine.append(post)
+                    rank_ends[pc] = post
+                    if len(theirs) > j:  # the receiver posted first and is parked on this ...
+                        peer = self.templates[k].peer
+                        if peer == r:  # ... earlier in this very batch
+                            missing -= 1
+                        else:
+                            waiting[peer] -= 1
+                            if not waiting[peer]:
+                                stack.append(peer)
+                else:  # a receive: done now if its send is posted, else it waits
+                    channel = chan[k]
+                    theirs, msgs, mine = channel
+                    j = len(mine)
+                    mine.append(post)
+                    if len(theirs) <= j:
+                        missing += 1
+                        ops = ops or []
+                        ops.append((channel, j, pc))
+                    else:
+                        done = theirs[j] if theirs[j] > post else post
+                        if msgs[j]:
+                            done += msgs[j]
+                        rank_ends[pc] = done
+                        if done > batch_end:
+                            batch_end = done
+                pc += 1
+                if pc == n:
+                    break
+                k = ids[pc]
+                a = act[k]
+                if a != _SEND and a != _RECV:
+                    break
+            if missing:
+                self.parked[r], waiting[r] = (ops, batch_end, first), missing
+                break
+            t = batch_end if ops is None else _complete(ops, batch_end, rank_ends)  # ops: messages to self
+        state.pc, state.t, state.inflight, state.peak_inflight, state.busy = pc, t, inflight, peak_inflight, busy
 
     def advance(self, r: int) -> None:
         """Runs rank r's program from where it stands until it parks on a batch whose
         partners have not all posted, or ends."""
         ids, mbs, rank_ends, mem_t, mem_v, link = self.parts[r]
         act, nbytes, spends, templates = self.act, self.nbytes, self.spend, self.templates
-        state, moved, special, records = self.states[r], link.moved, self.special[r], self.records
+        state, moved, special = self.states[r], link.moved, self.special[r]
         pc, t, live, peak = state.pc, state.t, state.live, state.peak
         inflight, peak_inflight, busy = state.inflight, state.peak_inflight, state.busy
         if self.parked[r] is not None:  # resumed: every partner of the parked batch has posted
@@ -536,9 +618,8 @@ class _Run:
                     mem_v.append(live)
                 else:
                     live -= nbytes[k]
-                    if records:
-                        mem_t.append(t)
-                        mem_v.append(live)
+                    mem_t.append(t)
+                    mem_v.append(live)
             elif a <= _W:
                 grow, spend = nbytes[k], spends[k]
                 if a == _F:
@@ -554,9 +635,8 @@ class _Run:
                         live += grow
                         if live > peak:
                             peak = live
-                        if records:
-                            mem_t.append(t)
-                            mem_v.append(live)
+                        mem_t.append(t)
+                        mem_v.append(live)
                     t += spend
                     rank_ends[pc] = t
                 busy += spend
@@ -565,8 +645,6 @@ class _Run:
                 if self.parked[r] is not None:
                     break
                 continue
-            elif not records:
-                raise _Records  # the host link writes memory points: run again writing them all
             else:  # asynchronous copies: [Note: host link]
                 tpl = templates[k]
                 key = (tpl.buf, tpl.stage, mbs[pc])
@@ -625,7 +703,7 @@ class _Run:
         batch, clock, live, peak); when a receive waits, the rank is parked on the batch."""
         ids, mbs, rank_ends, mem_t, mem_v, link = self.parts[r]
         act, nbytes, spends, chan, waiting = self.act, self.nbytes, self.spend, self.chan[r], self.waiting
-        moved, records = link.moved, self.records
+        moved = link.moved
         if moved:
             live = link.drain(t, live)
         post = batch_end = t
@@ -658,9 +736,8 @@ class _Run:
                 live += nbytes[k]
                 if live > peak:
                     peak = live
-                if records:
-                    mem_t.append(t)
-                    mem_v.append(live)
+                mem_t.append(t)
+                mem_v.append(live)
                 j = len(mine)
                 mine.append(post)
                 if len(theirs) <= j:  # a receive whose send is not posted yet
