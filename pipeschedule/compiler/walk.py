@@ -16,9 +16,7 @@ What the walk checks, and where:
 - once per template of each rank's program, before the walk: its stage runs on that
   rank (coverage); a message's neighbour stage runs on another rank, which is its peer
   (dependency); every microbatch is below m (coverage);
-- per instruction, with check_liveness' encoding of buffer states ([Note: buffer states]
-  in verify.py) in flat lists indexed by stage * m + mb (a rank touches only its own
-  stages' keys, so ranks never share an entry): F, B and W run once each, W after its B
+- per instruction, on buffer states (`_Walk`): F, B and W run once each, W after its B
   (coverage); each reads live buffers and makes its own; a send's tensor is live and
   sent once, a receive happens once (dependency, liveness); a FREE, OFFLOAD or RELOAD
   finds its buffer in a state that allows it (liveness); F and B keep the in-flight
@@ -58,8 +56,8 @@ from pipeschedule.errors import FormatError
 F, B, W, FREE, OFFLOAD, RELOAD = Op.F, Op.B, Op.W, Op.FREE, Op.OFFLOAD, Op.RELOAD
 SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 
-# What the walk does with an instruction, by its template.
-_FREE, _COMPUTE, _MESSAGE, _OFFLOAD, _RELOAD = range(5)
+# What the walk does with an instruction, by its template: messages last (`>= _SEND`).
+_FREE, _COMPUTE, _OFFLOAD, _RELOAD, _SEND, _RECV = range(6)
 # A message's buffer, its neighbour stage (+1 or -1) and whether it sends.
 _MESSAGES = {SEND_F: ("act_out", 1, True), RECV_B: ("grad_out", 1, False),
              RECV_F: ("act_in", -1, False), SEND_B: ("grad_in", -1, True)}
@@ -97,26 +95,32 @@ class _Walk:
     """The state of [Note: one walk]: per template what its instructions do (`act`) and
     with which tables (`arg`); per rank its columns, where it stands and what it has
     counted; the ranks that can run (`stack`) and the partners each parked rank waits
-    for (`waiting`). `ready` is False when a template sits on a rank it cannot."""
+    for (`waiting`). `ready` is False when a template sits on a rank it cannot.
+
+    Buffer states use check_liveness' encoding ([Note: buffer states] in verify.py) with
+    one more value for a buffer not yet produced, NEVER = -(n + 1) (n: the longest
+    program), and HOST = -(n + 2): a step's own freed state ~pc lies in -n..-1, so
+    every state below 0 is unusable, every one above HOST cannot be freed, and each
+    check is one comparison. They live in one list per buffer and stage, indexed by mb
+    (a stage's keys belong to one rank, so ranks never share an entry)."""
 
     def __init__(self, schedule: Schedule, caps) -> None:
         self.schedule = schedule
         S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
         self.templates, self.ids, self.mbs = packed(schedule.programs)
-        templates = self.templates
-        self.states = {buf: [None] * (S * m) for buf in BUFFERS}  # [Note: buffer states], at stage * m + mb
-        self.done = {op: [False] * (S * m) for op in (F, B, W, SEND_F, SEND_B)}
+        longest = max(map(len, self.ids))
+        self.never, self.host = -(longest + 1), -(longest + 2)
+        self.states = {buf: [[self.never] * m for _ in range(S)] for buf in BUFFERS}  # [buf][stage][mb]
+        self.done = {op: [[False] * m for _ in range(S)] for op in (F, B, W, SEND_F, SEND_B)}
         self.channels: dict[tuple[int, int], tuple[list, list]] = {}  # (src, dst) -> tensors sent, received
         self.owner, self.act, self.arg = [], [], []
-        for t in templates:
+        for t in self.templates:
             owner, act, arg = self._template(t)
             self.owner.append(owner)
             self.act.append(act)
             self.arg.append(arg)
-        self.base = [t.stage * m for t in templates]  # an instruction's key: base + mb
         self.caps = caps if caps is not None else [len(ids) for ids in self.ids]  # in flight never exceeds these
         self.steps = self._steps(caps is not None)
-        self.hosts = [-(len(ids) + 1) for ids in self.ids]  # states <= host: on the host
         self.at = [[0, 0, 0, 0, 0, 0] for _ in range(pp)]  # per rank: pc, computes, messages, made, moves, in flight
         self.waiting = [0] * pp
         self.stack = list(range(pp - 1, -1, -1))  # rank 0 first
@@ -133,10 +137,10 @@ class _Walk:
             return -1, None, None
         owner = placement[s]
         if t.op is FREE or t.op is OFFLOAD or t.op is RELOAD:
-            return owner, (_FREE, _OFFLOAD, _RELOAD)[(FREE, OFFLOAD, RELOAD).index(t.op)], states[t.buf]
+            return owner, (_FREE, _OFFLOAD, _RELOAD)[(FREE, OFFLOAD, RELOAD).index(t.op)], states[t.buf][s]
         if t.op is F or t.op is B or t.op is W:
             makes, uses = _buffers(schedule, t.op, s, states)
-            return owner, _COMPUTE, (done[t.op], makes, uses, done[B] if t.op is W else None)
+            return owner, _COMPUTE, (done[t.op][s], makes, uses, done[B][s] if t.op is W else None)
         buf, step, sending = _MESSAGES[t.op]
         other = s + step
         if not 0 <= other < S or placement[other] == owner or t.peer != placement[other]:
@@ -145,7 +149,8 @@ class _Walk:
         sent, received = self.channels.setdefault((owner, t.peer) if sending else (t.peer, owner), ([], []))
         mine, theirs = (sent, received) if sending else (received, sent)
         tensor = (named * m) << 1 | (t.op is SEND_B or t.op is RECV_B)
-        return owner, _MESSAGE, (states[buf], done[t.op] if sending else None, mine, theirs, tensor, t.peer)
+        return owner, _SEND if sending else _RECV, (states[buf][s], done[t.op][s] if sending else None, mine,
+                                                     theirs, tensor, t.peer)
 
     def _steps(self, capped: bool) -> list[int]:
         """Per template, what an instruction of it adds to its rank's in-flight count
@@ -164,8 +169,8 @@ class _Walk:
     def advance(self, r: int) -> bool:
         """Runs rank r from where it stands until it parks on a batch some of whose
         partners have not posted, or ends; False at the first failed check."""
-        ids, mbs, act, arg, base = self.ids[r], self.mbs[r], self.act, self.arg, self.base
-        at, steps, host, cap = self.at[r], self.steps, self.hosts[r], self.caps[r]
+        ids, mbs, act, arg, steps = self.ids[r], self.mbs[r], self.act, self.arg, self.steps
+        at, cap, never, host = self.at[r], self.caps[r], self.never, self.host
         waiting, stack = self.waiting, self.stack
         pc, computes, messages, made, moves, inflight = at
         n = len(ids)
@@ -174,23 +179,21 @@ class _Walk:
             a = act[k]
             if a == _FREE:
                 states_of = arg[k]
-                key = base[k] + mbs[pc]
-                state = states_of[key]
-                if state is None or host < state < 0:  # never produced, or freed
+                mb = mbs[pc]
+                if host < states_of[mb] < 0:  # never produced, or freed
                     return False
-                states_of[key] = ~pc
+                states_of[mb] = ~pc
             elif a == _COMPUTE:
                 flags, makes, uses, before = arg[k]
-                key = base[k] + mbs[pc]
-                if flags[key] or (before is not None and not before[key]):  # a second one, W before its B
+                mb = mbs[pc]
+                if flags[mb] or (before is not None and not before[mb]):  # a second one, W before its B
                     return False
-                flags[key] = True
-                for states_of, shift in makes:
-                    states_of[key + shift] = pc
+                flags[mb] = True
+                for states_of in makes:
+                    states_of[mb] = pc
                 made += len(makes)
                 for states_of in uses:
-                    state = states_of[key]
-                    if state is None or state < 0:
+                    if states_of[mb] < 0:
                         return False
                 step = steps[k]
                 if step:
@@ -198,21 +201,19 @@ class _Walk:
                     if inflight > cap:
                         return False
                 computes += 1
-            elif a == _MESSAGE:  # a batch: this message and the ones right after it
+            elif a >= _SEND:  # a batch: this message and the ones right after it
                 missing = 0
                 while True:
                     buffer, flags, mine, theirs, tensor, peer = arg[k]
                     mb = mbs[pc]
-                    key = base[k] + mb
-                    state = buffer[key]
-                    if flags is not None:  # a send: its tensor live, sent once
-                        if flags[key] or state is None or state < 0:
+                    if a == _SEND:  # its tensor live, sent once
+                        if flags[mb] or buffer[mb] < 0:
                             return False
-                        flags[key] = True
-                    else:  # a receive: once
-                        if state is not None:
+                        flags[mb] = True
+                    else:  # received once
+                        if buffer[mb] != never:
                             return False
-                        buffer[key] = pc
+                        buffer[mb] = pc
                         made += 1
                     tensor += mb << 1
                     j = len(mine)
@@ -230,7 +231,8 @@ class _Walk:
                     if pc == n:
                         break
                     k = ids[pc]
-                    if act[k] != _MESSAGE:
+                    a = act[k]
+                    if a < _SEND:
                         break
                 if missing:  # parked until the partners post
                     waiting[r] = missing
@@ -239,11 +241,10 @@ class _Walk:
                 continue
             else:  # OFFLOAD needs the buffer on the device, RELOAD on the host
                 states_of = arg[k]
-                key = base[k] + mbs[pc]
-                state = states_of[key]
-                if state is None or (state < 0 if a == _OFFLOAD else state > host):
+                mb = mbs[pc]
+                if states_of[mb] < 0 if a == _OFFLOAD else states_of[mb] > host:
                     return False
-                states_of[key] = host - pc if a == _OFFLOAD else pc
+                states_of[mb] = host - pc if a == _OFFLOAD else pc
                 moves += 1
             pc += 1
         at[:] = pc, computes, messages, made, moves, inflight
@@ -266,14 +267,14 @@ class _Walk:
 
 def _buffers(schedule: Schedule, op: Op, s: int, states: dict) -> tuple[tuple, tuple]:
     """What F, B or W of stage s does to buffers ([Note: buffers] in instr.py): the
-    buffers it makes, each as (states, shift: the key's offset, one stage's m for the
-    hand-off to a neighbour stage on its rank), and those it then reads."""
-    S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+    states of the buffers it makes (a neighbour stage's, for a hand-off on its rank),
+    and of those it then reads."""
+    S, placement = schedule.num_stages, schedule.placement
     act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
     if op is F:
-        onward = () if s == S - 1 else ((act_out, 0),) if placement[s + 1] != placement[s] else ((act_in, m),)
-        return ((stash, 0),) + (((act_in, 0),) if s == 0 else ()) + onward, (act_in,)
+        onward = () if s == S - 1 else (act_out[s],) if placement[s + 1] != placement[s] else (act_in[s + 1],)
+        return (stash[s],) + ((act_in[s],) if s == 0 else ()) + onward, (act_in[s],)
     if op is B:
-        makes = () if s == 0 else ((grad_in, 0),) if placement[s - 1] != placement[s] else ((grad_out, -m),)
-        return makes, ((act_in, stash, grad_out) if s < S - 1 else (act_in, stash))
-    return (), (stash,)
+        makes = () if s == 0 else (grad_in[s],) if placement[s - 1] != placement[s] else (grad_out[s - 1],)
+        return makes, ((act_in[s], stash[s], grad_out[s]) if s < S - 1 else (act_in[s], stash[s]))
+    return (), (stash[s],)
