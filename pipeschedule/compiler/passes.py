@@ -14,7 +14,7 @@ from bisect import bisect_left
 
 from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.gcpause import gc_paused
-from pipeschedule.compiler.timing import asap, durations_of, stage_times
+from pipeschedule.compiler.timing import asap_packed, durations_of, stage_times
 from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Op, Schedule
 from pipeschedule.compiler.program import Program, Template, Templates, packed
 
@@ -57,11 +57,13 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
     return lowering.done(lowering.merged(rank, gaps[rank]) for rank in range(schedule.pp))
 
 
-def _timed(schedule: Schedule, cost):
-    """`asap` of the compute order under `cost` ([Note: cost-aware timing]) and the
-    per-stage times it used; raises ScheduleError (rule deadlock) for a cyclic order."""
+def _timed(schedule: Schedule, cost, columns):
+    """`asap` of the compute order (`columns`: its `packed` form) under `cost` ([Note:
+    cost-aware timing]) and the per-stage durations it used; raises ScheduleError (rule
+    deadlock) for a cyclic order."""
     times = stage_times(cost, schedule.num_stages)  # None for None: unit costs
-    starts, stuck = asap(schedule.num_stages, schedule.programs, times)
+    durations = durations_of(schedule.programs, schedule.num_stages, times)
+    starts, stuck = asap_packed(schedule.num_stages, *columns, durations)
     if stuck:
         rank = stuck[0]
         pc = starts[rank].index(None)
@@ -71,7 +73,7 @@ def _timed(schedule: Schedule, cost):
             f"(rank {rank} is blocked at step {pc}, {instr})",
             rule="deadlock", rank=rank, index=pc, instr=instr, mb=instr.mb,
         )
-    return starts, times
+    return starts, durations
 
 
 class _Lowering:
@@ -82,7 +84,7 @@ class _Lowering:
 
     def __init__(self, schedule: Schedule, *, frees: bool) -> None:
         self.schedule = schedule
-        templates, self.ids, self.mbs = packed(schedule.programs)
+        self.order = templates, self.ids, self.mbs = packed(schedule.programs)  # the compute order's columns
         self.table = Templates(templates)
         self.after: list = [()] * len(templates)  # template id -> ids of the FREEs right after it
         self.send_free: dict[int, int] = {}  # a send's template id -> its FREE's
@@ -114,9 +116,8 @@ class _Lowering:
         """gaps[r][pc] of `add_communication` for the compute order: every message in the
         gap it goes in ([Note: message placement])."""
         schedule = self.schedule
-        starts, times = _timed(schedule, cost)
+        starts, durations = _timed(schedule, cost, self.order)
         gaps = [[None] * (len(ids) + 1) for ids in self.ids]
-        durations = durations_of(schedule.programs, schedule.num_stages, times)
         channels = self._send_and_due(starts, self._message_kinds(durations), gaps)
         for channel, (dues, receives) in channels.items():
             dst_gaps = gaps[channel % schedule.pp]

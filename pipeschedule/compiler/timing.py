@@ -9,12 +9,11 @@ every message by them ([Note: message placement] in passes.py); a compute order 
 from __future__ import annotations
 
 import math
-from itertools import chain
-from operator import attrgetter
 from typing import NamedTuple, Sequence
 
 from pipeschedule.checks import is_number, shown
-from pipeschedule.compiler.ir import Instr, Op, make_instr
+from pipeschedule.compiler.ir import Instr, Op
+from pipeschedule.compiler.program import Program, packed
 from pipeschedule.errors import ParameterError, ScheduleError
 
 UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}  # B is the whole backward
@@ -27,7 +26,11 @@ def unit_cost(programs: Sequence[Sequence[Instr]]) -> dict:
     for program in programs:
         if program:
             W = Op.W
-            return SPLIT_UNIT_COST if any(i.op is W for i in program) else UNIT_COST
+            if type(program) is Program:  # its templates in use ([Note: packed programs])
+                split = any(program.templates[k].op is W for k in set(program.ids))
+            else:
+                split = any(i.op is W for i in program)
+            return SPLIT_UNIT_COST if split else UNIT_COST
     return UNIT_COST
 
 
@@ -125,30 +128,41 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     Linear in the instructions: a rank runs until it needs an end not yet known, then
     waits on that one end and is resumed when it is produced ([Note: asap worklist]).
     """
+    return asap_packed(num_stages, *packed(programs), _per_stage(programs, num_stages, cost))
+
+
+def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations: StageTimes):
+    """`asap` of a compute order given as `packed` columns ([Note: packed programs]),
+    timed with per-stage `durations`."""
     F, B = Op.F, Op.B
-    cost_f, cost_b, cost_w = _per_stage(programs, num_stages, cost)
-    programs, span = _dense(programs, num_stages)
+    _check_stages(num_stages, templates, ids_by_rank)
+    mbs_by_rank, span = _dense(mbs_by_rank)
+    # per template: its op, its key without the mb (stage * span: [Note: asap keys]) and its duration
+    ops = [t.op for t in templates]
+    base = [t.stage * span for t in templates]
+    spend = [(durations.forward if t.op is F else durations.backward if t.op is B else durations.weight)[t.stage]
+             for t in templates]
     f_end, b_end = [None] * ((num_stages + 1) * span), [None] * ((num_stages + 1) * span)  # [Note: asap keys]
     f_parked, b_parked = [None] * len(f_end), [None] * len(b_end)  # ranks waiting for that end
-    pcs, free_at = [0] * len(programs), [0] * len(programs)
-    starts = [[None] * len(p) for p in programs]
-    last = num_stages - 1
-    worklist = list(range(len(programs) - 1, -1, -1))  # popped from the end: rank 0 first
+    pp = len(ids_by_rank)
+    pcs, free_at = [0] * pp, [0] * pp
+    starts = [[None] * len(ids) for ids in ids_by_rank]
+    last = (num_stages - 1) * span  # keys at or past it are of the last stage
+    worklist = list(range(pp - 1, -1, -1))  # popped from the end: rank 0 first
     while worklist:
         r = worklist.pop()
-        program, pc, t_free, rank_starts = programs[r], pcs[r], free_at[r], starts[r]
-        n = len(program)
+        ids, mbs, pc, t_free, rank_starts = ids_by_rank[r], mbs_by_rank[r], pcs[r], free_at[r], starts[r]
+        n = len(ids)
         while pc < n:
-            i = program[pc]
-            op, s = i.op, i.stage
-            key = s * span + i.mb
+            k = ids[pc]
+            op, key = ops[k], base[k] + mbs[pc]
             if op is F:
-                ready = f_end[key - span] if s else 0  # F(s - 1, mb)
+                ready = f_end[key - span] if key >= span else 0  # F(s - 1, mb)
                 if ready is None:
                     _park(f_parked, key - span, r)
                     break
                 start = ready if ready > t_free else t_free
-                t_free = f_end[key] = start + cost_f[s]
+                t_free = f_end[key] = start + spend[k]
                 if f_parked[key] is not None:
                     worklist += f_parked[key]
                     f_parked[key] = None
@@ -157,7 +171,7 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
                 if ready is None:
                     _park(f_parked, key, r)
                     break
-                if s != last:
+                if key < last:
                     after = b_end[key + span]  # B(s + 1, mb)
                     if after is None:
                         _park(b_parked, key + span, r)
@@ -165,7 +179,7 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
                     if after > ready:
                         ready = after
                 start = ready if ready > t_free else t_free
-                t_free = b_end[key] = start + cost_b[s]
+                t_free = b_end[key] = start + spend[k]
                 if b_parked[key] is not None:
                     worklist += b_parked[key]
                     b_parked[key] = None
@@ -175,11 +189,11 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
                     _park(b_parked, key, r)
                     break
                 start = ready if ready > t_free else t_free
-                t_free = start + cost_w[s]
+                t_free = start + spend[k]
             rank_starts[pc] = start
             pc += 1
         pcs[r], free_at[r] = pc, t_free
-    stuck = [r for r, program in enumerate(programs) if pcs[r] < len(program)]
+    stuck = [r for r, ids in enumerate(ids_by_rank) if pcs[r] < len(ids)]
     return starts, stuck
 
 
@@ -191,35 +205,38 @@ def _park(parked: list, key: int, rank: int) -> None:
         parked[key].append(rank)
 
 
-def _per_stage(programs, num_stages: int, cost) -> tuple:
+def _per_stage(programs, num_stages: int, cost) -> StageTimes:
     """asap's (forward, backward, weight) durations, each indexed by stage."""
     if cost is None:
         cost = unit_cost(programs)
     if isinstance(cost, StageTimes):
         return cost
-    return tuple((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W))
+    return StageTimes(*((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W)))
 
 
-_STAGE, _MB = attrgetter("stage"), attrgetter("mb")
+def _check_stages(num_stages: int, templates, ids_by_rank) -> None:
+    """Raises ScheduleError (rule coverage) for an instruction of a stage outside
+    0..num_stages-1, the first in rank and program order."""
+    bad = {k for k, t in enumerate(templates) if t.stage >= num_stages}
+    if bad:
+        rank, index, k = next((r, index, k) for r, ids in enumerate(ids_by_rank)
+                              for index, k in enumerate(ids) if k in bad)
+        instr = templates[k].instr(0)
+        raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {instr}: stage {instr.stage} "
+                            f"belongs to no rank (there are {num_stages} stages)",
+                            rule="coverage", rank=rank, index=index, instr=instr, mb=instr.mb)
 
 
-def _dense(programs, num_stages: int):
-    """(programs, span) for [Note: asap keys]: the programs as given when their mb values
-    are below a bound about their length, else with every mb renumbered densely (in
-    increasing order; asap only compares them). Raises ScheduleError (rule coverage) for
-    a stage outside 0..num_stages-1."""
-    every = list(chain.from_iterable(programs))
-    if every and max(map(_STAGE, every)) >= num_stages:
-        rank, index, bad = next((r, k, i) for r, program in enumerate(programs)
-                                for k, i in enumerate(program) if i.stage >= num_stages)
-        raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {bad}: stage {bad.stage} belongs "
-                            f"to no rank (there are {num_stages} stages)",
-                            rule="coverage", rank=rank, index=index, instr=bad, mb=bad.mb)
-    span = 1 + max(map(_MB, every), default=0)
-    if span <= 2 * len(every) + 64:
-        return programs, span
-    dense = {mb: k for k, mb in enumerate(sorted(set(map(_MB, every))))}
-    return [[make_instr(i.op, i.stage, dense[i.mb]) for i in program] for program in programs], len(dense)
+def _dense(mbs_by_rank):
+    """(mbs, span) for [Note: asap keys]: the microbatches as given when they are below a
+    bound about the programs' length, else renumbered densely (in increasing order;
+    asap only compares them)."""
+    count = sum(map(len, mbs_by_rank))
+    span = 1 + max((max(mbs) for mbs in mbs_by_rank if mbs), default=0)
+    if span <= 2 * count + 64:
+        return mbs_by_rank, span
+    dense = {mb: k for k, mb in enumerate(sorted({mb for mbs in mbs_by_rank for mb in mbs}))}
+    return [[dense[mb] for mb in mbs] for mbs in mbs_by_rank], len(dense)
 
 
 def durations_of(programs: Sequence[Sequence[Instr]], num_stages: int, times: StageTimes | None) -> StageTimes:
