@@ -171,7 +171,7 @@ def test_megatron_regime_never_blocks(pp):
     """[Note: Megatron's regime]: the interleaved generator skips asap there, so the
     order must be free of cycles without its warmups raised."""
     from pipeschedule.compiler.generators import interleaved
-    from pipeschedule.compiler.generators.common import interleave_1f1b
+    from pipeschedule.compiler.generators.common import compute_templates, interleave_1f1b
     from pipeschedule.compiler.timing import asap
     for virtual in range(1, 5):
         for microbatches in range(pp, 4 * pp + 1, pp):
@@ -179,5 +179,6 @@ def test_megatron_regime_never_blocks(pp):
             if max(warm) > virtual * microbatches or not interleaved.megatron_regime(pp, microbatches, pp, warm, warm):
                 continue
             orders = [interleaved._orders(pp, virtual, microbatches, r, pp) for r in range(pp)]
-            programs = [interleave_1f1b(f, b, w) for (f, b), w in zip(orders, warm)]
+            table = compute_templates(pp * virtual)
+            programs = [interleave_1f1b(f, b, w, table) for (f, b), w in zip(orders, warm)]
             assert asap(pp * virtual, programs)[1] == [], (pp, virtual, microbatches)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.compiler.ir import Instr, Op, Schedule, make_instr
+from pipeschedule.compiler.ir import Op, Program, Schedule
+from pipeschedule.compiler.program import Templates
 from pipeschedule.checks import check_int, check_schedule_size
 
 Slot = tuple[int, int]  # (stage, mb)
@@ -39,22 +40,36 @@ def per_rank_caps(cap, pp: int) -> list[int]:
     return [cap] * pp
 
 
-def interleave_1f1b(forwards: Sequence[Slot], backwards: Sequence[Slot], warmup: int) -> list[Instr]:
-    """`warmup` forwards, then pairs (F, B), then the remaining backwards.
+def compute_templates(num_stages: int) -> Templates:
+    """A template table holding F and B of every stage, stage by stage: what
+    `interleave_1f1b` packs against ([Note: packed programs])."""
+    table = Templates()
+    for s in range(num_stages):
+        table.id(Op.F, s)
+        table.id(Op.B, s)
+    return table
+
+
+def interleave_1f1b(forwards: Sequence[Slot], backwards: Sequence[Slot], warmup: int, table: Templates) -> Program:
+    """`warmup` forwards, then pairs (F, B), then the remaining backwards, as a `Program`
+    over `table` (`compute_templates`).
 
     The number of forwards before the first backward is warmup + 1 (all of them when
     warmup >= len(forwards)), and that is the rank's peak in-flight count.
     """
     warmup = min(warmup, len(forwards))
-    F, B = Op.F, Op.B  # an enum's attribute costs more than a local, per instruction here
-    order = [make_instr(F, s, mb) for s, mb in forwards[:warmup]]  # warmup
-    b = 0
-    for s, mb in forwards[warmup:]:  # steady
-        order.append(make_instr(F, s, mb))
-        order.append(make_instr(B, *backwards[b]))
-        b += 1
-    order.extend(make_instr(B, s, mb) for s, mb in backwards[b:])  # cooldown
-    return order
+    steady = len(forwards) - warmup  # pairs
+    columns = []
+    for op, slots in ((Op.F, forwards), (Op.B, backwards)):
+        stages, mbs = zip(*slots) if slots else ((), ())
+        ids = {s: table.id(op, s) for s in set(stages)}
+        columns.append((list(map(ids.__getitem__, stages)), list(mbs)))
+    order = []
+    for f, b in zip(*columns):  # the ids, then the mbs
+        pairs = [0] * (2 * steady)
+        pairs[0::2], pairs[1::2] = f[warmup:], b[:steady]
+        order.append(f[:warmup] + pairs + b[steady:])  # warmup, steady, cooldown
+    return table.program(*order)
 
 
 def round_robin(pp: int, virtual: int = 1) -> list[int]:
@@ -65,4 +80,6 @@ def round_robin(pp: int, virtual: int = 1) -> list[int]:
 
 
 def make(name: str, pp: int, virtual: int, microbatches: int, placement, programs, params=None) -> Schedule:
-    return Schedule(name, pp, virtual, microbatches, tuple(placement), tuple(tuple(p) for p in programs), params or {})
+    """The schedule of these programs (each a sequence of `Instr` or a `Program`)."""
+    programs = tuple(p if type(p) is Program else tuple(p) for p in programs)
+    return Schedule(name, pp, virtual, microbatches, tuple(placement), programs, params or {})

@@ -25,7 +25,9 @@ refused (one microbatch through every local chunk is the least a rank can hold).
 """
 
 from pipeschedule.errors import ParameterError
-from pipeschedule.compiler.generators.common import check_common, interleave_1f1b, make, per_rank_caps, round_robin
+from pipeschedule.compiler.generators.common import (
+    check_common, compute_templates, interleave_1f1b, make, per_rank_caps, round_robin,
+)
 from pipeschedule.compiler.timing import asap
 from pipeschedule.checks import shown
 
@@ -68,8 +70,9 @@ def _warmups(pp: int, virtual: int, microbatches: int, group: int, limits, start
     for r in range(1, pp):  # a cap on rank r-1 also bounds rank r ([Note: cap monotonicity])
         warm[r] = min(warm[r], warm[r - 1])
     orders = [_orders(pp, virtual, microbatches, r, group) for r in range(pp)]
+    table = compute_templates(pp * virtual)
     while True:
-        programs = [interleave_1f1b(f, b, w) for (f, b), w in zip(orders, warm)]
+        programs = [interleave_1f1b(f, b, w, table) for (f, b), w in zip(orders, warm)]
         if megatron_regime(pp, microbatches, group, warm, _megatron_warmups(pp, virtual, group)):
             return warm, programs  # [Note: Megatron's regime]
         stuck = asap(pp * virtual, programs)[1]

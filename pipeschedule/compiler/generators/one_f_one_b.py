@@ -29,7 +29,9 @@ F(i + k_{r+1} - 1) from rank r, which rank r runs before its B(i) iff k_{r+1} <=
 
 import heapq
 
-from pipeschedule.compiler.generators.common import check_common, interleave_1f1b, make, per_rank_caps
+from pipeschedule.compiler.generators.common import (
+    check_common, compute_templates, interleave_1f1b, make, per_rank_caps,
+)
 from pipeschedule.compiler.timing import StageTimes, stage_times
 from pipeschedule.compiler.ir import Op, make_instr
 
@@ -53,10 +55,10 @@ def effective_caps(cap, pp: int, microbatches: int) -> list[int]:
 
 def one_f_one_b(pp: int, microbatches: int):
     check_common(pp, microbatches)
-    programs = []
+    programs, table = [], compute_templates(pp)
     for r, k in enumerate(effective_caps(pp, pp, microbatches)):
         forwards = [(r, mb) for mb in range(microbatches)]
-        programs.append(interleave_1f1b(forwards, forwards, warmup=k - 1))  # warmup, steady, cooldown
+        programs.append(interleave_1f1b(forwards, forwards, k - 1, table))  # warmup, steady, cooldown
     return make("1f1b", pp, 1, microbatches, range(pp), programs, {})
 
 
