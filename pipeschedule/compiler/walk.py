@@ -126,6 +126,9 @@ class _Walk:
         self.stack = list(range(pp - 1, -1, -1))  # rank 0 first
         self.finished = 0
         self.ready = all(self._placed(r) for r in range(pp))
+        # what `advance` reads, gathered once: per rank, and shared by all
+        self.ranks = [(ids, mbs, at, cap, len(ids)) for ids, mbs, at, cap in zip(self.ids, self.mbs, self.at, self.caps)]
+        self.shared = self.act, self.arg, self.steps, self.never, self.host, self.waiting, self.stack
 
     def _template(self, t: Template) -> tuple:
         """(the rank where instructions of `t` may run, or -1 for none; what they do;
@@ -169,11 +172,9 @@ class _Walk:
     def advance(self, r: int) -> bool:
         """Runs rank r from where it stands until it parks on a batch some of whose
         partners have not posted, or ends; False at the first failed check."""
-        ids, mbs, act, arg, steps = self.ids[r], self.mbs[r], self.act, self.arg, self.steps
-        at, cap, never, host = self.at[r], self.caps[r], self.never, self.host
-        waiting, stack = self.waiting, self.stack
+        ids, mbs, at, cap, n = self.ranks[r]
+        act, arg, steps, never, host, waiting, stack = self.shared
         pc, computes, messages, made, moves, inflight = at
-        n = len(ids)
         while pc < n:
             k = ids[pc]
             a = act[k]
