@@ -14,23 +14,29 @@ True must come back only when every rule would pass.
 
 What the walk checks, and where:
 - once per template of each rank's program, before the walk: its stage runs on that
-  rank (coverage); a message's neighbour stage runs on another rank, which is its peer
-  (dependency); every microbatch is below m (coverage);
+  rank (coverage), a message's neighbour stage exists; every microbatch is below m
+  (coverage);
 - per instruction, on buffer states (`_Walk`): F, B and W run once each, W after its B
-  (coverage); each reads live buffers and makes its own; a send's tensor is live and
-  sent once, a receive happens once (dependency, liveness); a FREE, OFFLOAD or RELOAD
-  finds its buffer in a state that allows it (liveness); F and B keep the in-flight
-  count within the cap (caps);
+  (coverage); each reads live buffers and makes its own; a send's tensor is live
+  (dependency, liveness); a FREE, OFFLOAD or RELOAD finds its buffer in a state that
+  allows it (liveness); F and B keep the in-flight count within the cap (caps);
 - per message, when its second side posts: both sides name the same tensor ([Note:
   tensor ints] in verify.py) (matching);
-- per rank at its end: the counts the rules would find (an F, B, W or message missing:
-  coverage, dependency; a buffer never freed: liveness);
+- per rank at its end: the counts the rules would find (an F, B, W or message missing
+  or extra: coverage, dependency; a buffer never freed: liveness);
 - at the end: no rank is parked (deadlock; a message never matched leaves its batch
   parked, so matching's "n sends, m receives" shows here too).
-Checks left out because, when every check here passes, they cannot fail:
+Checks of the rules left out because, when every check here passes, they cannot fail:
+- a message's peer is its neighbour stage's rank, which is another rank: a tensor is
+  named by its stage, and a rank whose template names a stage it does not run fails;
+  so a message to the wrong rank finds no partner of its tensor there (matching, or
+  a deadlock), and one to its own rank waits on itself (a deadlock);
+- a second send or receive of one (stage, mb): the counts then want one missing, and
+  the tensor it stood for reaches no consumer (an F or B that reads a buffer never
+  produced) or no partner (matching, deadlock);
 - liveness "produced a second time": each buffer key has one producer, unique by
   coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
-  dependency checks (RECV_F / RECV_B only of a stage whose neighbour is remote, once);
+  above (RECV_F / RECV_B);
 - dependency's "F runs before its input arrives": F's use of act_in needs it produced,
   by RECV_F of a remote neighbour or by F(s-1) of a local one, which is exactly what
   dependency asks for (stage 0 needs nothing); likewise B's use of grad_out covers B's
@@ -41,9 +47,9 @@ The counts at a rank's end are the rules' own: each key is one a rule wants, eac
 so a count that agrees means nothing is missing; and since every buffer is produced once
 (above), a rank whose FREEs (each of a produced buffer, once) number its productions has
 no leak. tests/compiler/test_verify_walk.py pins this walk to the rules (a differential
-test on valid and edited schedules of every family, with offload and caps); a check
-added here or there without the other fails it. A forward-only schedule is left to the
-separate rules (False): evaluation schedules are small and rare.
+test on valid and edited schedules of every family, with offload and caps, and every
+single edit of small ones); each check above, removed in turn, fails it. A forward-only
+schedule is left to the separate rules (False): evaluation schedules are small and rare.
 """
 
 from __future__ import annotations
@@ -109,9 +115,9 @@ class _Walk:
         S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
         self.templates, self.ids, self.mbs = packed(schedule.programs)
         longest = max(map(len, self.ids))
-        self.never, self.host = -(longest + 1), -(longest + 2)
-        self.states = {buf: [[self.never] * m for _ in range(S)] for buf in BUFFERS}  # [buf][stage][mb]
-        self.done = {op: [[False] * m for _ in range(S)] for op in (F, B, W, SEND_F, SEND_B)}
+        never, self.host = -(longest + 1), -(longest + 2)
+        self.states = {buf: [[never] * m for _ in range(S)] for buf in BUFFERS}  # [buf][stage][mb]
+        self.done = {op: [[False] * m for _ in range(S)] for op in (F, B, W)}
         self.channels: dict[tuple[int, int], tuple[list, list]] = {}  # (src, dst) -> tensors sent, received
         self.owner, self.act, self.arg = [], [], []
         for t in self.templates:
@@ -127,8 +133,9 @@ class _Walk:
         self.finished = 0
         self.ready = all(self._placed(r) for r in range(pp))
         # what `advance` reads, gathered once: per rank, and shared by all
-        self.ranks = [(ids, mbs, at, cap, len(ids)) for ids, mbs, at, cap in zip(self.ids, self.mbs, self.at, self.caps)]
-        self.shared = self.act, self.arg, self.steps, self.never, self.host, self.waiting, self.stack
+        self.ranks = [(ids, mbs, at, cap, len(ids))
+                      for ids, mbs, at, cap in zip(self.ids, self.mbs, self.at, self.caps)]
+        self.shared = self.act, self.arg, self.steps, self.host, self.waiting, self.stack
 
     def _template(self, t: Template) -> tuple:
         """(the rank where instructions of `t` may run, or -1 for none; what they do;
@@ -146,14 +153,13 @@ class _Walk:
             return owner, _COMPUTE, (done[t.op][s], makes, uses, done[B][s] if t.op is W else None)
         buf, step, sending = _MESSAGES[t.op]
         other = s + step
-        if not 0 <= other < S or placement[other] == owner or t.peer != placement[other]:
-            return -1, None, None  # no remote neighbour that way, or not the peer
+        if not 0 <= other < S:
+            return -1, None, None  # no neighbour stage that way
         named = other if sending else s  # [Note: tensor ints]: a tensor is named by its receive
         sent, received = self.channels.setdefault((owner, t.peer) if sending else (t.peer, owner), ([], []))
         mine, theirs = (sent, received) if sending else (received, sent)
         tensor = (named * m) << 1 | (t.op is SEND_B or t.op is RECV_B)
-        return owner, _SEND if sending else _RECV, (states[buf][s], done[t.op][s] if sending else None, mine,
-                                                     theirs, tensor, t.peer)
+        return owner, _SEND if sending else _RECV, (states[buf][s], mine, theirs, tensor, t.peer)
 
     def _steps(self, capped: bool) -> list[int]:
         """Per template, what an instruction of it adds to its rank's in-flight count
@@ -173,7 +179,7 @@ class _Walk:
         """Runs rank r from where it stands until it parks on a batch some of whose
         partners have not posted, or ends; False at the first failed check."""
         ids, mbs, at, cap, n = self.ranks[r]
-        act, arg, steps, never, host, waiting, stack = self.shared
+        act, arg, steps, host, waiting, stack = self.shared
         pc, computes, messages, made, moves, inflight = at
         while pc < n:
             k = ids[pc]
@@ -205,15 +211,12 @@ class _Walk:
             elif a >= _SEND:  # a batch: this message and the ones right after it
                 missing = 0
                 while True:
-                    buffer, flags, mine, theirs, tensor, peer = arg[k]
+                    buffer, mine, theirs, tensor, peer = arg[k]
                     mb = mbs[pc]
-                    if a == _SEND:  # its tensor live, sent once
-                        if flags[mb] or buffer[mb] < 0:
+                    if a == _SEND:  # its tensor live
+                        if buffer[mb] < 0:
                             return False
-                        flags[mb] = True
-                    else:  # received once
-                        if buffer[mb] != never:
-                            return False
+                    else:
                         buffer[mb] = pc
                         made += 1
                     tensor += mb << 1
@@ -260,9 +263,8 @@ class _Walk:
         stages = schedule.stages_of(rank)
         if computes != (3 if split else 2) * len(stages) * m:  # coverage: an F, B or W missing
             return False
-        fb = computes - (len(stages) * m if split else 0)  # F and B alone
-        if fb + messages != needed_per_microbatch(schedule, stages) * m:  # dependency: a message missing
-            return False
+        if messages != (needed_per_microbatch(schedule, stages) - 2 * len(stages)) * m:  # dependency
+            return False  # a message missing, or one too many
         return made == frees  # liveness: a leak
 
 

@@ -177,7 +177,7 @@ def test_valid_schedules_pass_the_walk(schedule):
     assert walk.passes(schedule) is True
 
 
-def single_edits(program, pp):
+def single_edits(program, pp, m):
     """Every aimed edit of one program ("twin", "reorder", "trade", "repeer" above) at
     every place: deterministic, so a check the walk loses is found on every run, not by
     chance."""
@@ -201,21 +201,55 @@ def single_edits(program, pp):
             for peer in range(pp + 1):
                 if peer != i.peer:
                     yield program[:k] + [Instr(i.op, i.stage, i.mb, peer)] + program[k + 1:]
+        yield program[:k] + [Instr(i.op, i.stage, m, i.peer, i.buf)] + program[k + 1:]  # a microbatch past m
+
+
+def duplicated_messages(schedule):
+    """Each message of `schedule` sent and received once more after the last step of
+    both ranks, its buffers freed after the copy (the sender's act_out / grad_in FREE
+    moved after it, a second FREE for the receiver's buffer, which the copy brings back):
+    valid in every program and every batch, so only the rules' count of messages finds
+    it. Yields the edited programs."""
+    programs = [tuple(p) for p in schedule.programs]
+    for rank, program in enumerate(programs):
+        for send in program:
+            if send.op not in (Op.SEND_F, Op.SEND_B):
+                continue
+            sent, op, stage, got = (("act_out", Op.RECV_F, send.stage + 1, "act_in") if send.op is Op.SEND_F
+                                    else ("grad_in", Op.RECV_B, send.stage - 1, "grad_out"))
+            freed = Instr(Op.FREE, send.stage, send.mb, buf=sent)
+            edited = list(programs)
+            edited[rank] = tuple(i for i in program if i != freed) + (send, freed)
+            edited[send.peer] = programs[send.peer] + (Instr(op, stage, send.mb, rank),
+                                                       Instr(Op.FREE, stage, send.mb, buf=got))
+            yield tuple(edited)
 
 
 SMALL = [(name, 2 if name == "interleaved_1f1b" else None) for name in FAMILY_NAMES]
 
 
+@pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("name,virtual", SMALL)
-def test_every_single_aimed_edit_of_small_schedules(name, virtual):
-    base = compile_schedule(name, pp=2, microbatches=2, virtual=virtual)
+def test_every_single_aimed_edit_of_small_schedules(name, virtual, pp):
+    base = compile_schedule(name, pp=pp, microbatches=2, virtual=virtual)
     for schedule in (base, add_offload(base, OffloadPolicy(fraction=1.0, lead=0))):
         for rank, program in enumerate(schedule.programs):
-            for edited in single_edits(list(program), schedule.pp):
+            for edited in single_edits(list(program), schedule.pp, schedule.microbatches):
                 programs = list(schedule.programs)
                 programs[rank] = tuple(edited)
                 agree(Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches,
                                schedule.placement, tuple(programs), schedule.params), whole=False)
+
+
+@pytest.mark.parametrize("name,virtual", SMALL)
+def test_a_message_sent_and_received_twice(name, virtual):
+    base = compile_schedule(name, pp=3, microbatches=2, virtual=virtual)
+    edits = list(duplicated_messages(base))
+    assert edits
+    for programs in edits:
+        schedule = Schedule(base.name, base.pp, base.virtual, base.microbatches, base.placement, programs,
+                            base.params)
+        assert agree(schedule, whole=False)[0] == "dependency"  # "second SEND_F of (stage s, mb k)"
 
 
 # -- rule 4 ------------------------------------------------------------------------------------
@@ -277,7 +311,7 @@ def test_check_deadlock_on_every_single_aimed_edit(name, virtual):
     base = compile_schedule(name, pp=3, microbatches=3, virtual=virtual)
     deadlocks = 0
     for rank, program in enumerate(base.programs):
-        for edited in single_edits(list(program), base.pp):
+        for edited in single_edits(list(program), base.pp, base.microbatches):
             programs = list(base.programs)
             programs[rank] = tuple(edited)
             deadlocks += deadlock_agrees(Schedule(base.name, base.pp, base.virtual, base.microbatches, base.placement,
