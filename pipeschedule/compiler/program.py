@@ -136,6 +136,12 @@ class Templates:
         return ids, mbs
 
 
+def instructions(program: Sequence[Instr]) -> tuple[Instr, ...]:
+    """A program's instructions as a tuple (a `Program`'s own, built once), for code that
+    indexes a program many times: a tuple's index is a C call, a Program's a Python one."""
+    return program.instrs if type(program) is Program else tuple(program)
+
+
 def packed(programs: Sequence[Sequence[Instr]]) -> tuple[tuple[Template, ...], list, list]:
     """`programs` as (one template table, each program's ids, each program's mbs): the
     programs' own columns when all are `Program`s of one table, else packed afresh."""

@@ -84,6 +84,7 @@ from torch.autograd.variable import Variable
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.program import instructions
 from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
@@ -139,7 +140,7 @@ class Executor:
         self.measure_stash = measure_stash
         self.exact_times = False  # StepTimes' compute times: synchronise around each F, B, W (slower)
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
-        self.program: tuple[Instr, ...] = schedule.programs[rank]
+        self.program: tuple[Instr, ...] = instructions(schedule.programs[rank])
         self.device = torch.device(device)
         self.timeout = timeout
         self.last_stage = schedule.num_stages - 1

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeschedule.compiler.ir import COMM_OPS, RECV_OPS, SEND_OPS, Op, Schedule
+from pipeschedule.compiler.program import instructions
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def critical_path(schedule: Schedule, result, cost) -> CriticalPath:
     `result` is `simulate(schedule, cost)`; `cost` supplies message times (latency,
     bandwidth, act_out / grad_in bytes).
     """
-    programs, stages = schedule.programs, schedule.num_stages
+    programs, stages = [instructions(p) for p in schedule.programs], schedule.num_stages
     times = [result.events.times(r) for r in range(schedule.pp)]
     first, partner = _structure(schedule)
     counts = {Op.F: [0] * stages, Op.B: [0] * stages, Op.W: [0] * stages}
