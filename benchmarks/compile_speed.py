@@ -44,8 +44,8 @@ from benchmarks.common import git_commit, machine, torch_version, write_results
 from pipeschedule.compiler import passes
 from pipeschedule.compiler.families import generate
 from pipeschedule.simulate import simulate
-from pipeschedule.compiler.ir import make_instr
 from pipeschedule.compiler.verify import RULES, verify
+from pipeschedule.compiler.walk import passes as walk_passes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout's root
 
@@ -117,14 +117,22 @@ def run_ours(pp: int, virtual: int, microbatches: int) -> tuple[dict, int]:
 
 # [Note: walk probe] Where the time per instruction grows with size, the interpreter is
 # not doing more per instruction: every phase's tables are flat lists sized up front,
-# and the collector is paused in every phase. What grows is the cost of reaching an
-# instruction: a lowered schedule of 717k instructions is some 60 MB of objects, far
-# past the CPU caches, and a program's instructions were made at different times
-# (computes by the generator, messages rank by rank, FREEs in program order), so a walk
-# in program order jumps about memory. The probe times a walk that reads one field of
-# every instruction and does nothing else, over the lowered programs and over copies
-# made in program order: the first is the least any pass over the IR pays per
-# instruction at that size, and its rise beside the second's is the cost of the layout.
+# and the collector is paused in every phase. What can grow is the cost of reaching an
+# instruction once the schedule is far past the CPU caches. The passes read a lowered
+# schedule's packed columns ([Note: packed programs] in pipeschedule/compiler/program.py);
+# the probe times a walk that reads every template id and does nothing else ("packed"),
+# the least any of those passes pays per instruction at that size, and beside it a walk
+# that reads the op of every `Instr` of the same programs, built once in program order
+# ("objects"), what a pass over the objects would pay.
+
+
+def _read_every_id(programs) -> int:
+    n = 0
+    for program in programs:
+        for k in program.ids:
+            if k is None:
+                n += 1
+    return n
 
 
 def _read_every_op(programs) -> int:
@@ -137,17 +145,18 @@ def _read_every_op(programs) -> int:
 
 
 def walk_probe(pp, virtual, microbatches, repeat: int = 3) -> dict:
-    """ns per instruction of reading each one's op ([Note: walk probe]), best of `repeat`:
-    over the lowered programs ("lowered") and over copies made in program order ("in_order")."""
+    """ns per instruction of a walk over the packed columns ("packed") and over the
+    `Instr` objects ("objects") of the lowered programs ([Note: walk probe]), best of
+    `repeat` each."""
     lowered = passes.lower(generate("interleaved_1f1b", pp=pp, microbatches=microbatches, virtual=virtual))
-    copies = [[make_instr(i.op, i.stage, i.mb, i.peer, i.buf) for i in program] for program in lowered.programs]
-    count = sum(map(len, lowered.programs))
+    programs = [program for program in lowered.programs if program.instrs]  # the objects built first
+    count = sum(map(len, programs))
     out = {}
-    for name, programs in (("lowered", lowered.programs), ("in_order", copies)):
+    for name, walk in (("packed", _read_every_id), ("objects", _read_every_op)):
         best = math.inf
         for _ in range(repeat):
             t0 = clock()
-            _read_every_op(programs)
+            walk(programs)
             best = min(best, clock() - t0)
         out[name] = 1e9 * best / count
     return out
@@ -194,12 +203,13 @@ def profile_ours(pp, virtual, microbatches, top: int = 12) -> str:
     for name in OUR_PHASES:
         out.write(f"{name:<10} gc on {with_gc[name]:7.3f} s   gc off {without_gc[name]:7.3f} s\n")
     out.write(f"{'total':<10} gc on {sum(with_gc.values()):7.3f} s   gc off {sum(without_gc.values()):7.3f} s\n")
-    out.write("\n### verify, rule by rule\n")
-    for rule in RULES:
+    out.write("\n### verify: its one walk, and the rules one by one (which it runs only to name an error)\n")
+    for check in (walk_passes, *RULES):
         gc.collect()
         t0 = clock()
-        rule(lowered)
-        out.write(f"{rule.__name__:<24} {clock() - t0:8.3f} s\n")
+        check(lowered)
+        name = "one walk (walk.passes)" if check is walk_passes else check.__name__
+        out.write(f"{name:<24} {clock() - t0:8.3f} s\n")
     # Paths relative to the checkout: the results are committed and read on other machines.
     return out.getvalue().replace(REPO + os.sep, "")
 
@@ -361,7 +371,7 @@ def _grid_line(cell) -> str:
     ratio = (f"{cell['torch_total'] / cell['ours_total']:6.1f}x"
              if cell["torch_total"] is not None else "      -")
     walk = cell.get("walk_ns_per_instr") or {}
-    probe = f"{walk['lowered']:5.0f} {walk['in_order']:5.0f}" if walk else "    -     -"
+    probe = f"{walk['packed']:5.0f} {walk['objects']:5.0f}" if walk else "    -     -"
     return (f"{cell['pp']:>4} {cell['microbatches']:>5} {cell['instructions']:>9} "
             f"{cell['ours_total']:8.3f} {cell['ours_us_per_instr']:8.2f} {probe} {torch_text} {ratio}")
 
@@ -446,7 +456,7 @@ def _growth_markdown(result: dict) -> list[str]:
         f"## Growth (virtual={result['grid'][0]['virtual']}; ours best of {OURS_REPEAT} per cell, PyTorch one run, "
         f"best of {SMALL_REPEAT} below {SMALL_S} s)",
         "",
-        "| pp | m | instructions | ours s | µs/instr | bare walk ns/instr: lowered, in program order | PyTorch s "
+        "| pp | m | instructions | ours s | µs/instr | bare walk ns/instr: packed, objects | PyTorch s "
         "| ratio |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -454,7 +464,7 @@ def _growth_markdown(result: dict) -> list[str]:
         t = f"{c['torch_total']:.3f}" if c["torch_total"] is not None else "—"
         r = f"{c['torch_total'] / c['ours_total']:.1f}x" if c["torch_total"] is not None else "—"
         walk = c.get("walk_ns_per_instr") or {}
-        probe = f"{walk['lowered']:.0f}, {walk['in_order']:.0f}" if walk else "—"
+        probe = f"{walk['packed']:.0f}, {walk['objects']:.0f}" if walk else "—"
         lines.append(f"| {c['pp']} | {c['microbatches']} | {c['instructions']} | {c['ours_total']:.3f} | "
                      f"{c['ours_us_per_instr']:.2f} | {probe} | {t} | {r} |")
     skipped = [c for c in result["grid"] if c["torch_skipped"]]
@@ -467,9 +477,10 @@ def _growth_markdown(result: dict) -> list[str]:
         lines += ["", "Fitted exponents (PyTorch, cells run):", "", "```",
                   *_fmt_exponents(result["growth"]["torch"]), "```"]
     lines += ["", result["growth_summary"], "",
-              "Bare walk: the time to read one field of every lowered instruction and nothing else, best of 3, "
-              "over the lowered programs and over copies made in program order ([Note: walk probe] in "
-              "benchmarks/compile_speed.py): the least any pass over the IR pays per instruction at that size.", ""]
+              "Bare walk: the time to read every instruction's template id in the packed columns and nothing "
+              "else, best of 3, and every instruction's op over the same programs' `Instr` objects ([Note: walk "
+              "probe] in benchmarks/compile_speed.py): the least a pass over the IR pays per instruction at that "
+              "size.", ""]
     return lines
 
 
@@ -491,7 +502,7 @@ def measure_growth(grid_pp, grid_m, virtual: int, torch_budget: float, has_torch
     """The growth grid, printed as it runs: its cells, the fitted exponents (ours, and
     PyTorch's over the cells it ran) and the summary line."""
     print(f"\ngrowth (virtual={virtual}); PyTorch budget {torch_budget:g} s")
-    print("  pp     m  instrs   ours s  µs/inst walk ns: lowered, in order  torch s  ratio")
+    print("  pp     m  instrs   ours s  µs/inst walk ns: packed, objects  torch s  ratio")
     cells, spent = run_grid(grid_pp, grid_m, virtual, torch_budget, has_torch, print)
     fits = {"ours": growth(cells, "ours_total")}
     if any(c["torch_total"] is not None for c in cells):
