@@ -94,8 +94,10 @@ byte changes in program order (the same additions in the same order as the gener
 loop's, so the same number), and `MemoryCurves` replays a rank's changes from its
 program and its start times when the curve is first read. The general loop
 (`_Run.advance`) writes the curves as it goes (the host link adds points of its own).
-tests/simulate/test_simulate.py pins the plain run to the general one: ends, events,
-curves and peaks.
+The plain loop posts its batches inline, a copy of `post_batch` less the host link and
+the curves (a call per batch cost 12% of the plain run); tests/simulate/test_simulate.py
+pins the plain run to the general one, field by field: ends, channels, busy time,
+in-flight and byte peaks, events and curves.
 
 [Note: event-driven run] Ranks wait on each other only at communication batches, so a
 rank runs straight through its program until it posts a batch some of whose partners
