@@ -45,6 +45,7 @@ from pipeschedule.compiler import passes
 from pipeschedule.compiler.families import generate
 from pipeschedule.simulate import simulate
 from pipeschedule.compiler.verify import RULES, verify
+from pipeschedule.compiler.program import instructions
 from pipeschedule.compiler.walk import passes as walk_passes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout's root
@@ -149,7 +150,9 @@ def walk_probe(pp, virtual, microbatches, repeat: int = 3) -> dict:
     `Instr` objects ("objects") of the lowered programs ([Note: walk probe]), best of
     `repeat` each."""
     lowered = passes.lower(generate("interleaved_1f1b", pp=pp, microbatches=microbatches, virtual=virtual))
-    programs = [program for program in lowered.programs if program.instrs]  # the objects built first
+    programs = lowered.programs
+    for program in programs:  # the objects built first, in program order
+        instructions(program)
     count = sum(map(len, programs))
     out = {}
     for name, walk in (("packed", _read_every_id), ("objects", _read_every_op)):

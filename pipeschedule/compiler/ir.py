@@ -21,7 +21,7 @@ from pipeschedule.checks import check_schedule_size, is_int, shown
 from pipeschedule.compiler.instr import (
     BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Instr, Op, make_instr,
 )
-from pipeschedule.compiler.program import Program, Template
+from pipeschedule.compiler.program import Program, Template, check_programs
 from pipeschedule.errors import FormatError
 
 FORMAT = "pipeschedule/1"
@@ -78,8 +78,9 @@ class Schedule:
             raise FormatError(f"schedule has {len(programs)} programs; pp = {self.pp} are needed")
         split = False
         W = Op.W  # a local: Op.W costs about 80 ns per instruction here
+        check_programs([p for p in programs if type(p) is Program])
         for rank, program in enumerate(programs):
-            if type(program) is Program:  # its templates are of checked instructions
+            if type(program) is Program:  # checked above, a template for many instructions
                 split = split or any(program.templates[k].op is W for k in set(program.ids))
                 continue
             for instr in program:

@@ -49,9 +49,10 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
 
     gaps[r][pc] holds the messages that go right before rank r's pc-th compute (pc ==
     len: after the last one), each as an entry (production time, sender rank, sender pc,
-    template id, mb, the template id of the FREE after a send's run or None for a
-    receive). Sorting a gap orders its messages by when they were produced; (time, rank,
-    pc) never ties (a producer sends one message), so the sort never looks further."""
+    template id, mb, the template id of the FREE after a send's run, None for a receive
+    and for every message here, where no FREEs are added). Sorting a gap orders its
+    messages by when they were produced; (time, rank, pc) never ties (a producer sends
+    one message), so the sort never looks further."""
     lowering = _Lowering(schedule, frees=False)
     gaps = lowering.place(cost)
     return lowering.done(lowering.merged(rank, gaps[rank]) for rank in range(schedule.pp))
@@ -147,7 +148,9 @@ class _Lowering:
                 kind = kinds[k]
                 if kind is None:
                     continue
-                c_rank, c_pcs, cost, send, receive, free = kind
+                c_rank, c_pcs, cost, send, receive, free, owner = kind
+                if owner != rank:  # a producer on a rank not its stage's (an order verify refuses)
+                    receive = self.table.id(self.table.list[receive].op, self.table.list[receive].stage, rank)
                 c_pc = c_pcs[mb]
                 produced = rank_starts[pc] + cost  # the message exists from its producer's end
                 rank_gaps[pc + 1] = [(produced, rank, pc, send, mb, free)]  # its first entry
@@ -168,13 +171,17 @@ class _Lowering:
         """Per template of the compute order, the message an instruction of it sends, None
         for none (not F or B, or the neighbour stage runs on the same rank): (the
         consumer's rank, the consumer's pc by mb (`_consumer_pcs`), the producer's
-        duration, the send's template id, the receive's, the id of the FREE after the
-        send's run, None where the pass adds no FREEs)."""
+        duration, the send's template id, the receive's (from the rank that runs the
+        producer's stage), the id of the FREE after the send's run (None where the pass
+        adds no FREEs), that rank)."""
         schedule, table = self.schedule, self.table
         placement = schedule.placement
         kinds: list = []
         for t in list(table.list):
             s = t.stage
+            if s >= schedule.num_stages:  # a template no program uses (`_timed` refused any other)
+                kinds.append(None)
+                continue
             if t.op is F and schedule.sends_forward(s):
                 peer, step, cost, ops, buf = placement[s + 1], 1, durations.forward[s], (SEND_F, RECV_F), "act_out"
             elif t.op is B and schedule.sends_backward(s):
@@ -184,7 +191,7 @@ class _Lowering:
                 continue
             free = table.id(FREE, s, None, buf) if self.frees else None
             kinds.append((peer, (F if step == 1 else B, s + step), cost, table.id(ops[0], s, peer),
-                          table.id(ops[1], s + step, placement[s]), free))
+                          table.id(ops[1], s + step, placement[s]), free, placement[s]))
         consumers = self._consumer_pcs({kind[1] for kind in kinds if kind is not None})
         return [None if kind is None else (kind[0], consumers[kind[1]], *kind[2:]) for kind in kinds]
 

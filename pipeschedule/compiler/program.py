@@ -19,8 +19,10 @@ from __future__ import annotations
 
 from typing import Iterator, NamedTuple, Sequence
 
+from pipeschedule.checks import shown
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.instr import Instr, Op, make_instr
+from pipeschedule.errors import FormatError
 
 
 class Template(NamedTuple):
@@ -40,8 +42,10 @@ class Program(Sequence):
     `templates[ids[k]].instr(mbs[k])`.
 
     Built by the compiler's own passes from templates of checked instructions, as
-    `make_instr` is (`Templates.program` builds one; nothing is checked again). `ids` and
-    `mbs` are tuples of ints of one length, every id an index of `templates`.
+    `make_instr` is (`Templates.program` builds one; nothing is checked here). `ids` and
+    `mbs` are tuples of ints of one length, every id an index of `templates`, each
+    template once in `templates`; a `Schedule` given Programs checks all of that
+    (`check_programs`).
     """
 
     __slots__ = ("templates", "ids", "mbs", "_instrs")
@@ -112,16 +116,20 @@ class Templates:
     table as it stands (`frozen()`), so build every template first."""
 
     def __init__(self, templates: Sequence[Template] = ()) -> None:
+        """`templates`: a table to extend, of checked templates (a Program's)."""
         self.list: list[Template] = list(templates)
         self._index: dict[tuple, int] = {t: k for k, t in enumerate(self.list)}
         self._frozen: tuple[Template, ...] | None = None
+        if len(self._index) != len(self.list):
+            raise FormatError("a template table holds each template once")
 
     def id(self, op: Op, stage: int, peer: int | None = None, buf: str | None = None) -> int:
         key = (op, stage, peer, buf)  # hashes and compares as the Template it stands for
         found = self._index.get(key)
         if found is None:
+            checked = Instr(op, stage, 0, peer, buf)  # an instruction less its mb: checked as one
             found = self._index[key] = len(self.list)
-            self.list.append(Template(*key))
+            self.list.append(Template(checked.op, stage, peer, buf))
             self._frozen = None
         return found
 
@@ -146,6 +154,42 @@ class Templates:
             ids.append(self.id(*key) if found is None else found)
             mbs.append(i.mb)
         return ids, mbs
+
+
+def check_programs(programs: Sequence[Program]) -> None:
+    """Raises FormatError unless every Program here is one a pass could have built: each
+    table's templates those of instructions (checked as `Instr`s are), each once; ids
+    that index the table; microbatches integers >= 0, one per id."""
+    tables = {}
+    for program in programs:
+        tables[id(program.templates)] = program.templates
+    for templates in tables.values():
+        if not isinstance(templates, tuple) or len(set(templates)) != len(templates):
+            raise FormatError("a Program's templates must be a tuple holding each template once")
+        for t in templates:
+            if type(t) is not Template or Instr(t.op, t.stage, 0, t.peer, t.buf).op is not t.op:
+                raise FormatError(f"{shown(t)} is not the template of an instruction (op an Op, as Templates.id "
+                                  "makes them)")
+    for program in programs:
+        ids, mbs = program.ids, program.mbs
+        if type(ids) is not tuple or type(mbs) is not tuple or len(ids) != len(mbs):
+            raise FormatError(f"a Program's ids and mbs must be tuples of one length, got {len(ids)} and {len(mbs)}")
+        if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= len(program.templates)):
+            raise FormatError(f"a Program's ids must index its {len(program.templates)} templates")
+        if mbs and (set(map(type, mbs)) != {int} or min(mbs) < 0):
+            raise FormatError("a Program's microbatches must be integers >= 0")
+
+
+def first_use(templates, ids_by_rank, mbs_by_rank, wanted) -> tuple[int, int, Instr] | None:
+    """(rank, index, instruction) of the first instruction, in rank then program order,
+    whose template id is in `wanted` (a set); None when no program uses one. A table may
+    hold templates no program uses: those are never reported."""
+    for rank, ids in enumerate(ids_by_rank):
+        if wanted.isdisjoint(ids):
+            continue
+        index = next(index for index, k in enumerate(ids) if k in wanted)
+        return rank, index, templates[ids[index]].instr(mbs_by_rank[rank][index])
+    return None
 
 
 def instructions(program: Sequence[Instr]) -> tuple[Instr, ...]:

@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 
 from pipeschedule.checks import is_number, shown
 from pipeschedule.compiler.ir import Instr, Op
-from pipeschedule.compiler.program import Program, packed
+from pipeschedule.compiler.program import Program, first_use, packed
 from pipeschedule.errors import ParameterError, ScheduleError
 
 UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}  # B is the whole backward
@@ -135,13 +135,14 @@ def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations:
     """`asap` of a compute order given as `packed` columns ([Note: packed programs]),
     timed with per-stage `durations`."""
     F, B = Op.F, Op.B
-    _check_stages(num_stages, templates, ids_by_rank)
+    _check_stages(num_stages, templates, ids_by_rank, mbs_by_rank)
     mbs_by_rank, span = _dense(mbs_by_rank)
-    # per template: its op, its key without the mb (stage * span: [Note: asap keys]) and its duration
+    # per template: its op, its key without the mb (stage * span: [Note: asap keys]) and its
+    # duration (None for a stage past the last: a template no program uses, `_check_stages`)
     ops = [t.op for t in templates]
     base = [t.stage * span for t in templates]
     spend = [(durations.forward if t.op is F else durations.backward if t.op is B else durations.weight)[t.stage]
-             for t in templates]
+             if t.stage < num_stages else None for t in templates]
     f_end, b_end = [None] * ((num_stages + 1) * span), [None] * ((num_stages + 1) * span)  # [Note: asap keys]
     f_parked, b_parked = [None] * len(f_end), [None] * len(b_end)  # ranks waiting for that end
     pp = len(ids_by_rank)
@@ -214,14 +215,13 @@ def _per_stage(programs, num_stages: int, cost) -> StageTimes:
     return StageTimes(*((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W)))
 
 
-def _check_stages(num_stages: int, templates, ids_by_rank) -> None:
+def _check_stages(num_stages: int, templates, ids_by_rank, mbs_by_rank) -> None:
     """Raises ScheduleError (rule coverage) for an instruction of a stage outside
     0..num_stages-1, the first in rank and program order."""
-    bad = {k for k, t in enumerate(templates) if t.stage >= num_stages}
-    if bad:
-        rank, index, k = next((r, index, k) for r, ids in enumerate(ids_by_rank)
-                              for index, k in enumerate(ids) if k in bad)
-        instr = templates[k].instr(0)
+    beyond = {k for k, t in enumerate(templates) if t.stage >= num_stages}
+    found = first_use(templates, ids_by_rank, mbs_by_rank, beyond) if beyond else None
+    if found is not None:
+        rank, index, instr = found
         raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {instr}: stage {instr.stage} "
                             f"belongs to no rank (there are {num_stages} stages)",
                             rule="coverage", rank=rank, index=index, instr=instr, mb=instr.mb)

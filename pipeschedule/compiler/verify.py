@@ -1,6 +1,7 @@
 """The verifier: proves a lowered schedule obeys the six rules of DESIGN.md.
 
-`verify(schedule)` runs `RULES` in order and raises `ScheduleError` at the first
+`verify(schedule)` proves every rule in one walk ([Note: one walk] in walk.py); where that
+walk finds a fault, it runs `RULES` in order and raises `ScheduleError` at the first
 violation, naming the rule, the rank, the instruction, its program counter and the
 microbatch, with the step x rank grid around it. The order of `RULES` matters only for
 which rule is named when one edit breaks several: structure and coverage first (is every
@@ -204,8 +205,7 @@ def _communication(schedule: Schedule):
     order and the receives in dst's order, each as two lists (the tensor of every
     message, the batch of every message), a batch being the index of a maximal run of
     communication instructions in `batches`, which holds each as (rank, start, end);
-    and per rank its batches in program order. `verify` finds this once and hands it to
-    rules 3 and 4 (nothing is kept on the schedule).
+    and per rank its batches in program order.
 
     [Note: tensor ints] A tensor is named by the receive that takes it, RECV_F or RECV_B
     of (stage, mb), as one int: (stage * m + mb) * 2, plus 1 for a gradient. Ints in
@@ -250,11 +250,10 @@ def _step_of_message(schedule: Schedule, rank: int, peer: int, sending: bool, k:
     return steps[k]
 
 
-def check_matching(schedule: Schedule, communication=None) -> None:
+def check_matching(schedule: Schedule) -> None:
     """For each ordered pair of ranks, the k-th send from a to b and the k-th receive on b
-    from a carry the same tensor (NCCL matches by order alone). `communication`:
-    `_communication(schedule)` where the caller has it already."""
-    sends, recvs, _, _ = communication or _communication(schedule)
+    from a carry the same tensor (NCCL matches by order alone)."""
+    sends, recvs, _, _ = _communication(schedule)
     m = schedule.microbatches
     for src, dst in sorted(set(sends) | set(recvs)):
         out, into = sends.get((src, dst), ([], []))[0], recvs.get((src, dst), ([], []))[0]
@@ -291,12 +290,11 @@ def comm_batches(schedule: Schedule):
     return batches, rank_batches, partners
 
 
-def check_deadlock(schedule: Schedule, communication=None) -> None:
+def check_deadlock(schedule: Schedule) -> None:
     """Runs every program under rule 4's semantics: a batch is posted when its rank
     reaches it, and the rank moves past it once every partner batch is posted. Only the
-    batches matter: compute never blocks, so each rank walks its batches in order.
-    `communication`: `_communication(schedule)` where the caller has it already."""
-    sends, recvs, batches, rank_batches = communication or _communication(schedule)
+    batches matter: compute never blocks, so each rank walks its batches in order."""
+    sends, recvs, batches, rank_batches = _communication(schedule)
     # Per batch, the partner batch of each of its messages, a partner listed once per
     # message. Lists rather than `comm_batches`' sets: there are about as many batches as
     # messages (130k at pp=64, v=2, m=512), and building a set per batch took half of
@@ -344,7 +342,7 @@ def check_deadlock(schedule: Schedule, communication=None) -> None:
 
 def check_liveness(schedule: Schedule) -> None:
     """Every buffer is produced once, used only while live, and freed exactly once after
-    its last use; nothing is live when the program ends ([Note: buffers] in ir.py).
+    its last use; nothing is live when the program ends ([Note: buffers] in instr.py).
 
     [Note: buffer states] Per rank, one dict per buffer kind maps (stage, mb) to the state
     of that buffer: the step that produced it (or last reloaded it) while it is live on

@@ -14,7 +14,9 @@ True must come back only when every rule would pass.
 
 What the walk checks, and where:
 - once per template of each rank's program, before the walk: its stage runs on that
-  rank (coverage), a message's neighbour stage exists; every microbatch is below m
+  rank (coverage), a message's neighbour stage exists and its peer is another rank
+  (dependency; the walk's count of partners needs it: a partner is another rank, and
+  the rules below would refuse such a message anyway); every microbatch is below m
   (coverage);
 - per instruction, on buffer states (`_Walk`): F, B and W run once each, W after its B
   (coverage); each reads live buffers and makes its own; a send's tensor is live
@@ -27,10 +29,9 @@ What the walk checks, and where:
 - at the end: no rank is parked (deadlock; a message never matched leaves its batch
   parked, so matching's "n sends, m receives" shows here too).
 Checks of the rules left out because, when every check here passes, they cannot fail:
-- a message's peer is its neighbour stage's rank, which is another rank: a tensor is
-  named by its stage, and a rank whose template names a stage it does not run fails;
-  so a message to the wrong rank finds no partner of its tensor there (matching, or
-  a deadlock), and one to its own rank waits on itself (a deadlock);
+- a message's peer is its neighbour stage's rank: a tensor is named by its stage, and
+  a rank whose template names a stage it does not run fails; so a message to the
+  wrong rank finds no partner of its tensor there (matching, or a deadlock);
 - a second send or receive of one (stage, mb): the counts then want one missing, and
   the tensor it stood for reaches no consumer (an F or B that reads a buffer never
   produced) or no partner (matching, deadlock);
@@ -105,9 +106,10 @@ class _Walk:
 
     Buffer states use check_liveness' encoding ([Note: buffer states] in verify.py) with
     one more value for a buffer not yet produced, NEVER = -(n + 1) (n: the longest
-    program), and HOST = -(n + 2): a step's own freed state ~pc lies in -n..-1, so
-    every state below 0 is unusable, every one above HOST cannot be freed, and each
-    check is one comparison. They live in one list per buffer and stage, indexed by mb
+    program), and HOST = -(n + 2): a step's own freed state ~pc lies in -n..-1, so every
+    state below 0 (freed, never produced, on the host) is unusable, every one strictly
+    between HOST and 0 (freed or never produced) cannot be freed, every one above HOST
+    cannot be reloaded, and no check needs to ask for None. They live in one list per buffer and stage, indexed by mb
     (a stage's keys belong to one rank, so ranks never share an entry)."""
 
     def __init__(self, schedule: Schedule, caps) -> None:
@@ -153,8 +155,11 @@ class _Walk:
             return owner, _COMPUTE, (done[t.op][s], makes, uses, done[B][s] if t.op is W else None)
         buf, step, sending = _MESSAGES[t.op]
         other = s + step
-        if not 0 <= other < S:
-            return -1, None, None  # no neighbour stage that way
+        if not 0 <= other < S or t.peer == owner:
+            # no neighbour stage that way; or a message to its own rank, which the rules
+            # refuse anyway (it waits on itself) but which would break the count of
+            # partners `advance` keeps per parked rank: a partner is another rank
+            return -1, None, None
         named = other if sending else s  # [Note: tensor ints]: a tensor is named by its receive
         sent, received = self.channels.setdefault((owner, t.peer) if sending else (t.peer, owner), ([], []))
         mine, theirs = (sent, received) if sending else (received, sent)

@@ -1,6 +1,6 @@
 """The buffer table: every buffer one rank holds, keyed by (buf, stage, mb).
 
-A buffer ([Note: buffers] in pipeschedule.compiler.ir) is added by the instruction that produces
+A buffer ([Note: buffers] in pipeschedule.compiler.instr) is added by the instruction that produces
 it and dropped at its FREE and nowhere else; the ledger follows both. Using a missing
 buffer, producing one twice, a FREE of a missing buffer, and a buffer still held at the
 end of a step are errors.

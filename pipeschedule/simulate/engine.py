@@ -121,7 +121,7 @@ from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.simulate.hostlink import HostLink
 from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule
-from pipeschedule.compiler.program import Template, packed
+from pipeschedule.compiler.program import Template, first_use, packed
 
 MOVE_OPS = frozenset({Op.OFFLOAD, Op.RELOAD})
 # Plain names for the ops: an enum attribute costs about 80 ns, a global a few, and the
@@ -439,6 +439,7 @@ class _Run:
         self.costs = cost.forward, cost.backward, cost.weight
         self.programs = schedule.programs
         self.templates, self.ids, self.mbs = packed(schedule.programs)
+        self.used = [set(ids) for ids in self.ids]  # per rank, the templates its program uses
         self.act, self.nbytes, self.spend = self._per_template(act_in, grad_out)
         # channel (src << 32 | dst) -> (post times of its sends, their message times, post
         # times of its receives); entry k of each belongs to the channel's k-th message.
@@ -458,23 +459,24 @@ class _Run:
         # What each call of `advance` and `post_batch` reads, gathered once.
         self.parts = [(self.ids[r], self.mbs[r], self.ends[r], *self.memory[r], self.links[r]) for r in range(pp)]
         self.special = [streamed is not None or self.b_shrink is not None for streamed in self.streamed]
-        moves = any(a == _OFFLOAD or a == _RELOAD for a in self.act)
+        moving = {k for k, a in enumerate(self.act) if a == _OFFLOAD or a == _RELOAD}
+        moves = any(not moving.isdisjoint(used) for used in self.used)
         self.plain = not (general or moves or any(self.special))  # [Note: replayed memory]
 
     def _per_template(self, act_in, grad_out) -> tuple[list, list, list]:
         """Per template: what its instructions do; their bytes (F, B: allocated at the
         start; RECV: its buffer; FREE, OFFLOAD, RELOAD: the buffer's); their time (F, B,
-        W: the stage's; SEND: the message's). Raises ScheduleError for a stage the
-        schedule does not have."""
+        W: the stage's; SEND: the message's). Raises ScheduleError for an instruction of a
+        stage the schedule does not have (a template no program uses has no bytes or time)."""
         fcost, bcost, wcost = self.costs
         acts, nbytes, spends = [], [], []
+        S = self.schedule.num_stages
         for t in self.templates:
             a, s = _ACTS[t.op], t.stage
-            if s >= self.schedule.num_stages:
-                raise ScheduleError(f"rule coverage: {t.instr(0)} names stage {s}, but the schedule has stages "
-                                    f"0..{self.schedule.num_stages - 1}", rule="coverage")
             acts.append(a)
-            if a == _F:
+            if s >= S:
+                nbytes.append(None), spends.append(None)
+            elif a == _F:
                 nbytes.append(self.f_alloc[s]), spends.append(fcost[s])
             elif a == _B:
                 nbytes.append(self.b_alloc[s]), spends.append(bcost[s])
@@ -486,12 +488,19 @@ class _Run:
                 nbytes.append(act_in[s] if t.op is RECV_F else grad_out[s]), spends.append(0)
             else:
                 nbytes.append(self.free_bytes[t.buf][s]), spends.append(0)
+        beyond = {k for k, t in enumerate(self.templates) if t.stage >= S}
+        found = first_use(self.templates, self.ids, self.mbs, beyond) if beyond else None
+        if found is not None:
+            rank, index, instr = found
+            raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {instr}: stage {instr.stage} "
+                                f"belongs to no rank (there are {S} stages)",
+                                rule="coverage", rank=rank, index=index, instr=instr, mb=instr.mb)
         return acts, nbytes, spends
 
     def _rank_channels(self, r: int) -> list:
         """Rank r's channel of each message template its program holds (None for the rest)."""
         chan, channels = [None] * len(self.templates), self.channels
-        for k in set(self.ids[r]):
+        for k in self.used[r]:
             a = self.act[k]
             if a == _SEND or a == _RECV:
                 peer = self.templates[k].peer

@@ -26,7 +26,7 @@ OUT, HOST, IN, BACK = "out", "host", "in", "back"
 # released every piece (a stash kept for W ends as BACK instead).
 STREAMED, RELOADING, GONE = "streamed", "reloading", "gone"
 
-# Which buffers of its own (stage, mb) each compute op reads ([Note: buffers] in ir.py).
+# Which buffers of its own (stage, mb) each compute op reads ([Note: buffers] in compiler/instr.py).
 USES = {"F": ("act_in",), "B": ("act_in", "stash", "grad_out"), "W": ("stash",)}
 
 

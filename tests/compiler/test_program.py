@@ -8,7 +8,7 @@ import pickle
 import pytest
 from hypothesis import given, settings
 
-from pipeschedule import Instr, Op, Schedule, compile_schedule
+from pipeschedule import FormatError, Instr, Op, Schedule, compile_schedule
 from pipeschedule.compiler.passes import lower
 from pipeschedule.compiler.program import Program, Template, Templates, packed
 from pipeschedule.compiler.families import generate
@@ -102,3 +102,29 @@ def test_packing_any_schedule_round_trips(schedule):
     columns = [table.pack(p) for p in tuples]  # every template first, then the programs
     programs = tuple(table.program(i, m) for i, m in columns)
     assert programs == tuples and packed(programs)[0] is programs[0].templates
+
+
+def test_templates_are_checked_as_instructions():
+    table = Templates()
+    k = table.id("F", 0)  # the text of an op is the op
+    assert table.list[k].op is Op.F and table.id(Op.F, 0) == k
+    with pytest.raises(FormatError, match="needs a peer"):
+        table.id(Op.SEND_F, 0)
+    with pytest.raises(FormatError, match="needs buf"):
+        table.id(Op.FREE, 0, None, "nothing")
+    with pytest.raises(FormatError, match="each template once"):
+        Templates([Template(Op.F, 0, None, None)] * 2)
+
+
+@pytest.mark.parametrize("templates,ids,mbs,fragment", [
+    ((Template("F", 0, None, None),), (0,), (0,), "not the template of an instruction"),
+    ((Template(Op.F, 0, None, None),) * 2, (0,), (0,), "each template once"),
+    ((Template(Op.F, 0, None, None),), (1,), (0,), "must index its 1 templates"),
+    ((Template(Op.F, 0, None, None),), (0,), (-1,), "integers >= 0"),
+    ((Template(Op.F, 0, None, None),), (0,), (0.0,), "integers >= 0"),
+    ((Template(Op.F, 0, None, None),), (0, 0), (0,), "of one length"),
+    ([Template(Op.F, 0, None, None)], (0,), (0,), "must be a tuple"),
+])
+def test_a_schedule_checks_the_programs_it_is_given(templates, ids, mbs, fragment):
+    with pytest.raises(FormatError, match=fragment):
+        Schedule("x", 1, 1, 1, (0,), (Program(templates, ids, mbs),))
