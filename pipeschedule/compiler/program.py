@@ -48,11 +48,20 @@ class Program(Sequence):
     (`check_programs`).
     """
 
-    __slots__ = ("templates", "ids", "mbs", "_instrs")
+    __slots__ = ("templates", "ids", "mbs", "_instrs", "_used")
 
     def __init__(self, templates: tuple[Template, ...], ids: tuple[int, ...], mbs: tuple[int, ...]) -> None:
         self.templates, self.ids, self.mbs = templates, ids, mbs
         self._instrs: tuple[Instr, ...] | None = None
+        self._used: frozenset[int] | None = None
+
+    @property
+    def used(self) -> frozenset[int]:
+        """The ids of the templates this program uses (found once, on first use): the
+        verifier and the simulator look at each once per rank."""
+        if self._used is None:
+            self._used = frozenset(self.ids)
+        return self._used
 
     @property
     def instrs(self) -> tuple[Instr, ...]:
@@ -174,8 +183,9 @@ def check_programs(programs: Sequence[Program]) -> None:
         ids, mbs = program.ids, program.mbs
         if type(ids) is not tuple or type(mbs) is not tuple or len(ids) != len(mbs):
             raise FormatError(f"a Program's ids and mbs must be tuples of one length, got {len(ids)} and {len(mbs)}")
-        if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= len(program.templates)):
-            raise FormatError(f"a Program's ids must index its {len(program.templates)} templates")
+        count = len(program.templates)
+        if ids and (set(map(type, ids)) != {int} or not 0 <= min(program.used) <= max(program.used) < count):
+            raise FormatError(f"a Program's ids must index its {count} templates")
         if mbs and (set(map(type, mbs)) != {int} or min(mbs) < 0):
             raise FormatError("a Program's microbatches must be integers >= 0")
 
@@ -190,6 +200,12 @@ def first_use(templates, ids_by_rank, mbs_by_rank, wanted) -> tuple[int, int, In
         index = next(index for index, k in enumerate(ids) if k in wanted)
         return rank, index, templates[ids[index]].instr(mbs_by_rank[rank][index])
     return None
+
+
+def used_ids(programs: Sequence[Sequence[Instr]], ids_by_rank) -> list:
+    """Per rank, the template ids of `packed(programs)`'s columns `ids_by_rank` that its
+    program uses: a Program's own set where those are its own columns, else found."""
+    return [p.used if type(p) is Program and p.ids is ids else set(ids) for p, ids in zip(programs, ids_by_rank)]
 
 
 def instructions(program: Sequence[Instr]) -> tuple[Instr, ...]:

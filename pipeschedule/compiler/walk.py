@@ -57,7 +57,7 @@ from __future__ import annotations
 
 from pipeschedule.compiler.instr import BUFFERS, Op
 from pipeschedule.compiler.ir import Schedule
-from pipeschedule.compiler.program import Template, packed
+from pipeschedule.compiler.program import Template, packed, used_ids
 from pipeschedule.errors import FormatError
 
 F, B, W, FREE, OFFLOAD, RELOAD = Op.F, Op.B, Op.W, Op.FREE, Op.OFFLOAD, Op.RELOAD
@@ -116,6 +116,7 @@ class _Walk:
         self.schedule = schedule
         S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
         self.templates, self.ids, self.mbs = packed(schedule.programs)
+        self.used = used_ids(schedule.programs, self.ids)  # per rank, the templates its program uses
         longest = max(map(len, self.ids))
         never, self.host = -(longest + 1), -(longest + 2)
         self.states = {buf: [[never] * m for _ in range(S)] for buf in BUFFERS}  # [buf][stage][mb]
@@ -174,11 +175,11 @@ class _Walk:
 
     def _placed(self, rank: int) -> bool:
         """Whether every template rank's program uses may run there, and every mb is in range."""
-        ids, mbs = self.ids[rank], self.mbs[rank]
+        mbs = self.mbs[rank]
         if mbs and max(mbs) >= self.schedule.microbatches:
             return False
         owner = self.owner
-        return all(owner[k] == rank for k in set(ids))
+        return all(owner[k] == rank for k in self.used[rank])
 
     def advance(self, r: int) -> bool:
         """Runs rank r from where it stands until it parks on a batch some of whose

@@ -121,7 +121,7 @@ from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.simulate.hostlink import HostLink
 from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule
-from pipeschedule.compiler.program import Template, first_use, packed
+from pipeschedule.compiler.program import Template, first_use, packed, used_ids
 
 MOVE_OPS = frozenset({Op.OFFLOAD, Op.RELOAD})
 # Plain names for the ops: an enum attribute costs about 80 ns, a global a few, and the
@@ -439,7 +439,7 @@ class _Run:
         self.costs = cost.forward, cost.backward, cost.weight
         self.programs = schedule.programs
         self.templates, self.ids, self.mbs = packed(schedule.programs)
-        self.used = [set(ids) for ids in self.ids]  # per rank, the templates its program uses
+        self.used = used_ids(schedule.programs, self.ids)  # per rank, the templates its program uses
         self.act, self.nbytes, self.spend = self._per_template(act_in, grad_out)
         # channel (src << 32 | dst) -> (post times of its sends, their message times, post
         # times of its receives); entry k of each belongs to the channel's k-th message.
