@@ -67,7 +67,7 @@ class Program(Sequence):
     def instrs(self) -> tuple[Instr, ...]:
         """The instructions as a tuple (built once, on first use)."""
         if self._instrs is None:
-            self._instrs = _built(self.templates, self.ids, self.mbs)
+            self._instrs = _built(self.templates, self.used, self.ids, self.mbs)
         return self._instrs
 
     def __len__(self) -> int:
@@ -108,9 +108,10 @@ class Program(Sequence):
 
 
 @gc_paused  # many objects, none in a cycle (gcpause.py): half the time with the collector running
-def _built(templates, ids, mbs) -> tuple[Instr, ...]:
-    """`templates[ids[k]].instr(mbs[k])` for every k, as a tuple."""
-    rows = [tuple(t) for t in templates]  # a plain tuple unpacks faster than a NamedTuple's fields read
+def _built(templates, used, ids, mbs) -> tuple[Instr, ...]:
+    """`templates[ids[k]].instr(mbs[k])` for every k, as a tuple. `used`: the ids in `ids`
+    (a table may be far larger than what one program uses: pp=20000 has 220k templates)."""
+    rows = {k: tuple(templates[k]) for k in used}  # a plain tuple unpacks faster than a NamedTuple's fields read
     out = []
     add = out.append
     for k, mb in zip(ids, mbs):
@@ -153,8 +154,8 @@ class Templates:
 
     def pack(self, program: Sequence[Instr]) -> tuple[list[int], list[int]]:
         """(ids, mbs) of `program`, a Program (of any table) or a sequence of `Instr`."""
-        if type(program) is Program:
-            remap = [self.id(*t) for t in program.templates]
+        if type(program) is Program:  # its templates in use, not its whole table (which may serve many ranks)
+            remap = {k: self.id(*program.templates[k]) for k in sorted(program.used)}
             return [remap[k] for k in program.ids], list(program.mbs)
         index, ids, mbs = self._index, [], []
         for i in program:

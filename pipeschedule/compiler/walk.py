@@ -117,6 +117,9 @@ class _Walk:
         S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
         self.templates, self.ids, self.mbs = packed(schedule.programs)
         self.used = used_ids(schedule.programs, self.ids)  # per rank, the templates its program uses
+        self.stages: list[list[int]] = [[] for _ in range(pp)]  # per rank, its stages
+        for s, r in enumerate(schedule.placement):
+            self.stages[r].append(s)
         longest = max(map(len, self.ids))
         never, self.host = -(longest + 1), -(longest + 2)
         self.states = {buf: [[never] * m for _ in range(S)] for buf in BUFFERS}  # [buf][stage][mb]
@@ -266,7 +269,7 @@ class _Walk:
         message, and as many FREEs as buffers made."""
         schedule = self.schedule
         m, split = schedule.microbatches, schedule.split_backward
-        stages = schedule.stages_of(rank)
+        stages = self.stages[rank]
         if computes != (3 if split else 2) * len(stages) * m:  # coverage: an F, B or W missing
             return False
         if messages != (needed_per_microbatch(schedule, stages) - 2 * len(stages)) * m:  # dependency

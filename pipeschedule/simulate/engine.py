@@ -497,9 +497,10 @@ class _Run:
                                 rule="coverage", rank=rank, index=index, instr=instr, mb=instr.mb)
         return acts, nbytes, spends
 
-    def _rank_channels(self, r: int) -> list:
-        """Rank r's channel of each message template its program holds (None for the rest)."""
-        chan, channels = [None] * len(self.templates), self.channels
+    def _rank_channels(self, r: int) -> dict:
+        """Rank r's channel of each message template its program holds, by template id (a
+        dict: a list as long as the table, per rank, would be O(pp^2) at pp=20000)."""
+        chan, channels = {}, self.channels
         for k in self.used[r]:
             a = self.act[k]
             if a == _SEND or a == _RECV:

@@ -128,3 +128,28 @@ def test_templates_are_checked_as_instructions():
 def test_a_schedule_checks_the_programs_it_is_given(templates, ids, mbs, fragment):
     with pytest.raises(FormatError, match=fragment):
         Schedule("x", 1, 1, 1, (0,), (Program(templates, ids, mbs),))
+
+
+def test_one_table_for_many_ranks_keeps_every_pass_linear():
+    """At pp=20000 a 1F1B table holds 220k templates, a rank's program uses 11: whatever is
+    done per rank must not be done per template of the whole table (it was, for the
+    simulator's channels, the objects a Program builds and `packed` of a Program among
+    tuples: minutes at this size). One rank's program is a tuple, the rest Programs."""
+    import time
+    from pipeschedule.compiler.gcpause import gc_paused
+    from pipeschedule.compiler.verify import verify
+    from pipeschedule.simulate import simulate
+
+    @gc_paused  # the collector's passes over a growing heap are not the passes'
+    def seconds(pp):
+        low = lower(generate("1f1b", pp=pp, microbatches=1))
+        mixed = Schedule(low.name, pp, 1, 1, low.placement, (tuple(low.programs[0]),) + low.programs[1:], low.params)
+        t0 = time.process_time()
+        verify(mixed)
+        simulate(mixed)
+        for program in mixed.programs[1:]:
+            program[0]  # builds its objects
+        return time.process_time() - t0
+
+    small, large = min(seconds(2000) for _ in range(3)), seconds(20000)
+    assert large < 40 * max(small, 1e-3)  # 10x the ranks: linear ~10x, per rank per template ~100x
