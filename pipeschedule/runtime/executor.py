@@ -158,6 +158,7 @@ class Executor:
         self.split_mode: dict[int, str] = {}  # stage -> "split" | "full", from its first F
         self.split_report: dict[int, SplitReport] = {}
         self.pool = BufferPool(schedule, rank, self.device) if pool else None
+        self._pooled = self._boundaries(schedule)  # (buf, stage) the pool serves
         self.offloads = any(i.op is Op.OFFLOAD for i in self.program)  # F packs saved tensors in holders
         self.offloader = Offloader(self.device, self.ledger, offload_chunk, reload_window)
         self._streamed = streamed_stashes(self.program) if offload_chunk is not None else frozenset()
@@ -473,18 +474,20 @@ class Executor:
             self.offloader.forget(("stash", s, mb))
             if self.pool is not None:
                 self.pool.stash_freed(s, mb)
-        elif self.pool is not None and self._pooled(i.buf, s) and self.pool.owns(value):
+        elif self.pool is not None and (i.buf, s) in self._pooled and self.pool.owns(value):
             # autograd may read a received buffer until its stash goes ([Note: buffer pool])
             held = i.buf in ("act_in", "grad_out") and ("stash", s, mb) in self.buffers.held
             self.pool.give(value, after_stash=(s, mb) if held else None)
         elif i.buf == "act_out":
             _release(value, self.buffers.held.get(("act_in", s, mb)))  # the sent output
 
-    def _pooled(self, buf: str, stage: int) -> bool:
-        """Whether (buf, stage) is a boundary buffer the pool serves ([Note: buffer pool])."""
-        schedule = self.schedule
-        return {"act_in": schedule.recvs_forward, "grad_out": schedule.recvs_backward,
-                "act_out": schedule.sends_forward, "grad_in": schedule.sends_backward}.get(buf, lambda _: False)(stage)
+    @staticmethod
+    def _boundaries(schedule: Schedule) -> frozenset[tuple[str, int]]:
+        """Every (buf, stage) that is a boundary buffer, which the pool serves ([Note:
+        buffer pool]): what a stage receives or sends."""
+        kinds = {"act_in": schedule.recvs_forward, "grad_out": schedule.recvs_backward,
+                 "act_out": schedule.sends_forward, "grad_in": schedule.sends_backward}
+        return frozenset((buf, s) for buf, crosses in kinds.items() for s in range(schedule.num_stages) if crosses(s))
 
     # -- host offload ([Note: host offload]) ---------------------------------------------
 
