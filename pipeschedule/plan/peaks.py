@@ -17,11 +17,32 @@ from __future__ import annotations
 
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.ir import BUFFERS, Op, Schedule
+from pipeschedule.compiler.program import Template, packed
 from pipeschedule.errors import ParameterError
 
 # What each instruction changes, as an index into the table `_deltas` builds per cost.
 _F, _B, _SHRINK, _RECV_F, _RECV_B = range(5)
 _FREE = {buf: 5 + i for i, buf in enumerate(BUFFERS)}
+
+
+def _effect(t: Template, S: int) -> tuple[tuple[int, ...], int] | None:
+    """What an instruction of template `t` does here: its changes (table * S + stage, in
+    the order they happen) and its in-flight move (+1 for F, -1 for B); None for OFFLOAD
+    and RELOAD, which this does not model."""
+    op, s = t.op, t.stage
+    if op is Op.FREE:
+        return (_FREE[t.buf] * S + s,), 0
+    if op is Op.F:
+        return (_F * S + s,), 1
+    if op is Op.B:
+        return (_B * S + s, _SHRINK * S + s), -1
+    if op is Op.RECV_F:
+        return (_RECV_F * S + s,), 0
+    if op is Op.RECV_B:
+        return (_RECV_B * S + s,), 0
+    if op is Op.OFFLOAD or op is Op.RELOAD:
+        return None
+    return (), 0  # W, SEND_F, SEND_B: no bytes
 
 
 class Peaks:
@@ -34,28 +55,19 @@ class Peaks:
         S = schedule.num_stages
         self.changes = []  # per rank: table * S + stage per change, in program order
         self.inflight = []  # per rank: +1 / -1 per F / B
-        F, B, FREE, RECV_F, RECV_B = Op.F, Op.B, Op.FREE, Op.RECV_F, Op.RECV_B  # identity: an enum's hash is slow
-        free = {buf: code * S for buf, code in _FREE.items()}
-        for r, program in enumerate(schedule.programs):
+        templates, ids_by_rank, mbs_by_rank = packed(schedule.programs)  # [Note: packed programs]
+        effects = [_effect(t, S) for t in templates]  # per template: its changes and its in-flight move
+        for r, ids in enumerate(ids_by_rank):
             changes, moves = [], []
-            for instr in program:
-                op = instr.op
-                if op is FREE:
-                    changes.append(free[instr.buf] + instr.stage)
-                elif op is F:
-                    changes.append(_F * S + instr.stage)
-                    moves.append(1)
-                elif op is B:
-                    changes.append(_B * S + instr.stage)
-                    changes.append(_SHRINK * S + instr.stage)
-                    moves.append(-1)
-                elif op is RECV_F:
-                    changes.append(_RECV_F * S + instr.stage)
-                elif op is RECV_B:
-                    changes.append(_RECV_B * S + instr.stage)
-                elif op is Op.OFFLOAD or op is Op.RELOAD:
-                    raise ParameterError(f"peaks from program order hold without host copies; rank {r} runs {instr} "
-                                         f"(simulate it with pipeschedule.simulate)")
+            for pc, k in enumerate(ids):
+                effect = effects[k]
+                if effect is None:
+                    raise ParameterError(f"peaks from program order hold without host copies; rank {r} runs "
+                                         f"{templates[k].instr(mbs_by_rank[r][pc])} (simulate it with "
+                                         "pipeschedule.simulate)")
+                changes += effect[0]
+                if effect[1]:
+                    moves.append(effect[1])
             self.changes.append(changes)
             self.inflight.append(moves)
 

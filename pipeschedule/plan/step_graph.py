@@ -25,10 +25,24 @@ from collections.abc import Sequence
 
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.compiler.program import Template, packed
 from pipeschedule.errors import ParameterError, ScheduleError
 from pipeschedule.simulate.critical_path import CriticalPath
 
 POST, DONE, BOTH = 1, 2, 3  # what an entry of StepGraph.order evaluates: the post, the end, both
+_OTHER, _COMPUTE, _SEND, _RECV, _MOVE = "other", "compute", "send", "recv", "move"  # what a template is to the graph
+
+
+def _kind(t: Template, S: int) -> tuple[str, int | None]:
+    """What instructions of template `t` are to the step graph, and for a compute its
+    flat cost index kind * S + stage (F, B, W)."""
+    if t.op is Op.F or t.op is Op.B or t.op is Op.W:
+        return _COMPUTE, (0 if t.op is Op.F else 1 if t.op is Op.B else 2) * S + t.stage
+    if t.op is Op.SEND_F or t.op is Op.SEND_B:
+        return _SEND, None
+    if t.op is Op.RECV_F or t.op is Op.RECV_B:
+        return _RECV, None
+    return (_OTHER if t.op is Op.FREE else _MOVE), None
 
 
 class StepGraph:
@@ -53,24 +67,18 @@ class StepGraph:
         self.tail, self.last = [], []
         sends: dict[tuple[int, int], list] = defaultdict(list)  # (src, dst) -> (batch, op, stage) per send
         pending: dict[tuple[int, int], list] = defaultdict(list)  # (src, dst) -> (batch, slot) per receive
-        F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE  # compared by identity: an enum's hash is slow
-        SEND_F, SEND_B, RECV_F, RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
-        for r, program in enumerate(schedule.programs):
+        templates, ids_by_rank, mbs_by_rank = packed(schedule.programs)  # [Note: packed programs]
+        kinds = [_kind(t, S) for t in templates]  # per template: what it is here, and its cost index
+        for r, ids in enumerate(ids_by_rank):
             computes, batch, prev = [], None, -1
-            for instr in program:
-                op = instr.op
-                if op is FREE:
+            for pc, k in enumerate(ids):
+                kind, cost = kinds[k]
+                if kind is _OTHER:  # FREE
                     batch = None
-                elif op is F:
+                elif kind is _COMPUTE:
                     batch = None
-                    computes.append(instr.stage)
-                elif op is B:
-                    batch = None
-                    computes.append(S + instr.stage)
-                elif op is W:
-                    batch = None
-                    computes.append(2 * S + instr.stage)
-                elif op is SEND_F or op is SEND_B or op is RECV_F or op is RECV_B:
+                    computes.append(cost)
+                elif kind is _SEND or kind is _RECV:
                     if batch is None:
                         batch = len(self.rank)
                         self.rank.append(r)
@@ -78,14 +86,16 @@ class StepGraph:
                         self.recvs.append([])
                         self.prev.append(prev)
                         computes, prev = [], batch
-                    if op is SEND_F or op is SEND_B:
-                        sends[r, instr.peer].append((batch, op, instr.stage))
+                    t = templates[k]
+                    if kind is _SEND:
+                        sends[r, t.peer].append((batch, t.op, t.stage))
                     else:
-                        pending[instr.peer, r].append((batch, len(self.recvs[batch])))
+                        pending[t.peer, r].append((batch, len(self.recvs[batch])))
                         self.recvs[batch].append(None)
                 else:
                     raise ParameterError(f"the step graph times schedules without host copies; rank {r} runs "
-                                         f"{instr} (simulate it with pipeschedule.simulate)")
+                                         f"{templates[k].instr(mbs_by_rank[r][pc])} (simulate it with "
+                                         "pipeschedule.simulate)")
             self.tail.append(tuple(computes))
             self.last.append(prev)
         self.messages = []
