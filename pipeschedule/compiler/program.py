@@ -22,7 +22,7 @@ from typing import Iterator, NamedTuple, Sequence
 from pipeschedule.checks import shown
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.instr import Instr, Op, make_instr
-from pipeschedule.errors import FormatError
+from pipeschedule.errors import FormatError, ScheduleError
 
 
 class Template(NamedTuple):
@@ -191,16 +191,19 @@ def check_programs(programs: Sequence[Program]) -> None:
             raise FormatError("a Program's microbatches must be integers >= 0")
 
 
-def first_use(templates, ids_by_rank, mbs_by_rank, wanted) -> tuple[int, int, Instr] | None:
-    """(rank, index, instruction) of the first instruction, in rank then program order,
-    whose template id is in `wanted` (a set); None when no program uses one. A table may
-    hold templates no program uses: those are never reported."""
+def check_stages(num_stages: int, templates, ids_by_rank, mbs_by_rank) -> None:
+    """Raises ScheduleError (rule coverage) for an instruction of a stage outside
+    0..num_stages-1, the first in rank and program order, with its own rank, step and mb.
+    A table may hold templates no program uses: those are never reported."""
+    beyond = {k for k, t in enumerate(templates) if t.stage >= num_stages}
     for rank, ids in enumerate(ids_by_rank):
-        if wanted.isdisjoint(ids):
+        if beyond.isdisjoint(ids):
             continue
-        index = next(index for index, k in enumerate(ids) if k in wanted)
-        return rank, index, templates[ids[index]].instr(mbs_by_rank[rank][index])
-    return None
+        index = next(index for index, k in enumerate(ids) if k in beyond)
+        instr = templates[ids[index]].instr(mbs_by_rank[rank][index])
+        raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {instr}: stage {instr.stage} "
+                            f"belongs to no rank (there are {num_stages} stages)",
+                            rule="coverage", rank=rank, index=index, instr=instr, mb=instr.mb)
 
 
 def used_ids(programs: Sequence[Sequence[Instr]], ids_by_rank) -> list:

@@ -13,8 +13,8 @@ from typing import NamedTuple, Sequence
 
 from pipeschedule.checks import is_number, shown
 from pipeschedule.compiler.ir import Instr, Op
-from pipeschedule.compiler.program import Program, first_use, packed
-from pipeschedule.errors import ParameterError, ScheduleError
+from pipeschedule.compiler.program import Program, check_stages, packed
+from pipeschedule.errors import ParameterError
 
 UNIT_COST = {Op.F: 1, Op.B: 2, Op.W: 1}  # B is the whole backward
 SPLIT_UNIT_COST = {Op.F: 1, Op.B: 1, Op.W: 1}  # the backward's 2 split in B (input) and W (weights)
@@ -135,10 +135,10 @@ def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations:
     """`asap` of a compute order given as `packed` columns ([Note: packed programs]),
     timed with per-stage `durations`."""
     F, B = Op.F, Op.B
-    _check_stages(num_stages, templates, ids_by_rank, mbs_by_rank)
+    check_stages(num_stages, templates, ids_by_rank, mbs_by_rank)
     mbs_by_rank, span = _dense(mbs_by_rank)
     # per template: its op, its key without the mb (stage * span: [Note: asap keys]) and its
-    # duration (None for a stage past the last: a template no program uses, `_check_stages`)
+    # duration (None for a stage past the last: a template no program uses, `check_stages`)
     ops = [t.op for t in templates]
     base = [t.stage * span for t in templates]
     spend = [(durations.forward if t.op is F else durations.backward if t.op is B else durations.weight)[t.stage]
@@ -213,18 +213,6 @@ def _per_stage(programs, num_stages: int, cost) -> StageTimes:
     if isinstance(cost, StageTimes):
         return cost
     return StageTimes(*((cost[op],) * num_stages for op in (Op.F, Op.B, Op.W)))
-
-
-def _check_stages(num_stages: int, templates, ids_by_rank, mbs_by_rank) -> None:
-    """Raises ScheduleError (rule coverage) for an instruction of a stage outside
-    0..num_stages-1, the first in rank and program order."""
-    beyond = {k for k, t in enumerate(templates) if t.stage >= num_stages}
-    found = first_use(templates, ids_by_rank, mbs_by_rank, beyond) if beyond else None
-    if found is not None:
-        rank, index, instr = found
-        raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {instr}: stage {instr.stage} "
-                            f"belongs to no rank (there are {num_stages} stages)",
-                            rule="coverage", rank=rank, index=index, instr=instr, mb=instr.mb)
 
 
 def _dense(mbs_by_rank):

@@ -121,7 +121,7 @@ from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.simulate.hostlink import HostLink
 from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule
-from pipeschedule.compiler.program import Template, first_use, packed, used_ids
+from pipeschedule.compiler.program import Template, check_stages, packed, used_ids
 
 MOVE_OPS = frozenset({Op.OFFLOAD, Op.RELOAD})
 # Plain names for the ops: an enum attribute costs about 80 ns, a global a few, and the
@@ -488,13 +488,7 @@ class _Run:
                 nbytes.append(act_in[s] if t.op is RECV_F else grad_out[s]), spends.append(0)
             else:
                 nbytes.append(self.free_bytes[t.buf][s]), spends.append(0)
-        beyond = {k for k, t in enumerate(self.templates) if t.stage >= S}
-        found = first_use(self.templates, self.ids, self.mbs, beyond) if beyond else None
-        if found is not None:
-            rank, index, instr = found
-            raise ScheduleError(f"rule coverage: rank {rank}, step {index}, instruction {instr}: stage {instr.stage} "
-                                f"belongs to no rank (there are {S} stages)",
-                                rule="coverage", rank=rank, index=index, instr=instr, mb=instr.mb)
+        check_stages(S, self.templates, self.ids, self.mbs)
         return acts, nbytes, spends
 
     def _rank_channels(self, r: int) -> dict:
