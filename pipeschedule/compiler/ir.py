@@ -81,7 +81,7 @@ class Schedule:
         check_programs([p for p in programs if type(p) is Program])
         for rank, program in enumerate(programs):
             if type(program) is Program:  # checked above, a template for many instructions
-                split = split or any(program.templates[k].op is W for k in program.used)
+                split = split or W in program.ops
                 continue
             for instr in program:
                 if type(instr) is not Instr and not isinstance(instr, Instr):

@@ -316,7 +316,7 @@ def is_lowered(schedule: Schedule) -> bool:
     """False for a compute order only: no communication and no FREE anywhere."""
     for program in schedule.programs:
         if type(program) is Program:  # its templates in use ([Note: packed programs])
-            if any(program.templates[k].op not in COMPUTE_OPS for k in program.used):
+            if program.ops - COMPUTE_OPS:
                 return True
         elif any(i.op not in COMPUTE_OPS for i in program):
             return True

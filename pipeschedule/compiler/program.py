@@ -64,6 +64,11 @@ class Program(Sequence):
         return self._used
 
     @property
+    def ops(self) -> frozenset[Op]:
+        """The ops of its instructions (from the templates in use)."""
+        return frozenset(self.templates[k].op for k in self.used)
+
+    @property
     def instrs(self) -> tuple[Instr, ...]:
         """The instructions as a tuple (built once, on first use)."""
         if self._instrs is None:

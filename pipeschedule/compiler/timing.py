@@ -27,7 +27,7 @@ def unit_cost(programs: Sequence[Sequence[Instr]]) -> dict:
         if program:
             W = Op.W
             if type(program) is Program:  # its templates in use ([Note: packed programs])
-                split = any(program.templates[k].op is W for k in program.used)
+                split = W in program.ops
             else:
                 split = any(i.op is W for i in program)
             return SPLIT_UNIT_COST if split else UNIT_COST
