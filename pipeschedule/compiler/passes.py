@@ -55,7 +55,7 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
     one message), so the sort never looks further."""
     lowering = _Lowering(schedule, frees=False)
     gaps = lowering.place(cost)
-    return lowering.done(lowering.merged(rank, gaps[rank]) for rank in range(schedule.pp))
+    return lowering.done(map(lowering.merged, lowering.ids, lowering.mbs, gaps))
 
 
 def _timed(schedule: Schedule, cost, columns):
@@ -209,13 +209,13 @@ class _Lowering:
                     row[mb] = pc
         return rows
 
-    def merged(self, rank: int, rank_gaps: list) -> tuple[list, list]:
-        """One rank's compute order with each gap's messages, in production order, before
-        the compute they precede, and the FREEs the passes add: a template's `after`
-        right after it, and the FREEs of a gap's sends right after the gap (a run of
-        communication is exactly one gap, which a FREE inside would split into two
-        batches). Returns the (ids, mbs) columns."""
-        ids, mbs, after = self.ids[rank], self.mbs[rank], self.after
+    def merged(self, ids, mbs, rank_gaps: list) -> tuple[list, list]:
+        """One rank's compute order (its `ids` and `mbs` columns) with each gap's messages,
+        in production order, before the compute they precede, and the FREEs the passes
+        add: a template's `after` right after it, and the FREEs of a gap's sends right
+        after the gap (a run of communication is exactly one gap, which a FREE inside
+        would split into two batches). Returns the (ids, mbs) columns."""
+        after = self.after
         out_ids: list[int] = []
         out_mbs: list[int] = []
         add_id, add_mb = out_ids.append, out_mbs.append
@@ -241,12 +241,12 @@ class _Lowering:
                 add_mb(mb)
         return out_ids, out_mbs
 
-    def gapped(self, rank: int, comm: set) -> list:
-        """A compute + communication program as `merged` takes it: the columns of its other
-        instructions (replacing this rank's), and the gap before each of them (and after
-        the last): the run of communication there (`comm`: the templates of
-        communication), each as a gap entry (program index, 0, 0, template id, mb, FREE id
-        or None) in program order, or None."""
+    def gapped(self, rank: int, comm: set) -> tuple[list, list, list]:
+        """Rank's compute + communication program as `merged` takes it: the columns (ids,
+        mbs) of its other instructions, and the gap before each of them (and after the
+        last): the run of communication there (`comm`: the templates of communication),
+        each as a gap entry (program index, 0, 0, template id, mb, FREE id or None) in
+        program order, or None."""
         send_free = self.send_free
         others_ids, others_mbs, gaps = [], [], []
         gap = None
@@ -261,8 +261,7 @@ class _Lowering:
                 gaps.append(gap)
                 gap = None
         gaps.append(gap)
-        self.ids[rank], self.mbs[rank] = others_ids, others_mbs
-        return gaps
+        return others_ids, others_mbs, gaps
 
     def done(self, columns) -> Schedule:
         """The schedule with these (ids, mbs) columns, one per rank, as its programs."""
@@ -284,8 +283,7 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
     """
     lowering = _Lowering(schedule, frees=True)
     comm = {k for k, t in enumerate(lowering.table.list) if t.op in COMM_OPS}
-    gaps = [lowering.gapped(rank, comm) for rank in range(schedule.pp)]
-    return lowering.done(lowering.merged(rank, gaps[rank]) for rank in range(schedule.pp))
+    return lowering.done(lowering.merged(*lowering.gapped(rank, comm)) for rank in range(schedule.pp))
 
 
 PASSES = (add_communication, add_frees)
@@ -334,4 +332,4 @@ def lower(schedule: Schedule, cost=None) -> Schedule:
     # built as a program of their own. Pinned to PASSES by tests/compiler/test_lowering_pure.py.
     lowering = _Lowering(schedule, frees=True)
     gaps = lowering.place(cost)
-    return lowering.done(lowering.merged(rank, gaps[rank]) for rank in range(schedule.pp))
+    return lowering.done(map(lowering.merged, lowering.ids, lowering.mbs, gaps))
