@@ -65,6 +65,7 @@ SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 
 # What the walk does with an instruction, by its template: messages last (`>= _SEND`).
 _FREE, _COMPUTE, _OFFLOAD, _RELOAD, _SEND, _RECV = range(6)
+_BUFFER_ACTS = {FREE: _FREE, OFFLOAD: _OFFLOAD, RELOAD: _RELOAD}
 # A message's buffer, its neighbour stage (+1 or -1) and whether it sends.
 _MESSAGES = {SEND_F: ("act_out", 1, True), RECV_B: ("grad_out", 1, False),
              RECV_F: ("act_in", -1, False), SEND_B: ("grad_in", -1, True)}
@@ -109,8 +110,9 @@ class _Walk:
     program), and HOST = -(n + 2): a step's own freed state ~pc lies in -n..-1, so every
     state below 0 (freed, never produced, on the host) is unusable, every one strictly
     between HOST and 0 (freed or never produced) cannot be freed, every one above HOST
-    cannot be reloaded, and no check needs to ask for None. They live in one list per buffer and stage, indexed by mb
-    (a stage's keys belong to one rank, so ranks never share an entry)."""
+    cannot be reloaded, and no check needs to ask for None. They live in one list per
+    buffer and stage, indexed by mb (a stage's keys belong to one rank, so ranks never
+    share an entry)."""
 
     def __init__(self, schedule: Schedule, caps) -> None:
         self.schedule = schedule
@@ -153,7 +155,7 @@ class _Walk:
             return -1, None, None
         owner = placement[s]
         if t.op is FREE or t.op is OFFLOAD or t.op is RELOAD:
-            return owner, (_FREE, _OFFLOAD, _RELOAD)[(FREE, OFFLOAD, RELOAD).index(t.op)], states[t.buf][s]
+            return owner, _BUFFER_ACTS[t.op], states[t.buf][s]
         if t.op is F or t.op is B or t.op is W:
             makes, uses = _buffers(schedule, t.op, s, states)
             return owner, _COMPUTE, (done[t.op][s], makes, uses, done[B][s] if t.op is W else None)

@@ -500,7 +500,7 @@ class _Run:
             if a == _SEND or a == _RECV:
                 peer = self.templates[k].peer
                 key = r << 32 | peer if a == _SEND else peer << 32 | r
-                chan[k] = channels.get(key) or channels.setdefault(key, ([], [], []))
+                chan[k] = channels.setdefault(key, ([], [], []))
         return chan
 
     def trace(self) -> Trace:

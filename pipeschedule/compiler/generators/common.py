@@ -81,5 +81,4 @@ def round_robin(pp: int, virtual: int = 1) -> list[int]:
 
 def make(name: str, pp: int, virtual: int, microbatches: int, placement, programs, params=None) -> Schedule:
     """The schedule of these programs (each a sequence of `Instr` or a `Program`)."""
-    programs = tuple(p if type(p) is Program else tuple(p) for p in programs)
-    return Schedule(name, pp, virtual, microbatches, tuple(placement), programs, params or {})
+    return Schedule(name, pp, virtual, microbatches, tuple(placement), tuple(programs), params or {})
