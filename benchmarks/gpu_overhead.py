@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import random
 import statistics
 import sys
 import time
@@ -185,6 +186,18 @@ def paired_median(runs: dict, figure: str, variant: str = "executor", baseline: 
     return statistics.median(e - o for e, o in zip(runs[variant][figure], runs[baseline][figure]))
 
 
+def paired_interval(runs: dict, figure: str, variant: str = "executor", baseline: str = "ordered", *,
+                    resamples: int = 2000, level: float = 0.95) -> tuple[float, float]:
+    """A bootstrap interval (percentile, `level`) of `paired_median`: the rounds'
+    differences resampled with replacement `resamples` times, seeded, so a run gives the
+    same interval for the same figures."""
+    diffs = [e - o for e, o in zip(runs[variant][figure], runs[baseline][figure])]
+    draw = random.Random(0)
+    medians = sorted(statistics.median(draw.choices(diffs, k=len(diffs))) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1))]
+
+
 class _WithoutState:
     """`stages` less `Stages.state` (executor_per_step in the module docstring)."""
 
@@ -197,21 +210,28 @@ class _WithoutState:
         return getattr(self._stages, name)
 
 
-def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int, warmup: int,
-                 microbatch_size: int, split: tuple[int, ...]) -> dict:
-    """`steps` measured rounds after `warmup` (see the module docstring); raw and summary
-    figures in a dict (`overhead_lines` renders it)."""
-    stages = LlamaStages(cfg, split, device, dtype)
-    batches = [to_device(microbatch(cfg, microbatch_size, i, 99), device) for i in range(m)]
-    inputs = [{"input_ids": b["input_ids"]} for b in batches]
-    targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
-    params = [p for s in range(pp) for p in stages.parameters(s)]
-    schedule = compile_schedule("1f1b", pp=pp, microbatches=m)
+VARIANTS = ("fused", "ordered", "ordered_again", "executor", "executor_per_step", "executor_every")
+REQUIRED = ("ordered", "executor")  # the overhead's two sides
+
+
+def check_variants(names) -> tuple[str, ...]:
+    """`names` in VARIANTS' order; ValueError naming what is wrong and what is accepted."""
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"variants {unknown}: accepted are {', '.join(VARIANTS)}")
+    missing = [n for n in REQUIRED if n not in names]
+    if missing:
+        raise ValueError(f"variants {list(names)} lack {missing}: the overhead is executor against ordered")
+    return tuple(v for v in VARIANTS if v in names)
+
+
+def make_variants(stages, schedule, inputs, targets, device, *, pp: int, m: int):
+    """(every variant of the module docstring as a call running one step, the
+    executor variant's `InProcessPipeline`)."""
     pipeline = InProcessPipeline(schedule, stages, device=device)
     measuring_every = InProcessPipeline(schedule, stages, device=device, measure_stash="every")
     per_step = InProcessPipeline(schedule, _WithoutState(stages), device=device)
     order = compute_order(schedule)
-    instructions = sum(len(p) for p in schedule.programs)
     last = pp - 1
 
     def fused():
@@ -236,53 +256,65 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
             if s > 0:
                 grads[s - 1, mb] = x.grad
 
-    def ordered_again():
-        ordered()
+    calls = {"fused": fused, "ordered": ordered, "ordered_again": lambda: ordered(),
+             "executor": lambda: pipeline.step(inputs, targets),
+             "executor_per_step": lambda: per_step.step(inputs, targets),
+             "executor_every": lambda: measuring_every.step(inputs, targets)}
+    return calls, pipeline
 
-    def executor():
-        pipeline.step(inputs, targets)
 
-    def executor_per_step():
-        per_step.step(inputs, targets)
-
-    def executor_every():
-        measuring_every.step(inputs, targets)
-
-    variants = {"fused": fused, "ordered": ordered, "ordered_again": ordered_again, "executor": executor,
-                "executor_per_step": executor_per_step, "executor_every": executor_every}
+def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int, warmup: int,
+                 microbatch_size: int, split: tuple[int, ...], variants=VARIANTS) -> dict:
+    """`steps` measured rounds after `warmup` (see the module docstring) of `variants`
+    (at least ordered and executor); raw and summary figures in a dict (`overhead_lines`
+    renders it)."""
+    variants = check_variants(variants)
+    stages = LlamaStages(cfg, split, device, dtype)
+    batches = [to_device(microbatch(cfg, microbatch_size, i, 99), device) for i in range(m)]
+    inputs = [{"input_ids": b["input_ids"]} for b in batches]
+    targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
+    params = [p for s in range(pp) for p in stages.parameters(s)]
+    schedule = compile_schedule("1f1b", pp=pp, microbatches=m)
+    calls, pipeline = make_variants(stages, schedule, inputs, targets, device, pp=pp, m=m)
+    calls = {key: calls[key] for key in variants}
 
     def zero_grads():
         for p in params:
             p.grad = None
 
-    runs = timed_rounds(variants, warmup=warmup, rounds=steps, before=zero_grads, device=device)
+    runs = timed_rounds(calls, warmup=warmup, rounds=steps, before=zero_grads, device=device)
     host_times = {key: sum(getattr(e.times, key) for e in pipeline.executors)  # before the profiled steps
                   for key in ("compute_s", "transport_s", "wait_s", "total_s")}
-    for key, fn in variants.items():
+    for key, fn in calls.items():
         zero_grads()
         runs[key]["syncs"] = syncs(fn, device)
         zero_grads()
         runs[key]["profile"] = gpu_busy(fn, device)
     zero_grads()
     median = {key: statistics.median(run["step"]) for key, run in runs.items()}
-    paired = paired_median(runs, "step")
-    paired_cpu = paired_median(runs, "cpu")
-    control = paired_median(runs, "step", "ordered_again")
     pipe = median["executor"]
-    return {
+    paired, paired_cpu = paired_median(runs, "step"), paired_median(runs, "cpu")
+    out = {
         "schedule": "1f1b", "pp": pp, "microbatches": m, "microbatch_size": microbatch_size,
-        "instructions": instructions, "compute_calls": len(order), "steps": steps,
+        "instructions": sum(len(p) for p in schedule.programs), "compute_calls": len(compute_order(schedule)),
+        "steps": steps, "variants": list(variants),
         "median_s": median, "min_s": {key: min(run["step"]) for key, run in runs.items()},
         "pure_compute_s": median["ordered"], "executor_step_s": pipe,
         "overhead_s": paired, "overhead_fraction": paired / pipe,
-        "overhead_us_per_instruction": paired / instructions * 1e6,
+        "overhead_interval": [x / pipe for x in paired_interval(runs, "step")],
         "overhead_cpu_s": paired_cpu, "overhead_cpu_fraction": paired_cpu / pipe,
-        "control_s": control, "control_fraction": control / pipe,
-        "kept_sizes_save_s": paired_median(runs, "step", "executor_per_step", "executor"),
-        "kept_sizes_save_cpu_s": paired_median(runs, "cpu", "executor_per_step", "executor"),
-        "runs": runs,
-        "executor_host_times_last_step": host_times,
+        "overhead_cpu_interval": [x / pipe for x in paired_interval(runs, "cpu")],
+        "runs": runs, "executor_host_times_last_step": host_times,
     }
+    out["overhead_us_per_instruction"] = paired / out["instructions"] * 1e6
+    if "ordered_again" in runs:
+        out["control_s"] = paired_median(runs, "step", "ordered_again")
+        out["control_fraction"] = out["control_s"] / pipe
+        out["control_interval"] = [x / pipe for x in paired_interval(runs, "step", "ordered_again")]
+    if "executor_per_step" in runs:
+        out["kept_sizes_save_s"] = paired_median(runs, "step", "executor_per_step", "executor")
+        out["kept_sizes_save_cpu_s"] = paired_median(runs, "cpu", "executor_per_step", "executor")
+    return out
 
 
 def overhead_lines(results: list[dict]) -> list[str]:
@@ -298,12 +330,16 @@ def overhead_lines(results: list[dict]) -> list[str]:
     for o in results:
         minima = o.get("min_s")
         min_to_min = (f"{(minima['executor'] - minima['ordered']) / minima['executor']:+.2%}" if minima else "-")
-        cpu = (f"{o['overhead_cpu_s'] * 1e3:+.2f} ms ({o['overhead_cpu_fraction']:+.2%})"
-               if "overhead_cpu_s" in o else "-")
-        control = f"{o['control_fraction']:+.2%}" if "control_fraction" in o else "-"
+        cpu = (f"{o['overhead_cpu_s'] * 1e3:+.2f} ms ({o['overhead_cpu_fraction']:+.2%}"
+               f"{_interval(o.get('overhead_cpu_interval'))})" if "overhead_cpu_s" in o else "-")
+        control = (f"{o['control_fraction']:+.2%}{_interval(o.get('control_interval'))}"
+                   if "control_fraction" in o else "-")
         lines.append(f"| {o.get('microbatch_size', 1)} | {o['pure_compute_s'] * 1e3:.2f} | "
-                     f"{o['executor_step_s'] * 1e3:.2f} | {o['overhead_fraction']:+.2%} | "
+                     f"{o['executor_step_s'] * 1e3:.2f} | {o['overhead_fraction']:+.2%}"
+                     f"{_interval(o.get('overhead_interval'))} | "
                      f"{o['overhead_us_per_instruction']:.1f} | {min_to_min} | {cpu} | {control} |")
+    if any("overhead_interval" in o for o in results):
+        lines += ["", "[a, b]: a 95% bootstrap interval of the paired median (the rounds resampled)."]
     lines.append("")
     for o in results:
         if "median_s" not in o:  # a report from before the variants were split out
@@ -332,6 +368,10 @@ def overhead_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+def _interval(bounds) -> str:
+    return "" if not bounds else f" [{bounds[0]:+.2%}, {bounds[1]:+.2%}]"
+
+
 def main(argv=None) -> int:
     """`python -m benchmarks.gpu_overhead`: this part alone, at `benchmarks.gpu`'s model
     or a variant of it; prints the table and writes JSON to `--out` if given."""
@@ -341,6 +381,8 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatch-size", type=int, default=MICROBATCH_SIZE)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=15, help="measured rounds (each runs every variant once)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, at least ordered and executor (default: all of {', '.join(VARIANTS)})")
     parser.add_argument("--out", type=Path, default=None, help="write gpu_overhead[_LABEL].json here")
     parser.add_argument("--label", default="", help="suffix of the JSON file name")
     args = parser.parse_args(argv)
@@ -348,6 +390,10 @@ def main(argv=None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    try:
+        variants = check_variants([v for v in args.variants.split(",") if v])
+    except ValueError as err:
+        parser.error(f"--variants {args.variants!r}: {err}")
     cfg = ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL))
     if args.layers is not None:
         if args.layers < PP:
@@ -360,7 +406,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     result = run_overhead(cfg, device, dtype, pp=PP, m=args.microbatches, steps=args.steps,
-                          warmup=WARMUP, microbatch_size=args.microbatch_size, split=model_split(cfg, PP))
+                          warmup=WARMUP, microbatch_size=args.microbatch_size, split=model_split(cfg, PP),
+                          variants=variants)
     report = {"versions": versions(), "model": dataclasses.asdict(cfg), "microbatch_size": args.microbatch_size,
               "dtype": str(dtype).replace("torch.", ""), "overhead": result}
     print(f"model {cfg}, micro-batch size {args.microbatch_size}\n" + "\n".join(overhead_lines([result])))
