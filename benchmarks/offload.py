@@ -13,7 +13,8 @@ Before each step the peak statistics are reset, so peaks are the step's own.
    0.5, 0.75, 1.0 of its stashes (`pipeschedule.compiler.offload.add_offload`, lead 1; the longest
    waits first), the other ranks none; and 0.25, 0.5, 1.0 streamed in 64 MiB chunks
    (`Executor(offload_chunk=)`, [Note: streamed offload]). Per fraction: stage 0's peak allocated memory,
-   its ledger peaks (device stash, host) and the step time (median). Beside them, where
+   its ledger peaks (device stash, host) and the step time: the cases run in rounds and
+   the slowdown is paired round by round ([Note: paired offload rounds]). Beside them, where
    `pipeschedule.compiler.offload` and the simulator's host link exist, the simulator's predicted
    fall in stage 0's peak and its slowdown, from costs calibrated here (one decoder
    layer, embedding, head; `benchmarks.calibration`) with the host link measured on the
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import statistics
 import sys
 import time
@@ -54,6 +54,8 @@ from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, 
 from benchmarks.llama.model import ModelConfig
 from benchmarks.llama.stages import LlamaStages
 from benchmarks.training import model_split, sync, to_device
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload
+from pipeschedule.plan.offload import evaluate_offload
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 STREAM_FRACTIONS = (0.25, 0.5, 1.0)  # streamed ([Note: streamed offload]) in chunks of:
@@ -62,6 +64,7 @@ OFFLOAD_M = 8
 POOL_MS = (8, 32, 128)
 LEAD = 1
 STEPS = 3
+ROUNDS = 5  # of the fractions ([Note: paired offload rounds])
 H200_HOST_GBPS = 55.4  # pinned copies each way, measured on the H200 lent here (issue 9)
 COPY_SLOWDOWN = 0.02  # matmuls beside a 1 GiB device-to-host copy: 28.4 ms against 27.8 ms (issue 9)
 NANOTRON_LABEL = "nanotron 1f1b"
@@ -70,20 +73,9 @@ NANOTRON_LABEL = "nanotron 1f1b"
 GROWTH_MIB = 64
 
 
-def offload_pass():
-    """`pipeschedule.compiler.offload` (the pass and its policy), or None where it does not exist yet."""
-    try:
-        return importlib.import_module("pipeschedule.compiler.offload")
-    except ImportError:
-        return None
-
-
 def offload_schedule(base, fraction: float):
     """`base` with rank 0 offloading `fraction` of its stashes, lead LEAD."""
-    module = offload_pass()
-    if module is None:
-        raise SystemExit("benchmarks.offload: pipeschedule.compiler.offload (add_offload) is not there yet")
-    return module.add_offload(base, module.OffloadPolicy(fraction=fraction, ranks=(0,), lead=LEAD))
+    return add_offload(base, OffloadPolicy(fraction=fraction, ranks=(0,), lead=LEAD))
 
 
 # -- one rank ----------------------------------------------------------------------------------
@@ -156,8 +148,10 @@ def _run(executor, stages, cfg, m: int, device, rank: int, steps: int) -> dict:
     return out
 
 
-def worker(rank: int, world: int, store, cfg, plan: list[dict], steps: int) -> list[dict]:
-    """One rank: every case of `plan` in order ({"part", "schedule" (JSON), "pool", ...})."""
+def worker(rank: int, world: int, store, cfg, plan: list[dict], steps: int, rounds: int) -> list[dict]:
+    """One rank: every case of `plan` ({"part", "schedule" (JSON), "pool", ...}); the
+    fractions in `rounds` rounds ([Note: paired offload rounds]), the rest one after
+    another, `steps` measured steps each."""
     from pipeschedule.compiler.ir import Schedule
     from pipeschedule.runtime import Executor, HostStagedTransport
 
@@ -172,18 +166,62 @@ def worker(rank: int, world: int, store, cfg, plan: list[dict], steps: int) -> l
     torch.manual_seed(0)
     stages = RankStages(cfg, split, device, dtype, [rank])
     transport = HostStagedTransport(store, prefix="offload-bench/")
-    out = []
-    for case in plan:
+
+    def run_case(case: dict, measured: int) -> dict:
         schedule = Schedule.from_json(case["schedule"])
         executor = Executor(schedule, rank, stages, transport, device=device, pool=case["pool"], timeout=600,
                             offload_chunk=case.get("chunk"))
-        row = _run(executor, stages, cfg, schedule.microbatches, device, rank, steps)
-        out.append({**{k: v for k, v in case.items() if k != "schedule"}, "rank": rank, **row})
+        row = _run(executor, stages, cfg, schedule.microbatches, device, rank, measured)
         del executor
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        return row
+
+    rows: dict[int, dict] = {}
+    paired = [k for k, case in enumerate(plan) if case["part"] == "fractions"]
+    per_round: dict[int, list[dict]] = {k: [] for k in paired}
+    for r in range(rounds if paired else 0):
+        for k in paired[r % len(paired):] + paired[:r % len(paired)]:
+            per_round[k].append(run_case(plan[k], 1))
+    for k in paired:
+        rows[k] = merge_rounds(per_round[k])
+    for k, case in enumerate(plan):
+        if k not in rows:
+            rows[k] = run_case(case, steps)
+    return [{**{key: v for key, v in case.items() if key != "schedule"}, "rank": rank, **rows[k]}
+            for k, case in enumerate(plan)]
+
+
+# [Note: paired offload rounds] Step times measured one case after another move by 3-6%
+# on this shared machine, as much as the smaller slowdowns being measured. So the
+# fractions run in rounds: each round builds every case's executor in turn (the order
+# rotating by one each round), runs WARMUP steps and one measured step, and drops it. A
+# case's slowdown is the median over rounds of its step against fraction 0's step of the
+# same round (`paired_slowdown`); its peaks are the largest of its measured steps, each
+# step's own (the peak statistics are reset before it), as before.
+
+
+def merge_rounds(rows: list[dict]) -> dict:
+    """One case's `_run` rows of several rounds as one: peaks the largest, seconds the
+    median, all_seconds one per round in round order, per_step every round's steps."""
+    out = {key: max((row[key] for row in rows if row[key] is not None), default=None)
+           for key in rows[0] if key not in ("seconds", "all_seconds", "per_step", "buffer_bytes_mb0")}
+    out["all_seconds"] = [s for row in rows for s in row["all_seconds"]]
+    out["seconds"] = statistics.median(out["all_seconds"])
+    out["per_step"] = [step for row in rows for step in row["per_step"]]
+    out["buffer_bytes_mb0"] = rows[-1]["buffer_bytes_mb0"]
+    out["rounds"] = len(rows)
     return out
+
+
+def paired_slowdown(row: dict, base: dict) -> float:
+    """Median over rounds of (this case's step / the base's step in the same round) - 1
+    ([Note: paired offload rounds]); the ratio of medians where the rows were not
+    measured in rounds (results from before)."""
+    if row.get("rounds") and row.get("rounds") == base.get("rounds"):
+        return statistics.median(a / b for a, b in zip(row["all_seconds"], base["all_seconds"])) - 1
+    return row["seconds"] / base["seconds"] - 1
 
 
 # -- the plan, the predictions, the report ----------------------------------------------------
@@ -241,15 +279,9 @@ def measure_nanotron(cfg, *, smoke: bool) -> tuple[list[list[dict]], list[dict]]
 
 
 def predictions(cfg, calibration: dict, fractions_rows: list[list[dict]], m: int) -> list[dict] | None:
-    """Per fraction, the simulator's stage-0 device peak fall and slowdown (None where
-    the offload pass or the simulator's host link is missing)."""
-    module = offload_pass()
-    if module is None or not hasattr(module, "evaluate_offload"):
-        return None
-    try:
-        from benchmarks.costs import stage_costs
-    except ImportError:
-        from benchmarks.calibration import stage_costs
+    """Per fraction, the simulator's stage-0 device peak fall and slowdown
+    (`pipeschedule.plan.offload.evaluate_offload`)."""
+    from benchmarks.costs import stage_costs
     from pipeschedule import compile_schedule
     from pipeschedule.simulate import CostModel
 
@@ -265,8 +297,7 @@ def predictions(cfg, calibration: dict, fractions_rows: list[list[dict]], m: int
     out = []
     for row in fractions_rows:
         f, chunk = row[0]["fraction"], row[0].get("chunk")
-        choice = module.evaluate_offload(base, model,
-                                         module.OffloadPolicy(fraction=f, ranks=(0,), lead=LEAD, chunk=chunk))
+        choice = evaluate_offload(base, model, OffloadPolicy(fraction=f, ranks=(0,), lead=LEAD, chunk=chunk))
         out.append({"fraction": f, "chunk": chunk, "peak_before": choice.peak_before[0],
                     "peak_after": choice.peak_after[0],
                     "predicted_fall": choice.peak_before[0] - choice.peak_after[0], "slowdown": choice.slowdown,
@@ -283,9 +314,6 @@ def measure(cfg, *, smoke: bool, skip: set[str], commit: str | None) -> dict:
               "microbatch_size": MICROBATCH_SIZE, "dtype": str(dtype).replace("torch.", ""),
               "host_gbps": H200_HOST_GBPS, "copy_slowdown": COPY_SLOWDOWN}
     print(f"model {cfg}, pp={PP}, {dtype}, {report['versions'].get('gpus', 'cpu')}", flush=True)
-    if "fractions" not in skip and offload_pass() is None:
-        print("pipeschedule.compiler.offload is not there yet: the fractions part is skipped", flush=True)
-        skip = skip | {"fractions"}
     if "fractions" not in skip:
         from benchmarks.calibration import run_calibration
 
@@ -297,7 +325,8 @@ def measure(cfg, *, smoke: bool, skip: set[str], commit: str | None) -> dict:
         print(f"[calibration] {time.perf_counter() - t:.1f} s", flush=True)
     cases = plan_cases(smoke, skip)
     t = time.perf_counter()
-    ranks = spawn(worker, PP, timeout=300 if smoke else 1500, args=(cfg, cases, 1 if smoke else STEPS))
+    ranks = spawn(worker, PP, timeout=300 if smoke else 1500,
+                  args=(cfg, cases, 1 if smoke else STEPS, 2 if smoke else ROUNDS))
     print(f"[runs] {len(cases)} cases in {time.perf_counter() - t:.1f} s", flush=True)
     rows = [[ranks[r][k] for r in range(PP)] for k in range(len(cases))]
     report["fractions"] = [row for row in rows if row[0]["part"] == "fractions"]
@@ -334,9 +363,13 @@ def render(report: dict, out_dir: Path | None) -> str:
         base = fractions[0][0]
         lines += [f"## Stage 0 offloading a fraction of its stashes (1f1b, m={m}, lead {report['lead']})", ""]
         if predicted is None:
-            lines += ["The simulator's predictions are left out: "
-                      "`pipeschedule.compiler.offload.evaluate_offload` is missing.", ""]
+            lines += ["The simulator's predictions are not in this report.", ""]
         lines += ["stream: whole stashes, or streamed in chunks of that many MiB ([Note: streamed offload]).", ""]
+        if base.get("rounds"):
+            lines += [f"The cases ran in {base['rounds']} rounds, each building every case's executor in turn "
+                      "(the order rotating), a warm-up step and one measured step: step s is a case's median over "
+                      "rounds, slowdown the median over rounds of its step against fraction 0's in the same round "
+                      "([Note: paired offload rounds] in benchmarks/offload.py); peaks are the largest measured.", ""]
         head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB "
                 "| step s | slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
         lines += [head, "|" + "---|" * (head.count("|") - 1)]
@@ -347,7 +380,7 @@ def render(report: dict, out_dir: Path | None) -> str:
             line = (f"| {r0['fraction']:.2f} | {'whole' if chunk is None else f'{chunk / 2**20:g}'} | "
                     f"{_mb(r0['peak_allocated'])} | {_mb(fall)} | {_mb(r0['ledger_stash_peak'])} | "
                     f"{_mb(r0['ledger_host_peak'])} | {r0['seconds']:.3f} "
-                    f"| {r0['seconds'] / base['seconds'] - 1:+.1%} |")
+                    f"| {paired_slowdown(r0, base):+.1%} |")
             if predicted:
                 p = predicted[k]
                 line += f" {_mb(p['predicted_fall'])} | {p['slowdown']:+.1%} |"
@@ -371,7 +404,10 @@ def render(report: dict, out_dir: Path | None) -> str:
             lines.append(f"| {NANOTRON_LABEL if nanotron else 'pipeschedule 1f1b'} | {row[0]['m']} | "
                          f"{'-' if nanotron else 'on' if row[0]['pool'] else 'off'} | {cells} | {allocations} | "
                          f"{statistics.median(r['seconds'] for r in row):.3f} |")
-        lines.append("")
+        lines += ["", "step s: the median of each engine's steps, run one engine after the other, nanotron's with an "
+                  "optimizer step: not a comparison of the engines' speed (separate runs on this shared machine move "
+                  "by 3-6%). Paired, alternating runs of the two engines are in "
+                  "[engine_vs_nanotron.md](engine_vs_nanotron.md).", ""]
         lines += [f"- {NANOTRON_LABEL} at m={s['case']['microbatches']} not run: {s['why']}"
                   for s in report.get("nanotron_skipped", [])]
         lines += _pool_check(pool_rows)
