@@ -86,8 +86,12 @@ class Ledger:
         self.sizes: dict[Key, int] = {}  # every buffer produced this step, by (kind, stage, mb)
         self.resized: dict[Key, int] = {}  # buffers whose count changed while held (split stash from B)
         self.moved: dict[Key, int] = {}  # bytes each offloaded buffer moved to the host this step
-        self.trace: list[tuple[int, Instr, dict[str, int]]] = []  # (pc, instr, device bytes per kind) after it ran
-        self.host_trace: list[dict[str, int]] = []  # host bytes per kind after the same instruction
+        # after each instruction: its pc, itself, and the bytes per kind (BUFFERS' order, flat) on the device
+        # and on the host; kept flat (no container per instruction), read through `trace` and `host_trace`
+        self._pcs: list[int] = []
+        self._instrs: list[Instr] = []
+        self._levels: list[int] = []
+        self._host_levels: list[int] = []
 
     @property
     def live_total(self) -> int:
@@ -157,8 +161,26 @@ class Ledger:
         self.live[key[0]] -= nbytes
 
     def record(self, pc: int, instr: Instr) -> None:
-        self.trace.append((pc, instr, dict(self.live)))
-        self.host_trace.append(dict(self.host))
+        self._pcs.append(pc)
+        self._instrs.append(instr)
+        self._levels.extend(self.live.values())
+        self._host_levels.extend(self.host.values())
+
+    @property
+    def trace(self) -> list[tuple[int, Instr, dict[str, int]]]:
+        """(pc, instr, device bytes per kind after it ran) for each instruction run this step."""
+        return [(pc, instr, levels) for pc, instr, levels in zip(self._pcs, self._instrs, _rows(self._levels))]
+
+    @property
+    def host_trace(self) -> list[dict[str, int]]:
+        """Host bytes per kind after each instruction of `trace`, in the same order."""
+        return _rows(self._host_levels)
+
+
+def _rows(flat: list[int]) -> list[dict[str, int]]:
+    """`flat` (len(BUFFERS) numbers per instruction) as one dict per instruction."""
+    n = len(BUFFERS)
+    return [dict(zip(BUFFERS, flat[k:k + n])) for k in range(0, len(flat), n)]
 
 
 def nbytes(value) -> int:

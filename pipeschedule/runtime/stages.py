@@ -55,8 +55,9 @@ def module_state(modules: Iterable[nn.Module | None]) -> tuple:
     flags: list = [_autocast()]
     for module in modules:
         if module is not None:
-            flags.extend(m.training for m in module.modules())
-            flags.extend(p.requires_grad for p in module.parameters())
+            for m in module.modules():  # one walk: each submodule's flag, then its own parameters'
+                flags.append(m.training)
+                flags.extend(p.requires_grad for p in m._parameters.values() if p is not None)
     return tuple(flags)
 
 
