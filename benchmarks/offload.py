@@ -14,9 +14,9 @@ Before each step the peak statistics are reset, so peaks are the step's own.
    waits first), the other ranks none; and 0.25, 0.5, 1.0 streamed in 64 MiB chunks
    (`Executor(offload_chunk=)`, [Note: streamed offload]). Per fraction: stage 0's peak allocated memory,
    its ledger peaks (device stash, host) and the step time: the cases run in rounds and
-   the slowdown is paired round by round ([Note: paired offload rounds]). Beside them, where
-   `pipeschedule.compiler.offload` and the simulator's host link exist, the simulator's predicted
-   fall in stage 0's peak and its slowdown, from costs calibrated here (one decoder
+   the slowdown is paired round by round ([Note: paired offload rounds]). Beside them, the
+   simulator's predicted fall in stage 0's peak and its slowdown
+   (`pipeschedule.plan.offload.evaluate_offload`), from costs calibrated here (one decoder
    layer, embedding, head; `benchmarks.calibration`) with the host link measured on the
    H200 lent here (55.4 GB/s each way, issue 9) and a 2% compute slowdown while copying.
    Four processes share one GPU, so the measured step time is that of one GPU running
