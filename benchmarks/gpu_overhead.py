@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import random
 import statistics
 import sys
@@ -390,6 +391,36 @@ def _interval(bounds) -> str:
     return "" if not bounds else f" [{bounds[0]:+.2%}, {bounds[1]:+.2%}]"
 
 
+TARGET = 0.005  # issue 19: executor overhead under 0.5% of the step at micro-batch size 1, run after run
+
+
+def runs_summary(paths: list[Path]) -> str:
+    """Markdown: one row per saved run (`--out` JSON of this benchmark), the overhead
+    figures side by side, and whether every run's paired median is under TARGET."""
+    lines = ["| run | date | commit | rounds | variants | baseline ms | executor ms | overhead (paired median) "
+             "| min to min | fastest quarter | host CPU | control |", "|" + "---|" * 12]
+    medians = []
+    for path in paths:
+        report = json.loads(Path(path).read_text(encoding="utf-8"))
+        o, v = report["overhead"], report["versions"]
+        medians.append(o["overhead_fraction"])
+        minima, quarter = o["min_s"], o.get("overhead_fastest_quarter_fraction")
+        cpu = f"{o['overhead_cpu_fraction']:+.2%}" if "overhead_cpu_fraction" in o else "-"
+        control = f"{o['control_fraction']:+.2%}" if "control_fraction" in o else "-"
+        lines.append(
+            f"| {Path(path).name} | {v['date'][:16]} | {v.get('commit', '-')} | {o['steps']} | "
+            f"{', '.join(o.get('variants', o['runs']))} | {o['pure_compute_s'] * 1e3:.1f} | "
+            f"{o['executor_step_s'] * 1e3:.1f} | {o['overhead_fraction']:+.2%}{_interval(o.get('overhead_interval'))} "
+            f"| {(minima['executor'] - minima['ordered']) / minima['executor']:+.2%} | "
+            f"{'-' if quarter is None else f'{quarter:+.2%}'} | {cpu} | "
+            f"{control} |")
+    if not medians:
+        return "\n".join(lines) + "\n"
+    verdict = "met" if max(medians) < TARGET else "not met"
+    return "\n".join(lines + ["", f"Paired median under {TARGET:.1%} in every run: {verdict} "
+                              f"(largest {max(medians):+.2%})."]) + "\n"
+
+
 def main(argv=None) -> int:
     """`python -m benchmarks.gpu_overhead`: this part alone, at `benchmarks.gpu`'s model
     or a variant of it; prints the table and writes JSON to `--out` if given."""
@@ -403,7 +434,17 @@ def main(argv=None) -> int:
                         help=f"comma-separated, at least ordered and executor (default: all of {', '.join(VARIANTS)})")
     parser.add_argument("--out", type=Path, default=None, help="write gpu_overhead[_LABEL].json here")
     parser.add_argument("--label", default="", help="suffix of the JSON file name")
+    parser.add_argument("--commit", default=None, help="the commit measured (recorded in the results)")
+    parser.add_argument("--summary", type=Path, nargs="+", metavar="JSON",
+                        help="measure nothing: one table of saved runs (their --out JSON files)")
     args = parser.parse_args(argv)
+    if args.summary:
+        try:
+            print(runs_summary(args.summary), end="")
+        except (OSError, ValueError, KeyError) as err:
+            print(f"benchmarks.gpu_overhead: cannot read the runs: {type(err).__name__}: {err}", file=sys.stderr)
+            return 2
+        return 0
     for name in ("layers", "microbatch_size", "microbatches", "steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -426,8 +467,8 @@ def main(argv=None) -> int:
     result = run_overhead(cfg, device, dtype, pp=PP, m=args.microbatches, steps=args.steps,
                           warmup=WARMUP, microbatch_size=args.microbatch_size, split=model_split(cfg, PP),
                           variants=variants)
-    report = {"versions": versions(), "model": dataclasses.asdict(cfg), "microbatch_size": args.microbatch_size,
-              "dtype": str(dtype).replace("torch.", ""), "overhead": result}
+    report = {"versions": versions(args.commit), "model": dataclasses.asdict(cfg),
+              "microbatch_size": args.microbatch_size, "dtype": str(dtype).replace("torch.", ""), "overhead": result}
     print(f"model {cfg}, micro-batch size {args.microbatch_size}\n" + "\n".join(overhead_lines([result])))
     if args.out is not None:
         write_results(f"gpu_overhead{'_' + args.label if args.label else ''}", report, out=args.out)
