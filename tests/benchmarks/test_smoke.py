@@ -35,6 +35,8 @@ SCRIPTS = [
     ("benchmarks.diagnostics.growth", ["--smoke"], "capped_1f1b:cap=1"),
     ("benchmarks.diagnostics.engine_profile", ["--smoke", "--ranks", "0"], "ps_afab"),
     ("benchmarks.diagnostics.offload_anatomy", ["--smoke", "--out", "{tmp}"], "rank 0"),
+    ("benchmarks.diagnostics.executor_profile", ["--smoke", "--steps", "1", "--top", "5"],
+     "executor: 1 profiled steps; own time in pipeschedule/"),
 ]
 NEEDS_A_GPU = {"benchmarks.diagnostics.offload_anatomy"}  # its smoke mode is a tiny model on the GPU
 TARGETS = {"benchmarks.plan_speed"}  # exits 1 when its time target is not met: not the plumbing's fault
