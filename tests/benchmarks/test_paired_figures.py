@@ -69,10 +69,12 @@ def test_check_variants_orders_and_refuses():
 
 def _report(fraction: float) -> dict:
     step = {"step": [1.0], "host": [1.0], "cpu": [1.0]}
+    slower = {"step": [1.0 + fraction], "host": [1.0], "cpu": [1.0]}
     return {"versions": {"date": "2026-12-05T00:00:00+00:00", "commit": "abc"},
             "overhead": {"steps": 1, "variants": ["ordered", "executor"], "pure_compute_s": 1.0,
                          "executor_step_s": 1.0 + fraction, "overhead_fraction": fraction,
-                         "min_s": {"ordered": 1.0, "executor": 1.0 + fraction}, "runs": {"ordered": step}}}
+                         "min_s": {"ordered": 1.0, "executor": 1.0 + fraction},
+                         "runs": {"ordered": step, "executor": slower}}}
 
 
 @pytest.mark.parametrize("fractions, verdict", [((0.001, 0.004), "met"), ((0.001, 0.006), "not met")])
