@@ -326,6 +326,8 @@ def main(argv=None) -> int:
             return 2
         report = measure(ModelConfig(**(SMOKE_MODEL if args.smoke else MODEL)), smoke=args.smoke, skip=skip,
                          commit=args.commit, split=args.split_backward)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)  # (render writes the tables, plots and cost files there)
     if out_dir is not None and args.render is None:
         write_results("gpu", report, out=out_dir)
     print(render(report, out_dir), flush=True)
