@@ -365,6 +365,10 @@ def render(report: dict, out_dir: Path | None) -> str:
         if predicted is None:
             lines += ["The simulator's predictions are not in this report.", ""]
         lines += ["stream: whole stashes, or streamed in chunks of that many MiB ([Note: streamed offload]).", ""]
+        if not base.get("rounds"):
+            lines += ["step s and slowdown: each case's median of its steps, the cases run one after another, so the "
+                      "slowdowns carry the machine's drift between cases (3-6% on this shared machine); runs since "
+                      "pair them round by round ([Note: paired offload rounds]).", ""]
         if base.get("rounds"):
             lines += [f"The cases ran in {base['rounds']} rounds, each building every case's executor in turn "
                       "(the order rotating), a warm-up step and one measured step: step s is a case's median over "
