@@ -349,6 +349,45 @@ def _mb(x) -> str:
     return "-" if x is None else f"{x / 2**20:.2f}"
 
 
+def _fraction_lines(report: dict) -> list[str]:
+    """The section of part 1 (offload fractions) of `render`; [] where the report has none."""
+    fractions, predicted = report.get("fractions", []), report.get("predictions")
+    if not fractions:
+        return []
+    m = fractions[0][0]["m"]
+    base = fractions[0][0]
+    lines = [f"## Stage 0 offloading a fraction of its stashes (1f1b, m={m}, lead {report['lead']})", ""]
+    if predicted is None:
+        lines += ["The simulator's predictions are not in this report.", ""]
+    lines += ["stream: whole stashes, or streamed in chunks of that many MiB ([Note: streamed offload]).", ""]
+    if not base.get("rounds"):
+        lines += ["step s and slowdown: each case's median of its steps, the cases run one after another, so the "
+                  "slowdowns carry the machine's drift between cases (3-6% on this shared machine); runs since "
+                  "pair them round by round ([Note: paired offload rounds]).", ""]
+    else:
+        lines += [f"The cases ran in {base['rounds']} rounds, each building every case's executor in turn "
+                  "(the order rotating), a warm-up step and one measured step: step s is a case's median over "
+                  "rounds, slowdown the median over rounds of its step against fraction 0's in the same round "
+                  "([Note: paired offload rounds] in benchmarks/offload.py); peaks are the largest measured.", ""]
+    head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB "
+            "| step s | slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
+    lines += [head, "|" + "---|" * (head.count("|") - 1)]
+    for k, row in enumerate(fractions):
+        r0 = row[0]
+        fall = None if r0["peak_allocated"] is None else base["peak_allocated"] - r0["peak_allocated"]
+        chunk = r0.get("chunk")
+        line = (f"| {r0['fraction']:.2f} | {'whole' if chunk is None else f'{chunk / 2**20:g}'} | "
+                f"{_mb(r0['peak_allocated'])} | {_mb(fall)} | {_mb(r0['ledger_stash_peak'])} | "
+                f"{_mb(r0['ledger_host_peak'])} | {r0['seconds']:.3f} "
+                f"| {paired_slowdown(r0, base):+.1%} |")
+        if predicted:
+            p = predicted[k]
+            line += f" {_mb(p['predicted_fall'])} | {p['slowdown']:+.1%} |"
+        lines.append(line)
+    lines.append("")
+    return lines
+
+
 def render(report: dict, out_dir: Path | None) -> str:
     lines = [f"# Host offload and the buffer pool on one GPU ({report['versions']['date']})", "",
              "Command: `python -m benchmarks.offload`. Versions: "
@@ -357,39 +396,7 @@ def render(report: dict, out_dir: Path | None) -> str:
              "(four processes on one GPU, gloo, host-staged boundaries), pipeschedule's Executor, no optimizer.", ""]
     if report.get("measured_in"):
         lines += [f"Measured in {report['measured_in']}.", ""]
-    fractions, predicted = report.get("fractions", []), report.get("predictions")
-    if fractions:
-        m = fractions[0][0]["m"]
-        base = fractions[0][0]
-        lines += [f"## Stage 0 offloading a fraction of its stashes (1f1b, m={m}, lead {report['lead']})", ""]
-        if predicted is None:
-            lines += ["The simulator's predictions are not in this report.", ""]
-        lines += ["stream: whole stashes, or streamed in chunks of that many MiB ([Note: streamed offload]).", ""]
-        if not base.get("rounds"):
-            lines += ["step s and slowdown: each case's median of its steps, the cases run one after another, so the "
-                      "slowdowns carry the machine's drift between cases (3-6% on this shared machine); runs since "
-                      "pair them round by round ([Note: paired offload rounds]).", ""]
-        if base.get("rounds"):
-            lines += [f"The cases ran in {base['rounds']} rounds, each building every case's executor in turn "
-                      "(the order rotating), a warm-up step and one measured step: step s is a case's median over "
-                      "rounds, slowdown the median over rounds of its step against fraction 0's in the same round "
-                      "([Note: paired offload rounds] in benchmarks/offload.py); peaks are the largest measured.", ""]
-        head = ("| fraction | stream | peak allocated MiB | fall MiB | ledger stash peak MiB | host peak MiB "
-                "| step s | slowdown |" + (" predicted fall MiB | predicted slowdown |" if predicted else ""))
-        lines += [head, "|" + "---|" * (head.count("|") - 1)]
-        for k, row in enumerate(fractions):
-            r0 = row[0]
-            fall = None if r0["peak_allocated"] is None else base["peak_allocated"] - r0["peak_allocated"]
-            chunk = r0.get("chunk")
-            line = (f"| {r0['fraction']:.2f} | {'whole' if chunk is None else f'{chunk / 2**20:g}'} | "
-                    f"{_mb(r0['peak_allocated'])} | {_mb(fall)} | {_mb(r0['ledger_stash_peak'])} | "
-                    f"{_mb(r0['ledger_host_peak'])} | {r0['seconds']:.3f} "
-                    f"| {paired_slowdown(r0, base):+.1%} |")
-            if predicted:
-                p = predicted[k]
-                line += f" {_mb(p['predicted_fall'])} | {p['slowdown']:+.1%} |"
-            lines.append(line)
-        lines.append("")
+    lines += _fraction_lines(report)
     pool_rows = report.get("pool", []) + report.get("nanotron", [])
     if pool_rows:
         about_nanotron = (f" {NANOTRON_LABEL}: nanotron's own engine on the same model (boundaries through "
