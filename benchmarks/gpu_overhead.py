@@ -199,6 +199,30 @@ def fastest_quarter(steps: list[float]) -> float:
     return sum(fast) / len(fast)
 
 
+def _against_baseline(value: dict) -> float:
+    """(executor - ordered) / executor of a per-variant figure."""
+    return (value["executor"] - value["ordered"]) / value["executor"]
+
+
+def min_to_min(result: dict) -> float | None:
+    """`run_overhead`'s result: the executor's fastest step against the baseline's; None
+    where the result holds no minima (reports from before they were kept)."""
+    return _against_baseline(result["min_s"]) if result.get("min_s") else None
+
+
+def quarter_to_quarter(result: dict) -> float | None:
+    """`run_overhead`'s result: the executor's `fastest_quarter` against the baseline's,
+    from the steps of its rounds; None where it holds no steps."""
+    runs = result.get("runs") or {}
+    if not all(key in runs for key in REQUIRED):
+        return None
+    return _against_baseline({key: fastest_quarter(runs[key]["step"]) for key in REQUIRED})
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:+.2%}"
+
+
 def paired_interval(runs: dict, figure: str, variant: str = "executor", baseline: str = "ordered", *,
                     resamples: int = 2000, level: float = 0.95) -> tuple[float, float]:
     """A bootstrap interval (percentile, `level`) of `paired_median`: the rounds'
@@ -309,7 +333,8 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
     paired, paired_cpu = paired_median(runs, "step"), paired_median(runs, "cpu")
     out = {
         "schedule": "1f1b", "pp": pp, "microbatches": m, "microbatch_size": microbatch_size,
-        "instructions": sum(len(p) for p in schedule.programs), "compute_calls": len(compute_order(schedule)),
+        "instructions": sum(len(p) for p in schedule.programs),
+        "compute_calls": sum(i.op in (Op.F, Op.B) for p in schedule.programs for i in p),
         "steps": steps, "variants": list(variants),
         "median_s": median, "min_s": {key: min(run["step"]) for key, run in runs.items()},
         "pure_compute_s": median["ordered"], "executor_step_s": pipe,
@@ -320,9 +345,8 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
         "runs": runs, "executor_host_times_last_step": host_times,
     }
     out["overhead_us_per_instruction"] = paired / out["instructions"] * 1e6
-    quarter = {key: fastest_quarter(run["step"]) for key, run in runs.items()}
-    out["fastest_quarter_s"] = quarter
-    out["overhead_fastest_quarter_fraction"] = (quarter["executor"] - quarter["ordered"]) / quarter["executor"]
+    out["fastest_quarter_s"] = {key: fastest_quarter(run["step"]) for key, run in runs.items()}
+    out["overhead_fastest_quarter_fraction"] = quarter_to_quarter(out)
     if "ordered_again" in runs:
         out["control_s"] = paired_median(runs, "step", "ordered_again")
         out["control_fraction"] = out["control_s"] / pipe
@@ -345,18 +369,15 @@ def overhead_lines(results: list[dict]) -> list[str]:
              "| micro-batch size | baseline ms | through the executor ms | overhead | per instruction us | "
              "min to min | fastest quarter | host CPU overhead | control |", "|---|---|---|---|---|---|---|---|---|"]
     for o in results:
-        minima = o.get("min_s")
-        min_to_min = (f"{(minima['executor'] - minima['ordered']) / minima['executor']:+.2%}" if minima else "-")
         cpu = (f"{o['overhead_cpu_s'] * 1e3:+.2f} ms ({o['overhead_cpu_fraction']:+.2%}"
                f"{_interval(o.get('overhead_cpu_interval'))})" if "overhead_cpu_s" in o else "-")
-        quarter = (f"{o['overhead_fastest_quarter_fraction']:+.2%}" if "overhead_fastest_quarter_fraction" in o
-                   else "-")
         control = (f"{o['control_fraction']:+.2%}{_interval(o.get('control_interval'))}"
                    if "control_fraction" in o else "-")
         lines.append(f"| {o.get('microbatch_size', 1)} | {o['pure_compute_s'] * 1e3:.2f} | "
                      f"{o['executor_step_s'] * 1e3:.2f} | {o['overhead_fraction']:+.2%}"
                      f"{_interval(o.get('overhead_interval'))} | "
-                     f"{o['overhead_us_per_instruction']:.1f} | {min_to_min} | {quarter} | {cpu} | {control} |")
+                     f"{o['overhead_us_per_instruction']:.1f} | {_percent(min_to_min(o))} | "
+                     f"{_percent(quarter_to_quarter(o))} | {cpu} | {control} |")
     if any("overhead_interval" in o for o in results):
         lines += ["", "[a, b]: a 95% bootstrap interval of the paired median (the rounds resampled)."]
     lines.append("")
@@ -404,18 +425,13 @@ def runs_summary(paths: list[Path]) -> str:
         report = json.loads(Path(path).read_text(encoding="utf-8"))
         o, v = report["overhead"], report["versions"]
         medians.append(o["overhead_fraction"])
-        minima = o["min_s"]
-        fast = {key: fastest_quarter(o["runs"][key]["step"]) for key in REQUIRED}  # (older runs did not store it)
-        quarter = (fast["executor"] - fast["ordered"]) / fast["executor"]
         cpu = f"{o['overhead_cpu_fraction']:+.2%}" if "overhead_cpu_fraction" in o else "-"
         control = f"{o['control_fraction']:+.2%}" if "control_fraction" in o else "-"
         lines.append(
             f"| {Path(path).name} | {v['date'][:16]} | {v.get('commit', '-')} | {o['steps']} | "
             f"{', '.join(o.get('variants', o['runs']))} | {o['pure_compute_s'] * 1e3:.1f} | "
             f"{o['executor_step_s'] * 1e3:.1f} | {o['overhead_fraction']:+.2%}{_interval(o.get('overhead_interval'))} "
-            f"| {(minima['executor'] - minima['ordered']) / minima['executor']:+.2%} | "
-            f"{quarter:+.2%} | {cpu} | "
-            f"{control} |")
+            f"| {_percent(min_to_min(o))} | {_percent(quarter_to_quarter(o))} | {cpu} | {control} |")
     if not medians:
         return "\n".join(lines) + "\n"
     verdict = "met" if max(medians) < TARGET else "not met"
