@@ -264,10 +264,18 @@ def check_variants(names) -> tuple[str, ...]:
 
 def make_variants(stages, schedule, inputs, targets, device, *, pp: int, m: int):
     """(every variant of the module docstring as a call running one step, the
-    executor variant's `InProcessPipeline`)."""
+    executor variant's `InProcessPipeline`). The other two pipelines are built at their
+    first call, so that a run timing fewer variants builds only what it times."""
     pipeline = InProcessPipeline(schedule, stages, device=device)
-    measuring_every = InProcessPipeline(schedule, stages, device=device, measure_stash="every")
-    per_step = InProcessPipeline(schedule, _WithoutState(stages), device=device)
+    built: dict[str, InProcessPipeline] = {}
+
+    def stepping(key: str, build):
+        def step():
+            if key not in built:
+                built[key] = build()
+            return built[key].step(inputs, targets)
+        return step
+
     order = compute_order(schedule)
     last = pp - 1
 
@@ -295,8 +303,10 @@ def make_variants(stages, schedule, inputs, targets, device, *, pp: int, m: int)
 
     calls = {"fused": fused, "ordered": ordered, "ordered_again": lambda: ordered(),
              "executor": lambda: pipeline.step(inputs, targets),
-             "executor_per_step": lambda: per_step.step(inputs, targets),
-             "executor_every": lambda: measuring_every.step(inputs, targets)}
+             "executor_per_step": stepping("per_step", lambda: InProcessPipeline(
+                 schedule, _WithoutState(stages), device=device)),
+             "executor_every": stepping("every", lambda: InProcessPipeline(
+                 schedule, stages, device=device, measure_stash="every"))}
     return calls, pipeline
 
 
