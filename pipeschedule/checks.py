@@ -1,6 +1,6 @@
 """The checks of every argument, defined once: integers and finite numbers given from
-Python (`is_int`, `is_number`, `check_int`, `check_number`), numbers typed as text
-(`parse_int`, `parse_number`, and `int_arg` / `number_arg` for argparse), the sizes
+Python (`is_int`, `is_number`, `is_finite`, `check_int`, `check_number`), numbers typed as text
+(`parse_int`, `parse_number`, and `int_arg` / `number_arg` / `path_arg` for argparse), the sizes
 pipeschedule accepts ([Note: size limits]), and `shown`, a bad value cut to a readable
 length for messages.
 
@@ -45,6 +45,15 @@ def is_number(value) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and value == value
 
 
+def is_finite(value) -> bool:
+    """A number (`is_number`) whose float is finite: an int too large for a float (which
+    compares below math.inf, but overflows once used with floats) is not."""
+    try:
+        return is_number(value) and math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_int(name: str, value, minimum: int = 1, error=ParameterError) -> int:
     """`value` when it is an integer >= `minimum`; else raises `error` naming it."""
     if not is_int(value) or value < minimum:
@@ -56,7 +65,7 @@ def check_number(name: str, value, minimum: float = 0, *, above: bool = False, h
                  error=ParameterError):
     """`value` when it is a finite number >= `minimum` (> with `above`); else raises
     `error` naming it, with `hint` (units, what 0 means) after the rule."""
-    if not is_number(value) or not (value > minimum if above else value >= minimum) or not value < math.inf:
+    if not is_finite(value) or not (value > minimum if above else value >= minimum):
         rule = f"{'>' if above else '>='} {minimum:g}"
         raise error(f"{name} must be a finite number {rule}{hint}, got {shown(value)}")
     return value
@@ -149,6 +158,18 @@ def int_arg(flag: str):
 def number_arg(flag: str):
     """An argparse `type` reading `flag`'s value with `parse_number`."""
     return _arg(parse_number, flag)
+
+
+def path_arg(flag: str):
+    """An argparse `type` for a file path: any text but the empty one (which the commands
+    would otherwise take for 'not given')."""
+    def read(text: str) -> str:
+        if not text:
+            raise ArgumentError(f"{flag} needs a file path, got ''")
+        return text
+
+    read.__name__ = "path"
+    return read
 
 
 def _arg(parse, flag: str):

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from pipeschedule.checks import is_int, is_number, shown
+from pipeschedule.checks import is_finite, is_int, is_number, shown
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, Schedule, make_instr
 from pipeschedule.compiler.passes import is_lowered, lower
 from pipeschedule.errors import ParameterError
@@ -123,7 +123,7 @@ class OffloadPolicy:
 
 
 def check_chunk(chunk) -> None:
-    if chunk is not None and not (is_number(chunk) and 1 <= chunk < math.inf):
+    if chunk is not None and not (is_finite(chunk) and chunk >= 1):
         raise ParameterError(f"offload chunk must be a number of bytes >= 1 (None: whole stashes), got {shown(chunk)}")
 
 

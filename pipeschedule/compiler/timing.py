@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Sequence
 
-from pipeschedule.checks import is_number, shown
+from pipeschedule.checks import is_finite, shown
 from pipeschedule.compiler.ir import Instr, Op
 from pipeschedule.compiler.program import Program, check_stages, packed
 from pipeschedule.errors import ParameterError
@@ -65,7 +65,8 @@ def stage_times(cost, num_stages: int) -> StageTimes | None:
 
     `cost` is a `CostModel` (anything with per-stage `forward`, `backward` and `weight`
     sequences), a `StageTimes`, or a sequence of one (F, B, W) tuple per stage; times
-    are finite numbers >= 0, not all 0. Raises ParameterError otherwise."""
+    are finite numbers >= 0, not all 0. Raises ParameterError otherwise. The times come
+    back scaled by one power of two (only their ratios matter), the largest in [0.5, 1)."""
     if cost is None:
         return None
     if all(hasattr(cost, key) for key in ("forward", "backward", "weight")):
@@ -81,13 +82,16 @@ def stage_times(cost, num_stages: int) -> StageTimes | None:
             raise ParameterError(f"cost has {len(column)} {name} times, but the schedule has {num_stages} stages: "
                                  f"{shown(list(column))}")
         for s, x in enumerate(column):
-            if not (is_number(x) and 0 <= x < math.inf):
+            if not (is_finite(x) and x >= 0):
                 raise ParameterError(f"cost {name} time of stage {s} must be a finite number >= 0, got {shown(x)}")
     top = max(max(column) for column in columns)
     if top <= 0:
         raise ParameterError(f"cost times are all 0: {shown(cost)}")
-    low = MIN_TIME * top
-    return StageTimes(*(tuple(x if x > low else low for x in column) for column in columns))
+    # scaled by a power of two so that the largest time is in [0.5, 1): exact (the same
+    # order, the same ties), and sums over any schedule's instructions stay finite
+    scale = math.ldexp(1.0, -math.frexp(top)[1])
+    low = MIN_TIME * top * scale
+    return StageTimes(*(tuple(max(x * scale, low) for x in column) for column in columns))
 
 
 def unit_stage_times(programs: Sequence[Sequence[Instr]], num_stages: int) -> StageTimes:

@@ -28,6 +28,7 @@ from pipeschedule.checks import (
     check_int,
     check_number,
     check_plan_size,
+    is_finite,
     check_schedule_size,
     shown,
 )
@@ -176,12 +177,19 @@ def head_seconds(config: PlanConfig) -> tuple[float, float]:
 # -- in the command line's units ---------------------------------------------------------------
 
 
-def _gib(flag: str, value: float, minimum_exclusive: bool = True) -> float:
+def _scaled(flag: str, value: float | None, scale: float, unit: str, *, zero_ok: bool = False) -> float | None:
+    """`value`, given in the command line's `unit`, times `scale` (None stays None);
+    ParameterError naming `flag` and the value as given unless it is a finite number > 0
+    (>= 0 with `zero_ok`) whose scaled value is finite too."""
     if value is None:
         return None
-    if math.isnan(value) or value < 0 or (minimum_exclusive and value == 0):
-        raise ParameterError(f"{flag} must be {'> 0' if minimum_exclusive else '>= 0'} GiB, got {value:g}")
-    return value * GiB
+    if not is_finite(value) or not (value >= 0 if zero_ok else value > 0):
+        rule = ">=" if zero_ok else ">"
+        raise ParameterError(f"{flag} must be a finite number {rule} 0 ({unit}), got {shown(value)}")
+    out = value * scale
+    if not math.isfinite(out):
+        raise ParameterError(f"{flag} {shown(value)} {unit} is too large to count with (it overflows a float)")
+    return out
 
 
 def build_config(
@@ -211,29 +219,22 @@ def build_config(
     )
     if gpu_memory is None and gpu is None:
         raise ParameterError("give a GPU preset (gpu=) or its memory in GiB (gpu_memory=)")
-    preset = gpu_preset(gpu) if gpu else {"memory": None, "tflops": 989.0}
-    memory = _gib("--gpu-memory", gpu_memory) if gpu_memory is not None else preset["memory"]
-    if p2p_bandwidth is None or not p2p_bandwidth > 0:
-        raise ParameterError(f"--p2p-bandwidth must be > 0 GB/s, got {p2p_bandwidth}")
-    if not p2p_latency >= 0:
-        raise ParameterError(f"--p2p-latency must be >= 0 microseconds, got {p2p_latency}")
+    preset = gpu_preset(gpu) if gpu is not None else {"memory": None, "tflops": 989.0}
+    memory = _scaled("--gpu-memory", gpu_memory, GiB, "GiB") if gpu_memory is not None else preset["memory"]
+    _scaled("--gpu-tflops", gpu_tflops, 1e12, "TFLOP/s")  # used as FLOP/s
+    link = host_link(gpu, host_bandwidth)
     return PlanConfig(
         model=model, setup=setup, pp=pp, microbatches=microbatches, gpu_memory=memory,
-        reserve=_gib("--reserve", reserve, minimum_exclusive=False),
+        reserve=_scaled("--reserve", reserve, GiB, "GiB", zero_ok=True),
         gpu_tflops=gpu_tflops if gpu_tflops is not None else preset["tflops"], mfu=mfu,
-        p2p_bandwidth=p2p_bandwidth * 1e9, p2p_latency=p2p_latency * 1e-6,
+        p2p_bandwidth=_scaled("--p2p-bandwidth", p2p_bandwidth, 1e9, "GB/s"),
+        p2p_latency=_scaled("--p2p-latency", p2p_latency, 1e-6, "microseconds", zero_ok=True),
         virtual=virtual, node_limit=node_limit, gpu_name=gpu if gpu_memory is None else f"{gpu_memory:g} GiB",
         offload=parse_offload(offload) if isinstance(offload, str) else offload,
-        host_bandwidth=link * 1e9 if (link := host_link(gpu, host_bandwidth)) is not None else None,
-        dp_bandwidth=_positive("--dp-bandwidth", dp_bandwidth) * 1e9, hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
-        host_memory=_gib("--host-memory", host_memory, minimum_exclusive=False),
+        host_bandwidth=_scaled("--host-bandwidth", link, 1e9, "GB/s"),
+        dp_bandwidth=_scaled("--dp-bandwidth", dp_bandwidth, 1e9, "GB/s"), hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
+        host_memory=_scaled("--host-memory", host_memory, GiB, "GiB", zero_ok=True),
     )
-
-
-def _positive(flag: str, value: float) -> float:
-    if value is None or not value > 0 or math.isinf(value):
-        raise ParameterError(f"{flag} must be a number > 0 (GB/s), got {value}")
-    return value
 
 
 __all__ = ["PlanConfig", "build_config", "head_seconds", "layer_seconds", "virtual_counts", "weight_seconds"]

@@ -55,7 +55,7 @@ import math
 
 import torch
 
-from pipeschedule.checks import is_int, is_number
+from pipeschedule.checks import is_finite, is_int
 from pipeschedule.errors import ParameterError, RuntimeScheduleError
 from pipeschedule.runtime.saved import HostPool, Key, SavedTensor, StorageGroup, completed, storage_bytes
 from pipeschedule.runtime.stream_offload import StreamedStash, pending_done
@@ -79,7 +79,7 @@ class Offloader:
 
     def __init__(self, device: torch.device, ledger, chunk: int | None = None, window: int = 2):
         if chunk is not None:
-            if not (is_number(chunk) and 1 <= chunk < math.inf):
+            if not (is_finite(chunk) and chunk >= 1):
                 raise ParameterError(f"offload_chunk={chunk!r}: give a number of bytes >= 1, "
                                      "or None to move stashes whole")
             chunk = math.ceil(chunk)

@@ -15,6 +15,7 @@ in-flight microbatches, and the live-buffer memory curve of every rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -101,6 +102,12 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
     events = EventLog(schedule.programs, trace.ends, trace.waits, trace.channels)
     step_time = max(trace.finish, default=0)
     total = sum(trace.busy)
+    sums = (step_time, total, *trace.peak_bytes, *trace.peak_host_bytes)
+    if not all(math.isfinite(x) for x in sums):
+        raise ParameterError(
+            f"the cost model's numbers are too large for this schedule: its simulated sums overflow (step time "
+            f"{step_time:g}, busy {total:g}, peak bytes {max(trace.peak_bytes, default=0):g}); scale the costs down "
+            f"(e.g. times in ms, not ns)")
     bubble = 1 - total / (schedule.pp * step_time) if step_time > 0 else 0.0
     return SimResult(
         step_time=step_time,

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeschedule.checks import check_int, check_number, check_stream_pieces, is_number, shown
+from pipeschedule.checks import check_int, check_number, check_stream_pieces, is_finite, is_number, shown
 from pipeschedule.compiler.ir import BUFFERS, Schedule
 from pipeschedule.errors import FormatError, ParameterError
 
@@ -21,11 +21,12 @@ COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwi
 def _per_stage(key: str, value: Any, stages: int | None, error=ParameterError, source="the schedule") -> tuple:
     """`value` as a tuple of per-stage finite numbers >= 0; a scalar is broadcast to
     `stages` entries when that is known (None: only a list is accepted)."""
+    given = value
     if is_number(value) and stages is not None:
         value = [value] * stages
-    if not isinstance(value, (list, tuple)) or not all(is_number(x) and 0 <= x < math.inf for x in value):
-        want = "a number >= 0 or a list" if stages is not None else "a list"
-        raise error(f"cost {shown(key)} must be {want} of finite numbers >= 0, one per stage; got {shown(value)}")
+    if not isinstance(value, (list, tuple)) or not all(is_finite(x) and x >= 0 for x in value):
+        want = "a finite number >= 0 or a list" if stages is not None else "a list"
+        raise error(f"cost {shown(key)} must be {want} of finite numbers >= 0, one per stage; got {shown(given)}")
     if stages is not None and len(value) != stages:
         raise error(f"cost {shown(key)} has {len(value)} entries, but {source} has {stages} stages: {shown(value)}")
     return tuple(value)
@@ -86,7 +87,7 @@ class CostModel:
         check_number("cost 'offload_slowdown'", self.offload_slowdown)
         for key in ("bandwidth", "offload_bandwidth", "reload_bandwidth"):
             value = getattr(self, key)
-            if not is_number(value) or not value > 0:
+            if not (value == math.inf or is_finite(value)) or not value > 0:
                 raise ParameterError(f"cost {shown(key)} must be a number > 0 (infinite, or null in a cost file: "
                                      f"free), got {shown(value)}")
         if self.weight_stash is not None:

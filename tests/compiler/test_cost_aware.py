@@ -168,3 +168,31 @@ def test_moonshot_figure_zbv_resplit_beats_1f1b_at_a_fraction_of_rank0_memory():
     assert round(ref.step_time / zbv.step_time, 4) == FIGURE_THROUGHPUT
     assert round(zbv.peak_bytes[0] / ref.peak_bytes[0], 4) == FIGURE_RANK0
     assert ref.step_time / unit_ordered.step_time < 0.9  # the unit-cost order of the same split falls short
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1", "zbv", "interleaved_1f1b"])
+def test_only_the_ratios_of_the_times_matter_even_near_the_float_limit(name):
+    """`stage_times` scales the times by a power of two (exact), so costs scaled by one
+    order and place exactly as the originals, and times near the largest float do not
+    overflow the sums of `asap` (they made lowering place messages that deadlock)."""
+    stages = 2 * 3 if name in ("zbv", "interleaved_1f1b") else 3
+    cost = [(1.0 + s, 2.5 + s / 3, 0.7 if FAMILIES[name].split_backward else 0.0) for s in range(stages)]
+    virtual = 2 if name == "interleaved_1f1b" else None
+    base = compile_schedule(name, pp=3, microbatches=7, virtual=virtual, cost=cost)
+    for scale in (2.0 ** -40, 2.0 ** 900, 2.0 ** 1020 / 4):
+        scaled = [tuple(x * scale for x in t) for t in cost]
+        assert compile_schedule(name, pp=3, microbatches=7, virtual=virtual, cost=scaled).programs == base.programs
+
+
+@pytest.mark.parametrize("bad", [10**400, float("inf"), float("nan"), -1])
+def test_a_time_no_float_holds_is_refused(bad):
+    with pytest.raises(ParameterError, match="finite number >= 0"):
+        compile_schedule("1f1b", pp=2, microbatches=4, cost=[(bad, 1, 0), (1, 1, 0)])
+    with pytest.raises(ParameterError, match="finite"):
+        CostModel([bad, 1], [1, 1], [0, 0], {})
+
+
+def test_a_simulation_whose_sums_overflow_is_refused():
+    schedule = compile_schedule("1f1b", pp=2, microbatches=4)
+    with pytest.raises(ParameterError, match="overflow"):
+        simulate(schedule, CostModel([1e308, 1e308], [1e308, 1e308], [0, 0], {}))

@@ -126,7 +126,7 @@ def test_cli_model_from_sizes(capsys):
         (["--model", "llama3-70b", "--tp", "3", "--seq", "8193"], "tp=3 does not divide"),
         (["--model", "llama3-70b", "--tp", "3"], "seq=8192 is not divisible by tp=3"),
         (["--model", "llama3-70b", "--pp", "100"], "pp=100 exceeds the model's 80 decoder layers"),
-        (["--model", "llama3-70b", "--gpu-memory", "-5"], "--gpu-memory must be > 0 GiB, got -5"),
+        (["--model", "llama3-70b", "--gpu-memory", "-5"], "--gpu-memory must be a finite number > 0 (GiB), got -5.0"),
         (["--model", "llama3-70b", "--microbatches", "0"], "microbatches must be an integer >= 1, got 0"),
         (["--model", "llama3-70b", "--reserve", "200"], "reserve 200 GiB leaves nothing"),
         (["--model", "gpt5"], "unknown model 'gpt5'"),
