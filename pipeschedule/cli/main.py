@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from dataclasses import replace
 
 from pipeschedule import compile_schedule
-from pipeschedule.checks import MAX_SHOWN, int_arg, number_arg, parse_int, shown
+from pipeschedule.checks import MAX_SHOWN, int_arg, number_arg, parse_int, path_arg, shown
 from pipeschedule.cli.demo import run_demo
 from pipeschedule.cli.plan import add_arguments as add_plan_arguments, run as run_plan
 from pipeschedule.compiler.families import FAMILIES, family
@@ -202,7 +203,12 @@ def cmd_verify(args) -> int:
 
 
 def _schedule_for(args):
-    if args.schedule:
+    if args.schedule is not None:
+        given = [flag for flag, value in (("NAME", args.name), ("--pp", args.pp), ("--microbatches", args.microbatches),
+                                          ("--virtual", args.virtual), ("--cap", args.cap)) if value is not None]
+        if given:
+            raise ParameterError(f"--schedule {shown(args.schedule)} is a whole schedule; {', '.join(given)} "
+                                 f"would be ignored: give either a schedule file or NAME with its flags")
         schedule, _ = _load_any(args.schedule)
         verify(schedule)
         return schedule
@@ -263,31 +269,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="build, lower and verify a schedule; write it as JSON/text/CSV")
     _schedule_args(p)
-    p.add_argument("--json", metavar="PATH", help="write the pipeschedule/1 JSON form")
-    p.add_argument("--text", metavar="PATH", help="write the compact text form")
-    p.add_argument("--csv", metavar="PATH", help="write PyTorch's pipeline CSV")
+    p.add_argument("--json", type=path_arg("--json"), metavar="PATH", help="write the pipeschedule/1 JSON form")
+    p.add_argument("--text", type=path_arg("--text"), metavar="PATH", help="write the compact text form")
+    p.add_argument("--csv", type=path_arg("--csv"), metavar="PATH", help="write PyTorch's pipeline CSV")
     p.add_argument("--csv-form", choices=("compute_only", "compute_comms"), default="compute_comms")
     _offload_args(p)
-    p.add_argument("--cost", metavar="PATH",
+    p.add_argument("--cost", metavar="PATH", type=path_arg("--cost"),
                    help="cost model JSON: list-scheduled families order by its times and messages are placed by them; "
                         "--offload auto simulates with it (default: unit costs)")
     p.set_defaults(run=cmd_compile)
 
     p = sub.add_parser("verify", help="check a schedule file (JSON, text or PyTorch CSV) against every rule")
-    p.add_argument("path")
+    p.add_argument("path", type=path_arg("PATH"))
     p.set_defaults(run=cmd_verify)
 
     for name, run, helptext in (("simulate", cmd_simulate, "simulate time and memory"),
                                 ("show", cmd_show, "print the ASCII timeline")):
         p = sub.add_parser(name, help=helptext)
         _schedule_args(p, name_required=False)
-        p.add_argument("--schedule", metavar="PATH", help="a schedule file instead of NAME")
+        p.add_argument("--schedule", metavar="PATH", type=path_arg("--schedule"),
+                       help="a schedule file instead of NAME")
         if name == "simulate":
-            p.add_argument("--cost", metavar="PATH",
+            p.add_argument("--cost", metavar="PATH", type=path_arg("--cost"),
                            help="cost model JSON (per-stage times, buffer bytes, p2p latency/bandwidth)")
             p.add_argument("--json", action="store_true", help="print one JSON object")
-            p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace")
-            p.add_argument("--png", metavar="PATH", help="write a PNG (needs matplotlib)")
+            p.add_argument("--trace", metavar="PATH", type=path_arg("--trace"), help="write a Chrome/Perfetto trace")
+            p.add_argument("--png", metavar="PATH", type=path_arg("--png"), help="write a PNG (needs matplotlib)")
             _offload_args(p)
         else:
             p.add_argument("--width", type=int_arg("--width"), default=None, help="maximum columns")
@@ -320,6 +327,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("pipeschedule: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (`pipeschedule show ... | head`): say nothing more, and point
+        # stdout at /dev/null so that the interpreter's last flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it
 
 
 if __name__ == "__main__":

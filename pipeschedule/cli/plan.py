@@ -13,7 +13,7 @@ import json
 import sys
 from dataclasses import replace
 
-from pipeschedule.checks import int_arg, number_arg
+from pipeschedule.checks import int_arg, number_arg, path_arg, shown
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.config import build_config
 from pipeschedule.plan.levers import plan_levers
@@ -36,7 +36,8 @@ class Removed(argparse.Action):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, a file, or the sizes)")
     model.add_argument("--model", help=f"preset: {', '.join(MODELS)}")
-    model.add_argument("--model-file", help="YAML or JSON with the sizes (a nanotron config works)")
+    model.add_argument("--model-file", type=path_arg("--model-file"),
+                       help="YAML or JSON with the sizes (a nanotron config works)")
     for flag in SIZE_FLAGS:
         name = "--" + flag.replace("_", "-")
         model.add_argument(name, type=int_arg(name), help=f"model {flag} (overrides the preset)")
@@ -101,11 +102,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--tables", choices=("all", "top", "none"), default="all",
                         help="memory tables of all candidates, of the default and recommended, or none")
     search.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    search.add_argument("--png", metavar="PATH", help="write a stacked bar chart of memory per stage")
+    search.add_argument("--png", metavar="PATH", type=path_arg("--png"),
+                        help="write a stacked bar chart of memory per stage")
 
 
 def model_from_args(args) -> ModelSpec:
-    if args.model_file:
+    if args.model_file is not None and args.model is not None:
+        raise ParameterError(f"give --model {shown(args.model)} or --model-file {shown(args.model_file)}, not both "
+                             f"(a file's sizes would replace the preset's); single sizes override either")
+    if args.model_file is not None:
         model = load_model(args.model_file)
     elif args.model:
         model = model_preset(args.model)

@@ -1,6 +1,7 @@
 """How a plan is shown: text tables, one JSON object, a PNG bar chart of memory per stage.
 
-matplotlib is imported inside `plan_png` only, so the rest never needs it.
+matplotlib is imported inside `plan_png` only (through `simulate.render.new_figure`), so the
+rest never needs it.
 """
 
 from __future__ import annotations
@@ -199,18 +200,18 @@ def offload_lines(plan) -> list[str]:
 def plan_png(plan, path: str) -> None:
     """Stacked bars of memory per rank by term, nanotron's default beside the
     recommendation, with the budget as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipeschedule.simulate.render import new_figure, save_png
 
     shown = [plan.default] + ([plan.recommended] if plan.recommended and plan.recommended is not plan.default else [])
-    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.5), sharey=True, squeeze=False)
+    fig = new_figure(figsize=(5.5 * len(shown), 4.5))
+    axes = fig.subplots(1, len(shown), sharey=True, squeeze=False)
     terms = []
     for cand in shown:
         for r in cand.memory:
             terms += [k for k in r.terms if k not in terms]
-    colors = plt.get_cmap("tab20").colors
+    from matplotlib import colormaps
+
+    colors = colormaps["tab20"].colors
     for ax, cand in zip(axes[0], shown):
         index = plan.candidates.index(cand)
         bottom = [0.0] * len(cand.memory)
@@ -225,8 +226,8 @@ def plan_png(plan, path: str) -> None:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
     fig.tight_layout(rect=(0, 0.18, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.set_dpi(120)
+    save_png(fig, path)
 
 
 __all__ = ["assumptions", "memory_table", "plan_png", "plan_to_dict", "plan_to_text"]

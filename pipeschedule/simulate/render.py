@@ -10,6 +10,7 @@ import heapq
 import math
 from typing import Any
 
+from pipeschedule.checks import shown
 from pipeschedule.errors import PipescheduleError
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, SEND_OPS, Schedule
 from pipeschedule.simulate import SimResult
@@ -199,18 +200,9 @@ OP_COLORS = {Op.F: "#4c72b0", Op.B: "#dd8452", Op.W: "#55a868"}
 def png(schedule: Schedule, result: SimResult, path) -> None:
     """Write a PNG: the timeline (one bar row per rank, microbatch labels where they fit)
     above the live buffer bytes of every rank. Needs matplotlib."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise PipescheduleError(
-            "PNG output needs matplotlib, which is not installed: "
-            "run `pip install matplotlib` (or install the extra `pipeschedule[plot]`)"
-        ) from None
     pp, step = schedule.pp, float(result.step_time) or 1.0
     blocks = _compute_blocks(schedule, result)
-    fig = Figure(figsize=(12, 2.5 + 0.45 * min(pp, 40)), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = new_figure(figsize=(12, 2.5 + 0.45 * min(pp, 40)), dpi=100)
     timeline, memory = fig.subplots(2, 1, sharex=True,
                                     gridspec_kw={"height_ratios": [max(1.5, 0.45 * min(pp, 40)), 2.5]})
     count = sum(len(b) for b in blocks)
@@ -241,7 +233,29 @@ def png(schedule: Schedule, result: SimResult, path) -> None:
         memory.legend(loc="upper right", fontsize=7, ncol=max(1, pp // 4))
     memory.set_xlim(0, step)
     fig.tight_layout()
+    save_png(fig, path)
+
+
+def new_figure(**kwargs):
+    """A matplotlib `Figure` on the Agg canvas (no pyplot, no global state); a clear
+    error where matplotlib is not installed."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PipescheduleError(
+            "PNG output needs matplotlib, which is not installed: "
+            "run `pip install matplotlib` (or install the extra `pipeschedule[plot]`)"
+        ) from None
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def save_png(fig, path) -> None:
+    """`fig` as a PNG at exactly `path` (whatever its suffix); a clear error where it
+    cannot be written."""
     try:
         fig.savefig(path, format="png")
-    except OSError as err:
-        raise PipescheduleError(f"cannot write PNG to {path}: {err}") from None
+    except (OSError, ValueError) as err:
+        raise PipescheduleError(f"cannot write PNG to {shown(str(path))}: {err}") from None

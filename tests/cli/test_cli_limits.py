@@ -48,6 +48,7 @@ def refused(argv, cwd, *fragments):
 
 @pytest.fixture
 def files(tmp_path):
+    schedule = compile_schedule("1f1b", pp=2, microbatches=2)
     (tmp_path / "stash.json").write_text('{"buffer_bytes": {"stash": 1e12}}')
     model = ("model:\n  num_hidden_layers: {layers}\n  hidden_size: 8192\n  num_attention_heads: 64\n"
              "  num_key_value_heads: 8\n  intermediate_size: 28672\n  vocab_size: 128256\n")
@@ -56,8 +57,12 @@ def files(tmp_path):
     (tmp_path / "long.yaml").write_text(model.format(layers="9" * 5000))
     (tmp_path / "long.json").write_text('{"num_hidden_layers": ' + "9" * 5000 + "}")
     (tmp_path / "longcost.json").write_text('{"forward": ' + "9" * 5000 + "}")
+    (tmp_path / "bigint.json").write_text('{"forward": ' + "9" * 400 + "}")  # parses, but no float holds it
+    (tmp_path / "biglatency.json").write_text('{"latency": ' + "9" * 400 + "}")
+    (tmp_path / "bigband.json").write_text('{"bandwidth": ' + "9" * 400 + "}")
+    (tmp_path / "hugetimes.json").write_text('{"forward": 1e308, "backward": 1e308}')  # finite, sums overflow
+    (tmp_path / "one.json").write_text(schedule.to_json())
     (tmp_path / "bom.yaml").write_bytes(b"\xef\xbb\xbf" + model.format(layers=80).encode())
-    schedule = compile_schedule("1f1b", pp=2, microbatches=2)
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + schedule.to_json().encode())
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + schedule.to_text().encode())
     (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbf0F0,0F1,0B0,0B1\n")
@@ -114,6 +119,30 @@ LIMIT = "at most 262144 are accepted"
     (["verify", "far_mb.csv"], ["1 * 1 * 1000000000000", LIMIT]),
     (["verify", "far_stage.csv"], ["1000000000000", "at most 262144"]),
     (["verify", "big.json"], ["2 * 1 * 1000000000", LIMIT]),
+    (["simulate", "1f1b", "--pp", "4", "-m", "8", "--cost", "bigint.json"], ["'forward'", "finite", "400 digits"]),
+    (["compile", "1f1b", "--pp", "4", "-m", "8", "--cost", "bigint.json", "--json", "x.json"], ["'forward'"]),
+    (["simulate", "1f1b", "--pp", "4", "-m", "8", "--cost", "biglatency.json"], ["'latency'", "400 digits"]),
+    (["simulate", "1f1b", "--pp", "4", "-m", "8", "--cost", "bigband.json"], ["'bandwidth'", "400 digits"]),
+    (["simulate", "1f1b", "--pp", "4", "-m", "8", "--cost", "hugetimes.json", "--json"], ["too large", "overflow"]),
+    (["simulate", "zbv", "--schedule", "one.json"], ["--schedule 'one.json'", "NAME would be ignored"]),
+    (["show", "--schedule", "one.json", "--pp", "3", "--cap", "1"], ["--pp, --cap would be ignored"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--png", ""], ["--png needs a file path, got ''"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--trace", ""], ["--trace needs a file path"]),
+    (["compile", "1f1b", "--pp", "2", "-m", "2", "--json", ""], ["--json needs a file path"]),
+    (["verify", ""], ["needs a file path"]),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--png", "nodir/x.png"], ["cannot write PNG to 'nodir/x.png'"]),
+    (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--zero", "0", "--recompute", "none",
+      "--tables", "none", "--png", "nodir/x.png"], ["cannot write PNG to 'nodir/x.png'"]),
+    (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--png", ""], ["--png needs a file path"]),
+    (["plan", "--model", "llama3-8b", "--model-file", "bom.yaml", "--pp", "2", "--microbatches", "4"],
+     ["--model 'llama3-8b' or --model-file 'bom.yaml', not both"]),
+    (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--gpu", ""], ["unknown GPU ''", "gh200"]),
+    (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--reserve", "1e308"],
+     ["--reserve 1e+308 GiB is too large"]),
+    (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--p2p-bandwidth", "1e308"],
+     ["--p2p-bandwidth 1e+308 GB/s is too large"]),
+    (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--gpu-tflops", "1e308"],
+     ["--gpu-tflops 1e+308 TFLOP/s is too large"]),
 ])
 def test_bad_input_is_refused_in_one_line(files, argv, fragments):
     refused(argv, files, *fragments)
@@ -137,6 +166,18 @@ def test_an_echoed_value_is_cut(files):
 def test_a_byte_order_mark_is_accepted(files, argv):
     code, err = run_cli(argv, files)
     assert code in (0, 1) and not err, err  # plan: 1 when nothing fits, with no error
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """`pipeschedule show ... | head -1`: the pipe closes while the timeline is written."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "pipeschedule.cli", "show", "1f1b", "--pp", "64", "-m", "64"]
+    with subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE) as proc:
+        proc.stdout.readline()
+        proc.stdout.close()  # as `head -1` does
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 141
+    assert err == "", err
 
 
 def test_many_ranks_compile_quickly(files):
