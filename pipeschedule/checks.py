@@ -12,8 +12,10 @@ for a 70B model at pp=16, m=64 and 256 layers took 28 s there; 1024 layers at pp
 125 s; m=256 at pp=16, 62 s). Every entry point checks
 here, before it allocates or loops: the command line (its parsers, `parse_int` and
 `parse_number`), `generate` and `compile_schedule` (`check_common`), the loaders
-(`Schedule`, the CSV reader), the planner (`PlanConfig`, `ModelSpec`, `TrainingSetup`)
-and the streamed offload (`CostModel`). A refusal names the limit and the arithmetic.
+(`Schedule`, the CSV reader), the planner (`PlanConfig`, `ModelSpec`, `TrainingSetup`),
+the streamed offload (`CostModel`) and the offload search (`choose_offload`: ranks x
+leads x 8 simulations; pp=64, m=64 took 142 s, pp=32, m=48 37 s, so it has a bound of its own). A refusal
+names the limit and the arithmetic.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ MAX_LAYERS = 1024  # decoder layers of a model
 MAX_DIMENSION = 2**31  # any other size of a model or a setup: hidden, heads, vocab, seq, tp, dp, ...
 MAX_SEARCH_NODES = 10**5  # the planner's search nodes per optimal split (5x the default; 10^6 took 1-2 min)
 MAX_STREAM_PIECES = 4096  # pieces a streamed stash is cut into
+MAX_OFFLOAD_SEARCH = 2**21  # (stage, microbatch) pairs simulated in all by one offload search (`choose_offload`)
 MAX_DIGITS = 18  # digits of an integer typed as text
 MAX_SHOWN = 60  # characters of a bad value repeated in a message
 
@@ -104,6 +107,19 @@ def check_plan_size(pp: int, microbatches: int, layers: int) -> None:
         raise ParameterError(
             f"plan: layers * pp = {_num(layers)} * {_num(pp)} = {_num(total)}; at most {MAX_PLAN_LAYER_STAGES} "
             f"are accepted (the split search grows with both)"
+        )
+
+
+def check_offload_search(ranks: int, leads: int, pairs: int) -> None:
+    """Refuses an offload search (`choose_offload`: up to 8 fractions per rank and lead,
+    each a simulation of the whole schedule) that would simulate more than
+    MAX_OFFLOAD_SEARCH (stage, microbatch) pairs in all."""
+    total = ranks * leads * 8 * pairs
+    if total > MAX_OFFLOAD_SEARCH:
+        raise ParameterError(
+            f"offload auto: {ranks} ranks * {leads} leads * 8 fractions = {ranks * leads * 8} simulations of "
+            f"{_num(pairs)} (stage, microbatch) pairs = {_num(total)}; at most {MAX_OFFLOAD_SEARCH} are accepted "
+            f"(some 30 s on two cores): give ranks= (fewer ranks), fraction= (one simulation), or fewer microbatches"
         )
 
 

@@ -29,7 +29,7 @@ from pipeschedule.checks import MAX_SHOWN, int_arg, number_arg, parse_int, path_
 from pipeschedule.cli.demo import run_demo
 from pipeschedule.cli.plan import add_arguments as add_plan_arguments, run as run_plan
 from pipeschedule.compiler.families import FAMILIES, family
-from pipeschedule.compiler.ir import COMPUTE_OPS, load
+from pipeschedule.compiler.ir import COMPUTE_OPS, Op, load
 from pipeschedule.compiler.passes import is_lowered, lower
 from pipeschedule.compiler.torch_csv import load_csv, write_csv
 from pipeschedule.compiler.verify import check_coverage, verify
@@ -168,6 +168,10 @@ def cmd_compile(args) -> int:
         _write(args.text, schedule.to_text())
     if args.csv:
         _write(args.csv, write_csv(schedule, form=args.csv_form))
+        moved = sum(i.op in (Op.OFFLOAD, Op.RELOAD) for program in schedule.programs for i in program)
+        if moved:
+            print(f"pipeschedule: note: PyTorch's CSV has no OFFLOAD or RELOAD: {args.csv} leaves out the "
+                  f"schedule's {moved} (the --json and --text forms keep them)", file=sys.stderr)
     count = sum(len(p) for p in schedule.programs)
     print(f"compiled {schedule.name}: pp={schedule.pp} virtual={schedule.virtual} "
           f"microbatches={schedule.microbatches}, {count} instructions, verified")

@@ -268,8 +268,12 @@ class Schedule:
                 index = key[5:].strip()
                 if not re.fullmatch(r"[0-9]{1,9}", index) or int(index) >= len(lines):
                     raise FormatError(f"bad rank number in {line[:60]!r}: ranks count from 0, one line each")
+                if int(index) in programs:
+                    raise FormatError(f"rank {int(index)} has two lines; each rank's program is one line")
                 programs[int(index)] = [Instr.parse(t).to_dict() for t in value.split()]
             elif key in ("name", "pp", "virtual", "microbatches", "placement", "params", "forward_only"):
+                if key in head:
+                    raise FormatError(f"{shown(key)} is given twice; each key once")
                 try:
                     head[key] = json.loads(value)
                 except (ValueError, RecursionError) as err:

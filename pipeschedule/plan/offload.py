@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from pipeschedule.checks import check_number, is_int, parse_int, parse_number, shown
+from pipeschedule.checks import check_number, check_offload_search, is_int, parse_int, parse_number, shown
 from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.compiler.offload import (
     MIB,
@@ -148,6 +148,7 @@ def choose_offload(schedule: Schedule, cost=None, budget: float | AutoOffload = 
     bad = [r for r in ranks if r >= pp]
     if bad:
         raise ParameterError(f"offload ranks {bad} are not ranks of the schedule (0..{pp - 1})")
+    check_offload_search(len(ranks), len(auto.leads), schedule.num_stages * schedule.microbatches)
     base = simulate(schedule, cost)
     limit = base.step_time * (1 + auto.budget)
     trial_cost = streamed(cost, auto.chunk)

@@ -47,3 +47,12 @@ def test_a_broken_csv_is_still_invalid(tmp_path, capsys):
     path.write_text("0F0,0B0,0F1,0B1\n1F0,1B0\n")  # rank 1 never runs mb 1
     assert main(["verify", str(path)]) == 1
     assert "rule coverage" in capsys.readouterr().err
+
+
+def test_a_csv_says_what_it_leaves_out(tmp_path, capsys):
+    """PyTorch's CSV has no OFFLOAD or RELOAD: compile says so instead of dropping them quietly."""
+    path = tmp_path / "moved.csv"
+    assert main(["compile", "1f1b", "--pp", "4", "-m", "8", "--offload", "fraction=1", "--csv", str(path)]) == 0
+    assert "leaves out the schedule's 44" in capsys.readouterr().err
+    assert main(["compile", "1f1b", "--pp", "4", "-m", "8", "--csv", str(path)]) == 0
+    assert capsys.readouterr().err == ""

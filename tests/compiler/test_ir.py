@@ -117,3 +117,16 @@ def test_unreadable_files_are_format_errors(tmp_path):
     (tmp_path / "bin.json").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(FormatError):
         load(str(tmp_path / "bin.json"))
+
+
+@pytest.mark.parametrize("doubled, fragment", [
+    ("rank 0:", "rank 0 has two lines"),
+    ("microbatches:", "'microbatches' is given twice"),
+    ("name:", "'name' is given twice"),
+])
+def test_a_text_line_given_twice_is_refused(doubled, fragment):
+    """The later line used to replace the earlier one without a word (a rank's program lost, and verified)."""
+    lines = compile_schedule("1f1b", pp=2, microbatches=2).to_text().splitlines()
+    line = next(line for line in lines if line.startswith(doubled))
+    with pytest.raises(FormatError, match=fragment):
+        Schedule.from_text("\n".join(lines + [line]))
