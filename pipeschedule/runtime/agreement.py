@@ -21,8 +21,10 @@ v=2) with one store write and world_size - 1 lookups; later steps pay nothing.
 Compared: what every rank must agree on for messages to pair, including where the
 schedule moves stashes to host memory (OFFLOAD and RELOAD are instructions). Not
 compared: options of one executor that change neither a message nor a result
-(`offload_chunk` and `reload_window`, `pool`, `measure_stash`); `shapes=` is checked
-at every send instead.
+(`offload_chunk` and `reload_window`, `pool`, `measure_stash`). `shapes=` is compared:
+a receiver allocates what it was given, and a sender checks its output against what it
+was given, so ranks given different shapes (or some ranks none) had gloo deliver a smaller
+message into a larger buffer without a word, or abort a process.
 """
 
 from __future__ import annotations
@@ -51,18 +53,21 @@ class ScheduleSummary:
     offload: tuple[int, ...]  # OFFLOAD instructions per rank
     programs: tuple[str, ...]  # digest of each rank's program
     digest: str
+    shapes: str = "{}"  # the executor's `shapes=`, JSON: stage -> TensorMeta.encode(), keys sorted
 
     @staticmethod
-    def of(schedule: Schedule) -> ScheduleSummary:
+    def of(schedule: Schedule, shapes=None) -> ScheduleSummary:
+        """`shapes`: the boundary shapes the executor was given (`shapes=`), or None."""
         params = json.dumps(dict(schedule.params), sort_keys=True, default=str)
+        given = json.dumps({str(s): meta.encode() for s, meta in sorted((shapes or {}).items())})
         head = json.dumps([schedule.name, schedule.pp, schedule.virtual, schedule.microbatches,
-                           list(schedule.placement), params])
+                           list(schedule.placement), params] + ([given] if shapes else []))
         texts = [" ".join(map(str, program)) for program in schedule.programs]
         digest = hashlib.sha256("\n".join([head, *texts]).encode()).hexdigest()
         return ScheduleSummary(
             schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, tuple(schedule.placement), params,
             tuple(sum(1 for i in program if i.op is Op.OFFLOAD) for program in schedule.programs),
-            tuple(hashlib.sha256(text.encode()).hexdigest()[:SHORT] for text in texts), digest,
+            tuple(hashlib.sha256(text.encode()).hexdigest()[:SHORT] for text in texts), digest, given,
         )
 
     def encode(self) -> str:
@@ -90,6 +95,8 @@ class ScheduleSummary:
         mine, theirs = json.loads(self.params), json.loads(other.params)
         out += [(f"params.{key}", f"params.{key} ({mine.get(key, 'unset')} vs {theirs.get(key, 'unset')})")
                 for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
+        if self.shapes != other.shapes:
+            out.append(("shapes", f"the boundary shapes given (shapes= {self.shapes} vs {other.shapes})"))
         if self.offload != other.offload:
             out.append(("offload", f"offload, OFFLOAD instructions per rank "
                                    f"({list(self.offload)} vs {list(other.offload)})"))

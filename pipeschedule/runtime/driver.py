@@ -71,7 +71,12 @@ def _block(executor, pending: Pending, timeout: float):
     deadline = start + timeout
     try:
         while not pending.wait_for(max(0.0, min(ABORT_POLL_S, deadline - time.perf_counter()))):
-            message = executor.transport.aborted()
+            try:
+                message = executor.transport.aborted()
+            except Exception as err:  # the store's server (often rank 0's process) is gone
+                return executor.error(f"cannot reach the store that carries the ranks' abort signal "
+                                      f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                                      f"the process serving it may have exited")
             if message is not None:
                 return executor.stopped_by(message)
             if time.perf_counter() >= deadline:

@@ -82,8 +82,10 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch.autograd.variable import Variable
 
+from pipeschedule.checks import check_int, is_int, is_number, shown
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.passes import is_lowered
 from pipeschedule.compiler.program import instructions
 from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
 from pipeschedule.runtime.buffers import BufferTable, Stash
@@ -134,9 +136,19 @@ class Executor:
         if measure_stash not in MEASURE_STASH:
             raise ParameterError(f"measure_stash={measure_stash!r}: accepted values are "
                                  f"{', '.join(map(repr, MEASURE_STASH))}")
-        if not 0 <= rank < schedule.pp:
-            raise ParameterError(f"rank {rank} is not a rank of {schedule.name!r} "
-                                 f"(pp={schedule.pp}: ranks 0..{schedule.pp - 1})")
+        if not is_int(rank) or not 0 <= rank < schedule.pp:
+            raise ParameterError(f"rank {shown(rank)} is not a rank of {schedule.name!r} "
+                                 f"(pp={schedule.pp}: ranks 0..{schedule.pp - 1}, an int)")
+        if not is_lowered(schedule):
+            raise ParameterError(f"schedule {schedule.name!r} is a compute order (no SEND, RECV or FREE): lower it "
+                                 f"first (pipeschedule.lower, or compile_schedule, which lowers and verifies)")
+        _check_timeout(timeout)
+        check_int("history", history, minimum=0)
+        if transport.failure is not None:
+            raise RuntimeScheduleError(
+                f"rank {rank}: a step over this transport failed earlier ({transport.failure}); a new executor needs a "
+                f"new process group and transport, or a new job ([Note: no retry on a failed group] in transport)",
+                rank=rank)
         self.measure_stash = measure_stash
         self.exact_times = False  # StepTimes' compute times: synchronise around each F, B, W (slower)
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
@@ -149,11 +161,17 @@ class Executor:
         self.times = StepTimes()
         self.steps = 0  # completed steps
         self._agreed = self._agreeing = False  # every rank runs this schedule ([Note: schedule agreement])
+        if shapes is not None and not (isinstance(shapes, Mapping) and all(
+                is_int(s) and 0 <= s < schedule.num_stages - 1 and isinstance(meta, TensorMeta)
+                for s, meta in shapes.items())):
+            raise ParameterError(f"shapes= maps a stage whose output crosses a boundary (0..{schedule.num_stages - 2}) "
+                                 f"to its TensorMeta, got {shown(shapes)}")
         self.shapes = Shapes(transport, shapes)
+        self._given_shapes = dict(shapes or {})  # compared across ranks at the first step
         self._history: deque[tuple[int, Instr]] = deque(maxlen=history)
         self._stash_bytes: dict[tuple, int] = {}  # (stage, state, input signature) -> stash bytes
         self._state_of = getattr(stages, "state", None)  # Stages.state, where given
-        self._pc, self._waiting, self._broken = 0, None, False
+        self._pc, self._waiting, self._broken, self._running = 0, None, False, False
         self.split = schedule.split_backward
         self.split_mode: dict[int, str] = {}  # stage -> "split" | "full", from its first F
         self.split_report: dict[int, SplitReport] = {}
@@ -175,6 +193,8 @@ class Executor:
         """One step; returns `_outputs()`. Raises RuntimeScheduleError (and makes every
         other rank raise) on any failure, or when one wait exceeds `timeout` seconds
         (default: the executor's)."""
+        if timeout is not None:
+            _check_timeout(timeout)
         return run_blocking(self, self.run(inputs, targets), self.timeout if timeout is None else timeout)
 
     def run(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None):
@@ -184,6 +204,7 @@ class Executor:
             self._begin()
             if not self._agreed:
                 yield from self._agree()
+            self._running = True  # past the agreement: messages may be in flight from here on
             self._take(inputs, targets)
             for pc, instr in enumerate(self.program):
                 if instr.op in COMM_OPS:
@@ -209,7 +230,9 @@ class Executor:
 
     def _begin(self) -> None:
         if self._broken:
-            raise RuntimeScheduleError("this executor stopped with an error in an earlier step; build a new one")
+            raise RuntimeScheduleError(
+                "this executor stopped with an error in an earlier step; a new one needs a new process group and "
+                "transport, or a new job ([Note: no retry on a failed group] in transport)")
         self._pc = 0
         self._losses: list[torch.Tensor | None] = [None] * self.schedule.microbatches
         self._persistent: dict[int, set[int]] = {}
@@ -217,6 +240,7 @@ class Executor:
         if self._state_of is None or len(self._stash_bytes) > STASH_SIZES_KEPT:
             self._stash_bytes = {}  # measured afresh this step
         self._broken = True  # until the step completes; a failed or abandoned step leaves it set
+        self._running = False
         self.ledger.begin_step()
         self.times = StepTimes(start=time.perf_counter())
 
@@ -226,7 +250,8 @@ class Executor:
         ([Note: schedule agreement])."""
         self._agreeing = True
         try:
-            agreement = Agreement(self.transport, self.shapes.namespace, self.rank, ScheduleSummary.of(self.schedule))
+            summary = ScheduleSummary.of(self.schedule, self._given_shapes)
+            agreement = Agreement(self.transport, self.shapes.namespace, self.rank, summary)
             problem = agreement.wrong_world()
             if problem is not None:
                 raise self.error(problem, error_type=ScheduleMismatchError, fields=("pp",))
@@ -400,6 +425,10 @@ class Executor:
         if s == self.last_stage:
             if y.numel() != 1:
                 raise RuntimeScheduleError(f"the last stage must return a scalar loss, got {describe(y)}")
+            if not y.requires_grad and torch.is_grad_enabled() and not self.schedule.forward_only:
+                raise RuntimeScheduleError(
+                    "the last stage returned a loss that does not require grad (detached, computed under no_grad, "
+                    "or from nothing that requires grad): its backward would leave every gradient zero")
             root = y / self.schedule.microbatches
             self._losses[mb] = root.detach()
             return root, None
@@ -571,11 +600,25 @@ class Executor:
             located = err  # already located: the watchdog, another rank's abort
         else:
             what = str(err) if isinstance(err, RuntimeScheduleError) else f"{type(err).__name__}: {err}"
-            earlier = self.transport.aborted()
+            try:
+                earlier = self.transport.aborted()
+            except Exception:  # the store is gone too (its server exited): this rank's own error stands
+                earlier = None
             located = self.stopped_by(earlier, what) if earlier else self.error(what)
         if not located.remote:
-            self.transport.abort(str(located))
+            try:
+                self.transport.abort(str(located))
+            except Exception as lost:  # noqa: BLE001  (the others learn it from their own wait)
+                _LOG.error("pipeschedule rank %d: could not tell the other ranks to stop: %s", self.rank, lost)
+        if self._running:  # (a failed agreement posted nothing, on any rank: the group stays usable)
+            self.transport.mark_failed(str(located))
         return located
+
+
+def _check_timeout(timeout) -> None:
+    """The watchdog's seconds per wait: a number > 0 (math.inf: no watchdog)."""
+    if not (is_number(timeout) and timeout > 0):
+        raise ParameterError(f"timeout must be a number of seconds > 0 (math.inf: wait for ever), got {shown(timeout)}")
 
 
 def _handed(tensor: torch.Tensor) -> torch.Tensor:

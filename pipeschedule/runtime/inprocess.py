@@ -74,6 +74,9 @@ class _Posted(Pending):
     def ready(self) -> bool:
         return all(message.done for message in self.messages)
 
+    def finish(self) -> None:
+        self.messages = ()  # [Note: a finished batch holds nothing] in transport
+
 
 class InProcessTransport(Transport):
     """One rank's view of an `InProcessWorld`."""

@@ -33,6 +33,17 @@ return a Pending over the whole batch: their sends read the executor's own tenso
 [Note: every rank stops] On failure a rank writes an abort message under
 `<prefix>abort` in the store (the first writer wins); every waiting rank checks that key
 at least every `ABORT_POLL_S` and stops with an error quoting it.
+
+[Note: no retry on a failed group] A step that fails leaves messages in the process
+group's channels: sends posted that nobody received, receives posted that nothing
+matched. Messages pair by order, so a new executor on the same group would take them for
+its own: a retry over gloo finished on the loss rank with every microbatch shifted by one
+and wrong losses and gradients, and no error. So every executor that fails marks its
+transport (`mark_failed`), and a `DistTransport` refuses to be built on a process group
+a failed step used in this process, or over a store that holds an abort under its prefix:
+the way on is a new process group (`torch.distributed.new_group`) and a new prefix, or
+a new job. (In one process, `InProcessPipeline` builds a new world each time: a new one
+runs afresh.)
 """
 
 from __future__ import annotations
@@ -46,7 +57,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from pipeschedule.errors import RuntimeScheduleError
+
 ABORT_POLL_S = 0.02
+_FAILED_GROUPS: dict = {}  # process group -> the first line of a failure a step over it met, in this process
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,21 @@ class Transport(abc.ABC):
     def aborted(self) -> str | None:
         """The abort message, or None."""
 
+    failure: str | None = None  # the first line of a failed step's error ([Note: no retry on a failed group])
+
+    def mark_failed(self, message: str) -> None:
+        """A step over this transport failed with `message` ([Note: no retry on a failed group])."""
+        if self.failure is None:
+            self.failure = message.splitlines()[0]
+
+
+# [Note: a finished batch holds nothing] A Pending keeps its batch's tensors alive (its
+# works and ops) until the messages complete, and no longer: `finish` drops them. Others
+# still hold the Pending for a while (the driver's last wait, the waiter thread's last
+# batch), and a send's tensor is an alias of the stage output, so a Pending that kept
+# them held a sent output's storage past its FREE act_out, until the next batch (pool=False:
+# two outputs live during the next F, where the ledger counts one).
+
 
 class _PolledWorks(Pending):
     def __init__(self, works, ops):
@@ -133,6 +162,7 @@ class _PolledWorks(Pending):
     def finish(self) -> None:
         for work in self.works:
             work.wait()
+        self.works, self.ops = (), ()  # [Note: a finished batch holds nothing]
 
 
 class _ThreadWaited(Pending):
@@ -150,17 +180,21 @@ class _ThreadWaited(Pending):
     def finish(self) -> None:
         if self.error is not None:
             raise self.error
+        self.works, self.ops = (), ()  # [Note: a finished batch holds nothing]
 
 
 def _wait_loop(batches: queue.SimpleQueue) -> None:
     while True:  # [Note: waiting on gloo]
-        pending = batches.get()
-        try:
-            for work in pending.works:
-                work.wait()
-        except BaseException as err:  # reported to the executor through finish()
-            pending.error = err
-        pending.event.set()
+        _wait_all(batches.get())  # (in a call of its own: no local holds a batch while the next is awaited)
+
+
+def _wait_all(pending: _ThreadWaited) -> None:
+    try:
+        for work in pending.works:
+            work.wait()
+    except BaseException as err:  # reported to the executor through finish()
+        pending.error = err
+    pending.event.set()
 
 
 class DistTransport(Transport):
@@ -174,6 +208,26 @@ class DistTransport(Transport):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._waiting: dict[str, queue.SimpleQueue] = {}  # waiter thread -> its queue
+        failed = _FAILED_GROUPS.get(self._group())
+        if failed is not None:
+            raise RuntimeScheduleError(
+                f"rank {self.rank}: a step over this process group failed earlier ({failed}); its channels may "
+                f"still hold that step's messages, which a new step would take for its own: build the "
+                f"executors on a new process group (torch.distributed.new_group) with a new prefix, or restart "
+                f"the job ([Note: no retry on a failed group])", rank=self.rank)
+        earlier = self.aborted()
+        if earlier is not None:
+            raise RuntimeScheduleError(
+                f"rank {self.rank}: the store holds an abort under prefix {prefix!r}: "
+                f"{earlier.splitlines()[0]}\n  a transport over it would stop at once: give a new prefix (and a "
+                f"new process group), or restart the job", rank=self.rank)
+
+    def _group(self):
+        return self.group if self.group is not None else dist.group.WORLD
+
+    def mark_failed(self, message: str) -> None:
+        super().mark_failed(message)
+        _FAILED_GROUPS.setdefault(self._group(), self.failure)
 
     def post(self, ops: list[P2P]) -> Pending:
         works = self._post_works(ops)

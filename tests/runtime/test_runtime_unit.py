@@ -4,16 +4,21 @@ stash accounting, metadata, outputs and error paths."""
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 from torch import nn
 
+from pipeschedule.checks import shown
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.ir import Instr, Op, Schedule
 from pipeschedule.compiler.passes import lower
 from pipeschedule.runtime import (
-    Executor, InProcessPipeline, InProcessWorld, ModuleStages, RemoteOutput, RuntimeScheduleError, TensorMeta,
+    Executor, InProcessPipeline, InProcessTransport, InProcessWorld, ModuleStages, RemoteOutput, RuntimeScheduleError,
+    ScheduleMismatchError, TensorMeta,
     run_in_process,
 )
 
@@ -199,9 +204,11 @@ def test_in_process_mismatch_names_both_shapes():
         Executor(schedule, 0, stages, world.transport(0), shapes={0: TensorMeta((BATCH, width(1)), torch.float32)}),
         Executor(schedule, 1, stages, world.transport(1), shapes={0: TensorMeta((BATCH, 5), torch.float32)}),
     ]
-    with pytest.raises(RuntimeScheduleError,
-                       match=r"rank 0 sends float32\[3, 12\] \(0SEND_F0@1\) but rank 1 receives float32\[3, 5\] "
-                             r"\(1RECV_F0@0\)"):
+    # compared at the first step, before any message ([Note: schedule agreement]); it used to surface only at the
+    # delivery in one process, and over gloo not at all (a smaller message landed in a larger buffer)
+    with pytest.raises(ScheduleMismatchError,
+                       match=r'(?s)rank 1, .*boundary shapes given '
+                             r'\(shapes= \{"0": "float32\|3,5\|1"\} vs \{"0": "float32\|3,12\|1"\}'):
         run_in_process(executors, *make_data(2, 1))
 
 
@@ -227,5 +234,58 @@ def test_step_checks_its_inputs():
 def test_a_rank_outside_the_schedule_is_refused():
     schedule = lower(generate("1f1b", pp=2, microbatches=2))
     world = InProcessWorld(2)
-    with pytest.raises(ParameterError, match=r"rank 2 is not a rank of '1f1b' \(pp=2: ranks 0..1\)"):
-        Executor(schedule, 2, ModuleStages(make_chunks(2), loss_fn), world.transport(0))
+    for rank in (2, -1, 1.0, "1", True):
+        with pytest.raises(ParameterError, match=rf"rank {re.escape(shown(rank))} is not a rank of '1f1b' "
+                                                 r"\(pp=2: ranks 0..1, an int\)"):
+            Executor(schedule, rank, ModuleStages(make_chunks(2), loss_fn), world.transport(0))
+
+
+def test_the_executor_refuses_what_it_cannot_run():
+    """A compute order (not lowered), a watchdog timeout that is no number of seconds > 0, a
+    negative history: each named at construction, not deep inside a step."""
+    order = generate("1f1b", pp=2, microbatches=2)
+    world = InProcessWorld(2)
+    stages = ModuleStages(make_chunks(2), loss_fn)
+    with pytest.raises(ParameterError, match="is a compute order .* lower it first"):
+        Executor(order, 0, stages, world.transport(0))
+    schedule = lower(order)
+    for timeout in (None, 0, -1, float("nan"), "30"):
+        expected = rf"timeout must be a number of seconds > 0 .* got {re.escape(shown(timeout))}"
+        with pytest.raises(ParameterError, match=expected):
+            Executor(schedule, 0, stages, world.transport(0), timeout=timeout)
+    executor = Executor(schedule, 0, stages, world.transport(0), timeout=math.inf)  # no watchdog: accepted
+    with pytest.raises(ParameterError, match="timeout must be"):
+        executor.step(make_data(2, 2)[0], timeout=float("nan"))
+    with pytest.raises(ParameterError, match="history must be an integer >= 0, got -1"):
+        Executor(schedule, 0, stages, world.transport(0), history=-1)
+
+
+def test_a_loss_without_a_graph_is_refused():
+    """plain PyTorch refuses `loss.backward()` here; the executor used to skip the backward and leave every
+    gradient 0"""
+    schedule = lower(generate("1f1b", pp=2, microbatches=2))
+    chunks = make_chunks(2)
+    pipeline = InProcessPipeline(schedule, ModuleStages(chunks, lambda out, target: loss_fn(out, target).detach()))
+    with pytest.raises(RuntimeScheduleError, match="loss that does not require grad"):
+        pipeline.step(*make_data(2, 2))
+
+
+class _StoreGone(InProcessTransport):
+    """A transport whose abort signal cannot be read or written: the store's server exited."""
+
+    def aborted(self):
+        raise RuntimeError("Connection reset by peer")
+
+    def abort(self, message):
+        raise RuntimeError("Connection reset by peer")
+
+
+def test_a_store_that_went_away_is_named_where_the_rank_waits():
+    """It used to escape as the store's own error, from inside the watchdog and from the
+    failure handler, with no rank, instruction or batch."""
+    schedule = lower(generate("1f1b", pp=2, microbatches=2))
+    world = InProcessWorld(2)
+    executor = Executor(schedule, 0, ModuleStages(make_chunks(2), loss_fn), _StoreGone(world, 0), timeout=5)
+    with pytest.raises(RuntimeScheduleError, match=r"rank 0, step 0, pc 0 \(comparing schedules.*cannot reach the "
+                                                   r"store .*RuntimeError: Connection reset by peer"):
+        executor.step(make_data(2, 2)[0])
