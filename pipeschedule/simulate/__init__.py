@@ -33,7 +33,8 @@ class SimResult:
 
     step_time: when the last rank finishes. bubble_fraction: 1 - sum(busy) /
     (pp * step_time). busy: per-rank compute time. peak_inflight: per rank, the most
-    (stage, mb) whose F has run and whose B has not. peak_bytes / memory: per rank, the
+    (stage, mb) whose F has run and whose B has not (0 in a forward-only schedule, which
+    keeps nothing for a backward, as rule 6 reads it). peak_bytes / memory: per rank, the
     most live buffer bytes and the (time, live bytes) step curve, one point per time at
     which the bytes change ([Note: when bytes count]); it starts at (0, ...) and ends at
     0 when every buffer is freed. events: one `Event(rank, index, instr, start, end)`
@@ -113,7 +114,8 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
         step_time=step_time,
         bubble_fraction=bubble,
         busy=tuple(trace.busy),
-        peak_inflight=tuple(trace.peak_inflight),
+        # a forward-only schedule holds nothing for a backward ([Note: forward-only schedules] in verify.py)
+        peak_inflight=(0,) * schedule.pp if schedule.forward_only else tuple(trace.peak_inflight),
         peak_bytes=tuple(trace.peak_bytes),
         memory=MemoryCurves(trace.memory, trace.replay, events),
         events=events,
