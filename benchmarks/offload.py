@@ -32,7 +32,8 @@ Before each step the peak statistics are reset, so peaks are the step's own.
    smallest m to the largest.
 3. Offload selected in the `pp_engine` value (`ps_1f1b:offload=0[,stream=64]`), run
    through nanotron's engine interface (part "engine"): stage 0's peak allocated memory
-   and step time.
+   and step time, the three cases in rounds and their slowdowns paired as the fractions'
+   ([Note: paired engine rounds] in benchmarks/training.py).
 
 Writes benchmarks/results/offload.json (raw) and offload.md (tables); prints the tables last.
 """
@@ -250,22 +251,26 @@ ENGINE_CASES = (("ps_1f1b", "ps_1f1b"), ("offload=0", "ps_1f1b:offload=0"),
                 ("offload=0,stream=64", "ps_1f1b:offload=0,stream=64"))
 
 
-def _run_shared(cfg, case_list, smoke: bool):
+def _run_shared(cfg, case_list, smoke: bool, rounds: int = 1):
     """`training.run_cases` of the cases through nanotron's engine interface, four processes
-    on the one GPU, this benchmark's micro-batch size and steps: (rows, skipped)."""
+    on the one GPU, this benchmark's micro-batch size and steps (or `rounds`: [Note:
+    paired engine rounds] in benchmarks/training.py): (rows, skipped)."""
     return training.run_cases(cfg, case_list, pp=PP, mode="shared", microbatch_size=MICROBATCH_SIZE,
-                              warmup=WARMUP, steps=1 if smoke else STEPS, timeout=300 if smoke else 1500)
+                              warmup=WARMUP, steps=1 if smoke else STEPS, timeout=300 if smoke else 1500,
+                              rounds=rounds)
 
 
 def measure_engines(cfg, *, smoke: bool) -> tuple[list[dict], list[dict]]:
     """Part 3: offload selected in the `pp_engine` value, through nanotron's engine interface
     (`benchmarks.training.run_cases`, with an AdamW step): pipeschedule's 1F1B at m=8
-    plain, with rank 0 offloading every stash whole, and streamed in 64 MiB chunks."""
+    plain, with rank 0 offloading every stash whole, and streamed in 64 MiB chunks; the
+    three in rounds, so that the slowdowns are paired ([Note: paired offload rounds])."""
     m = 4 if smoke else OFFLOAD_M
-    rows, skipped = _run_shared(cfg, [training.Case(label, engine, 1, m) for label, engine in ENGINE_CASES], smoke)
-    keys = ("peak_allocated", "peak_reserved", "seconds", "ledger_peak")
+    rows, skipped = _run_shared(cfg, [training.Case(label, engine, 1, m) for label, engine in ENGINE_CASES], smoke,
+                                rounds=2 if smoke else ROUNDS)
+    keys = ("peak_allocated", "peak_reserved", "seconds", "ledger_peak", "all_seconds", "rounds")
     return [{"label": row["case"]["label"], "engine": row["case"]["engine"], "m": m,
-             "ranks": [{k: rank[k] for k in keys} for rank in row["ranks"]]} for row in rows], skipped
+             "ranks": [{k: rank.get(k) for k in keys} for rank in row["ranks"]]} for row in rows], skipped
 
 
 def measure_nanotron(cfg, *, smoke: bool) -> tuple[list[list[dict]], list[dict]]:
@@ -434,8 +439,14 @@ def render(report: dict, out_dir: Path | None) -> str:
             fall = None if r0["peak_allocated"] is None else base["peak_allocated"] - r0["peak_allocated"]
             seconds = statistics.median(r["seconds"] for r in row["ranks"])
             base_seconds = statistics.median(r["seconds"] for r in engine_rows[0]["ranks"])
+            slowdown = paired_slowdown(r0, base) if base.get("rounds") else seconds / base_seconds - 1
             lines.append(f"| `{row['engine']}` | {_mb(r0['peak_allocated'])} | {_mb(fall)} | {seconds:.3f} | "
-                         f"{seconds / base_seconds - 1:+.1%} |")
+                         f"{slowdown:+.1%} |")
+        rounds = base.get("rounds")
+        lines += ["", f"slowdown: the median over {rounds} rounds of the step against `{engine_rows[0]['engine']}`'s "
+                  "step of the same round (rank 0; [Note: paired engine rounds] in benchmarks/training.py)."
+                  if rounds else "slowdown: ratio of medians of steps measured one case after another (unpaired: "
+                  "separate runs on this shared machine move by 3-6%)."]
         lines += [f"- `{s['case']['engine']}` not run: {s['why']}" for s in report.get("engine_skipped", [])] + [""]
     text = "\n".join(lines) + "\n"
     if out_dir is not None:

@@ -257,23 +257,63 @@ def worker(rank: int, world_size: int, store, mode: str, cfg: ModelConfig, case_
     else:
         p2p = cpu_p2p(context.pp_pg)  # pipeschedule's engines do not use it; nanotron's do on CPU
     smallest_m = min(c.microbatches for c in case_list)
+
+    def measure(case: Case, steps: int, trace: bool) -> dict:
+        keep = trace and case.label in settings["trace_labels"] and case.microbatches == smallest_m
+        return measure_case(case, cfg, pp=world_size, context=context, p2p=p2p, pp_rank=pp_rank, device=device,
+                            dtype=dtype, microbatch_size=settings["microbatch_size"], warmup=settings["warmup"],
+                            steps=steps, keep_trace=keep)
+
+    rounds = settings.get("rounds", 1)
     with open(os.path.join(progress, f"rank{pp_rank}.jsonl"), "a", encoding="utf-8") as log:
-        for case in case_list:
-            keep = case.label in settings["trace_labels"] and case.microbatches == smallest_m
-            record = measure_case(case, cfg, pp=world_size, context=context, p2p=p2p, pp_rank=pp_rank, device=device,
-                                  dtype=dtype, microbatch_size=settings["microbatch_size"], warmup=settings["warmup"],
-                                  steps=settings["steps"], keep_trace=keep)
+        if rounds == 1:
+            records = (measure(case, settings["steps"], True) for case in case_list)
+        else:  # [Note: paired engine rounds]
+            per_case: list[list[dict]] = [[] for _ in case_list]
+            order = list(range(len(case_list)))
+            for r in range(rounds):
+                for k in order[r % len(order):] + order[:r % len(order)]:
+                    per_case[k].append(measure(case_list[k], 1, r == rounds - 1))
+            records = (merge_case_rounds(rows) for rows in per_case)
+        for record in records:
             log.write(json.dumps(record) + "\n")
             log.flush()
 
 
+# [Note: paired engine rounds] With `run_cases(rounds=R)`, R > 1, the cases run in R rounds:
+# each round builds every case's engine and model in turn (the order rotating by one each
+# round), runs the warm-up steps and ONE measured step, and drops them; a case's
+# `all_seconds` then holds one step per round, in round order, so two cases can be
+# compared round by round (a drift of the shared machine hits both alike), as
+# `benchmarks.offload.paired_slowdown` does. Peaks are the largest over the rounds, each
+# step's own. A case's record is written once every round has run, so a failure loses
+# every case of the call (with R = 1 only the failing case and those after it).
+
+
+def merge_case_rounds(rows: list[dict]) -> dict:
+    """One case's `measure_case` records of several rounds ([Note: paired engine rounds])
+    as one: the last round's record, its steps those of every round, `all_seconds` one
+    per round, `seconds` their median, the peaks the largest, and `rounds`."""
+    out = dict(rows[-1])
+    out["steps"] = [step for row in rows for step in row["steps"]]
+    out["all_seconds"] = [row["seconds"] for row in rows]
+    out["seconds"] = statistics.median(out["all_seconds"])
+    for key in ("peak_allocated", "peak_reserved", "reserved_after", "ledger_peak", "grad_bytes"):
+        values = [row[key] for row in rows if row[key] is not None]
+        out[key] = max(values) if values else None
+    out["rounds"] = len(rows)
+    return out
+
+
 def run_cases(cfg: ModelConfig, case_list: list[Case], *, pp: int, mode: str, microbatch_size: int = 1,
               warmup: int = 1, steps: int = 3, trace_labels: tuple[str, ...] = (), timeout: float = 480.0,
-              backend: str | None = None) -> tuple[list[dict], list[dict]]:
+              backend: str | None = None, rounds: int = 1) -> tuple[list[dict], list[dict]]:
     """(rows, skipped): one row per case that ran on every rank, and the cases left out
-    with the reason. A case the memory model says cannot fit is not run (an out-of-memory
-    rank would end every case after it): in 'shared' mode the processes' predicted peaks
-    together against the one GPU, in 'multi' mode each rank's against its own GPU."""
+    with the reason. With `rounds` > 1 the cases run in rounds of one measured step each
+    ([Note: paired engine rounds]; `steps` is then not read). A case the memory model
+    says cannot fit is not run (an out-of-memory rank would end every case after it): in
+    'shared' mode the processes' predicted peaks together against the one GPU, in 'multi'
+    mode each rank's against its own GPU."""
     from pipeschedule.runtime.launch import spawn
 
     dtype_bytes = 2 if torch.cuda.is_available() else 4
@@ -290,7 +330,10 @@ def run_cases(cfg: ModelConfig, case_list: list[Case], *, pp: int, mode: str, mi
                             f"the GPU has {capacity / 2**30:.1f} GiB"})
         else:
             runnable.append(case)
-    settings = {"microbatch_size": microbatch_size, "warmup": warmup, "steps": steps, "trace_labels": trace_labels}
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r}: give an integer >= 1")
+    settings = {"microbatch_size": microbatch_size, "warmup": warmup, "steps": steps, "trace_labels": trace_labels,
+                "rounds": rounds}
     with tempfile.TemporaryDirectory(prefix="pipeschedule-bench-") as progress:
         try:
             spawn(worker, pp, args=(mode, cfg, runnable, settings, progress), timeout=timeout, threads=2,

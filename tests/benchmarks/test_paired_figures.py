@@ -1,7 +1,8 @@
 """The paired figures the GPU benchmarks report (issue 19): offload's round-by-round
-slowdown and merged rounds, gpu_overhead's bootstrap interval, fastest quarter and the
-summary of saved runs. Pure functions over made-up rounds, so each figure is checked
-against what it must be, including where pairing and unpaired medians disagree."""
+slowdown and merged rounds (of its fractions and of its engine part), gpu_overhead's
+bootstrap interval, fastest quarter and the summary of saved runs. Pure functions over
+made-up rounds, so each figure is checked against what it must be, including where
+pairing and unpaired medians disagree."""
 
 from __future__ import annotations
 
@@ -40,6 +41,31 @@ def test_paired_slowdown_pairs_rounds_not_medians():
     assert paired_slowdown({"seconds": 1.5}, {"seconds": 1.0}) == pytest.approx(0.5)
     # rows of different round counts are not paired
     assert paired_slowdown(merge_rounds([_round(3.0, 1)]), base) == pytest.approx(3.0 / 1.1 - 1)
+
+
+def _case_round(seconds: float, peak: int) -> dict:
+    """One round's `measure_case` record of one rank (benchmarks/training.py)."""
+    return {"case": {"label": "x"}, "seconds": seconds, "all_seconds": [seconds], "steps": [{"seconds": seconds}],
+            "peak_allocated": peak, "peak_reserved": peak + 1, "reserved_after": peak, "ledger_peak": None,
+            "grad_bytes": 8, "param_bytes": 16}
+
+
+def test_engine_rounds_merge_and_pair_as_the_fractions_do():
+    from benchmarks.offload import render
+    from benchmarks.training import merge_case_rounds
+
+    base = merge_case_rounds([_case_round(1.0, 10), _case_round(2.0, 30), _case_round(1.1, 20)])
+    assert base["all_seconds"] == [1.0, 2.0, 1.1] and base["seconds"] == 1.1 and base["rounds"] == 3
+    assert base["peak_allocated"] == 30 and base["peak_reserved"] == 31 and base["ledger_peak"] is None
+    assert len(base["steps"]) == 3 and base["param_bytes"] == 16
+    case = merge_case_rounds([_case_round(1.2, 5), _case_round(2.4, 5), _case_round(1.0, 5)])
+    assert paired_slowdown(case, base) == pytest.approx(0.2)  # 20% slower in two rounds of three
+    assert case["seconds"] / base["seconds"] - 1 == pytest.approx(1.2 / 1.1 - 1)  # what medians alone would say
+    report = {"versions": {"date": "d"}, "model": {}, "microbatch_size": 1, "dtype": "bf16", "engine": [
+        {"engine": name, "m": 8, "ranks": [row] * 4} for name, row in (("ps_1f1b", base), ("ps_1f1b:offload=0", case))]}
+    text = render(report, None)
+    assert "| `ps_1f1b:offload=0` | 0.00 | 0.00 | 1.200 | +20.0% |" in text
+    assert "the median over 3 rounds of the step against `ps_1f1b`'s step of the same round" in text
 
 
 def _runs(executor: list[float], ordered: list[float]) -> dict:
