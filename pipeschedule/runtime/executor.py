@@ -97,7 +97,7 @@ from pipeschedule.runtime.ledger import Ledger, nbytes, saved_storages, signatur
 from pipeschedule.runtime.pool import BufferPool
 from pipeschedule.runtime.shapes import Shapes, TensorMeta, describe
 from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
-from pipeschedule.runtime.stages import Stages
+from pipeschedule.runtime.stages import ModuleStages, Stages
 from pipeschedule.runtime.transport import P2P, Transport
 
 _LOG = logging.getLogger("pipeschedule.runtime")
@@ -144,6 +144,10 @@ class Executor:
                                  f"first (pipeschedule.lower, or compile_schedule, which lowers and verifies)")
         _check_timeout(timeout)
         check_int("history", history, minimum=0)
+        if isinstance(stages, ModuleStages) and len(stages.chunks) != schedule.num_stages:
+            raise ParameterError(f"ModuleStages has {len(stages.chunks)} chunks for the {schedule.num_stages} stages "
+                                 f"of {schedule.name!r} (one per global stage, None for those other ranks run): its "
+                                 f"last chunk is the one it adds the loss to")
         if transport.failure is not None:
             raise RuntimeScheduleError(
                 f"rank {rank}: a step over this transport failed earlier ({transport.failure}); a new executor needs a "

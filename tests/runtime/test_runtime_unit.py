@@ -242,7 +242,8 @@ def test_a_rank_outside_the_schedule_is_refused():
 
 def test_the_executor_refuses_what_it_cannot_run():
     """A compute order (not lowered), a watchdog timeout that is no number of seconds > 0, a
-    negative history: each named at construction, not deep inside a step."""
+    negative history, ModuleStages with too few chunks: each named at construction, not
+    deep inside a step."""
     order = generate("1f1b", pp=2, microbatches=2)
     world = InProcessWorld(2)
     stages = ModuleStages(make_chunks(2), loss_fn)
@@ -258,6 +259,8 @@ def test_the_executor_refuses_what_it_cannot_run():
         executor.step(make_data(2, 2)[0], timeout=float("nan"))
     with pytest.raises(ParameterError, match="history must be an integer >= 0, got -1"):
         Executor(schedule, 0, stages, world.transport(0), history=-1)
+    with pytest.raises(ParameterError, match="ModuleStages has 1 chunks for the 2 stages"):  # stage 0 took the loss
+        Executor(schedule, 0, ModuleStages(make_chunks(1), loss_fn), world.transport(0))
 
 
 def test_a_loss_without_a_graph_is_refused():
