@@ -11,7 +11,7 @@
 
 Every error the user can cause ends with one line on stderr and a non-zero exit code,
 never a traceback: 2 for bad input (naming the value, cut to a readable length, and what
-is accepted; sizes beyond [Note: size limits] in limits.py included), 1 for a schedule
+is accepted; sizes beyond [Note: size limits] in checks.py included), 1 for a schedule
 that breaks a rule.
 """
 
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
         return EXIT_USAGE
     except MemoryError:
         # [Note: size limits] bounds every size before work starts; this is the net under them
-        print("pipeschedule: error: out of memory; the size limits (pipeschedule/limits.py) should have refused "
+        print("pipeschedule: error: out of memory; the size limits (pipeschedule/checks.py) should have refused "
               "this input first: please report it", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

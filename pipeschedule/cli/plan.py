@@ -147,8 +147,8 @@ def run(args, out=None) -> int:
         levers = plan_levers(config, zero=None if args.zero == "auto" else (int(args.zero),),
                              recompute=None if args.recompute == "auto" else (args.recompute,))
         out.write(json.dumps(levers.to_dict()) + "\n" if args.json else levers.to_text(tables=args.tables))
-        if args.png and levers.best is not None:
-            plan_png(levers.plans[levers.best[0]], args.png)
+        if args.png:  # the best combination's plan, or the first one's when nothing fits (as without levers)
+            plan_png(levers.best_plan, args.png)
         return 0 if levers.best is not None else 1
     result = plan(config)
     if args.json:

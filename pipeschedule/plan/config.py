@@ -177,15 +177,21 @@ def head_seconds(config: PlanConfig) -> tuple[float, float]:
 # -- in the command line's units ---------------------------------------------------------------
 
 
-def _scaled(flag: str, value: float | None, scale: float, unit: str, *, zero_ok: bool = False) -> float | None:
+RATE_FLOOR = 1e-3  # GB/s and TFLOP/s: below it a step takes longer than a float counts (1e-310 GB/s overflowed)
+
+
+def _scaled(flag: str, value: float | None, scale: float, unit: str, *, zero_ok: bool = False,
+            floor: float = 0.0) -> float | None:
     """`value`, given in the command line's `unit`, times `scale` (None stays None);
     ParameterError naming `flag` and the value as given unless it is a finite number > 0
-    (>= 0 with `zero_ok`) whose scaled value is finite too."""
+    (>= 0 with `zero_ok`; >= `floor` where one is given) whose scaled value is finite too."""
     if value is None:
         return None
     if not is_finite(value) or not (value >= 0 if zero_ok else value > 0):
         rule = ">=" if zero_ok else ">"
         raise ParameterError(f"{flag} must be a finite number {rule} 0 ({unit}), got {shown(value)}")
+    if value < floor:
+        raise ParameterError(f"{flag} must be at least {floor:g} {unit}, got {shown(value)}")
     out = value * scale
     if not math.isfinite(out):
         raise ParameterError(f"{flag} {shown(value)} {unit} is too large to count with (it overflows a float)")
@@ -221,18 +227,19 @@ def build_config(
         raise ParameterError("give a GPU preset (gpu=) or its memory in GiB (gpu_memory=)")
     preset = gpu_preset(gpu) if gpu is not None else {"memory": None, "tflops": 989.0}
     memory = _scaled("--gpu-memory", gpu_memory, GiB, "GiB") if gpu_memory is not None else preset["memory"]
-    _scaled("--gpu-tflops", gpu_tflops, 1e12, "TFLOP/s")  # used as FLOP/s
+    _scaled("--gpu-tflops", gpu_tflops, 1e12, "TFLOP/s", floor=RATE_FLOOR)  # used as FLOP/s
     link = host_link(gpu, host_bandwidth)
     return PlanConfig(
         model=model, setup=setup, pp=pp, microbatches=microbatches, gpu_memory=memory,
         reserve=_scaled("--reserve", reserve, GiB, "GiB", zero_ok=True),
         gpu_tflops=gpu_tflops if gpu_tflops is not None else preset["tflops"], mfu=mfu,
-        p2p_bandwidth=_scaled("--p2p-bandwidth", p2p_bandwidth, 1e9, "GB/s"),
+        p2p_bandwidth=_scaled("--p2p-bandwidth", p2p_bandwidth, 1e9, "GB/s", floor=RATE_FLOOR),
         p2p_latency=_scaled("--p2p-latency", p2p_latency, 1e-6, "microseconds", zero_ok=True),
         virtual=virtual, node_limit=node_limit, gpu_name=gpu if gpu_memory is None else f"{gpu_memory:g} GiB",
         offload=parse_offload(offload) if isinstance(offload, str) else offload,
-        host_bandwidth=_scaled("--host-bandwidth", link, 1e9, "GB/s"),
-        dp_bandwidth=_scaled("--dp-bandwidth", dp_bandwidth, 1e9, "GB/s"), hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
+        host_bandwidth=_scaled("--host-bandwidth", link, 1e9, "GB/s", floor=RATE_FLOOR),
+        dp_bandwidth=_scaled("--dp-bandwidth", dp_bandwidth, 1e9, "GB/s", floor=RATE_FLOOR),
+        hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
         host_memory=_scaled("--host-memory", host_memory, GiB, "GiB", zero_ok=True),
     )
 

@@ -467,6 +467,8 @@ def stage_params(model: ModelSpec, layers: int, *, first: bool, last: bool, tp: 
         params += model.embedding_params(tp)
     if last:
         params += model.head_params(tp)
+    if first and last and model.tied_embeddings:  # one stage holds both: the LM head is the embedding's weight
+        params -= model.embedding_params(tp)
     return params
 
 

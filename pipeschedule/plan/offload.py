@@ -50,6 +50,9 @@ def streamed_device_peak(simulated: float, stashes: Sequence[float]) -> float:
     return max(simulated, max(stashes, default=0.0))
 
 
+MAX_BUDGET = 100.0  # a step-time budget beyond it allows any offload (1e300 printed a 300-digit percentage)
+
+
 @dataclass(frozen=True)
 class AutoOffload:
     """`choose_offload`'s request: the step-time budget (a fraction: 0.03 allows 3% over
@@ -63,6 +66,9 @@ class AutoOffload:
     def __post_init__(self) -> None:
         check_chunk(self.chunk)
         check_number("offload budget", self.budget, hint=" (0.03 = 3% slower at most)")
+        if self.budget > MAX_BUDGET:
+            raise ParameterError(f"offload budget {shown(self.budget)} allows a step {self.budget:.3g} times "
+                                 f"slower; at most {MAX_BUDGET:g} (the step {MAX_BUDGET:g}x slower) is accepted")
         OffloadPolicy(ranks=self.ranks)  # same checks
         if not self.leads or not all(is_int(x) and x >= 0 for x in self.leads):
             raise ParameterError(f"offload leads must be integers >= 0, got {shown(self.leads)}")

@@ -96,17 +96,29 @@ def nanotron_split(model: ModelSpec, pp: int) -> tuple[int, ...]:
     would leave a stage without a decoder layer or put the LM head before the last stage
     (nanotron builds that, but it is no pipeline of `pp` working stages)."""
     check_int("pp", pp)
+    layers, head = _nanotron_layers(model, pp)
+    if not _working(layers, head):
+        below = next(q for q in range(min(pp, model.layers), 0, -1) if _working(*_nanotron_layers(model, q)))
+        raise ParameterError(
+            f"nanotron's split of {model.name} ({model.layers} layers) at pp={pp} gives layers {layers} "
+            f"with the LM head on stage {head}: a stage gets no decoder layer, and the plan starts from nanotron's "
+            f"own 1F1B; the largest pp up to {pp} where its split works for this model is {below}"
+        )
+    return tuple(layers)
+
+
+def _nanotron_layers(model: ModelSpec, pp: int) -> tuple[list[int], int]:
+    """(decoder layers per stage, the LM head's stage) under nanotron's split."""
     ranks = nanotron_assignment(llama_block_costs(model), pp)
     layers = [0] * pp
     for rank in ranks[1:1 + model.layers]:
         layers[rank] += 1
-    head = ranks[1 + model.layers + 1]
-    if head != pp - 1 or 0 in layers:
-        raise ParameterError(
-            f"nanotron's split of {model.name} ({model.layers} layers) at pp={pp} gives layers {layers} "
-            f"with the LM head on stage {head}: a stage gets no decoder layer"
-        )
-    return tuple(layers)
+    return layers, ranks[1 + model.layers + 1]
+
+
+def _working(layers: list[int], head: int) -> bool:
+    """Every stage has a decoder layer and the LM head is on the last."""
+    return head == len(layers) - 1 and 0 not in layers
 
 
 # -- the exact search ---------------------------------------------------------------------------

@@ -171,6 +171,8 @@ class _Planner:
         static = [0.0] * S
         static[0] += per_param * model.embedding_params(setup.tp)
         static[-1] += per_param * model.head_params(setup.tp)
+        if S == 1 and model.tied_embeddings:  # as stage_params: one weight for both
+            static[0] -= per_param * model.embedding_params(setup.tp)
         probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
         p2p = self.peaks(family, cap, virtual, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward))[0]
         working = [0.0] * schedule.pp

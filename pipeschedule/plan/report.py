@@ -140,7 +140,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
     for name, why in plan.dropped:
         out.append(f"  not listed: {name}: {why}")
     out += [
-        "split: nanotron = nanotron's own; optimal = the least simulated step time of all splits that fit (proven);",
+        "split: nanotron = nanotron's own; optimal = the least simulated pipeline time of all splits that fit (proven;",
+        "  the tail after the pipeline, DP reduction, all-gather and optimizer step, is added to it, not searched);",
         "  nanotron=optimal = both; no better = proven unable to beat a row above (split: the best it simulated);",
         "  best found = search stopped at its node limit; least overflow = no split fits, this one overflows least",
     ]

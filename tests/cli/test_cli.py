@@ -56,3 +56,12 @@ def test_a_csv_says_what_it_leaves_out(tmp_path, capsys):
     assert "leaves out the schedule's 44" in capsys.readouterr().err
     assert main(["compile", "1f1b", "--pp", "4", "-m", "8", "--csv", str(path)]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_plan_writes_its_png_when_nothing_fits(tmp_path, capsys):
+    """Under the ZeRO/recompute search it used to write nothing and say nothing; a single plan wrote it."""
+    path = tmp_path / "plan.png"
+    argv = ["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--micro-batch", "64", "--tables",
+            "none", "--png", str(path)]
+    assert main(argv) == 1  # nothing fits
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

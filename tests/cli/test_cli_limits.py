@@ -1,7 +1,7 @@
 """Bad input to the `pipeschedule` command, run as a user runs it: in a subprocess under a
 2 GiB address-space limit and a timeout. Every bad input ends with exit code 2 and one
 line on stderr naming the value and what is accepted, never a traceback; sizes beyond
-[Note: size limits] (pipeschedule/limits.py) are refused before any work."""
+[Note: size limits] (pipeschedule/checks.py) are refused before any work."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ from pipeschedule.compiler.passes import lower
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.planner import _Planner
 from pipeschedule.plan.presets import MODELS, load_model, model_from_mapping, parse_yaml
-from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
+from pipeschedule.plan.memory import p2p_buffers, rank_memory, stage_params, stash_buffers
 from pipeschedule.simulate import CostModel, simulate
 
 L70 = MODELS["llama3-70b"]
@@ -320,3 +320,16 @@ def test_optimizer_none_drops_the_optimizer_state_only():
     assert static_per_param(TrainingSetup()) == static_per_param(TrainingSetup(optimizer="adam"))
     with pytest.raises(ParameterError, match="optimizer must be one of adam, none, got 'sgd'"):
         TrainingSetup(optimizer="sgd")
+
+
+def test_tied_embeddings_count_once_where_one_stage_holds_both():
+    """At pp=1 the LM head is the embedding's weight: one stage's parameters are the model's
+    (it counted the untied size, 0.26 B parameters too many for a Llama-3.2-1B shape)."""
+    sizes = dict(layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256)
+    tied, untied = ModelSpec("tied", tied_embeddings=True, **sizes), ModelSpec("untied", **sizes)
+    for model in (tied, untied):
+        assert stage_params(model, 16, first=True, last=True, tp=1) == model.total_params()
+    # split over two stages, each holds its own copy (nanotron keeps them in sync)
+    assert (stage_params(tied, 8, first=True, last=False, tp=1) + stage_params(tied, 8, first=False, last=True, tp=1)
+            == stage_params(untied, 8, first=True, last=False, tp=1) + stage_params(untied, 8, first=False, last=True,
+                                                                                  tp=1))

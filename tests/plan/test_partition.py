@@ -61,6 +61,10 @@ def test_nanotron_split_rejects_a_stage_without_layers():
     tiny = ModelSpec("tiny", layers=4, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=100_000)
     with pytest.raises(ParameterError, match="pp=4 gives layers .* a stage gets no decoder layer"):
         nanotron_split(tiny, 4)
+    # and says where nanotron's split does work: the largest pp at or below the one asked for
+    with pytest.raises(ParameterError, match="the largest pp up to 16 where its split works for this model is 10"):
+        nanotron_split(MODELS["llama3-8b"], 16)
+    assert len(nanotron_split(MODELS["llama3-8b"], 10)) == 10
 
 
 # -- problems ---------------------------------------------------------------------------------
