@@ -101,7 +101,9 @@ def model_from_mapping(obj: Any, name: str = "custom") -> ModelSpec:
                 raise FormatError(f"model tied_embeddings must be true or false, got {shown(value)}")
         elif not is_int(value):
             raise FormatError(f"model {key} must be an integer, got {shown(value)}")
-    return ModelSpec(name=str(_find(obj, ("name",)) or name), **found)
+    # a name at the top only: deeper `name`s in a nanotron config are a data stage's or the optimizer's
+    given = obj.get("name")
+    return ModelSpec(name=given if isinstance(given, str) and given else name, **found)
 
 
 def _find(obj: Any, keys: tuple[str, ...]) -> Any:

@@ -284,6 +284,7 @@ def test_a_nanotron_config_is_a_model_file(tmp_path):
     model = load_model(str(path))
     assert (model.layers, model.hidden, model.heads, model.kv_heads, model.ffn, model.vocab) == (80, 8192, 64, 8,
                                                                                                  28672, 128256)
+    assert model.name == "llama"  # the file's; it was the first `name` anywhere: a data stage's ("stable")
     parsed = parse_yaml(NANOTRON_CONFIG)
     assert parsed["parallelism"]["pp_engine"] == "capped_1f1b:cap=2,split=19/21/21/19"
     assert parsed["data_stages"][0] == {"data": {"seed": 42}, "name": "stable"}
@@ -293,7 +294,9 @@ def test_a_nanotron_config_is_a_model_file(tmp_path):
 def test_flat_json_model_and_bad_files(tmp_path):
     path = tmp_path / "m.json"
     path.write_text('{"layers": 4, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100}')
-    assert load_model(str(path)).kv_heads == 4
+    assert load_model(str(path)).kv_heads == 4 and load_model(str(path)).name == "m"
+    path.write_text('{"name": "tiny", "layers": 4, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 100}')
+    assert load_model(str(path)).name == "tiny"  # a flat file's own name
     with pytest.raises(FormatError, match="lacks vocab"):
         model_from_mapping({"layers": 4, "hidden": 64, "heads": 4, "ffn": 128})
     with pytest.raises(FormatError, match="layers must be an integer"):
