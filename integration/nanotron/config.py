@@ -110,8 +110,9 @@ def _make_loader(original):
 def _make_saver(original):
     @functools.wraps(original)
     def cast_pipeline_engine_to_str(pp_engine):
-        """nanotron's saver, extended: an engine carrying an `EngineSpec` writes its canonical string."""
-        spec = getattr(pp_engine, "spec", None)
+        """nanotron's saver, extended: an engine carrying an `EngineSpec` writes its canonical
+        string (`saved_spec` where it has one: `auto` saves as auto, not as what it chose)."""
+        spec = getattr(pp_engine, "saved_spec", getattr(pp_engine, "spec", None))
         if isinstance(spec, EngineSpec) and not spec.is_nanotron_builtin:
             return spec.to_string()
         return original(pp_engine)

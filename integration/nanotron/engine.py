@@ -278,6 +278,12 @@ class AutoEngine(PipescheduleEngine):
     def name(self) -> str:
         return self.auto.name if self.choice is None else self.spec.name
 
+    @property
+    def saved_spec(self) -> EngineSpec:
+        """What a saved config holds: the user's `auto...` value, not the engine it runs
+        (a run resumed from a checkpoint's config.yaml chooses again)."""
+        return self.auto
+
     def train_batch_iter(self, model, pg, batch: Iterable[dict], nb_microbatches: int, grad_accumulator):
         first = self.choice is None
         if self._switch:  # the first step's runner stays until now: its ledger is that step's record
@@ -313,13 +319,22 @@ class AutoEngine(PipescheduleEngine):
         self.spec = parse_engine(self.choice.engine)
         self.family = FAMILIES[self.spec.family]
         self._switch = True
-        _LOG.warning("pipeschedule pp_engine auto (rank %d): %s: running %s from step 2 on; predicted peak GiB "
-                     "per rank %s; pin it with\n  parallelism:\n    pp_engine: %s", dist.get_rank(pg),
-                     self.choice.why, self.choice.engine, "/".join(f"{p / 2**30:.2f}" for p in self.choice.peaks),
-                     self.choice.engine)
+        peaks = "/".join(f"{p / 2**30:.2f}" for p in self.choice.peaks)
+        text = (f"pipeschedule pp_engine auto (rank {dist.get_rank(pg)}): {self.choice.why}: running "
+                f"{self.choice.engine} from step 2 on; predicted peak GiB per rank {peaks}; pin it with\n"
+                f"  parallelism:\n    pp_engine: {self.choice.engine}")
+        warn_lines(text)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.auto.to_string()!r}, running {self.spec.to_string()!r})"
+
+
+def warn_lines(text: str) -> None:
+    """`text` as one warning a line: nanotron's handler (`NewLineStreamHandler`) splits a
+    record's format string at newlines and formats each piece with all the record's
+    arguments, so a multi-line message with arguments ended in 'Logging error' tracebacks."""
+    for line in text.splitlines():
+        _LOG.warning("%s", line)
 
 
 def build_engine(spec: EngineSpec | str) -> PipescheduleEngine:

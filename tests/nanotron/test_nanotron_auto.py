@@ -61,3 +61,25 @@ def test_an_offload_choice_is_what_its_engine_runs():
     assert choice.peaks == tuple(s + (max(p, st) if o else p) for s, p, st, o in
                                  zip(measured.static, result.peak_bytes, measured.stash, offloaded))
     assert result.step_time == choice.step_time
+
+
+def test_the_choice_is_logged_through_nanotrons_handler():
+    """nanotron's handler splits a record's format string at newlines and formats each piece
+    with every argument: auto's multi-line message printed 'Logging error' tracebacks instead."""
+    import io
+    import logging
+
+    from integration.nanotron.engine import _LOG, warn_lines
+    from nanotron.logging import NewLineStreamHandler
+
+    stream = io.StringIO()
+    handler = NewLineStreamHandler(stream)
+    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    _LOG.addHandler(handler)
+    try:
+        warn_lines("auto (rank 0): 100% of 1 GiB: running ps_1f1b; pin it with\n  parallelism:\n    pp_engine: ps_1f1b")
+    finally:
+        _LOG.removeHandler(handler)
+    assert stream.getvalue().splitlines() == [
+        "[WARNING] auto (rank 0): 100% of 1 GiB: running ps_1f1b; pin it with", "[WARNING]   parallelism:",
+        "[WARNING]     pp_engine: ps_1f1b"]

@@ -251,3 +251,16 @@ def test_check_against_the_run():
     ):
         with pytest.raises(ParameterError, match=reason.replace("+", r"\+").replace("*", r"\*")):
             parse_engine(value).check_against(pp=pp, num_layers=layers)
+
+
+@pytest.mark.parametrize("value", ["auto", "auto:reserve=4"])
+def test_auto_saves_as_auto(tmp_path, value):
+    """A saved config (and the config.yaml nanotron writes into each checkpoint) keeps the
+    user's `auto`: it wrote the engine auto runs first (capped_1f1b:cap=1), so a resumed run
+    ran cap 1 for good."""
+    from integration.nanotron.engine import AutoEngine
+
+    loaded, reloaded, saved = round_trip(tmp_path, value, raw_line=f"pp_engine: {value}")
+    assert yaml.safe_load(saved)["parallelism"]["pp_engine"] == parse_engine(value).to_string()
+    assert isinstance(loaded, AutoEngine) and isinstance(reloaded, AutoEngine)
+    assert loaded.auto == reloaded.auto == parse_engine(value)
