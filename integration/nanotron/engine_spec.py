@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from integration.nanotron.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES, accepted_summary
-from pipeschedule.checks import is_int, parse_int
+from pipeschedule.checks import MAX_LAYERS, is_int, parse_int, shown
 from pipeschedule.compiler.families import family_virtual
 from pipeschedule.compiler.offload import OffloadPolicy
 from pipeschedule.errors import ParameterError
@@ -249,8 +249,9 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
     """One parameter's value, checked; `value` is the whole pp_engine value for messages."""
     if key == "virtual":
         number = _integer(value, key, raw)
-        if number < 1:
-            raise _error(value, f"virtual must be an integer >= 1, got {raw!r}")
+        if not 1 <= number <= MAX_LAYERS:  # each chunk needs a decoder layer (1e6 printed a 30 MB line, 1e8 hung)
+            raise _error(value, f"virtual must be an integer in 1..{MAX_LAYERS} (each chunk holds a decoder layer), "
+                                f"got {shown(raw)}")
         return number
     if key in ("lead", "stream"):
         number = _integer(value, key, raw)

@@ -77,7 +77,8 @@ BAD = [
     ("capped_1f1b:capp=2", "unknown parameter 'capp' for capped_1f1b; capped_1f1b accepts: cap, split"),
     ("capped_1f1b:virtual=2", "unknown parameter 'virtual' for capped_1f1b"),
     ("interleaved_1f1b:cap=2", "interleaved_1f1b needs virtual=N"),
-    ("interleaved_1f1b:virtual=0", "virtual must be an integer >= 1"),
+    ("interleaved_1f1b:virtual=0", "virtual must be an integer in 1..1024"),
+    ("interleaved_1f1b:virtual=1000000", "1..1024 (each chunk holds a decoder layer), got '1000000'"),  # was 30 MB
     ("1f1b:cap=2", "nanotron's own '1f1b' takes no parameters"),
     ("capped_1f1b:cap=2,cap=3", "parameter 'cap' given twice"),
     ("capped_1f1b:split=20/-1", "split must list decoder layers per stage"),
