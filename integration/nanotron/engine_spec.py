@@ -123,7 +123,7 @@ class EngineSpec:
 
     def check_against(self, *, pp: int, num_layers: int | None = None, virtual: int | None = None) -> None:
         """Check the parameters that depend on the run: cap list and split lengths, split
-        sum, offload ranks.
+        sum, offload ranks, several chunks per rank at pp = 1.
 
         Engines call this once they know pp (config load does not: dacite builds
         `pp_engine` before the rest of `parallelism`).
@@ -135,6 +135,13 @@ class EngineSpec:
             )
         if virtual is None:
             virtual = 1 if self.is_nanotron_builtin else family_virtual(self.family, self.virtual)
+        if pp == 1 and virtual > 1:
+            raise ParameterError(
+                f"pp_engine {self.to_string()!r} runs {virtual} model chunks per rank, which this adapter does not "
+                f"run at pp = 1 (one rank holds every chunk, and the data loader's tensors reach each chunk directly "
+                f"instead of through the stage before: the first step stopped with an internal error); at pp = 1 "
+                f"use ps_1f1b, capped_1f1b or nanotron's own 1f1b"
+            )
         if isinstance(self.recompute, tuple) and len(self.recompute) != pp * virtual:
             raise ParameterError(
                 f"pp_engine {self.to_string()!r}: recompute lists {len(self.recompute)} stages but "

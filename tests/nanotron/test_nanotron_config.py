@@ -244,11 +244,14 @@ def test_canonical_string_parses_back(spec):
 def test_check_against_the_run():
     parse_engine("capped_1f1b:cap=4/3/2/1,split=19/21/21/19").check_against(pp=4, num_layers=80)
     parse_engine("interleaved_1f1b:virtual=2,split=1/1/1/1").check_against(pp=2, num_layers=4)
+    parse_engine("ps_1f1b").check_against(pp=1, num_layers=4)
     for value, pp, layers, reason in (
         ("capped_1f1b:cap=4/3/2/1", 2, None, "cap lists 4 ranks but pp = 2"),
         ("capped_1f1b:split=40/40", 4, 80, "split lists 2 stages but pp * virtual = 4 * 1 = 4"),
         ("capped_1f1b:split=19/21/21/18", 4, 80, "19+21+21+18 = 79 decoder layers but the model has 80"),
         ("ps_1f1b:offload=0/4", 4, None, "offload names rank 4 but pp = 4"),
+        ("zbv", 1, None, "runs 2 model chunks per rank, which this adapter does not run at pp = 1"),
+        ("interleaved_1f1b:virtual=3", 1, None, "runs 3 model chunks per rank"),
     ):
         with pytest.raises(ParameterError, match=reason.replace("+", r"\+").replace("*", r"\*")):
             parse_engine(value).check_against(pp=pp, num_layers=layers)
