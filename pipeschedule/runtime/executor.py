@@ -75,7 +75,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
+import traceback
 from collections import deque
 from typing import Any, Mapping, Sequence
 
@@ -603,7 +605,7 @@ class Executor:
         if isinstance(err, RuntimeScheduleError) and err.rank == self.rank:
             located = err  # already located: the watchdog, another rank's abort
         else:
-            what = str(err) if isinstance(err, RuntimeScheduleError) else f"{type(err).__name__}: {err}"
+            what = str(err) if isinstance(err, RuntimeScheduleError) else f"{type(err).__name__}: {err}{_where(err)}"
             try:
                 earlier = self.transport.aborted()
             except Exception:  # the store is gone too (its server exited): this rank's own error stands
@@ -617,6 +619,21 @@ class Executor:
         if self._running:  # (a failed agreement posted nothing, on any rank: the group stays usable)
             self.transport.mark_failed(str(located))
         return located
+
+
+_NOT_THE_MODEL = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _where(err: BaseException) -> str:
+    """' (raised at FILE:LINE in FUNCTION)': the innermost frame of `err`'s traceback outside
+    torch and pipeschedule (the model code that failed; else the innermost), which a
+    launcher's one-line error would otherwise lose."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return ""
+    ours = [f for f in frames if not os.path.abspath(f.filename).startswith(_NOT_THE_MODEL)]
+    frame = (ours or frames)[-1]
+    return f" (raised at {frame.filename}:{frame.lineno} in {frame.name})"
 
 
 def _check_timeout(timeout) -> None:

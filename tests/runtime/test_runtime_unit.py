@@ -292,3 +292,17 @@ def test_a_store_that_went_away_is_named_where_the_rank_waits():
     with pytest.raises(RuntimeScheduleError, match=r"rank 0, step 0, pc 0 \(comparing schedules.*cannot reach the "
                                                    r"store .*RuntimeError: Connection reset by peer"):
         executor.step(make_data(2, 2)[0])
+
+
+def _broken_loss(out, target):
+    raise IndexError("the model's own bug")
+
+
+def test_a_stage_error_names_the_model_code_that_raised():
+    """A launcher prints the error in one line; the model's file and line used to be lost
+    (nanotron's own engine printed the whole traceback)."""
+    schedule = lower(generate("1f1b", pp=2, microbatches=2))
+    pipeline = InProcessPipeline(schedule, ModuleStages(make_chunks(2), _broken_loss))
+    expected = r"IndexError: the model's own bug \(raised at .*test_runtime_unit\.py:\d+ in _broken_loss\)"
+    with pytest.raises(RuntimeScheduleError, match=expected):
+        pipeline.step(*make_data(2, 2))
