@@ -34,6 +34,13 @@ SMOKE_MODEL = dict(hidden=64, layers=8, heads=4, kv_heads=2, ffn=128, vocab=256,
 SMOKE_TRAINER = dict(hidden=32, heads=4, kv_heads=2, layers=8, vocab=128, seq=16, micro_batch_size=2)
 
 
+def rotated(items: list, r: int) -> list:
+    """`items` starting at the r-th (modulo their number): round r's order, so that each
+    variant or case of an interleaved benchmark comes first in turn."""
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def git_commit(short: bool = False) -> str | None:
     """HEAD of this checkout, marked when the tree has uncommitted changes; None without git."""
     here = Path(__file__).parent

@@ -64,7 +64,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL, WARMUP, versions, write_results
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, SMOKE_MODEL, WARMUP, rotated, versions, write_results
 from benchmarks.llama.model import ModelConfig
 from benchmarks.llama.reference import microbatch
 from benchmarks.llama.stages import LlamaStages
@@ -171,9 +171,8 @@ def timed_rounds(variants: dict, *, warmup: int, rounds: int, before, device) ->
     process's CPU time until then ("cpu") of each measured round, the variants
     interleaved (round r starts with the r-th; see the module docstring)."""
     runs = {key: {"step": [], "host": [], "cpu": []} for key in variants}
-    keys = list(variants)
     for r in range(warmup + rounds):
-        for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+        for key in rotated(list(variants), r):
             before()
             gc.collect()
             sync(device)

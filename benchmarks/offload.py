@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import training
-from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, versions, write_results
+from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_MODEL, WARMUP, rotated, versions, write_results
 from benchmarks.llama.model import ModelConfig
 from benchmarks.llama.stages import LlamaStages
 from benchmarks.training import model_split, sync, to_device
@@ -183,10 +183,10 @@ def worker(rank: int, world: int, store, cfg, plan: list[dict], steps: int, roun
     paired = [k for k, case in enumerate(plan) if case["part"] == "fractions"]
     per_round: dict[int, list[dict]] = {k: [] for k in paired}
     for r in range(rounds if paired else 0):
-        for k in paired[r % len(paired):] + paired[:r % len(paired)]:
+        for k in rotated(paired, r):
             per_round[k].append(run_case(plan[k], 1))
     for k in paired:
-        rows[k] = merge_rounds(per_round[k])
+        rows[k] = training.merge_rounds(per_round[k], "per_step")
     for k, case in enumerate(plan):
         if k not in rows:
             rows[k] = run_case(case, steps)
@@ -200,20 +200,7 @@ def worker(rank: int, world: int, store, cfg, plan: list[dict], steps: int, roun
 # rotating by one each round), runs WARMUP steps and one measured step, and drops it. A
 # case's slowdown is the median over rounds of its step against fraction 0's step of the
 # same round (`paired_slowdown`); its peaks are the largest of its measured steps, each
-# step's own (the peak statistics are reset before it), as before.
-
-
-def merge_rounds(rows: list[dict]) -> dict:
-    """One case's `_run` rows of several rounds as one: peaks the largest, seconds the
-    median, all_seconds one per round in round order, per_step every round's steps."""
-    out = {key: max((row[key] for row in rows if row[key] is not None), default=None)
-           for key in rows[0] if key not in ("seconds", "all_seconds", "per_step", "buffer_bytes_mb0")}
-    out["all_seconds"] = [s for row in rows for s in row["all_seconds"]]
-    out["seconds"] = statistics.median(out["all_seconds"])
-    out["per_step"] = [step for row in rows for step in row["per_step"]]
-    out["buffer_bytes_mb0"] = rows[-1]["buffer_bytes_mb0"]
-    out["rounds"] = len(rows)
-    return out
+# step's own (the peak statistics are reset before it), as before (`training.merge_rounds`).
 
 
 def paired_slowdown(row: dict, base: dict) -> float:

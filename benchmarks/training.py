@@ -39,6 +39,7 @@ from integration.nanotron._compat import import_nanotron
 import_nanotron()
 
 from integration.nanotron import split as splits  # noqa: E402
+from benchmarks.common import rotated  # noqa: E402
 from benchmarks.llama.model import ModelConfig  # noqa: E402
 from integration.nanotron.registry import NANOTRON_ENGINES  # noqa: E402
 from pipeschedule.compiler.families import FAMILIES  # noqa: E402
@@ -270,11 +271,10 @@ def worker(rank: int, world_size: int, store, mode: str, cfg: ModelConfig, case_
             records = (measure(case, settings["steps"], True) for case in case_list)
         else:  # [Note: paired engine rounds]
             per_case: list[list[dict]] = [[] for _ in case_list]
-            order = list(range(len(case_list)))
             for r in range(rounds):
-                for k in order[r % len(order):] + order[:r % len(order)]:
+                for k in rotated(list(range(len(case_list))), r):
                     per_case[k].append(measure(case_list[k], 1, r == rounds - 1))
-            records = (merge_case_rounds(rows) for rows in per_case)
+            records = (merge_rounds(rows, "steps") for rows in per_case)
         for record in records:
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -290,17 +290,20 @@ def worker(rank: int, world_size: int, store, mode: str, cfg: ModelConfig, case_
 # every case of the call (with R = 1 only the failing case and those after it).
 
 
-def merge_case_rounds(rows: list[dict]) -> dict:
-    """One case's `measure_case` records of several rounds ([Note: paired engine rounds])
-    as one: the last round's record, its steps those of every round, `all_seconds` one
-    per round, `seconds` their median, the peaks the largest, and `rounds`."""
+def merge_rounds(rows: list[dict], steps_key: str) -> dict:
+    """One case's records of several rounds as one ([Note: paired engine rounds], [Note:
+    paired offload rounds] in benchmarks/offload.py): the last round's record, with every
+    number in it the largest over the rounds (the peaks; figures alike in every round stay
+    as they are), `steps_key` every round's steps, `all_seconds` every round's measured
+    steps in round order, `seconds` their median, and `rounds`."""
     out = dict(rows[-1])
-    out["steps"] = [step for row in rows for step in row["steps"]]
-    out["all_seconds"] = [row["seconds"] for row in rows]
+    for key, value in rows[-1].items():
+        if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            values = [row[key] for row in rows if row[key] is not None]
+            out[key] = max(values) if values else None
+    out[steps_key] = [step for row in rows for step in row[steps_key]]
+    out["all_seconds"] = [s for row in rows for s in row["all_seconds"]]
     out["seconds"] = statistics.median(out["all_seconds"])
-    for key in ("peak_allocated", "peak_reserved", "reserved_after", "ledger_peak", "grad_bytes"):
-        values = [row[key] for row in rows if row[key] is not None]
-        out[key] = max(values) if values else None
     out["rounds"] = len(rows)
     return out
 

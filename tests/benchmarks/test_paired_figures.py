@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_overhead import check_variants, fastest_quarter, paired_interval, paired_median, runs_summary
-from benchmarks.offload import merge_rounds, paired_slowdown
+from benchmarks.offload import paired_slowdown
+from benchmarks.training import merge_rounds
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ def _round(seconds: float, peak: int) -> dict:
 
 
 def test_merge_rounds_keeps_the_largest_peak_and_every_round():
-    merged = merge_rounds([_round(1.0, 10), _round(3.0, 30), _round(2.0, 20)])
+    merged = merge_rounds([_round(1.0, 10), _round(3.0, 30), _round(2.0, 20)], "per_step")
     assert merged["peak_allocated"] == 30 and merged["ledger_peak"] == 15
     assert merged["all_seconds"] == [1.0, 3.0, 2.0] and merged["seconds"] == 2.0 and merged["rounds"] == 3
     assert len(merged["per_step"]) == 3
@@ -33,14 +34,14 @@ def test_merge_rounds_keeps_the_largest_peak_and_every_round():
 
 def test_paired_slowdown_pairs_rounds_not_medians():
     # the machine slows down in round 2 for both; the case is 10% slower in every round
-    base = merge_rounds([_round(1.0, 1), _round(2.0, 1), _round(1.1, 1)])
-    case = merge_rounds([_round(1.1, 1), _round(2.2, 1), _round(1.21, 1)])
+    base = merge_rounds([_round(1.0, 1), _round(2.0, 1), _round(1.1, 1)], "per_step")
+    case = merge_rounds([_round(1.1, 1), _round(2.2, 1), _round(1.21, 1)], "per_step")
     assert paired_slowdown(case, base) == pytest.approx(0.10)
     assert paired_slowdown(base, base) == 0.0
     # unpaired rows (results from before the rounds): the ratio of medians
     assert paired_slowdown({"seconds": 1.5}, {"seconds": 1.0}) == pytest.approx(0.5)
     # rows of different round counts are not paired
-    assert paired_slowdown(merge_rounds([_round(3.0, 1)]), base) == pytest.approx(3.0 / 1.1 - 1)
+    assert paired_slowdown(merge_rounds([_round(3.0, 1)], "per_step"), base) == pytest.approx(3.0 / 1.1 - 1)
 
 
 def _case_round(seconds: float, peak: int) -> dict:
@@ -52,13 +53,12 @@ def _case_round(seconds: float, peak: int) -> dict:
 
 def test_engine_rounds_merge_and_pair_as_the_fractions_do():
     from benchmarks.offload import render
-    from benchmarks.training import merge_case_rounds
 
-    base = merge_case_rounds([_case_round(1.0, 10), _case_round(2.0, 30), _case_round(1.1, 20)])
+    base = merge_rounds([_case_round(1.0, 10), _case_round(2.0, 30), _case_round(1.1, 20)], "steps")
     assert base["all_seconds"] == [1.0, 2.0, 1.1] and base["seconds"] == 1.1 and base["rounds"] == 3
     assert base["peak_allocated"] == 30 and base["peak_reserved"] == 31 and base["ledger_peak"] is None
     assert len(base["steps"]) == 3 and base["param_bytes"] == 16
-    case = merge_case_rounds([_case_round(1.2, 5), _case_round(2.4, 5), _case_round(1.0, 5)])
+    case = merge_rounds([_case_round(1.2, 5), _case_round(2.4, 5), _case_round(1.0, 5)], "steps")
     assert paired_slowdown(case, base) == pytest.approx(0.2)  # 20% slower in two rounds of three
     assert case["seconds"] / base["seconds"] - 1 == pytest.approx(1.2 / 1.1 - 1)  # what medians alone would say
     report = {"versions": {"date": "d"}, "model": {}, "microbatch_size": 1, "dtype": "bf16", "engine": [
