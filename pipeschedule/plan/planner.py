@@ -34,6 +34,7 @@ from pipeschedule.plan.memory import (
     head_stash,
     layer_activation_bytes,
     stage_footprints,
+    stage_params,
     static_per_param,
     transient_per_param,
     weight_stash_bytes,
@@ -168,11 +169,8 @@ class _Planner:
         layer_stash = float(layer_activation_bytes(model, setup))
         if schedule.split_backward and setup.recompute != "full":
             layer_stash = max(layer_stash, float(weight_stash_layer(model, setup)))  # a bound: W may keep more
-        static = [0.0] * S
-        static[0] += per_param * model.embedding_params(setup.tp)
-        static[-1] += per_param * model.head_params(setup.tp)
-        if S == 1 and model.tied_embeddings:  # as stage_params: one weight for both
-            static[0] -= per_param * model.embedding_params(setup.tp)
+        # a stage's own parameters beside its layers: the embedding on the first, the head on the last
+        static = [per_param * stage_params(model, 0, first=s == 0, last=s == S - 1, tp=setup.tp) for s in range(S)]
         probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
         p2p = self.peaks(family, cap, virtual, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward))[0]
         working = [0.0] * schedule.pp
