@@ -173,7 +173,6 @@ class Executor:
             raise ParameterError(f"shapes= maps a stage whose output crosses a boundary (0..{schedule.num_stages - 2}) "
                                  f"to its TensorMeta, got {shown(shapes)}")
         self.shapes = Shapes(transport, shapes)
-        self._given_shapes = dict(shapes or {})  # compared across ranks at the first step
         self._history: deque[tuple[int, Instr]] = deque(maxlen=history)
         self._stash_bytes: dict[tuple, int] = {}  # (stage, state, input signature) -> stash bytes
         self._state_of = getattr(stages, "state", None)  # Stages.state, where given
@@ -256,7 +255,7 @@ class Executor:
         ([Note: schedule agreement])."""
         self._agreeing = True
         try:
-            summary = ScheduleSummary.of(self.schedule, self._given_shapes)
+            summary = ScheduleSummary.of(self.schedule, self.shapes.given)
             agreement = Agreement(self.transport, self.shapes.namespace, self.rank, summary)
             problem = agreement.wrong_world()
             if problem is not None:

@@ -74,7 +74,8 @@ class Shapes:
 
     def __init__(self, transport: Transport, given: Mapping[int, TensorMeta] | None = None):
         self.transport = transport
-        self.known: dict[int, TensorMeta] = dict(given or {})
+        self.given: dict[int, TensorMeta] = dict(given or {})  # `shapes=`, which ranks compare at the first step
+        self.known: dict[int, TensorMeta] = dict(self.given)
         self.namespace = transport.namespace()
 
     def __contains__(self, stage: int) -> bool:
