@@ -309,25 +309,36 @@ def make_variants(stages, schedule, inputs, targets, device, *, pp: int, m: int)
     return calls, pipeline
 
 
+def build_variants(cfg: ModelConfig, device, dtype, *, split: tuple[int, ...], pp: int, m: int,
+                   microbatch_size: int):
+    """The benchmark's model in one process (`LlamaStages` over `split`), m microbatches of
+    fixed data and 1f1b: (`make_variants`' calls, the executor's pipeline, a call that
+    clears every parameter's gradient, as before each timed step)."""
+    stages = LlamaStages(cfg, split, device, dtype)
+    batches = [to_device(microbatch(cfg, microbatch_size, i, 99), device) for i in range(m)]
+    inputs = [{"input_ids": b["input_ids"]} for b in batches]
+    targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
+    params = [p for s in range(pp) for p in stages.parameters(s)]
+    calls, pipeline = make_variants(stages, compile_schedule("1f1b", pp=pp, microbatches=m), inputs, targets,
+                                    device, pp=pp, m=m)
+
+    def zero_grads():
+        for p in params:
+            p.grad = None
+
+    return calls, pipeline, zero_grads
+
+
 def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int, warmup: int,
                  microbatch_size: int, split: tuple[int, ...], variants=VARIANTS) -> dict:
     """`steps` measured rounds after `warmup` (see the module docstring) of `variants`
     (at least ordered and executor); raw and summary figures in a dict (`overhead_lines`
     renders it)."""
     variants = check_variants(variants)
-    stages = LlamaStages(cfg, split, device, dtype)
-    batches = [to_device(microbatch(cfg, microbatch_size, i, 99), device) for i in range(m)]
-    inputs = [{"input_ids": b["input_ids"]} for b in batches]
-    targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
-    params = [p for s in range(pp) for p in stages.parameters(s)]
-    schedule = compile_schedule("1f1b", pp=pp, microbatches=m)
-    calls, pipeline = make_variants(stages, schedule, inputs, targets, device, pp=pp, m=m)
+    calls, pipeline, zero_grads = build_variants(cfg, device, dtype, split=split, pp=pp, m=m,
+                                                 microbatch_size=microbatch_size)
+    schedule = pipeline.schedule
     calls = {key: calls[key] for key in variants}
-
-    def zero_grads():
-        for p in params:
-            p.grad = None
-
     runs = timed_rounds(calls, warmup=warmup, rounds=steps, before=zero_grads, device=device)
     host_times = {key: sum(getattr(e.times, key) for e in pipeline.executors)  # before the profiled steps
                   for key in ("compute_s", "transport_s", "wait_s", "total_s")}
@@ -355,7 +366,7 @@ def run_overhead(cfg: ModelConfig, device, dtype, *, pp: int, m: int, steps: int
     }
     out["overhead_us_per_instruction"] = paired / out["instructions"] * 1e6
     out["fastest_quarter_s"] = {key: fastest_quarter(run["step"]) for key, run in runs.items()}
-    out["overhead_fastest_quarter_fraction"] = quarter_to_quarter(out)
+    out["overhead_fastest_quarter_fraction"] = _against_baseline(out["fastest_quarter_s"])
     if "ordered_again" in runs:
         out["control_s"] = paired_median(runs, "step", "ordered_again")
         out["control_fraction"] = out["control_s"] / pipe

@@ -3,7 +3,7 @@
     python -m benchmarks.diagnostics.executor_profile            # one CUDA GPU, the benchmark's model
     python -m benchmarks.diagnostics.executor_profile --smoke    # CPU, a tiny model: the plumbing
 
-The same variants as `benchmarks.gpu_overhead` (`make_variants`: one process, all four
+The same variants as `benchmarks.gpu_overhead` (`build_variants`: one process, all four
 stages, 1f1b at m=8): `ordered` (the forward and backward calls from a plain loop) and
 `executor` (`InProcessPipeline`), each warmed up, then `--steps` steps under cProfile, a
 full collection and a synchronise before each. Prints, per variant, the functions with
@@ -25,31 +25,22 @@ import sys
 import torch
 
 from benchmarks.common import MODEL, PP, SMOKE_MODEL
-from benchmarks.gpu_overhead import make_variants
+from benchmarks.gpu_overhead import build_variants
 from benchmarks.llama.model import ModelConfig
-from benchmarks.llama.reference import microbatch
-from benchmarks.llama.stages import LlamaStages
-from benchmarks.training import model_split, sync, to_device
-from pipeschedule import compile_schedule
+from benchmarks.training import model_split, sync
 
 M = 8
 
 
 def profile_variants(cfg: ModelConfig, device, dtype, *, steps: int, top: int) -> str:
     """The report of the module docstring, as text."""
-    stages = LlamaStages(cfg, model_split(cfg, PP), device, dtype)
-    batches = [to_device(microbatch(cfg, 1, i, 99), device) for i in range(M)]
-    inputs = [{"input_ids": b["input_ids"]} for b in batches]
-    targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
-    calls, _ = make_variants(stages, compile_schedule("1f1b", pp=PP, microbatches=M), inputs, targets, device,
-                             pp=PP, m=M)
-    params = [p for s in range(PP) for p in stages.parameters(s)]
+    calls, _, zero_grads = build_variants(cfg, device, dtype, split=model_split(cfg, PP), pp=PP, m=M,
+                                          microbatch_size=1)
     out = io.StringIO()
     for key in ("ordered", "executor"):
         profiler = cProfile.Profile()
         for step in range(2 + steps):
-            for p in params:
-                p.grad = None
+            zero_grads()
             gc.collect()
             sync(device)
             if step >= 2:
