@@ -28,7 +28,6 @@ from pipeschedule.checks import (
     check_int,
     check_number,
     check_plan_size,
-    is_finite,
     check_schedule_size,
     shown,
 )
@@ -187,9 +186,7 @@ def _scaled(flag: str, value: float | None, scale: float, unit: str, *, zero_ok:
     (>= 0 with `zero_ok`; >= `floor` where one is given) whose scaled value is finite too."""
     if value is None:
         return None
-    if not is_finite(value) or not (value >= 0 if zero_ok else value > 0):
-        rule = ">=" if zero_ok else ">"
-        raise ParameterError(f"{flag} must be a finite number {rule} 0 ({unit}), got {shown(value)}")
+    check_number(flag, value, above=not zero_ok, hint=f" ({unit})")
     if value < floor:
         raise ParameterError(f"{flag} must be at least {floor:g} {unit}, got {shown(value)}")
     out = value * scale
