@@ -32,9 +32,11 @@ from the schedule's step graph ([Note: step graph]), equal to the simulator's. A
 bound is the largest cut over the stages fixed so far plus a bound for the rest (alike
 layers: the cheapest stages filled first, up to the per-stage caps the cuts and the
 memory imply). A leaf that survives is simulated once and its critical path joins the
-cuts. When the search
-finishes, no split that fits beats the best simulated one: optimal for the simulator,
-not for a proxy. It stops at `node_limit` nodes and then says so (`proven=False`); a
+cuts. A leaf's value is its step time: the simulated pipeline plus the problem's tail
+(the data-parallel reduction and the optimizer step after the pipeline, which grow with
+a rank's parameters); the cuts bound the pipeline alone, and since the tail is never
+negative they bound the step too. When the search finishes, no split that fits beats
+the best one: optimal for the simulator and the tail, not for a proxy. It stops at `node_limit` nodes and then says so (`proven=False`); a
 `cutoff` (the best time a planner already has) prunes harder. Memory is exact: rank
 bytes are additive over a rank's stages and no split that overflows is accepted.
 """
@@ -191,7 +193,7 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
     if split is None:  # nothing simulated: no seed fitted and the search found no leaf
         if proven and cutoff < math.inf:
             split = balanced_seed(ev, maxe, feasible) or least_overflow(ev)[0]
-            time = ev.simulate(split)[0]
+            time = ev.step_time(split)[0]
         else:
             raise_infeasible(ev)
     return SplitResult(split, time, proven, ev.simulations, len(search.cuts), search.nodes, cutoff)

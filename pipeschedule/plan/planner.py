@@ -46,6 +46,7 @@ from pipeschedule.plan.partition import (
     nanotron_split,
     optimal_split,
 )
+from pipeschedule.compiler.ir import Schedule
 from pipeschedule.compiler.passes import lower
 from pipeschedule.plan.candidate import Candidate, cap_label, fitted_caps
 from pipeschedule.plan.dp_step import step_tail
@@ -148,15 +149,25 @@ class _Planner:
         pipeline = self.step(family, cap, virtual, p2p_cost)
         memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash, peak_p2p=peak_p2p,
                              peak_inflight=peak_inflight, budget=config.budget, setup=config.setup)
-        cost = self.cost(split, split_backward=sb, recomputed=recomputed)
-        backward = [b + w for b, w in zip(cost.backward, cost.weight)]
-        tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,
-                                dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
+        tail, parts = self.tail(schedule, split, footprints, recomputed)
         step = pipeline + tail
         return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
                          config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=pipeline,
                          tail=parts, recompute=config.setup.recompute,
                          recomputed=tuple(recomputed) if recomputed and any(recomputed) else None)
+
+    def tail(self, schedule: Schedule, split: Sequence[int], footprints=None,
+             recomputed: Sequence[int] | None = None) -> tuple[float, dict]:
+        """(seconds, the slowest rank's parts) after the pipeline of `split` under
+        `schedule` ([Note: step tail]): what `evaluate` adds to the pipeline, and what the
+        split search adds to each leaf (`problem`), so both minimise the same step time."""
+        config = self.config
+        if footprints is None:
+            footprints = stage_footprints(config.model, config.setup, split, recomputed)
+        cost = self.cost(split, split_backward=schedule.split_backward, recomputed=recomputed)
+        backward = [b + w for b, w in zip(cost.backward, cost.weight)]
+        return step_tail(config.setup, footprints, schedule.placement, backward,
+                         dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
 
     def problem(self, family: str, cap, virtual: int) -> SplitProblem:
         """The split problem of `optimal_split` with this planner's costs and memory."""
@@ -187,6 +198,7 @@ class _Planner:
             rank_bytes=tuple(p + w for p, w in zip(p2p, working)),
             budget=(config.budget,) * schedule.pp, boundary=(float(self.boundary),) * S,
             latency=config.p2p_latency, bandwidth=config.p2p_bandwidth,
+            tail=lambda split: self.tail(schedule, split)[0],
         )
 
     def optimise(self, family: str, cap, virtual: int, seeds, cutoff: float) -> Candidate:
@@ -206,7 +218,7 @@ class _Planner:
                 # split that overflows them least, as it did when it ran out of splits.
                 row = self.evaluate(family, cap, virtual, err.split, "no better", True)
                 if row.fits:
-                    if row.pipeline_time >= cutoff:
+                    if row.step_time >= cutoff:
                         return replace(row, note="no split of this schedule beats the best candidate before it")
                     return replace(row, split_kind="optimal")
             return Candidate(family, cap_label(cap), virtual, err.split, "least overflow",
@@ -326,7 +338,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
     base_split = nanotron_split(config.model, config.pp)
     default = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
     candidates = [default]
-    best = default.pipeline_time if default.fits else math.inf  # a cutoff: the searches time the pipeline
+    best = default.step_time if default.fits else math.inf  # a cutoff: the searches time the step, tail included
     virtuals, virtual_dropped = virtual_tried(planner)
     for family, cap, virtual in _families(config, planner, virtuals):
         try:
@@ -340,7 +352,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
             if same is not default:
                 candidates.append(same)
                 if same.fits:
-                    best = min(best, same.pipeline_time)
+                    best = min(best, same.step_time)
         seeds = [nanotron] if nanotron else []
         row = planner.optimise(family, cap, virtual, seeds, cutoff=best)
         if same is not None and row.split == same.split and row.memory and row.split_kind != "best found":
@@ -351,7 +363,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
             continue
         candidates.append(row)
         if row.fits:
-            best = min(best, row.pipeline_time)
+            best = min(best, row.step_time)
     # Per-rank caps: for each split found so far, the least capping that fits it (p2p
     # buffers as 1F1B has them: the most a capped schedule holds).
     p2p = [r.terms["p2p buffers"] for r in default.memory]
@@ -366,7 +378,7 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
         tried.add(("capped_1f1b", caps))
         candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best))
         if candidates[-1].fits:
-            best = min(best, candidates[-1].pipeline_time)
+            best = min(best, candidates[-1].step_time)
     rows, lever_dropped = lever_rows(planner, candidates)  # partial recompute and offload (plan/fitting.py)
     candidates += rows
     base = default.tokens_per_gpu

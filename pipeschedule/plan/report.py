@@ -140,8 +140,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
     for name, why in plan.dropped:
         out.append(f"  not listed: {name}: {why}")
     out += [
-        "split: nanotron = nanotron's own; optimal = the least simulated pipeline time of all splits that fit (proven;",
-        "  the tail after the pipeline, DP reduction, all-gather and optimizer step, is added to it, not searched);",
+        "split: nanotron = nanotron's own; optimal = the least step time of all splits that fit (proven; the simulated",
+        "  pipeline plus the tail after it, DP reduction, all-gather and optimizer step, which the search counts too);",
         "  nanotron=optimal = both; no better = proven unable to beat a row above (split: the best it simulated);",
         "  best found = search stopped at its node limit; least overflow = no split fits, this one overflows least",
     ]

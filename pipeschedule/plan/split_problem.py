@@ -6,7 +6,7 @@ when no split fits. `partition.optimal_split` searches over it (split_search.py)
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -43,6 +43,10 @@ class SplitProblem:
     bytes of a stage's sent activation and gradient (message time = latency +
     boundary / bandwidth). A rank holds sum over its stages of static + k_s * stash, with
     k_s the stage's peak in-flight microbatches under the schedule, plus rank_bytes.
+    tail: seconds the step spends after the pipeline as a function of the split (a tuple
+    of layers per stage; the data-parallel reduction and the optimizer step, [Note: step
+    tail] in dp_step.py), never negative; None for none. The search minimises the
+    simulated pipeline plus the tail ([Note: exact split search]).
     """
 
     layer_forward: tuple
@@ -60,8 +64,11 @@ class SplitProblem:
     boundary: tuple
     latency: float = 0.0
     bandwidth: float = math.inf
+    tail: Callable[[tuple[int, ...]], float] | None = None
 
     def __post_init__(self) -> None:
+        if self.tail is not None and not callable(self.tail):
+            raise ParameterError(f"tail must be a function of the split or None, got {type(self.tail).__name__}")
         layers, stages = len(self.layer_forward), len(self.stage_forward)
         if layers < 1 or stages < 1:
             raise ParameterError(f"a split needs at least one layer and one stage, "
@@ -129,6 +136,7 @@ class Evaluator:
         budget = problem.budget or (math.inf,) * schedule.pp
         self.cap = [b - x for b, x in zip(budget, problem.rank_bytes)]
         self.cache: dict[tuple, object] = {}
+        self.tails: dict[tuple, float] = {}
         self.simulations = 0
         # [Note: step graph]: one graph for every split, the simulator's times and chains.
         self.graph = graph if graph is not None else StepGraph(schedule)
@@ -166,6 +174,25 @@ class Evaluator:
             self.simulations += 1
             self.cache[key] = self.graph.step(forward, backward, weight, self.messages)
         return self.cache[key]
+
+    def step_time(self, split: Sequence[int]):
+        """(step time, critical path) of a split: the simulated pipeline plus the
+        problem's tail; the path bounds the pipeline alone (the tail is never negative,
+        so a bound on the pipeline bounds the step)."""
+        pipeline, path = self.simulate(split)
+        return pipeline + self.tail(split), path
+
+    def tail(self, split: Sequence[int]) -> float:
+        """The problem's tail of a split (0 without one), cached by split; refused where
+        it is negative or not a finite number."""
+        if self.p.tail is None:
+            return 0.0
+        split = tuple(split)
+        if split not in self.tails:
+            value = self.p.tail(split)
+            check_number(f"the tail of split {list(split)}", value)
+            self.tails[split] = float(value)
+        return self.tails[split]
 
     def probe(self, forward, backward, weight) -> CriticalPath:
         """The critical path under arbitrary per-stage costs."""

@@ -224,7 +224,7 @@ class Search:
         self.add_cut(Cut(self.ev, path.forward, path.backward, path.weight, path.messages))
 
     def evaluate(self, split: tuple) -> None:
-        time, path = self.ev.simulate(split)
+        time, path = self.ev.step_time(split)
         if split not in self.seen:
             self.seen.add(split)
             self.add_path(path)

@@ -70,15 +70,22 @@ def test_nanotron_split_rejects_a_stage_without_layers():
 # -- problems ---------------------------------------------------------------------------------
 
 
-def make_problem(layers_f, stage_extra, static, stash, budget, pp, S, boundary=0.0, latency=0.0):
+def make_problem(layers_f, stage_extra, static, stash, budget, pp, S, boundary=0.0, latency=0.0, tail=None):
     L = len(layers_f)
     return SplitProblem(
         layer_forward=tuple(layers_f), layer_backward=tuple(2 * x for x in layers_f), layer_weight=(0,) * L,
         stage_forward=tuple(stage_extra), stage_backward=tuple(2 * x for x in stage_extra), stage_weight=(0,) * S,
         layer_static=tuple(static), layer_stash=tuple(stash), stage_static=(0,) * S, stage_stash=(0,) * S,
         rank_bytes=(0,) * pp, budget=None if budget is None else (budget,) * pp, boundary=(boundary,) * S,
-        latency=latency,
+        latency=latency, tail=tail,
     )
+
+
+def stage_weighted_tail(weights):
+    """A tail that is the largest over stages of weights[s] * the layers of stage s: like
+    a data-parallel reduction waiting for the rank with the most parameters, but pulling
+    toward its own split, unlike the pipeline's."""
+    return lambda split: max(w * n for w, n in zip(weights, split))
 
 
 def all_splits(L, S):
@@ -93,7 +100,7 @@ def brute_force(problem, schedule):
     for split in all_splits(problem.num_layers, problem.num_stages):
         if not ev.fits(split):
             continue
-        time = simulate(schedule, ev.cost_model(split)).step_time
+        time = simulate(schedule, ev.cost_model(split)).step_time + (problem.tail(split) if problem.tail else 0.0)
         if best is None or time < best[0]:
             best = (time, split)
     return best, ev
@@ -118,20 +125,25 @@ def cases(draw):
     extra = draw(st.lists(st.integers(0, 5), min_size=S, max_size=S))
     budget = draw(st.none() | st.integers(3, 40))
     latency = draw(st.sampled_from([0.0, 0.5]))
+    weights = draw(st.none() | st.lists(st.integers(0, 12), min_size=S, max_size=S))
+    tail = None if weights is None else stage_weighted_tail(weights)
     schedule = lower(generate(family, pp=pp, microbatches=m, virtual=v, cap=cap))
-    return make_problem(layers_f, extra, static, stash, budget, pp, S, boundary=1.0, latency=latency), schedule
+    return make_problem(layers_f, extra, static, stash, budget, pp, S, boundary=1.0, latency=latency,
+                        tail=tail), schedule
 
 
 @settings(max_examples=examples(400))
 @given(cases())
 def test_optimal_split_matches_brute_force(case):
-    """Over layer costs, memory and budgets: the search's split has the least simulated
-    step time of every split that fits, and when none fits it says by how much the
-    tightest rank overflows, the least overflow any split achieves (one stage per rank)."""
+    """Over layer costs, memory, budgets and tails: the search's split has the least step
+    time (simulated pipeline plus tail) of every split that fits, and when none fits it
+    says by how much the tightest rank overflows, the least overflow any split achieves
+    (one stage per rank)."""
     problem, schedule = case
     best, ev = brute_force(problem, schedule)
     event("infeasible" if best is None else "feasible")
     event(f"{schedule.name}")
+    event("with a tail" if problem.tail else "no tail")
     if best is None:
         with pytest.raises(SplitInfeasible) as info:
             optimal_split(problem, schedule)
@@ -147,7 +159,35 @@ def test_optimal_split_matches_brute_force(case):
     assert found.proven
     assert ev.fits(found.split)
     assert found.step_time == pytest.approx(best[0], rel=1e-9)
-    assert simulate(schedule, ev.cost_model(found.split)).step_time == pytest.approx(found.step_time)
+    tail = problem.tail(found.split) if problem.tail else 0.0
+    assert simulate(schedule, ev.cost_model(found.split)).step_time + tail == pytest.approx(found.step_time)
+
+
+def test_the_tail_moves_the_optimum():
+    """A tail that grows with stage 0's layers: without it the search puts the most
+    layers on stage 0 (it has no head), with it fewer; each answer is the brute force's."""
+    problem = make_problem([1.0] * 12, [0.0, 0.0, 3.0], [0] * 12, [0] * 12, None, 3, 3)
+    schedule = lower(generate("1f1b", pp=3, microbatches=6))
+    plain = optimal_split(problem, schedule)
+    tailed_problem = make_problem([1.0] * 12, [0.0, 0.0, 3.0], [0] * 12, [0] * 12, None, 3, 3,
+                                  tail=stage_weighted_tail([20.0, 0.0, 0.0]))
+    tailed = optimal_split(tailed_problem, schedule)
+    assert plain.proven and tailed.proven
+    assert tailed.split[0] < plain.split[0]
+    assert (tailed.step_time, tailed.split) == brute_force(tailed_problem, schedule)[0]
+    assert (plain.step_time, plain.split) == brute_force(problem, schedule)[0]
+
+
+def test_a_bad_tail_is_refused():
+    """A tail that is not a function, or gives a negative or non-finite time, is named."""
+    with pytest.raises(ParameterError, match="tail must be a function of the split or None, got float"):
+        make_problem([1.0] * 4, [0.0] * 2, [0] * 4, [0] * 4, None, 2, 2, tail=1.5)
+    schedule = lower(generate("1f1b", pp=2, microbatches=2))
+    for value, shown in ((-1.0, "-1.0"), (math.nan, "nan")):
+        problem = make_problem([1.0] * 4, [0.0] * 2, [0] * 4, [0] * 4, None, 2, 2, tail=lambda split, v=value: v)
+        with pytest.raises(ParameterError, match=rf"the tail of split \[\d, \d\] must be a finite number >= 0, "
+                                                 rf"got {shown}"):
+            optimal_split(problem, schedule)
 
 
 def test_large_alike_problem_is_proven_quickly():

@@ -242,3 +242,38 @@ def test_split_search_memory_equals_the_reported_memory_for_v_shapes():
         # an upper bound: the search counts max(F stash, W stash) per layer from F to W
         assert all(a >= b * (1 - 1e-12) for a, b in zip(ev.rank_bytes(split), table))
         assert ev.simulate(split)[0] == pytest.approx(row.pipeline_time, rel=1e-12)
+
+
+def test_the_split_search_minimises_the_step_with_its_tail():
+    """Llama3-8B at pp=4, tp=2 (async linears), dp=8 with ZeRO-1: the all-reduce of every
+    fp32 gradient and the all-gather after the pipeline grow with a rank's parameters, so
+    the split with the least pipeline time is not the one with the least step. The
+    planner's optimal row is the least step time of every split that fits (brute force
+    over all 4,495), its search counts the same tail the row reports, and it beats the
+    split that only the pipeline would choose."""
+    import itertools
+
+    from pipeschedule.plan.config import build_config
+    from pipeschedule.plan.planner import _Planner
+    from pipeschedule.plan.split_problem import Evaluator
+
+    cfg = build_config("llama3-8b", pp=4, tp=2, dp=8, zero_stage=1, recompute="none", tp_async=True,
+                       microbatches=4, virtual=1)
+    planner = _Planner(cfg)
+    problem, schedule = planner.problem("1f1b", None, 1), planner.schedule("1f1b", None, 1)
+    ev = Evaluator(problem, schedule)
+    steps, pipelines = {}, {}
+    for cuts in itertools.combinations(range(1, 32), 3):
+        split = tuple(b - a for a, b in zip((0, *cuts), (*cuts, 32)))
+        if ev.fits(split):
+            steps[split], pipelines[split] = ev.step_time(split)[0], ev.simulate(split)[0]
+    best = min(steps, key=steps.get)
+    fastest_pipeline = min(pipelines, key=pipelines.get)
+    assert steps[fastest_pipeline] > steps[best] * 1.01  # the tail matters here
+
+    result = plan(cfg)
+    row = next(c for c in result.candidates if c.family == "1f1b" and c.split_kind in ("optimal", "nanotron=optimal"))
+    assert row.split == best and row.step_time == pytest.approx(steps[best], rel=1e-12)
+    assert result.recommended.step_time <= row.step_time
+    for split in (best, fastest_pipeline, (9, 9, 8, 6)):
+        assert planner.evaluate("1f1b", None, 1, split, "x").step_time == pytest.approx(steps[split], rel=1e-12)
