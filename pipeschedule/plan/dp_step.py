@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeschedule.plan.memory import StageFootprint, TrainingSetup, builds_ddp
+from pipeschedule.plan.memory import TrainingSetup, builds_ddp
 
 
 def rank_tail(setup: TrainingSetup, params: int, last_backward: float, *, dp_bandwidth: float,
@@ -50,16 +50,16 @@ def rank_tail(setup: TrainingSetup, params: int, last_backward: float, *, dp_ban
     return out
 
 
-def step_tail(setup: TrainingSetup, footprints: Sequence[StageFootprint], placement: Sequence[int],
+def step_tail(setup: TrainingSetup, params: Sequence[int], placement: Sequence[int],
               backward: Sequence[float], *, dp_bandwidth: float, hbm_bandwidth: float) -> tuple[float, dict]:
-    """(seconds, the slowest rank's parts) of the tail after the pipeline; backward[s]: one
-    microbatch's backward seconds of stage s (B + W)."""
+    """(seconds, the slowest rank's parts) of the tail after the pipeline; params[s]: the
+    parameters of stage s on one GPU, backward[s]: one microbatch's backward seconds of
+    stage s (B + W)."""
     worst, parts = 0.0, {}
     for r in range(max(placement) + 1):
         stages = [s for s, p in enumerate(placement) if p == r]
-        params = sum(footprints[s].params for s in stages)
-        last = sum(backward[s] for s in stages)
-        tail = rank_tail(setup, params, last, dp_bandwidth=dp_bandwidth, hbm_bandwidth=hbm_bandwidth)
+        tail = rank_tail(setup, sum(params[s] for s in stages), sum(backward[s] for s in stages),
+                         dp_bandwidth=dp_bandwidth, hbm_bandwidth=hbm_bandwidth)
         if sum(tail.values()) >= worst:
             worst, parts = sum(tail.values()), dict(tail, rank=r)
     return worst, parts

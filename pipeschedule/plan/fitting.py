@@ -39,7 +39,6 @@ from pipeschedule.compiler.offload import MIB, OffloadPolicy, add_offload
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.candidate import Candidate
 from pipeschedule.plan.config import virtual_counts
-from pipeschedule.plan.dp_step import step_tail
 from pipeschedule.plan.memory import (
     ACTIVATIONS,
     P2P,
@@ -143,10 +142,7 @@ def offloaded(planner, cand: Candidate, ranks: Sequence[int], stream: int | None
     memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash,
                          peak_p2p=[r.terms[P2P] for r in cand.memory], peak_inflight=stash.peak_inflight,
                          budget=config.budget, setup=config.setup)
-    plain = planner.cost(cand.split, recomputed=cand.recomputed)
-    backward = [b + w for b, w in zip(plain.backward, plain.weight)]
-    tail, parts = step_tail(config.setup, footprints, schedule.placement, backward,
-                            dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
+    tail, parts = planner.tail(schedule, cand.split, cand.recomputed)
     step = timing.step_time + tail
     slower = timing.step_time / cand.pipeline_time - 1
     note = (f"stashes of rank{'s' if len(ranks) > 1 else ''} {'/'.join(map(str, ranks))} on the host "

@@ -34,10 +34,12 @@ layers: the cheapest stages filled first, up to the per-stage caps the cuts and 
 memory imply). A leaf that survives is simulated once and its critical path joins the
 cuts. A leaf's value is its step time: the simulated pipeline plus the problem's tail
 (the data-parallel reduction and the optimizer step after the pipeline, which grow with
-a rank's parameters); the cuts bound the pipeline alone, and since the tail is never
-negative they bound the step too. When the search finishes, no split that fits beats
-the best one: optimal for the simulator and the tail, not for a proxy. It stops at `node_limit` nodes and then says so (`proven=False`); a
-`cutoff` (the best time a planner already has) prunes harder. Memory is exact: rank
+a rank's parameters: the largest over ranks of each rank's). The cuts bound the
+pipeline alone; a node adds the largest tail of the ranks whose stages it has all
+chosen, which the step's tail cannot be below. When the search finishes, no split that
+fits beats the best one: optimal for the simulator and the tail, not for a proxy. It
+stops at `node_limit` nodes and then says so (`proven=False`); a `cutoff` (the best
+time a planner already has) prunes harder. Memory is exact: rank
 bytes are additive over a rank's stages and no split that overflows is accepted.
 """
 

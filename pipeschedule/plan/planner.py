@@ -49,7 +49,7 @@ from pipeschedule.plan.partition import (
 from pipeschedule.compiler.ir import Schedule
 from pipeschedule.compiler.passes import lower
 from pipeschedule.plan.candidate import Candidate, cap_label, fitted_caps
-from pipeschedule.plan.dp_step import step_tail
+from pipeschedule.plan.dp_step import rank_tail, step_tail
 from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, layer_seconds, weight_seconds
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
@@ -113,16 +113,22 @@ class _Planner:
         w, hw = self.weight
         return (f, b - w, w), (hf, hb - hw, hw)
 
+    def stage_seconds(self, costs, layers: int, head: bool, recomputed: int = 0) -> tuple[float, float, float]:
+        """(F, B, W) seconds of one microbatch through a stage of `layers` layers (with the
+        LM head and loss when `head`), `recomputed` of them rerunning their forward in B;
+        costs: `compute_costs`. What `cost` and the tails time a stage by."""
+        (f, b, w), (hf, hb, hw) = costs
+        return (layers * f + (hf if head else 0),
+                layers * b + recomputed * (self.layer[0] + w) + (hb if head else 0),
+                (layers - recomputed) * w + (hw if head else 0))
+
     def cost(self, split: Sequence[int], buffers=None, split_backward: bool = False,
              recomputed: Sequence[int] | None = None) -> CostModel:
         """Per-stage costs; recomputed[s] layers of stage s rerun their forward in B (and,
         under a split backward, compute their weight gradients there: W has none of them)."""
-        (f, b, w), (hf, hb, hw) = self.compute_costs(split_backward)
-        last = len(split) - 1
+        costs, last = self.compute_costs(split_backward), len(split) - 1
         r = recomputed or (0,) * len(split)
-        forward = tuple(n * f + (hf if s == last else 0) for s, n in enumerate(split))
-        backward = tuple(n * b + r[s] * (self.layer[0] + w) + (hb if s == last else 0) for s, n in enumerate(split))
-        weight = tuple((n - r[s]) * w + (hw if s == last else 0) for s, n in enumerate(split))
+        forward, backward, weight = zip(*(self.stage_seconds(costs, n, s == last, r[s]) for s, n in enumerate(split)))
         bytes_ = buffers or {"act_out": (self.boundary,) * len(split), "grad_in": (self.boundary,) * len(split)}
         return CostModel(forward, backward, weight, bytes_,
                          latency=self.config.p2p_latency, bandwidth=self.config.p2p_bandwidth)
@@ -149,25 +155,40 @@ class _Planner:
         pipeline = self.step(family, cap, virtual, p2p_cost)
         memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash, peak_p2p=peak_p2p,
                              peak_inflight=peak_inflight, budget=config.budget, setup=config.setup)
-        tail, parts = self.tail(schedule, split, footprints, recomputed)
+        tail, parts = self.tail(schedule, split, recomputed)
         step = pipeline + tail
         return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
                          config.tokens_per_gpu / step, tuple(memory), proven, pipeline_time=pipeline,
                          tail=parts, recompute=config.setup.recompute,
                          recomputed=tuple(recomputed) if recomputed and any(recomputed) else None)
 
-    def tail(self, schedule: Schedule, split: Sequence[int], footprints=None,
+    def tail(self, schedule: Schedule, split: Sequence[int],
              recomputed: Sequence[int] | None = None) -> tuple[float, dict]:
         """(seconds, the slowest rank's parts) after the pipeline of `split` under
-        `schedule` ([Note: step tail]): what `evaluate` adds to the pipeline, and what the
-        split search adds to each leaf (`problem`), so both minimise the same step time."""
-        config = self.config
-        if footprints is None:
-            footprints = stage_footprints(config.model, config.setup, split, recomputed)
-        cost = self.cost(split, split_backward=schedule.split_backward, recomputed=recomputed)
-        backward = [b + w for b, w in zip(cost.backward, cost.weight)]
-        return step_tail(config.setup, footprints, schedule.placement, backward,
+        `schedule` ([Note: step tail]): what `evaluate` adds to the pipeline. The split
+        search adds the same per rank (`rank_tail`)."""
+        config, last = self.config, len(split) - 1
+        costs = self.compute_costs(schedule.split_backward)
+        r = recomputed or (0,) * len(split)
+        params = [stage_params(config.model, n, first=s == 0, last=s == last, tp=config.setup.tp)
+                  for s, n in enumerate(split)]
+        backward = [b + w for _, b, w in (self.stage_seconds(costs, n, s == last, r[s]) for s, n in enumerate(split))]
+        return step_tail(config.setup, params, schedule.placement, backward,
                          dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
+
+    def rank_tail(self, schedule: Schedule, rank: int, layers: Sequence[int]) -> float:
+        """Seconds of `rank`'s tail when its stages (in stage order) hold `layers` layers,
+        none recomputed: `tail`'s arithmetic for one rank, term for term, so that the
+        search's step time is the row's to the last bit."""
+        config, last = self.config, schedule.num_stages - 1
+        stages = [s for s, p in enumerate(schedule.placement) if p == rank]
+        costs = self.compute_costs(schedule.split_backward)
+        params = sum(stage_params(config.model, n, first=s == 0, last=s == last, tp=config.setup.tp)
+                     for s, n in zip(stages, layers))
+        backward = sum(b + w for _, b, w in (self.stage_seconds(costs, n, s == last) for s, n in zip(stages, layers)))
+        parts = rank_tail(config.setup, params, backward, dp_bandwidth=config.dp_bandwidth,
+                          hbm_bandwidth=config.hbm_bandwidth)
+        return sum(parts.values())
 
     def problem(self, family: str, cap, virtual: int) -> SplitProblem:
         """The split problem of `optimal_split` with this planner's costs and memory."""
@@ -198,7 +219,7 @@ class _Planner:
             rank_bytes=tuple(p + w for p, w in zip(p2p, working)),
             budget=(config.budget,) * schedule.pp, boundary=(float(self.boundary),) * S,
             latency=config.p2p_latency, bandwidth=config.p2p_bandwidth,
-            tail=lambda split: self.tail(schedule, split)[0],
+            rank_tail=lambda rank, layers: self.rank_tail(schedule, rank, layers),
         )
 
     def optimise(self, family: str, cap, virtual: int, seeds, cutoff: float) -> Candidate:

@@ -43,10 +43,11 @@ class SplitProblem:
     bytes of a stage's sent activation and gradient (message time = latency +
     boundary / bandwidth). A rank holds sum over its stages of static + k_s * stash, with
     k_s the stage's peak in-flight microbatches under the schedule, plus rank_bytes.
-    tail: seconds the step spends after the pipeline as a function of the split (a tuple
-    of layers per stage; the data-parallel reduction and the optimizer step, [Note: step
-    tail] in dp_step.py), never negative; None for none. The search minimises the
-    simulated pipeline plus the tail ([Note: exact split search]).
+    rank_tail: rank_tail(r, layers) is the seconds rank r spends after the pipeline when its
+    stages, in stage order, hold `layers` layers (the data-parallel reduction and the
+    optimizer step, [Note: step tail] in dp_step.py), never negative; None for none. A
+    split's tail is the largest over ranks, and the search minimises the simulated
+    pipeline plus the tail ([Note: exact split search]).
     """
 
     layer_forward: tuple
@@ -64,11 +65,12 @@ class SplitProblem:
     boundary: tuple
     latency: float = 0.0
     bandwidth: float = math.inf
-    tail: Callable[[tuple[int, ...]], float] | None = None
+    rank_tail: Callable[[int, tuple[int, ...]], float] | None = None
 
     def __post_init__(self) -> None:
-        if self.tail is not None and not callable(self.tail):
-            raise ParameterError(f"tail must be a function of the split or None, got {type(self.tail).__name__}")
+        if self.rank_tail is not None and not callable(self.rank_tail):
+            raise ParameterError(f"rank_tail must be a function of (rank, layers of its stages) or None, "
+                                 f"got {type(self.rank_tail).__name__}")
         layers, stages = len(self.layer_forward), len(self.stage_forward)
         if layers < 1 or stages < 1:
             raise ParameterError(f"a split needs at least one layer and one stage, "
@@ -131,6 +133,7 @@ class Evaluator:
         self.homogeneous = problem.homogeneous
         self.inflight = stage_inflight(schedule)
         self.rank_of = schedule.placement
+        self.stages_of = [[s for s, r in enumerate(schedule.placement) if r == rank] for rank in range(schedule.pp)]
         self.prefix = {k: [0.0, *accumulate(getattr(problem, k))] for k in (
             "layer_forward", "layer_backward", "layer_weight", "layer_static", "layer_stash")}
         budget = problem.budget or (math.inf,) * schedule.pp
@@ -183,16 +186,22 @@ class Evaluator:
         return pipeline + self.tail(split), path
 
     def tail(self, split: Sequence[int]) -> float:
-        """The problem's tail of a split (0 without one), cached by split; refused where
-        it is negative or not a finite number."""
-        if self.p.tail is None:
+        """The problem's tail of a split: the largest `rank_tail` (0 without one)."""
+        if self.p.rank_tail is None:
             return 0.0
-        split = tuple(split)
-        if split not in self.tails:
-            value = self.p.tail(split)
-            check_number(f"the tail of split {list(split)}", value)
-            self.tails[split] = float(value)
-        return self.tails[split]
+        return max(self.rank_tail(r, tuple(split[s] for s in stages)) for r, stages in enumerate(self.stages_of))
+
+    def rank_tail(self, rank: int, layers: tuple) -> float:
+        """`rank_tail` of the problem (0 without one), cached; refused where it is negative
+        or not a finite number."""
+        if self.p.rank_tail is None:
+            return 0.0
+        key = (rank, layers)
+        if key not in self.tails:
+            value = self.p.rank_tail(rank, layers)
+            check_number(f"the tail of rank {rank} with layers {list(layers)}", value)
+            self.tails[key] = float(value)
+        return self.tails[key]
 
     def probe(self, forward, backward, weight) -> CriticalPath:
         """The critical path under arbitrary per-stage costs."""

@@ -259,7 +259,7 @@ class Search:
         self._build()
         self.running = True
         try:
-            return self._dfs(0, 0, [c.const for c in self.cuts])
+            return self._dfs(0, 0, [c.const for c in self.cuts], 0.0)
         finally:
             self.running = False
 
@@ -273,12 +273,16 @@ class Search:
                  for cut in self.cuts[len(partial):]]
         return partial + extra
 
-    def _dfs(self, s: int, j: int, partial: list) -> bool:
+    def _dfs(self, s: int, j: int, partial: list, known: float) -> bool:
+        """Stages s.. from layer j on; partial: the cuts' values of the stages chosen so
+        far; known: the largest tail of the ranks whose stages are all chosen (the step's
+        tail is at least that, so it adds to every bound below this node)."""
         self.nodes += 1
         if self.nodes > self.node_limit:
             return False
         ev, L, S = self.ev, self.L, self.S
         r = ev.rank_of[s]
+        completes = ev.p.rank_tail is not None and ev.stages_of[r][-1] == s  # r's tail is known below
         last = s == S - 1
         hi = L if last else min(self.maxe[s][j], L - (S - s - 1))
         if self.caps is not None:
@@ -291,24 +295,28 @@ class Search:
             extra = ev.stage_bytes(s, j, e)
             if self.used[r] + extra > ev.cap[r]:
                 break  # more layers only add bytes
-            bound = max(map(add, base, bcol[e]))
+            tail = known
+            if completes:
+                layers = tuple(self.chosen[t] for t in ev.stages_of[r][:-1]) + (e - j,)
+                tail = max(tail, ev.rank_tail(r, layers))
+            bound = max(map(add, base, bcol[e])) + tail
             if bound < limit:
-                options.append((bound, e, extra))
+                options.append((bound, e, extra, tail))
         options.sort(key=lambda o: o[0])
-        for _, e, extra in options:
+        for _, e, extra, tail in options:
             if len(partial) != len(self.cuts):  # cuts grew in a sibling's subtree
                 partial = self._partial(partial)
                 base = list(map(sub, partial, self.prefix_col[s][j]))
             if self.caps is not None and e - j > self.caps[s]:
                 continue
-            if max(map(add, base, self.bound_col[s][e])) >= self.limit:
+            if max(map(add, base, self.bound_col[s][e])) + tail >= self.limit:
                 continue
             self.chosen.append(e - j)
             if last:
                 self.evaluate(tuple(self.chosen))
             else:
                 self.used[r] += extra
-                ok = self._dfs(s + 1, e, list(map(add, base, self.prefix_col[s][e])))
+                ok = self._dfs(s + 1, e, list(map(add, base, self.prefix_col[s][e])), tail)
                 self.used[r] -= extra
                 if not ok:
                     self.chosen.pop()

@@ -70,22 +70,22 @@ def test_nanotron_split_rejects_a_stage_without_layers():
 # -- problems ---------------------------------------------------------------------------------
 
 
-def make_problem(layers_f, stage_extra, static, stash, budget, pp, S, boundary=0.0, latency=0.0, tail=None):
+def make_problem(layers_f, stage_extra, static, stash, budget, pp, S, boundary=0.0, latency=0.0, rank_tail=None):
     L = len(layers_f)
     return SplitProblem(
         layer_forward=tuple(layers_f), layer_backward=tuple(2 * x for x in layers_f), layer_weight=(0,) * L,
         stage_forward=tuple(stage_extra), stage_backward=tuple(2 * x for x in stage_extra), stage_weight=(0,) * S,
         layer_static=tuple(static), layer_stash=tuple(stash), stage_static=(0,) * S, stage_stash=(0,) * S,
         rank_bytes=(0,) * pp, budget=None if budget is None else (budget,) * pp, boundary=(boundary,) * S,
-        latency=latency, tail=tail,
+        latency=latency, rank_tail=rank_tail,
     )
 
 
-def stage_weighted_tail(weights):
-    """A tail that is the largest over stages of weights[s] * the layers of stage s: like
-    a data-parallel reduction waiting for the rank with the most parameters, but pulling
-    toward its own split, unlike the pipeline's."""
-    return lambda split: max(w * n for w, n in zip(weights, split))
+def weighted_tail(weights):
+    """A rank tail of weights[r] * the layers of rank r: like a data-parallel reduction
+    that grows with a rank's parameters, but pulling toward its own split, unlike the
+    pipeline's."""
+    return lambda rank, layers: weights[rank] * sum(layers)
 
 
 def all_splits(L, S):
@@ -94,13 +94,22 @@ def all_splits(L, S):
         yield tuple(bounds[i + 1] - bounds[i] for i in range(S))
 
 
+def tail_of(problem, schedule, split):
+    """The step's tail of a split, from the problem's rank tail by hand: the largest over
+    ranks, each given its stages' layers in stage order."""
+    if problem.rank_tail is None:
+        return 0.0
+    return max(problem.rank_tail(r, tuple(n for s, n in enumerate(split) if schedule.placement[s] == r))
+               for r in range(schedule.pp))
+
+
 def brute_force(problem, schedule):
     ev = Evaluator(problem, schedule)
     best = None
     for split in all_splits(problem.num_layers, problem.num_stages):
         if not ev.fits(split):
             continue
-        time = simulate(schedule, ev.cost_model(split)).step_time + (problem.tail(split) if problem.tail else 0.0)
+        time = simulate(schedule, ev.cost_model(split)).step_time + tail_of(problem, schedule, split)
         if best is None or time < best[0]:
             best = (time, split)
     return best, ev
@@ -125,11 +134,11 @@ def cases(draw):
     extra = draw(st.lists(st.integers(0, 5), min_size=S, max_size=S))
     budget = draw(st.none() | st.integers(3, 40))
     latency = draw(st.sampled_from([0.0, 0.5]))
-    weights = draw(st.none() | st.lists(st.integers(0, 12), min_size=S, max_size=S))
-    tail = None if weights is None else stage_weighted_tail(weights)
+    weights = draw(st.none() | st.lists(st.integers(0, 12), min_size=pp, max_size=pp))
+    tail = None if weights is None else weighted_tail(weights)
     schedule = lower(generate(family, pp=pp, microbatches=m, virtual=v, cap=cap))
     return make_problem(layers_f, extra, static, stash, budget, pp, S, boundary=1.0, latency=latency,
-                        tail=tail), schedule
+                        rank_tail=tail), schedule
 
 
 @settings(max_examples=examples(400))
@@ -143,7 +152,7 @@ def test_optimal_split_matches_brute_force(case):
     best, ev = brute_force(problem, schedule)
     event("infeasible" if best is None else "feasible")
     event(f"{schedule.name}")
-    event("with a tail" if problem.tail else "no tail")
+    event("with a tail" if problem.rank_tail else "no tail")
     if best is None:
         with pytest.raises(SplitInfeasible) as info:
             optimal_split(problem, schedule)
@@ -159,7 +168,7 @@ def test_optimal_split_matches_brute_force(case):
     assert found.proven
     assert ev.fits(found.split)
     assert found.step_time == pytest.approx(best[0], rel=1e-9)
-    tail = problem.tail(found.split) if problem.tail else 0.0
+    tail = tail_of(problem, schedule, found.split)
     assert simulate(schedule, ev.cost_model(found.split)).step_time + tail == pytest.approx(found.step_time)
 
 
@@ -170,7 +179,7 @@ def test_the_tail_moves_the_optimum():
     schedule = lower(generate("1f1b", pp=3, microbatches=6))
     plain = optimal_split(problem, schedule)
     tailed_problem = make_problem([1.0] * 12, [0.0, 0.0, 3.0], [0] * 12, [0] * 12, None, 3, 3,
-                                  tail=stage_weighted_tail([20.0, 0.0, 0.0]))
+                                  rank_tail=weighted_tail([20.0, 0.0, 0.0]))
     tailed = optimal_split(tailed_problem, schedule)
     assert plain.proven and tailed.proven
     assert tailed.split[0] < plain.split[0]
@@ -179,14 +188,16 @@ def test_the_tail_moves_the_optimum():
 
 
 def test_a_bad_tail_is_refused():
-    """A tail that is not a function, or gives a negative or non-finite time, is named."""
-    with pytest.raises(ParameterError, match="tail must be a function of the split or None, got float"):
-        make_problem([1.0] * 4, [0.0] * 2, [0] * 4, [0] * 4, None, 2, 2, tail=1.5)
+    """A rank tail that is not a function, or gives a negative or non-finite time, is named."""
+    with pytest.raises(ParameterError, match=r"rank_tail must be a function of \(rank, layers of its stages\) or "
+                                             r"None, got float"):
+        make_problem([1.0] * 4, [0.0] * 2, [0] * 4, [0] * 4, None, 2, 2, rank_tail=1.5)
     schedule = lower(generate("1f1b", pp=2, microbatches=2))
     for value, shown in ((-1.0, "-1.0"), (math.nan, "nan")):
-        problem = make_problem([1.0] * 4, [0.0] * 2, [0] * 4, [0] * 4, None, 2, 2, tail=lambda split, v=value: v)
-        with pytest.raises(ParameterError, match=rf"the tail of split \[\d, \d\] must be a finite number >= 0, "
-                                                 rf"got {shown}"):
+        problem = make_problem([1.0] * 4, [0.0] * 2, [0] * 4, [0] * 4, None, 2, 2,
+                               rank_tail=lambda rank, layers, v=value: v)
+        with pytest.raises(ParameterError, match=rf"the tail of rank \d with layers \[\d\] must be a finite number "
+                                                 rf">= 0, got {shown}"):
             optimal_split(problem, schedule)
 
 
