@@ -19,7 +19,8 @@ from pipeschedule.plan.config import build_config
 from pipeschedule.plan.levers import plan_levers
 from pipeschedule.plan.memory import ACTIVATION_FORMULAS, ATTENTIONS, RECOMPUTE_MODES, ModelSpec
 from pipeschedule.plan.planner import plan
-from pipeschedule.plan.presets import GPUS, MODELS, load_model, model_preset
+from pipeschedule.plan.presets import (GPUS, MODELS, NANOTRON_LAYOUT, load_mapping, load_model, model_preset,
+                                       nanotron_layout)
 from pipeschedule.plan.report import plan_png
 
 SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
@@ -42,30 +43,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         name = "--" + flag.replace("_", "-")
         model.add_argument(name, type=int_arg(name), help=f"model {flag} (overrides the preset)")
     layout = parser.add_argument_group("layout and training")
-    layout.add_argument("--pp", type=int_arg("--pp"), required=True, help="pipeline stages")
-    layout.add_argument("--tp", type=int_arg("--tp"), default=1, help="tensor parallel (default 1)")
-    layout.add_argument("--dp", type=int_arg("--dp"), default=1, help="data parallel replicas (default 1)")
-    layout.add_argument("--zero", choices=("0", "1", "auto"), default="auto",
+    # The layout's defaults are LAYOUT_DEFAULTS, applied after a nanotron config's values
+    # (`resolve_layout`): None here means "not given".
+    layout.add_argument("--pp", type=int_arg("--pp"), help="pipeline stages (required unless --model-file is a "
+                                                           "nanotron config, which names them)")
+    layout.add_argument("--tp", type=int_arg("--tp"), help="tensor parallel (default 1)")
+    layout.add_argument("--dp", type=int_arg("--dp"), help="data parallel replicas (default 1)")
+    layout.add_argument("--zero", choices=("0", "1", "auto"),
                         help="nanotron ZeRO stage, or auto: plan 0 and (dp > 1) 1 (default auto)")
-    layout.add_argument("--microbatches", type=int_arg("--microbatches"), required=True,
-                        help="microbatches per replica per step (nanotron batch_accumulation_per_replica)")
-    layout.add_argument("--seq", type=int_arg("--seq"), default=8192, help="sequence length (default 8192, Llama3's)")
-    layout.add_argument("--micro-batch", type=int_arg("--micro-batch"), default=1,
-                        help="sequences per microbatch (default 1)")
+    layout.add_argument("--microbatches", type=int_arg("--microbatches"),
+                        help="microbatches per replica per step (nanotron batch_accumulation_per_replica; required "
+                             "unless a nanotron config names it)")
+    layout.add_argument("--seq", type=int_arg("--seq"), help="sequence length (default 8192, Llama3's)")
+    layout.add_argument("--micro-batch", type=int_arg("--micro-batch"), help="sequences per microbatch (default 1)")
     layout.add_argument("--recompute", choices=RECOMPUTE_MODES + ("auto",), default="auto",
                         help="activation recompute, or auto: plan none, selective and full (default auto)")
-    layout.add_argument("--tp-async", action=argparse.BooleanOptionalAction, default=False,
+    layout.add_argument("--tp-async", action=argparse.BooleanOptionalAction,
                         help="nanotron tp_linear_async_communication (default off, nanotron's default)")
-    layout.add_argument("--adam-fused", action=argparse.BooleanOptionalAction, default=True,
+    layout.add_argument("--adam-fused", action=argparse.BooleanOptionalAction,
                         help="nanotron torch_adam_is_fused (default on); off adds foreach Adam's temporary")
     layout.add_argument("--attention", choices=ATTENTIONS, default="flash-attn",
                         help="attention kernel: flash-attn (nanotron's), the adapter's sdpa-standin, or eager (softmax "
                              "scores materialised, under --activation-formula korthikanti or llama; selective "
                              "recompute then reruns them); default flash-attn")
     layout.add_argument("--flash", "--no-flash", action=Removed, nargs=0, help=argparse.SUPPRESS)
-    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=True,
-                        help="nanotron tp_mode REDUCE_SCATTER (default on)")
-    layout.add_argument("--fp32-grad-accum", action=argparse.BooleanOptionalAction, default=True,
+    layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
+                        help="nanotron tp_mode REDUCE_SCATTER (default on; a nanotron config without tp_mode: off, "
+                             "its ALL_REDUCE)")
+    layout.add_argument("--fp32-grad-accum", action=argparse.BooleanOptionalAction,
                         help="nanotron accumulate_grad_in_fp32 (default on)")
     layout.add_argument("--ddp-buckets", action=argparse.BooleanOptionalAction, default=True,
                         help="count torch DDP's bf16 gradient buckets when dp > 1 (default on)")
@@ -106,6 +111,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a stacked bar chart of memory per stage")
 
 
+LAYOUT_DEFAULTS = {"pp": None, "tp": 1, "dp": 1, "zero": "auto", "microbatches": None, "seq": 8192, "micro_batch": 1,
+                   "tp_async": False, "adam_fused": True, "sequence_parallel": True, "fp32_grad_accum": True}
+
+
+def resolve_layout(args, err=None) -> argparse.Namespace:
+    """`args` with every layout option set: the flag where given, else the value the
+    nanotron config of --model-file names ([Note: a nanotron config's layout] in
+    plan/presets.py), else LAYOUT_DEFAULTS. What the file set is said on `err`, once."""
+    file_layout = {}
+    if args.model_file is not None:
+        file_layout = nanotron_layout(load_mapping(args.model_file), args.model_file)
+    resolved, taken = vars(args).copy(), []
+    for option, default in LAYOUT_DEFAULTS.items():
+        if resolved.get(option) is not None:
+            continue
+        if option in file_layout:
+            value, where = file_layout[option]
+            resolved[option] = value
+            shown_value = str(value).lower() if isinstance(value, bool) else value
+            taken.append(f"{option.replace('_', '-')} {shown_value} ({where})")
+        else:
+            resolved[option] = default
+    for option in ("pp", "microbatches"):
+        if resolved[option] is None:
+            raise ParameterError(f"give --{option}, or a nanotron config as --model-file (it names "
+                                 f"{'.'.join(NANOTRON_LAYOUT[option])})")
+    if taken:
+        print(f"plan: from the nanotron config {args.model_file} (flags override): {', '.join(taken)}",
+              file=err or sys.stderr)
+    return argparse.Namespace(**resolved)
+
+
 def model_from_args(args) -> ModelSpec:
     if args.model_file is not None and args.model is not None:
         raise ParameterError(f"give --model {shown(args.model)} or --model-file {shown(args.model_file)}, not both "
@@ -142,6 +179,7 @@ def config_from_args(args):
 
 def run(args, out=None) -> int:
     out = out or sys.stdout
+    args = resolve_layout(args)
     config = config_from_args(args)
     if args.zero == "auto" or args.recompute == "auto":
         levers = plan_levers(config, zero=None if args.zero == "auto" else (int(args.zero),),
@@ -160,4 +198,4 @@ def run(args, out=None) -> int:
     return 0 if result.recommended is not None else 1
 
 
-__all__ = ["add_arguments", "config_from_args", "model_from_args", "run"]
+__all__ = ["LAYOUT_DEFAULTS", "add_arguments", "config_from_args", "model_from_args", "resolve_layout", "run"]

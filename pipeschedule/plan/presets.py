@@ -123,6 +123,11 @@ def _find(obj: Any, keys: tuple[str, ...]) -> Any:
 
 def load_model(path: str) -> ModelSpec:
     """Read a model from a YAML or JSON file (see the module docstring)."""
+    return model_from_mapping(load_mapping(path), name=re.sub(r"\.(ya?ml|json)$", "", path.rsplit("/", 1)[-1]))
+
+
+def load_mapping(path: str) -> Any:
+    """The contents of a YAML or JSON file (JSON when it starts with `{`)."""
     try:
         with open(path, encoding="utf-8-sig") as handle:  # a byte-order mark is skipped
             text = handle.read()
@@ -135,8 +140,66 @@ def load_model(path: str) -> ModelSpec:
             raise FormatError(f"model file {path} is not valid JSON: {err}") from None
     else:
         obj = parse_yaml(text, source=path)
-    stem = re.sub(r"\.(ya?ml|json)$", "", path.rsplit("/", 1)[-1])
-    return model_from_mapping(obj, name=stem)
+    return obj
+
+
+# [Note: a nanotron config's layout] A nanotron config names the layout it trains with;
+# `plan --model-file` plans that layout, not the flags' defaults, unless a flag sets a
+# value. Where nanotron fills in a key the file leaves out, its default is what runs:
+# tp_mode ALL_REDUCE (no sequence parallelism) and tp_linear_async_communication false
+# (nanotron/config/parallelism_config.py, ParallelismArgs.__post_init__).
+NANOTRON_LAYOUT = {  # plan option: (section, key) of a nanotron config
+    "pp": ("parallelism", "pp"), "tp": ("parallelism", "tp"), "dp": ("parallelism", "dp"),
+    "sequence_parallel": ("parallelism", "tp_mode"),
+    "tp_async": ("parallelism", "tp_linear_async_communication"),
+    "seq": ("tokens", "sequence_length"), "micro_batch": ("tokens", "micro_batch_size"),
+    "microbatches": ("tokens", "batch_accumulation_per_replica"),
+    "zero": ("optimizer", "zero_stage"), "fp32_grad_accum": ("optimizer", "accumulate_grad_in_fp32"),
+    "adam_fused": ("optimizer", "torch_adam_is_fused"),
+}
+TP_MODES = {"REDUCE_SCATTER": True, "ALL_REDUCE": False}
+
+
+def nanotron_layout(obj: Any, source: str) -> dict[str, tuple[Any, str]]:
+    """{plan option: (value, where in the file)} of a nanotron config ([Note: a nanotron
+    config's layout]); {} for a file without a `parallelism` mapping (a model file). A
+    value of the wrong kind is refused, naming the key and the file."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("parallelism"), dict):
+        return {}
+    out: dict[str, tuple[Any, str]] = {}
+    for option, (section, key) in NANOTRON_LAYOUT.items():
+        where = f"{section}.{key}"
+        part = obj.get(section)
+        value = part.get(key) if isinstance(part, dict) else None
+        if value is None and option == "adam_fused" and isinstance(part, dict):
+            factory = part.get("optimizer_factory")  # nanotron after 0.4 nests it
+            value = factory.get(key) if isinstance(factory, dict) else None
+            where = f"{section}.optimizer_factory.{key}"
+        if value is None:
+            if option == "sequence_parallel":
+                out[option] = (False, f"{where} not set: nanotron's ALL_REDUCE")
+            elif option == "tp_async":
+                out[option] = (False, f"{where} not set: nanotron's false")
+            continue
+        if option == "sequence_parallel":
+            mode = value.upper() if isinstance(value, str) else None
+            if mode not in TP_MODES:
+                raise FormatError(f"{source}: {where} must be one of {', '.join(TP_MODES)}, got {shown(value)}")
+            out[option] = (TP_MODES[mode], where)
+        elif option in ("tp_async", "fp32_grad_accum", "adam_fused"):
+            if not isinstance(value, bool):
+                raise FormatError(f"{source}: {where} must be true or false, got {shown(value)}")
+            out[option] = (value, where)
+        elif option == "zero":
+            if not is_int(value) or value not in (0, 1):
+                raise FormatError(f"{source}: {where} must be 0 or 1 (the ZeRO stages nanotron's Llama trains "
+                                  f"with), got {shown(value)}")
+            out[option] = (str(value), where)
+        else:
+            if not is_int(value) or value < 1:
+                raise FormatError(f"{source}: {where} must be an integer >= 1, got {shown(value)}")
+            out[option] = (value, where)
+    return out
 
 
 # -- a small YAML subset ---------------------------------------------------------------------
@@ -269,5 +332,5 @@ def _sequence(lines, index, indent, source):
     return out, index
 
 
-__all__ = ["GPUS", "HOST_LINKS", "MODELS", "gpu_preset", "host_bandwidth", "load_model", "model_from_mapping",
-           "model_preset", "parse_scalar", "parse_yaml"]
+__all__ = ["GPUS", "HOST_LINKS", "MODELS", "NANOTRON_LAYOUT", "gpu_preset", "host_bandwidth", "load_mapping",
+           "load_model", "model_from_mapping", "model_preset", "nanotron_layout", "parse_scalar", "parse_yaml"]

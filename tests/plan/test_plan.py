@@ -7,7 +7,7 @@ import re
 import pytest
 
 from pipeschedule.cli import build_parser
-from pipeschedule.errors import ParameterError
+from pipeschedule.errors import FormatError, ParameterError
 from pipeschedule.plan.memory import GiB, TrainingSetup
 from pipeschedule.cli.plan import run as run_plan
 from pipeschedule.plan import Candidate, PlanConfig, head_seconds, layer_seconds, plan
@@ -277,3 +277,93 @@ def test_the_split_search_minimises_the_step_with_its_tail():
     assert result.recommended.step_time <= row.step_time
     for split in (best, fastest_pipeline, (9, 9, 8, 6)):
         assert planner.evaluate("1f1b", None, 1, split, "x").step_time == pytest.approx(steps[split], rel=1e-12)
+
+
+# -- a nanotron config as --model-file plans its own layout --------------------------------------
+
+USERS_CONFIG = """\
+model:
+  model_config:
+    hidden_size: 8192
+    intermediate_size: 28672
+    num_attention_heads: 64
+    num_hidden_layers: 80
+    num_key_value_heads: 8
+    tie_word_embeddings: false
+    vocab_size: 128256
+optimizer:
+  accumulate_grad_in_fp32: true
+  torch_adam_is_fused: true
+  zero_stage: 1
+parallelism:
+  dp: 2
+  pp: 4
+  pp_engine: capped_1f1b:cap=2
+  tp: 4
+  tp_linear_async_communication: true
+  tp_mode: REDUCE_SCATTER
+tokens:
+  batch_accumulation_per_replica: 16
+  micro_batch_size: 1
+  sequence_length: 8192
+"""
+
+
+def test_a_nanotron_config_plans_its_own_layout(tmp_path, capsys):
+    """`plan --model-file` with a nanotron config plans the layout the config trains with
+    (pp, tp, dp, tp_mode, async linears, sequence length, micro-batch size, microbatches,
+    ZeRO stage, fp32 accumulation): the same plan as those values given as flags. Before,
+    the file gave the sizes only, and pp/tp/dp/seq/ZeRO came silently from the flags."""
+    path = tmp_path / "users.yaml"
+    path.write_text(USERS_CONFIG)
+    args = build_parser().parse_args(["plan", "--model-file", str(path), "--tables", "none"])
+    from pipeschedule.cli.plan import resolve_layout
+    import io
+    said = io.StringIO()
+    layout = resolve_layout(args, err=said)
+    assert (layout.pp, layout.tp, layout.dp, layout.zero, layout.microbatches, layout.seq, layout.micro_batch,
+            layout.tp_async, layout.sequence_parallel, layout.fp32_grad_accum, layout.adam_fused) == (
+        4, 4, 2, "1", 16, 8192, 1, True, True, True, True)
+    assert "pp 4 (parallelism.pp)" in said.getvalue() and "zero 1 (optimizer.zero_stage)" in said.getvalue()
+    from_file = run(["--model-file", str(path), "--tables", "none", "--json", "--recompute", "full"], capsys)[1]
+    from_flags = run(["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--dp", "2", "--zero", "1",
+                      "--microbatches", "16", "--tp-async", "--tables", "none", "--json", "--recompute", "full"],
+                     capsys)[1]
+    a, b = json.loads(from_file), json.loads(from_flags)
+    assert a["model"].pop("name") == "users" and b["model"].pop("name") == "llama3-70b"
+    assert a == b
+    # a flag overrides the file, and nanotron's own defaults fill what the file leaves out
+    layout = resolve_layout(build_parser().parse_args(["plan", "--model-file", str(path), "--dp", "1"]), err=said)
+    assert layout.dp == 1 and layout.pp == 4
+    path.write_text(USERS_CONFIG.replace("  tp_linear_async_communication: true\n", "")
+                    .replace("  tp_mode: REDUCE_SCATTER\n", ""))
+    layout = resolve_layout(build_parser().parse_args(["plan", "--model-file", str(path)]), err=said)
+    assert layout.tp_async is False and layout.sequence_parallel is False  # ALL_REDUCE, nanotron's default
+
+
+@pytest.mark.parametrize("change, message", [
+    (("  pp: 4\n", "  pp: four\n"), "parallelism.pp must be an integer >= 1, got 'four'"),
+    (("  pp: 4\n", "  pp: 0\n"), "parallelism.pp must be an integer >= 1, got 0"),
+    (("  tp_mode: REDUCE_SCATTER\n", "  tp_mode: SCATTER\n"),
+     "parallelism.tp_mode must be one of REDUCE_SCATTER, ALL_REDUCE, got 'SCATTER'"),
+    (("  zero_stage: 1\n", "  zero_stage: 3\n"), "optimizer.zero_stage must be 0 or 1"),
+    (("  tp_linear_async_communication: true\n", "  tp_linear_async_communication: 1\n"),
+     "parallelism.tp_linear_async_communication must be true or false, got 1"),
+    (("  batch_accumulation_per_replica: 16\n", ""), "give --microbatches, or a nanotron config as --model-file (it "
+                                                     "names tokens.batch_accumulation_per_replica)"),
+])
+def test_a_nanotron_config_with_a_bad_layout_is_named(tmp_path, change, message):
+    path = tmp_path / "users.yaml"
+    path.write_text(USERS_CONFIG.replace(*change))
+    args = build_parser().parse_args(["plan", "--model-file", str(path)])
+    with pytest.raises((ParameterError, FormatError), match=re.escape(message)):
+        run_plan(args)
+
+
+def test_pp_and_microbatches_are_needed_without_a_nanotron_config(tmp_path):
+    path = tmp_path / "sizes.yaml"
+    path.write_text("layers: 8\nhidden: 256\nheads: 8\nffn: 512\nvocab: 1000\n")
+    for argv, missing in ((["--model-file", str(path), "--microbatches", "4"], "--pp"),
+                          (["--model", "llama3-8b", "--pp", "4"], "--microbatches")):
+        with pytest.raises(ParameterError, match=f"give {missing}, or a nanotron config as --model-file"):
+            run_plan(build_parser().parse_args(["plan", *argv]))
