@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from integration.nanotron.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES, accepted_summary
-from pipeschedule.checks import MAX_LAYERS, is_int, parse_int, shown
+from pipeschedule.checks import MAX_DIGITS, MAX_LAYERS, is_int, parse_int, shown
 from pipeschedule.compiler.families import family_virtual
 from pipeschedule.compiler.offload import OffloadPolicy
 from pipeschedule.errors import ParameterError
@@ -297,14 +297,19 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
 
 
 def _integer(value: Any, key: str, raw: Any) -> int:
+    """An integer parameter, written as text or (the mapping form) as a YAML integer; at
+    most MAX_DIGITS digits either way ([Note: size limits]), parse_int's reason kept."""
     if is_int(raw):
+        if abs(raw) >= 10 ** MAX_DIGITS:
+            raise _error(value, f"{key} has more than {MAX_DIGITS} digits, got {shown(raw)}; at most {MAX_DIGITS} "
+                                f"are accepted")
         return raw
     if isinstance(raw, str):
         try:
             return parse_int(raw, key)  # ASCII digits, as everywhere ([Note: size limits])
-        except ParameterError:
-            pass
-    raise _error(value, f"{key} must be an integer, got {raw!r}")
+        except ParameterError as err:
+            raise _error(value, str(err)) from None
+    raise _error(value, f"{key} must be an integer, got {shown(raw)}")
 
 
 def _integers(value: Any, key: str, raw: Any) -> list[int]:

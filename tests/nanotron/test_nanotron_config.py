@@ -73,6 +73,10 @@ BAD = [
     ("capped_1f1b:cap=0", "cap must be an integer >= 1"),
     ({"name": "capped_1f1b", "cap": 0}, "cap must be an integer >= 1"),
     ("capped_1f1b:cap=two", "cap must be an integer"),
+    # 19 digits: the digit limit is named (it said "must be an integer"), as text or as a YAML integer
+    ("capped_1f1b:cap=1234567890123456789", "cap has 19 digits, got '1234567890123456789'; at most 18 are accepted"),
+    ({"name": "capped_1f1b", "cap": 10 ** 30}, "cap has more than 18 digits"),
+    ("capped_1f1b:split=40/1234567890123456789", "split has 19 digits"),
     ("zero_bubble", "unknown engine 'zero_bubble'"),
     ("capped_1f1b:capp=2", "unknown parameter 'capp' for capped_1f1b; capped_1f1b accepts: cap, split"),
     ("capped_1f1b:virtual=2", "unknown parameter 'virtual' for capped_1f1b"),
