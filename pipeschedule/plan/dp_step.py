@@ -51,14 +51,16 @@ def rank_tail(setup: TrainingSetup, params: int, last_backward: float, *, dp_ban
 
 
 def step_tail(setup: TrainingSetup, params: Sequence[int], placement: Sequence[int],
-              backward: Sequence[float], *, dp_bandwidth: float, hbm_bandwidth: float) -> tuple[float, dict]:
+              backward: Sequence[float], *, dp_bandwidth: float, hbm_bandwidth: float,
+              shared: Sequence[int] = ()) -> tuple[float, dict]:
     """(seconds, the slowest rank's parts) of the tail after the pipeline; params[s]: the
     parameters of stage s on one GPU, backward[s]: one microbatch's backward seconds of
-    stage s (B + W)."""
+    stage s (B + W); shared[r]: parameters rank r's stages count twice (memory.shared_params)."""
     worst, parts = 0.0, {}
     for r in range(max(placement) + 1):
         stages = [s for s, p in enumerate(placement) if p == r]
-        tail = rank_tail(setup, sum(params[s] for s in stages), sum(backward[s] for s in stages),
+        held = sum(params[s] for s in stages) - (shared[r] if r < len(shared) else 0)
+        tail = rank_tail(setup, held, sum(backward[s] for s in stages),
                          dp_bandwidth=dp_bandwidth, hbm_bandwidth=hbm_bandwidth)
         if sum(tail.values()) >= worst:
             worst, parts = sum(tail.values()), dict(tail, rank=r)

@@ -141,7 +141,7 @@ def offloaded(planner, cand: Candidate, ranks: Sequence[int], stream: int | None
     timing = simulate(moved, policy.cost(timing_cost))
     memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash,
                          peak_p2p=[r.terms[P2P] for r in cand.memory], peak_inflight=stash.peak_inflight,
-                         budget=config.budget, setup=config.setup)
+                         budget=config.budget, setup=config.setup, shared=planner.shared(schedule))
     tail, parts = planner.tail(schedule, cand.split, cand.recomputed)
     step = timing.step_time + tail
     slower = timing.step_time / cand.pipeline_time - 1

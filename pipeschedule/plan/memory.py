@@ -472,6 +472,18 @@ def stage_params(model: ModelSpec, layers: int, *, first: bool, last: bool, tp: 
     return params
 
 
+def shared_params(model: ModelSpec, placement: Sequence[int], tp: int) -> tuple[int, ...]:
+    """Per rank, the parameters its stages' footprints count twice: with tied embeddings,
+    a rank that holds the first stage and the last as two stages (the V shapes put both
+    on rank 0; every chunk is on rank 0 at pp=1) holds the embedding, which is the LM
+    head's weight, once: nanotron's `tie_parameters` makes the two modules of one rank
+    share one parameter. (One stage holding both is counted once by `stage_params`.)"""
+    out = [0] * (max(placement) + 1)
+    if model.tied_embeddings and len(placement) > 1 and placement[0] == placement[-1]:
+        out[placement[0]] = model.embedding_params(tp)
+    return tuple(out)
+
+
 def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: bool, last: bool,
                     recomputed: int = 0) -> StageFootprint:
     """The footprint of one stage holding `layers` decoder layers (plus the embedding when
@@ -611,6 +623,7 @@ def rank_memory(
     peak_inflight: Sequence[int],
     budget: float,
     setup: TrainingSetup | None = None,
+    shared: Sequence[int] = (),
 ) -> list[RankMemory]:
     """Combine stage footprints with a schedule's simulated peaks, one entry per rank.
 
@@ -618,17 +631,27 @@ def rank_memory(
     `stash_buffers` / `p2p_buffers` as the cost model's buffer_bytes. With `setup`, a
     rank whose optimizer step peaks above its pipeline gets the difference as the term
     "optimizer step (transient, above the pipeline)" (`optimizer_step_transient`).
+    shared[r]: parameters rank r's stages count twice (`shared_params`), held once
+    (needs `setup`, whose bytes per parameter say what they hold).
     """
+    if any(shared) and setup is None:
+        raise ParameterError("rank_memory: shared parameters need the setup (bytes per parameter)")
     out = []
     for r in range(len(peak_stash)):
         stages = tuple(s for s, rank in enumerate(placement) if rank == r)
+        twice = shared[r] if r < len(shared) else 0
         terms: dict[str, float] = {}
         for s in stages:
             for key, value in footprints[s].static.items():
                 terms[key] = terms.get(key, 0) + value
+        if twice:
+            for key, per_param in static_per_param(setup).items():
+                terms[key] -= per_param * twice
         terms[ACTIVATIONS] = float(peak_stash[r])
         terms[P2P] = float(peak_p2p[r])
         grads = sum(footprints[s].grads_transient for s in stages)
+        if twice:
+            grads -= transient_per_param(setup) * twice
         if grads:
             terms[GRADS] = grads
         name, value = max((footprints[s].working for s in stages), key=lambda w: w[1], default=("", 0))
@@ -636,7 +659,9 @@ def rank_memory(
             terms[name] = float(value)
         if setup is not None:  # the optimizer step's peak, where it is above the pipeline's
             static = sum(sum(footprints[s].static.values()) for s in stages)
-            step = static + optimizer_step_transient(setup, sum(footprints[s].params for s in stages))
+            if twice:
+                static -= sum(static_per_param(setup).values()) * twice
+            step = static + optimizer_step_transient(setup, sum(footprints[s].params for s in stages) - twice)
             if step > sum(terms.values()):
                 terms[OPTIMIZER_STEP] = step - sum(terms.values())
         out.append(RankMemory(
@@ -661,6 +686,7 @@ __all__ = [
     "TrainingSetup",
     "boundary_bytes",
     "layer_activation_bytes",
+    "shared_params",
     "logits_values",
     "optimizer_step_transient",
     "p2p_buffers",

@@ -34,6 +34,7 @@ from pipeschedule.plan.memory import (
     head_stash,
     layer_activation_bytes,
     stage_footprints,
+    shared_params,
     stage_params,
     static_per_param,
     transient_per_param,
@@ -154,7 +155,8 @@ class _Planner:
         peak_p2p = self.peaks(family, cap, virtual, p2p_cost)[0]
         pipeline = self.step(family, cap, virtual, p2p_cost)
         memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash, peak_p2p=peak_p2p,
-                             peak_inflight=peak_inflight, budget=config.budget, setup=config.setup)
+                             peak_inflight=peak_inflight, budget=config.budget, setup=config.setup,
+                             shared=self.shared(schedule))
         tail, parts = self.tail(schedule, split, recomputed)
         step = pipeline + tail
         return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
@@ -173,8 +175,12 @@ class _Planner:
         params = [stage_params(config.model, n, first=s == 0, last=s == last, tp=config.setup.tp)
                   for s, n in enumerate(split)]
         backward = [b + w for _, b, w in (self.stage_seconds(costs, n, s == last, r[s]) for s, n in enumerate(split))]
-        return step_tail(config.setup, params, schedule.placement, backward,
+        return step_tail(config.setup, params, schedule.placement, backward, shared=self.shared(schedule),
                          dp_bandwidth=config.dp_bandwidth, hbm_bandwidth=config.hbm_bandwidth)
+
+    def shared(self, schedule: Schedule) -> tuple[int, ...]:
+        """Per rank, parameters its stages count twice (memory.shared_params)."""
+        return shared_params(self.config.model, schedule.placement, self.config.setup.tp)
 
     def rank_tail(self, schedule: Schedule, rank: int, layers: Sequence[int]) -> float:
         """Seconds of `rank`'s tail when its stages (in stage order) hold `layers` layers,
@@ -184,7 +190,7 @@ class _Planner:
         stages = [s for s, p in enumerate(schedule.placement) if p == rank]
         costs = self.compute_costs(schedule.split_backward)
         params = sum(stage_params(config.model, n, first=s == 0, last=s == last, tp=config.setup.tp)
-                     for s, n in zip(stages, layers))
+                     for s, n in zip(stages, layers)) - self.shared(schedule)[rank]
         backward = sum(b + w for _, b, w in (self.stage_seconds(costs, n, s == last) for s, n in zip(stages, layers)))
         parts = rank_tail(config.setup, params, backward, dp_bandwidth=config.dp_bandwidth,
                           hbm_bandwidth=config.hbm_bandwidth)
@@ -203,6 +209,7 @@ class _Planner:
             layer_stash = max(layer_stash, float(weight_stash_layer(model, setup)))  # a bound: W may keep more
         # a stage's own parameters beside its layers: the embedding on the first, the head on the last
         static = [per_param * stage_params(model, 0, first=s == 0, last=s == S - 1, tp=setup.tp) for s in range(S)]
+        static[-1] -= per_param * self.shared(schedule)[schedule.placement[-1]]  # a tied head on stage 0's rank
         probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
         p2p = self.peaks(family, cap, virtual, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward))[0]
         working = [0.0] * schedule.pp

@@ -367,3 +367,37 @@ def test_pp_and_microbatches_are_needed_without_a_nanotron_config(tmp_path):
                           (["--model", "llama3-8b", "--pp", "4"], "--microbatches")):
         with pytest.raises(ParameterError, match=f"give {missing}, or a nanotron config as --model-file"):
             run_plan(build_parser().parse_args(["plan", *argv]))
+
+
+def test_tied_embeddings_on_one_rank_in_two_stages_are_held_once():
+    """With tied embeddings, a V shape's rank 0 holds stage 0 (the embedding) and the last
+    stage (the LM head, whose weight is the embedding's): nanotron ties them into one
+    parameter on that rank, so the memory table, the split search's bytes and the tail
+    count it once. Before, rank 0 counted the embedding twice."""
+    from dataclasses import replace as replaced
+
+    from pipeschedule.plan.memory import static_per_param, transient_per_param
+    from pipeschedule.plan.planner import _Planner
+    from pipeschedule.plan.split_problem import Evaluator
+
+    untied = MODELS["llama3-8b"]
+    tied = replaced(untied, name="tied", tied_embeddings=True)
+    setup = TrainingSetup(tp=2, dp=2, zero_stage=1, recompute="full")
+    split = (4, 4, 4, 4, 4, 4, 4, 4)
+    rows, searches = {}, {}
+    for model in (untied, tied):
+        planner = _Planner(PlanConfig(model, setup, pp=4, microbatches=8, gpu_memory=80 * GiB))
+        rows[model.name] = planner.evaluate("v_half", None, 2, split, "x")
+        ev = Evaluator(planner.problem("v_half", None, 2), planner.schedule("v_half", None, 2))
+        searches[model.name] = ev
+        assert ev.step_time(split)[0] == pytest.approx(rows[model.name].step_time, rel=1e-12)
+    embedding = untied.embedding_params(2)
+    per_param = sum(static_per_param(setup).values()) + transient_per_param(setup)
+    a, b = rows["llama3-8b"].memory, rows["tied"].memory
+    assert a[0].terms["weights"] - b[0].terms["weights"] == embedding * 2  # bf16 weights, once
+    assert a[0].total - b[0].total == pytest.approx(per_param * embedding, rel=1e-9)
+    assert [r.total for r in a[1:]] == [r.total for r in b[1:]]
+    assert (searches["llama3-8b"].rank_bytes(split)[0] - searches["tied"].rank_bytes(split)[0]
+            == pytest.approx(per_param * embedding, rel=1e-9))
+    # the optimizer step of rank 0 runs over the embedding once
+    assert rows["tied"].step_time < rows["llama3-8b"].step_time
