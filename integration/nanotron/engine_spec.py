@@ -217,8 +217,12 @@ def parse_engine(value: Any) -> EngineSpec:
 # -- helpers ---------------------------------------------------------------------------
 
 
-def _error(value: Any, reason: str) -> ParameterError:
-    return ParameterError(f"pp_engine {value!r}: {reason}. Accepted: {accepted_summary()}")
+class _TooManyDigits(ParameterError):
+    """An integer parameter over MAX_DIGITS digits; `_convert` reports it for every key."""
+
+
+def _error(value: Any, reason: str, kind: type[ParameterError] = ParameterError) -> ParameterError:
+    return kind(f"pp_engine {value!r}: {reason}. Accepted: {accepted_summary()}")
 
 
 def _split_string(value: str) -> tuple[str, dict[str, Any]]:
@@ -272,6 +276,8 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
             return raw.strip()
         try:
             items = _integers(value, key, raw)
+        except _TooManyDigits:
+            raise  # its own reason: the mode list below would hide it
         except ParameterError:
             items = [-1]
         if any(n < 0 for n in items):
@@ -302,13 +308,16 @@ def _integer(value: Any, key: str, raw: Any) -> int:
     if is_int(raw):
         if abs(raw) >= 10 ** MAX_DIGITS:
             raise _error(value, f"{key} has more than {MAX_DIGITS} digits, got {shown(raw)}; at most {MAX_DIGITS} "
-                                f"are accepted")
+                                f"are accepted", _TooManyDigits)
         return raw
     if isinstance(raw, str):
+        text = raw.strip()
+        digits = text[1:] if text.startswith(("+", "-")) else text
+        too_long = len(digits) > MAX_DIGITS and digits.isascii() and digits.isdigit()  # parse_int's digit limit
         try:
             return parse_int(raw, key)  # ASCII digits, as everywhere ([Note: size limits])
         except ParameterError as err:
-            raise _error(value, str(err)) from None
+            raise _error(value, str(err), _TooManyDigits if too_long else ParameterError) from None
     raise _error(value, f"{key} must be an integer, got {shown(raw)}")
 
 

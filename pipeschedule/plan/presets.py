@@ -204,17 +204,22 @@ def nanotron_layout(obj: Any, source: str) -> dict[str, tuple[Any, str]]:
 
 # -- a small YAML subset ---------------------------------------------------------------------
 
+# YAML 1.1's booleans as PyYAML reads them (nanotron's reader): not y/n, not tRUE or oN.
+_TRUE = ("true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON")
+_FALSE = ("false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF")
+
 
 def parse_scalar(text: str) -> Any:
-    """A YAML scalar: null, booleans, ints (with _ or e-notation that is integral, as
-    YAML 1.1 reads them; ASCII digits only), floats, quoted or plain strings, and
-    `[a, b]` inline lists of scalars."""
+    """A YAML scalar: null, booleans (true/yes/on and false/no/off in lower, title or upper
+    case, as PyYAML's YAML 1.1 reads them, which nanotron uses; not y/n), ints (with _ or
+    e-notation that is integral, as YAML 1.1 reads them; ASCII digits only), floats,
+    quoted or plain strings, and `[a, b]` inline lists of scalars."""
     text = text.strip()
     if text in ("", "~", "null", "Null", "NULL"):
         return None
-    if text in ("true", "True", "TRUE"):
+    if text in _TRUE:
         return True
-    if text in ("false", "False", "FALSE"):
+    if text in _FALSE:
         return False
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]

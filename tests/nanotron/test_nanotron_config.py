@@ -96,6 +96,14 @@ BAD = [
     ("1f1b:offload=0", "nanotron's own '1f1b' takes no parameters"),
     ("capped_1f1b:recompute=some", "recompute must be full, selective, or decoder layers per stage"),
     ("capped_1f1b:recompute=-1", "recompute must be full, selective, or decoder layers per stage"),
+    # the digit limit is named for recompute too (it said "must be full, selective, or ...")
+    ("ps_1f1b:recompute=1234567890123456789",
+     "recompute has 19 digits, got '1234567890123456789'; at most 18 are accepted"),
+    ("ps_1f1b:recompute=2/1234567890123456789", "recompute has 19 digits"),
+    ({"name": "ps_1f1b", "recompute": 10 ** 30}, "recompute has more than 18 digits"),
+    ({"name": "ps_1f1b", "recompute": [2, 10 ** 30]}, "recompute has more than 18 digits"),
+    ({"name": "ps_1f1b", "recompute": "1234567890123456789"}, "recompute has 19 digits"),
+    ("ps_1f1b:recompute=1234567890123456789x", "recompute must be full, selective, or decoder layers per stage"),
 ]
 
 

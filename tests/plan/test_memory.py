@@ -43,7 +43,7 @@ from pipeschedule.plan.partition import nanotron_split
 from pipeschedule.compiler.passes import lower
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.planner import _Planner
-from pipeschedule.plan.presets import MODELS, load_model, model_from_mapping, parse_yaml
+from pipeschedule.plan.presets import MODELS, load_model, model_from_mapping, nanotron_layout, parse_yaml
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stage_params, stash_buffers
 from pipeschedule.simulate import CostModel, simulate
 
@@ -289,6 +289,30 @@ def test_a_nanotron_config_is_a_model_file(tmp_path):
     assert parsed["parallelism"]["pp_engine"] == "capped_1f1b:cap=2,split=19/21/21/19"
     assert parsed["data_stages"][0] == {"data": {"seed": 42}, "name": "stable"}
     assert parsed["model"]["model_config"]["rope_theta"] == 500000.0
+
+
+def test_yaml_booleans_are_pyyaml_s():
+    """yes/no/on/off read as booleans, as nanotron's PyYAML (YAML 1.1) reads them: a config
+    with `accumulate_grad_in_fp32: on` was refused ("must be true or false, got 'on'")."""
+    spellings = {word: True for word in ("true", "True", "TRUE", "yes", "Yes", "YES", "on", "On", "ON")}
+    spellings.update({word: False for word in ("false", "False", "FALSE", "no", "No", "NO", "off", "Off", "OFF")})
+    spellings.update({word: word for word in ("y", "Y", "n", "N", "oN", "tRUE", "'on'", '"off"', "'yes'")})
+    try:
+        import yaml
+    except ImportError:
+        yaml = None
+    for word, expected in spellings.items():
+        parsed = parse_yaml(f"flag: {word}\nlist: [{word}, 1]\n")
+        if isinstance(expected, str):
+            expected = expected.strip("'\"")  # quoted: a string
+        assert parsed == {"flag": expected, "list": [expected, 1]}, word
+        assert type(parsed["flag"]) is type(expected), word
+        if yaml is not None:
+            assert yaml.safe_load(f"flag: {word}\nlist: [{word}, 1]\n") == parsed, word
+    config = parse_yaml(NANOTRON_CONFIG + "optimizer:\n  accumulate_grad_in_fp32: on\n  torch_adam_is_fused: No\n")
+    layout = nanotron_layout(config, "config.yaml")
+    assert layout["fp32_grad_accum"] == (True, "optimizer.accumulate_grad_in_fp32")
+    assert layout["adam_fused"] == (False, "optimizer.torch_adam_is_fused")
 
 
 def test_flat_json_model_and_bad_files(tmp_path):
