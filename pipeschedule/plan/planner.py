@@ -72,6 +72,7 @@ class _Planner:
         self.boundary = boundary_bytes(config.model, config.setup)
         self.schedules: dict = {}
         self.graphs: dict = {}  # (family, cap, virtual) -> (StepGraph, Peaks) of its schedule
+        self.rank_tails: dict = {}  # `rank_tail`'s seconds by what decides them
         self.stats = {"evaluations": 0, "simulations": 0, "searches": 0, "proven": 0, "search_nodes": 0,
                       "search_simulations": 0}
 
@@ -168,7 +169,7 @@ class _Planner:
              recomputed: Sequence[int] | None = None) -> tuple[float, dict]:
         """(seconds, the slowest rank's parts) after the pipeline of `split` under
         `schedule` ([Note: step tail]): what `evaluate` adds to the pipeline. The split
-        search adds the same per rank (`rank_tail`)."""
+        search adds the same per rank (`rank_tail`, to rounding)."""
         config, last = self.config, len(split) - 1
         costs = self.compute_costs(schedule.split_backward)
         r = recomputed or (0,) * len(split)
@@ -182,19 +183,24 @@ class _Planner:
         """Per rank, parameters its stages count twice (memory.shared_params)."""
         return shared_params(self.config.model, schedule.placement, self.config.setup.tp)
 
-    def rank_tail(self, schedule: Schedule, rank: int, layers: Sequence[int]) -> float:
-        """Seconds of `rank`'s tail when its stages (in stage order) hold `layers` layers,
-        none recomputed: `tail`'s arithmetic for one rank, term for term, so that the
-        search's step time is the row's to the last bit."""
+    def rank_tail(self, schedule: Schedule, rank: int, layers: int) -> float:
+        """Seconds of `rank`'s tail when its stages hold `layers` decoder layers together,
+        none recomputed: `tail`'s terms for one rank, its stages' layers timed as one
+        count (equal to `tail`'s to rounding). Cached by what decides it: the count, the
+        split backward, whether the rank holds the first and the last stage, and the
+        parameters it holds once (`shared`)."""
         config, last = self.config, schedule.num_stages - 1
         stages = [s for s, p in enumerate(schedule.placement) if p == rank]
-        costs = self.compute_costs(schedule.split_backward)
-        params = sum(stage_params(config.model, n, first=s == 0, last=s == last, tp=config.setup.tp)
-                     for s, n in zip(stages, layers)) - self.shared(schedule)[rank]
-        backward = sum(b + w for _, b, w in (self.stage_seconds(costs, n, s == last) for s, n in zip(stages, layers)))
-        parts = rank_tail(config.setup, params, backward, dp_bandwidth=config.dp_bandwidth,
-                          hbm_bandwidth=config.hbm_bandwidth)
-        return sum(parts.values())
+        key = (layers, schedule.split_backward, 0 in stages, last in stages, self.shared(schedule)[rank])
+        if key not in self.rank_tails:
+            model, tp = config.model, config.setup.tp
+            params = (layers * model.layer_params(tp) - key[4]
+                      + sum(stage_params(model, 0, first=s == 0, last=s == last, tp=tp) for s in stages))
+            _, b, w = self.stage_seconds(self.compute_costs(schedule.split_backward), layers, last in stages)
+            parts = rank_tail(config.setup, params, b + w, dp_bandwidth=config.dp_bandwidth,
+                              hbm_bandwidth=config.hbm_bandwidth)
+            self.rank_tails[key] = sum(parts.values())
+        return self.rank_tails[key]
 
     def problem(self, family: str, cap, virtual: int) -> SplitProblem:
         """The split problem of `optimal_split` with this planner's costs and memory."""

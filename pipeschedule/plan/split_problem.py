@@ -43,9 +43,10 @@ class SplitProblem:
     bytes of a stage's sent activation and gradient (message time = latency +
     boundary / bandwidth). A rank holds sum over its stages of static + k_s * stash, with
     k_s the stage's peak in-flight microbatches under the schedule, plus rank_bytes.
-    rank_tail: rank_tail(r, layers) is the seconds rank r spends after the pipeline when its
-    stages, in stage order, hold `layers` layers (the data-parallel reduction and the
-    optimizer step, [Note: step tail] in dp_step.py), never negative; None for none. A
+    rank_tail: rank_tail(r, n) is the seconds rank r spends after the pipeline when its
+    stages hold n decoder layers together (the data-parallel reduction and the optimizer
+    step, [Note: step tail] in dp_step.py: they grow with the rank's parameters, which
+    its layer count and which stages it holds decide), never negative; None for none. A
     split's tail is the largest over ranks, and the search minimises the simulated
     pipeline plus the tail ([Note: exact split search]).
     """
@@ -65,11 +66,11 @@ class SplitProblem:
     boundary: tuple
     latency: float = 0.0
     bandwidth: float = math.inf
-    rank_tail: Callable[[int, tuple[int, ...]], float] | None = None
+    rank_tail: Callable[[int, int], float] | None = None
 
     def __post_init__(self) -> None:
         if self.rank_tail is not None and not callable(self.rank_tail):
-            raise ParameterError(f"rank_tail must be a function of (rank, layers of its stages) or None, "
+            raise ParameterError(f"rank_tail must be a function of (rank, its layers) or None, "
                                  f"got {type(self.rank_tail).__name__}")
         layers, stages = len(self.layer_forward), len(self.stage_forward)
         if layers < 1 or stages < 1:
@@ -140,6 +141,9 @@ class Evaluator:
         self.cap = [b - x for b, x in zip(budget, problem.rank_bytes)]
         self.cache: dict[tuple, object] = {}
         self.tails: dict[tuple, float] = {}
+        self.floors: dict[int, list[float]] = {}
+        self.least_floors: list[float] | None = None
+        self.least_split_tail: float | None = None
         self.simulations = 0
         # [Note: step graph]: one graph for every split, the simulator's times and chains.
         self.graph = graph if graph is not None else StepGraph(schedule)
@@ -189,9 +193,9 @@ class Evaluator:
         """The problem's tail of a split: the largest `rank_tail` (0 without one)."""
         if self.p.rank_tail is None:
             return 0.0
-        return max(self.rank_tail(r, tuple(split[s] for s in stages)) for r, stages in enumerate(self.stages_of))
+        return max(self.rank_tail(r, sum(split[s] for s in stages)) for r, stages in enumerate(self.stages_of))
 
-    def rank_tail(self, rank: int, layers: tuple) -> float:
+    def rank_tail(self, rank: int, layers: int) -> float:
         """`rank_tail` of the problem (0 without one), cached; refused where it is negative
         or not a finite number."""
         if self.p.rank_tail is None:
@@ -199,9 +203,63 @@ class Evaluator:
         key = (rank, layers)
         if key not in self.tails:
             value = self.p.rank_tail(rank, layers)
-            check_number(f"the tail of rank {rank} with layers {list(layers)}", value)
+            check_number(f"the tail of rank {rank} with {layers} layers", value)
             self.tails[key] = float(value)
         return self.tails[key]
+
+    def tail_floor(self, rank: int, layers: int) -> float:
+        """The least tail rank r can have once it holds at least `layers` layers: the
+        least `rank_tail` from there up to every layer (a bound below for a rank whose
+        stages are not all chosen yet; the tail need not grow with the layers)."""
+        if self.p.rank_tail is None:
+            return 0.0
+        if rank not in self.floors:
+            L, floor, least = self.p.num_layers, [0.0] * (self.p.num_layers + 2), math.inf
+            floor[L + 1] = math.inf
+            for n in range(L, -1, -1):
+                least = min(least, self.rank_tail(rank, n)) if n >= len(self.stages_of[rank]) else least
+                floor[n] = least
+            self.floors[rank] = floor
+        return self.floors[rank][min(layers, self.p.num_layers + 1)]
+
+    def least_tail(self) -> float:
+        """A bound below the tail of every split: the least t such that the ranks can hold
+        all the layers with each rank's `tail_floor` at most t (floors do not fall as
+        layers grow, so each rank takes every layer up to where its floor passes t)."""
+        if self.p.rank_tail is None:
+            return 0.0
+        if self.least_split_tail is None:
+            L, ranks = self.p.num_layers, [r for r, stages in enumerate(self.stages_of) if stages]
+
+            def holds(t: float) -> bool:  # the most layers the ranks take with floors <= t
+                total = 0
+                for r in ranks:
+                    if self.tail_floor(r, len(self.stages_of[r])) > t:
+                        return False
+                    lo, hi = len(self.stages_of[r]), L  # the largest n with tail_floor(r, n) <= t
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        lo, hi = (mid, hi) if self.tail_floor(r, mid) <= t else (lo, mid - 1)
+                    total += lo
+                return total >= L
+
+            values = sorted({self.tail_floor(r, n) for r in ranks for n in range(L + 1)} - {math.inf})
+            lo, hi = 0, len(values) - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if holds(values[mid]) else (mid + 1, hi)
+            self.least_split_tail = values[lo]
+        return self.least_split_tail
+
+    def least_floor(self, layers: int) -> float:
+        """The least `tail_floor` of any rank that holds a stage: what some rank's tail is
+        at least once it holds `layers` layers, whichever rank it is."""
+        if self.p.rank_tail is None:
+            return 0.0
+        if self.least_floors is None:
+            ranks = [r for r, stages in enumerate(self.stages_of) if stages]
+            self.least_floors = [min(self.tail_floor(r, n) for r in ranks) for n in range(self.p.num_layers + 2)]
+        return self.least_floors[min(layers, self.p.num_layers + 1)]
 
     def probe(self, forward, backward, weight) -> CriticalPath:
         """The critical path under arbitrary per-stage costs."""

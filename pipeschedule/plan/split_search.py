@@ -256,10 +256,16 @@ class Search:
             return True
         self.chosen: list[int] = []
         self.used = [0.0] * len(self.ev.cap)
+        ev = self.ev
+        self.held = [0] * len(ev.cap)  # layers chosen per rank
+        self.left = [len(stages) for stages in ev.stages_of]  # stages not chosen yet per rank
+        self.floors = [ev.tail_floor(r, self.left[r]) for r in range(len(ev.cap))]  # each rank's tail, bounded below
+        self.open = sum(1 for left in self.left if left)  # ranks with stages to choose, and the layers they hold
+        self.open_held = 0
         self._build()
         self.running = True
         try:
-            return self._dfs(0, 0, [c.const for c in self.cuts], 0.0)
+            return self._dfs(0, 0, [c.const for c in self.cuts])
         finally:
             self.running = False
 
@@ -273,16 +279,22 @@ class Search:
                  for cut in self.cuts[len(partial):]]
         return partial + extra
 
-    def _dfs(self, s: int, j: int, partial: list, known: float) -> bool:
+    def _dfs(self, s: int, j: int, partial: list) -> bool:
         """Stages s.. from layer j on; partial: the cuts' values of the stages chosen so
-        far; known: the largest tail of the ranks whose stages are all chosen (the step's
-        tail is at least that, so it adds to every bound below this node)."""
+        far. Every bound adds a bound below the step's tail, the largest of: each rank's
+        (`floors`: exact for a rank whose stages are all chosen, else the least its layers
+        so far and one more per stage to come allow, `Evaluator.tail_floor`), and the
+        ranks' with stages to come together: they share the layers left, so one of them
+        ends with at least their mean (`Evaluator.least_floor`)."""
         self.nodes += 1
         if self.nodes > self.node_limit:
             return False
         ev, L, S = self.ev, self.L, self.S
         r = ev.rank_of[s]
-        completes = ev.p.rank_tail is not None and ev.stages_of[r][-1] == s  # r's tail is known below
+        tailed = ev.p.rank_tail is not None
+        others = max(max((f for q, f in enumerate(self.floors) if q != r), default=0.0), ev.least_tail()) \
+            if tailed else 0.0
+        held, left = self.held[r], self.left[r]
         last = s == S - 1
         hi = L if last else min(self.maxe[s][j], L - (S - s - 1))
         if self.caps is not None:
@@ -295,15 +307,22 @@ class Search:
             extra = ev.stage_bytes(s, j, e)
             if self.used[r] + extra > ev.cap[r]:
                 break  # more layers only add bytes
-            tail = known
-            if completes:
-                layers = tuple(self.chosen[t] for t in ev.stages_of[r][:-1]) + (e - j,)
-                tail = max(tail, ev.rank_tail(r, layers))
+            floor = tail = 0.0
+            if tailed:
+                n = held + e - j
+                if left == 1:  # r's stages are all chosen: its tail is known
+                    floor = ev.rank_tail(r, n)
+                    still, shared = self.open - 1, self.open_held - held
+                else:
+                    floor = ev.tail_floor(r, n + left - 1)
+                    still, shared = self.open, self.open_held + e - j
+                mean = -(-(L - e + shared) // still) if still else 0
+                tail = max(others, floor, ev.least_floor(mean) if still else 0.0)
             bound = max(map(add, base, bcol[e])) + tail
             if bound < limit:
-                options.append((bound, e, extra, tail))
+                options.append((bound, e, extra, tail, floor))
         options.sort(key=lambda o: o[0])
-        for _, e, extra, tail in options:
+        for _, e, extra, tail, floor in options:
             if len(partial) != len(self.cuts):  # cuts grew in a sibling's subtree
                 partial = self._partial(partial)
                 base = list(map(sub, partial, self.prefix_col[s][j]))
@@ -316,7 +335,15 @@ class Search:
                 self.evaluate(tuple(self.chosen))
             else:
                 self.used[r] += extra
-                ok = self._dfs(s + 1, e, list(map(add, base, self.prefix_col[s][e])), tail)
+                kept = self.floors[r], self.open, self.open_held
+                self.held[r], self.left[r], self.floors[r] = held + e - j, left - 1, floor
+                if left == 1:
+                    self.open, self.open_held = self.open - 1, self.open_held - held
+                else:
+                    self.open_held += e - j
+                ok = self._dfs(s + 1, e, list(map(add, base, self.prefix_col[s][e])))
+                self.held[r], self.left[r] = held, left
+                self.floors[r], self.open, self.open_held = kept
                 self.used[r] -= extra
                 if not ok:
                     self.chosen.pop()

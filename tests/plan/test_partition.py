@@ -81,11 +81,17 @@ def make_problem(layers_f, stage_extra, static, stash, budget, pp, S, boundary=0
     )
 
 
-def weighted_tail(weights):
+def weighted_tail(weights, dip=None):
     """A rank tail of weights[r] * the layers of rank r: like a data-parallel reduction
     that grows with a rank's parameters, but pulling toward its own split, unlike the
-    pipeline's."""
-    return lambda rank, layers: weights[rank] * sum(layers)
+    pipeline's. dip: (layers, seconds less) for a tail that is not monotone in the
+    layers (as an exposed DDP all-reduce need not be)."""
+    def tail(rank, layers):
+        value = weights[rank] * layers
+        if dip is not None and layers == dip[0]:
+            value = max(0.0, value - dip[1])
+        return value
+    return tail
 
 
 def all_splits(L, S):
@@ -99,7 +105,7 @@ def tail_of(problem, schedule, split):
     ranks, each given its stages' layers in stage order."""
     if problem.rank_tail is None:
         return 0.0
-    return max(problem.rank_tail(r, tuple(n for s, n in enumerate(split) if schedule.placement[s] == r))
+    return max(problem.rank_tail(r, sum(n for s, n in enumerate(split) if schedule.placement[s] == r))
                for r in range(schedule.pp))
 
 
@@ -135,7 +141,8 @@ def cases(draw):
     budget = draw(st.none() | st.integers(3, 40))
     latency = draw(st.sampled_from([0.0, 0.5]))
     weights = draw(st.none() | st.lists(st.integers(0, 12), min_size=pp, max_size=pp))
-    tail = None if weights is None else weighted_tail(weights)
+    dip = draw(st.none() | st.tuples(st.integers(1, L), st.integers(1, 30)))
+    tail = None if weights is None else weighted_tail(weights, dip)
     schedule = lower(generate(family, pp=pp, microbatches=m, virtual=v, cap=cap))
     return make_problem(layers_f, extra, static, stash, budget, pp, S, boundary=1.0, latency=latency,
                         rank_tail=tail), schedule
@@ -189,14 +196,14 @@ def test_the_tail_moves_the_optimum():
 
 def test_a_bad_tail_is_refused():
     """A rank tail that is not a function, or gives a negative or non-finite time, is named."""
-    with pytest.raises(ParameterError, match=r"rank_tail must be a function of \(rank, layers of its stages\) or "
-                                             r"None, got float"):
+    with pytest.raises(ParameterError, match=r"rank_tail must be a function of \(rank, its layers\) or None, "
+                                             r"got float"):
         make_problem([1.0] * 4, [0.0] * 2, [0] * 4, [0] * 4, None, 2, 2, rank_tail=1.5)
     schedule = lower(generate("1f1b", pp=2, microbatches=2))
     for value, shown in ((-1.0, "-1.0"), (math.nan, "nan")):
         problem = make_problem([1.0] * 4, [0.0] * 2, [0] * 4, [0] * 4, None, 2, 2,
                                rank_tail=lambda rank, layers, v=value: v)
-        with pytest.raises(ParameterError, match=rf"the tail of rank \d with layers \[\d\] must be a finite number "
+        with pytest.raises(ParameterError, match=rf"the tail of rank \d with \d+ layers must be a finite number "
                                                  rf">= 0, got {shown}"):
             optimal_split(problem, schedule)
 
