@@ -285,7 +285,8 @@ class Search:
         (`floors`: exact for a rank whose stages are all chosen, else the least its layers
         so far and one more per stage to come allow, `Evaluator.tail_floor`), and the
         ranks' with stages to come together: they share the layers left, so one of them
-        ends with at least their mean (`Evaluator.least_floor`)."""
+        ends with at least their mean (`Evaluator.least_floor`), and the least tail of any
+        split (`Evaluator.least_tail`)."""
         self.nodes += 1
         if self.nodes > self.node_limit:
             return False
@@ -312,11 +313,11 @@ class Search:
                 n = held + e - j
                 if left == 1:  # r's stages are all chosen: its tail is known
                     floor = ev.rank_tail(r, n)
-                    still, shared = self.open - 1, self.open_held - held
+                    still, pooled = self.open - 1, self.open_held - held
                 else:
                     floor = ev.tail_floor(r, n + left - 1)
-                    still, shared = self.open, self.open_held + e - j
-                mean = -(-(L - e + shared) // still) if still else 0
+                    still, pooled = self.open, self.open_held + e - j
+                mean = -(-(L - e + pooled) // still) if still else 0  # layers the open ranks end with, at least
                 tail = max(others, floor, ev.least_floor(mean) if still else 0.0)
             bound = max(map(add, base, bcol[e])) + tail
             if bound < limit:
