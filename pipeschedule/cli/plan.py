@@ -119,10 +119,10 @@ def resolve_layout(args, err=None) -> argparse.Namespace:
     """`args` with every layout option set: the flag where given, else the value the
     nanotron config of --model-file names ([Note: a nanotron config's layout] in
     plan/presets.py), else LAYOUT_DEFAULTS. What the file set is said on `err`, once."""
-    file_layout = {}
-    if args.model_file is not None:
-        file_layout = nanotron_layout(load_mapping(args.model_file), args.model_file)
-    resolved, taken = vars(args).copy(), []
+    file_layout, resolved, taken = {}, vars(args).copy(), []
+    if args.model_file is not None:  # read once: model_from_args takes the sizes from the same mapping
+        resolved["model_mapping"] = load_mapping(args.model_file)
+        file_layout = nanotron_layout(resolved["model_mapping"], args.model_file)
     for option, default in LAYOUT_DEFAULTS.items():
         if resolved.get(option) is not None:
             continue
@@ -148,7 +148,7 @@ def model_from_args(args) -> ModelSpec:
         raise ParameterError(f"give --model {shown(args.model)} or --model-file {shown(args.model_file)}, not both "
                              f"(a file's sizes would replace the preset's); single sizes override either")
     if args.model_file is not None:
-        model = load_model(args.model_file)
+        model = load_model(args.model_file, getattr(args, "model_mapping", None))
     elif args.model:
         model = model_preset(args.model)
     else:

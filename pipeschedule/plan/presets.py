@@ -121,9 +121,11 @@ def _find(obj: Any, keys: tuple[str, ...]) -> Any:
     return None
 
 
-def load_model(path: str) -> ModelSpec:
-    """Read a model from a YAML or JSON file (see the module docstring)."""
-    return model_from_mapping(load_mapping(path), name=re.sub(r"\.(ya?ml|json)$", "", path.rsplit("/", 1)[-1]))
+def load_model(path: str, mapping: Any = None) -> ModelSpec:
+    """Read a model from a YAML or JSON file (see the module docstring); `mapping`: the
+    file's contents where the caller has read them already (`load_mapping`)."""
+    obj = load_mapping(path) if mapping is None else mapping
+    return model_from_mapping(obj, name=re.sub(r"\.(ya?ml|json)$", "", path.rsplit("/", 1)[-1]))
 
 
 def load_mapping(path: str) -> Any:

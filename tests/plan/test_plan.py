@@ -339,6 +339,10 @@ def test_a_nanotron_config_plans_its_own_layout(tmp_path, capsys):
                     .replace("  tp_mode: REDUCE_SCATTER\n", ""))
     layout = resolve_layout(build_parser().parse_args(["plan", "--model-file", str(path)]), err=said)
     assert layout.tp_async is False and layout.sequence_parallel is False  # ALL_REDUCE, nanotron's default
+    # the file is read once: the sizes come from the mapping resolve_layout read (gone from disk now)
+    path.unlink()
+    from pipeschedule.cli.plan import model_from_args
+    assert model_from_args(layout).layers == 80 and model_from_args(layout).name == "users"
 
 
 @pytest.mark.parametrize("change, message", [
