@@ -100,7 +100,7 @@ from pipeschedule.runtime.pool import BufferPool
 from pipeschedule.runtime.shapes import Shapes, TensorMeta, describe
 from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
 from pipeschedule.runtime.stages import ModuleStages, Stages
-from pipeschedule.runtime.transport import P2P, Transport
+from pipeschedule.runtime.transport import P2P, Pending, Transport
 
 _LOG = logging.getLogger("pipeschedule.runtime")
 MEASURE_STASH = ("first", "every")
@@ -308,7 +308,7 @@ class Executor:
                 yield pending
         start = time.perf_counter()
         for pending, ops in posted:
-            pending.finish()
+            _finish(pending, {op.peer for op in ops})
             for op in ops:
                 if op.instr.op is Op.RECV_F:
                     op.tensor.requires_grad_(self.shapes[op.instr.stage - 1].requires_grad)
@@ -324,7 +324,7 @@ class Executor:
         self._waiting = [(len(self.program), "the sends of this step")]
         if not pending.ready():
             yield pending
-        pending.finish()
+        _finish(pending, {i.peer for i in self.program if i.op in (Op.SEND_F, Op.SEND_B)})
         self._waiting = None
 
     def _split_unknown(self, batch):
@@ -633,6 +633,21 @@ def _where(err: BaseException) -> str:
     ours = [f for f in frames if not os.path.abspath(f.filename).startswith(_NOT_THE_MODEL)]
     frame = (ours or frames)[-1]
     return f" (raised at {frame.filename}:{frame.lineno} in {frame.name})"
+
+
+def _finish(pending: Pending, peers: set[int]) -> None:
+    """`pending.finish()`; a transport's error names the ranks at the other end. A rank
+    whose process ends (killed, out of host memory, a crash in native code) says nothing
+    itself; its neighbours learn it from the transport (gloo: "Connection closed by
+    peer"), and their messages are what the launcher shows first."""
+    try:
+        pending.finish()
+    except Exception as err:
+        names = ", ".join(map(str, sorted(peers)))
+        raise RuntimeScheduleError(
+            f"the transfer with rank{'s' if len(peers) > 1 else ''} {names} failed (where a rank's process ended, "
+            f"this is what its neighbours see; its exit code or its own message says why): "
+            f"{type(err).__name__}: {err}{_where(err)}") from err
 
 
 def _check_timeout(timeout) -> None:

@@ -10,6 +10,7 @@ from stage to stage so that every boundary has its own shape.
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import torch
@@ -157,7 +158,8 @@ def _live_tensors() -> int:
 
 
 class FailingStages(ModuleStages):
-    """ModuleStages whose forward raises, or returns a wrong shape, at one (stage, mb)."""
+    """ModuleStages whose forward raises, returns a wrong shape, or ends the process, at
+    one (stage, mb)."""
 
     def __init__(self, chunks, at, how):
         super().__init__(chunks, loss_fn)
@@ -166,6 +168,8 @@ class FailingStages(ModuleStages):
     def forward(self, stage, mb, act_in, target):
         output = super().forward(stage, mb, act_in, target)
         if (stage, mb) == self.at:
+            if self.how == "exit":  # the process ends at once, telling no one (as when killed)
+                os._exit(3)
             if self.how == "raise":
                 raise ValueError(f"injected failure in stage {stage}, microbatch {mb}")
             return torch.cat([output, output[:, :1]], dim=1)  # one column too many
@@ -194,6 +198,8 @@ def fault_worker(rank: int, world: int, store, scenario: str, timeout: float) ->
         schedule = without(schedule, 0, Op.SEND_F, 0, 2)
     elif scenario == "forward_raises":
         at, how = (1, 2), "raise"
+    elif scenario == "process_dies":
+        at, how = (1, 2), "exit"
     elif scenario == "wrong_shape":
         at, how = (0, 1), "shape"
     chunks = make_chunks(schedule.num_stages)

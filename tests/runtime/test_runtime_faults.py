@@ -60,6 +60,25 @@ def test_failing_forward_on_one_rank_stops_every_rank():
         assert "injected failure" in messages[rank]
 
 
+def test_a_rank_whose_process_ends_is_named_by_the_others():
+    """Rank 1's process ends in its forward without a word (killed, out of host memory, a
+    crash in native code): its neighbours learn it from gloo ("Connection closed by peer")
+    and name rank 1, and rank 3, no neighbour of it, stops with their message. Before,
+    they quoted gloo's error alone, and rank 0 quoted rank 2's as the failure."""
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        spawn(fault_worker, 4, timeout=60, args=("process_dies", TIMEOUT))
+    assert time.monotonic() - start < 45, "the parent waited far past the watchdog"
+    failures = caught.value.failures
+    assert sorted(failures) == [0, 1, 2, 3], str(caught.value)
+    assert failures[1].kind == "Died" and "code 3" in failures[1].message, str(caught.value)
+    for rank in (0, 2, 3):
+        assert failures[rank].kind == "RuntimeScheduleError", str(caught.value)
+        assert "the transfer with rank 1 failed" in failures[rank].message, failures[rank].message
+    for rank in (0, 2):  # the neighbours say so themselves, or quote the other neighbour
+        assert failures[rank].message.startswith(f"rank {rank}, step 0"), failures[rank].message
+
+
 def test_wrong_shape_is_named_with_the_expected_one():
     messages = _run("wrong_shape", 2)
     assert ("0SEND_F1@1 sends float32[3, 13] for microbatch 1, but rank 1 (stage 1) receives float32[3, 12]"
