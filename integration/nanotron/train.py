@@ -246,8 +246,28 @@ def train(config_file: str, *, record: bool = False):
     return trainer
 
 
+def read_config(config_file: str):
+    """nanotron's own reading of `config_file`, first and alone: a file it cannot read
+    (missing, not YAML, a value of the wrong type, a key nanotron lacks) is refused in
+    one line that names the file, where nanotron's trainer would raise it from inside its
+    constructor. Refusals of ours (a bad `pp_engine`) pass through as they are."""
+    from nanotron.config import get_config_from_file
+
+    try:
+        return get_config_from_file(config_file)
+    except PipescheduleError:
+        raise
+    except OSError as err:
+        raise PipescheduleError(f"cannot read the config file {config_file}: {err.strerror or err}") from None
+    except Exception as err:  # noqa: BLE001  (yaml's, dacite's, nanotron's own checks: all say what is wrong)
+        said = " ".join(str(err).split()) or "(no message)"
+        raise PipescheduleError(f"nanotron cannot read the config file {config_file}: {type(err).__name__}: "
+                                f"{said}") from None
+
+
 def run(config_file: str, *, backend: str = "auto", record: str | None = None, weights: bool = False) -> None:
-    """One process of the job: prepare, train, and write the record if asked."""
+    """One process of the job: read the config, prepare, train, and write the record if asked."""
+    read_config(config_file)  # (the trainer reads it again: nanotron 0.4's takes a file, not a Config)
     prepare(backend)
     trainer = train(config_file, record=record is not None)
     if record:

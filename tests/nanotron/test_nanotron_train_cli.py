@@ -15,9 +15,11 @@ from trainer_jobs import TrainerConfig
 pytestmark = pytest.mark.spawn
 
 
-def launch(tmp_path, engine: str, *extra: str, layers: int = 4, timeout: float = 180.0):
+def launch(tmp_path, engine: str, *extra: str, layers: int = 4, timeout: float = 180.0, edit=None):
+    """torchrun with two ranks on a TrainerConfig's YAML (`edit`: text -> text, applied first)."""
     config = tmp_path / "config.yaml"
-    config.write_text(TrainerConfig(engine=engine, layers=layers, steps=1).yaml(str(tmp_path / "checkpoints")))
+    text = TrainerConfig(engine=engine, layers=layers, steps=1).yaml(str(tmp_path / "checkpoints"))
+    config.write_text(edit(text) if edit else text)
     with socket.socket() as probe:  # a free port for torchrun's rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -59,6 +61,34 @@ def test_bad_pp_engine_is_refused_in_one_line_and_every_rank_ends(tmp_path, engi
     assert refusals, result.stderr[-3000:]
     assert all(line in refusals or "stopped by SIGTERM" in line for line in lines), lines
     assert "Traceback" not in "\n".join(lines)
+
+
+def _retyped(text: str) -> str:
+    assert "  pp: 2\n" in text
+    return text.replace("  pp: 2\n", "  pp: two\n")
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda text: text + "  [unclosed\n", "nanotron cannot read the config file {config}: ScannerError: "),
+    (_retyped, "nanotron cannot read the config file {config}: WrongTypeError: "),
+    ("missing", "cannot read the config file {config}: No such file or directory"),
+])
+def test_a_config_nanotron_cannot_read_is_refused_in_one_line(tmp_path, edit, expected):
+    """Not YAML, a value of the wrong type, no file: one line per rank naming the file, no
+    traceback (before: nanotron's loader's traceback from inside the trainer)."""
+    if edit == "missing":  # (a second --config-file: argparse keeps the last)
+        config = tmp_path / "nowhere.yaml"
+        result = launch(tmp_path, "1f1b", "--config-file", str(config), timeout=120)
+    else:
+        result = launch(tmp_path, "1f1b", edit=edit, timeout=120)
+        config = tmp_path / "config.yaml"
+    assert result.returncode != 0
+    lines = our_lines(result)
+    message = expected.format(config=config)
+    assert lines and all(message in line or "stopped by SIGTERM" in line for line in lines), result.stderr[-3000:]
+    assert any(message in line for line in lines)
+    # (torchrun prints its own ChildFailedError traceback for any failed rank; ranks print none)
+    assert "Traceback" not in "\n".join(lines) and "get_config_from_file" not in result.stderr, result.stderr[-3000:]
 
 
 def test_a_rank_ended_by_torchrun_says_so_in_one_line():
