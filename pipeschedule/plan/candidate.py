@@ -23,7 +23,8 @@ class Candidate:
     no split of this schedule beats a faster candidate already found; the split shown is
     the best it simulated), "best found" (the search hit its node limit), "least overflow"
     (no split fits; the one that overflows least, without numbers). step_time (s),
-    tokens_per_gpu (tokens/s per GPU), memory (per rank).
+    tokens_per_gpu (tokens/s per GPU), memory (per rank). lower_bound ("best found"): a
+    step time no split of the schedule beats, from where the search stopped.
     note: why a candidate is missing numbers (no split fits, too few layers).
     """
 
@@ -42,6 +43,15 @@ class Candidate:
     tail: dict = field(default_factory=dict, compare=False)  # [Note: step tail], the slowest rank's parts
     recompute: str = "none"  # the setup's recompute mode, written into pp_engine when not none
     recomputed: tuple[int, ...] | None = None  # layers per stage recomputed on top (pp_engine recompute=N0/N1/..)
+    lower_bound: float | None = None  # "best found": a step time no split of this schedule beats (the search's bound)
+
+    @property
+    def gap(self) -> float | None:
+        """"best found": the most any split of this schedule could be faster, as a fraction
+        of this step time (from the search's `lower_bound`); None where it is not known."""
+        if self.lower_bound is None or not self.step_time:
+            return None
+        return max(0.0, 1.0 - self.lower_bound / self.step_time)
 
     @property
     def fits(self) -> bool:
@@ -92,7 +102,7 @@ class Candidate:
             "step_time_s": self.step_time, "pipeline_time_s": self.pipeline_time, "tail_s": self.tail,
             "tokens_per_s_per_gpu": self.tokens_per_gpu,
             "relative_throughput": self.relative, "fits": self.fits, "proven_optimal": self.proven,
-            "pp_engine": self.engine(), "note": self.note,
+            "lower_bound_s": self.lower_bound, "pp_engine": self.engine(), "note": self.note,
             "memory": [r.to_dict() for r in self.memory],
         }
 

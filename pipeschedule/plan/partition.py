@@ -133,8 +133,10 @@ class SplitResult:
     """The best split found: layers per stage and its simulated step time.
 
     proven: the search finished, so no fitting split is faster than `step_time` (or,
-    when `step_time >= cutoff`, none is faster than `cutoff`). simulations / cuts /
-    nodes: the work done ([Note: exact split search]).
+    when `step_time >= cutoff`, none is faster than `cutoff`). lower_bound: where it did
+    not finish, a time no fitting split beats (`Search.lower_bound`; None when it stopped
+    before its first choice). simulations / cuts / nodes: the work done ([Note: exact
+    split search]).
     """
 
     split: tuple[int, ...]
@@ -144,6 +146,7 @@ class SplitResult:
     cuts: int
     nodes: int
     cutoff: float = math.inf
+    lower_bound: float | None = None  # not proven: no split that fits is faster than this (None: unknown)
 
 
 def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[Sequence[int]] = (),
@@ -196,9 +199,13 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
         if proven and cutoff < math.inf:
             split = balanced_seed(ev, maxe, feasible) or least_overflow(ev)[0]
             time = ev.step_time(split)[0]
-        else:
+        elif proven:
             raise_infeasible(ev)
-    return SplitResult(split, time, proven, ev.simulations, len(search.cuts), search.nodes, cutoff)
+        else:  # stopped before its first leaf: no proof that nothing fits; the split that overflows least
+            split = least_overflow(ev)[0]
+            time = ev.step_time(split)[0]
+    return SplitResult(split, time, proven, ev.simulations, len(search.cuts), search.nodes, cutoff,
+                       None if proven else search.lower_bound())
 
 
 __all__ = [

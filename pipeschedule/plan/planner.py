@@ -267,7 +267,10 @@ class _Planner:
             kind, note = "optimal", ""
         else:
             kind, note = "best found", f"best split found in {found.nodes} search nodes (not proven optimal)"
-        return replace(self.evaluate(family, cap, virtual, found.split, kind, found.proven), note=note)
+            if found.lower_bound is not None:
+                note = note[:-1] + f"; no split of this schedule is faster than {found.lower_bound:.3f} s)"
+        return replace(self.evaluate(family, cap, virtual, found.split, kind, found.proven), note=note,
+                       lower_bound=None if found.proven else found.lower_bound)
 
 
 # -- the plan -------------------------------------------------------------------------------------

@@ -78,6 +78,8 @@ def _row(plan, i, cand) -> str:
     tok = f"{cand.tokens_per_gpu:9.0f}" if cand.tokens_per_gpu else "        -"
     rel = f"{cand.relative:6.3f}" if cand.relative else "     -"
     kind = "nanotron default" if cand is plan.default else cand.split_kind
+    if cand is not plan.default and cand.gap is not None:  # "best found <2.7%": no split is faster by more
+        kind += f" <{cand.gap:.1%}" if cand.gap < 0.1 else f" <{cand.gap:.0%}"
     mark = "*" if cand is plan.recommended else " "
     width = max(22, 3 * max(len(x.split or ()) for x in plan.candidates))
     return (f"{mark}{i + 1:3d}  {cand.label:<{_label_width(plan)}} {kind:<16} {_split(cand.split):<{width}} "
@@ -143,7 +145,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         "split: nanotron = nanotron's own; optimal = the least step time of all splits that fit (proven; the simulated",
         "  pipeline plus the tail after it, DP reduction, all-gather and optimizer step, which the search counts too);",
         "  nanotron=optimal = both; no better = proven unable to beat a row above (split: the best it simulated);",
-        "  best found = search stopped at its node limit; least overflow = no split fits, this one overflows least",
+        "  best found = search stopped at its node limit (<x%: no split of it is faster by more, the search's bound);",
+        "  least overflow = no split fits, this one overflows least",
     ]
     out.append("")
     rec = plan.recommended

@@ -197,6 +197,8 @@ class Search:
         self.fallback = (None, math.inf)  # the best split simulated, even above a cutoff
         self.nodes = 0
         self.seen: set = set()
+        self.exploring: list[float] = []  # the bound of the option each open level explores
+        self.stopped_bound: float | None = None  # what no split beats, where the last run stopped at its limit
 
     @property
     def limit(self) -> float:
@@ -264,10 +266,21 @@ class Search:
         self.open_held = 0
         self._build()
         self.running = True
+        self.exploring, self.stopped_bound = [], None
         try:
             return self._dfs(0, 0, [c.const for c in self.cuts])
         finally:
             self.running = False
+
+    def lower_bound(self) -> float | None:
+        """Where the last run stopped at its node limit: a time no split that fits beats
+        (None: it did not stop, or stopped before its first choice). Every split not yet
+        ruled out completes the option some open level explores, or one after it in that
+        level's order, whose bounds are no lower; so the least of those bounds, and the
+        best time, bound them all."""
+        if self.stopped_bound is None:
+            return None
+        return min(self.stopped_bound, self.best_time)
 
     def _partial(self, partial: list) -> list:
         """`partial` (cut values of the stages chosen so far) extended to cuts added since."""
@@ -289,6 +302,8 @@ class Search:
         split (`Evaluator.least_tail`)."""
         self.nodes += 1
         if self.nodes > self.node_limit:
+            if self.exploring:
+                self.stopped_bound = min(self.exploring)
             return False
         ev, L, S = self.ev, self.L, self.S
         r = ev.rank_of[s]
@@ -323,7 +338,9 @@ class Search:
             if bound < limit:
                 options.append((bound, e, extra, tail, floor))
         options.sort(key=lambda o: o[0])
-        for _, e, extra, tail, floor in options:
+        self.exploring.append(0.0)
+        for bound, e, extra, tail, floor in options:
+            self.exploring[-1] = bound
             if len(partial) != len(self.cuts):  # cuts grew in a sibling's subtree
                 partial = self._partial(partial)
                 base = list(map(sub, partial, self.prefix_col[s][j]))
@@ -350,6 +367,7 @@ class Search:
                     self.chosen.pop()
                     return False
             self.chosen.pop()
+        self.exploring.pop()
         return True
 
 

@@ -179,6 +179,33 @@ def test_optimal_split_matches_brute_force(case):
     assert simulate(schedule, ev.cost_model(found.split)).step_time + tail == pytest.approx(found.step_time)
 
 
+@settings(max_examples=examples(400))
+@given(cases(), st.integers(1, 40), st.floats(0.0, 0.5))
+def test_a_search_stopped_early_bounds_every_split(case, node_limit, above):
+    """Stopped at its node limit, the search still says what no split beats (its lower
+    bound, shown as a "best found" row's gap): never above the brute-force optimum, nor
+    above the split it returns; a proven search gives none. A cutoff above the optimum
+    (as a planner passes the best time so far) keeps the search from holding the optimum
+    itself, which would hide a bound set too high."""
+    problem, schedule = case
+    best, ev = brute_force(problem, schedule)
+    if best is None:
+        return
+    cutoff = best[0] * (1 + above) if above > 0 else math.inf
+    found = optimal_split(problem, schedule, node_limit=node_limit, cutoff=cutoff)
+    if found.proven:
+        event("proven")
+        assert found.lower_bound is None
+        return
+    event("stopped, bound known" if found.lower_bound is not None else "stopped, no bound")
+    if found.lower_bound is not None:
+        event("the bound is what a too-high one would break" if found.lower_bound >= best[0] * (1 - 1e-9)
+              else "the bound is below the optimum")
+        assert found.lower_bound <= best[0] * (1 + 1e-9), (found.lower_bound, best)
+        if ev.fits(found.split):  # (stopped before any leaf: the least-overflow split, which need not fit)
+            assert found.lower_bound <= found.step_time * (1 + 1e-9)
+
+
 def test_the_tail_moves_the_optimum():
     """A tail that grows with stage 0's layers: without it the search puts the most
     layers on stage 0 (it has no head), with it fewer; each answer is the brute force's."""

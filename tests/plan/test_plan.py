@@ -405,3 +405,26 @@ def test_tied_embeddings_on_one_rank_in_two_stages_are_held_once():
             == pytest.approx(per_param * embedding, rel=1e-9))
     # the optimizer step of rank 0 runs over the embedding once
     assert rows["tied"].step_time < rows["llama3-8b"].step_time
+
+
+def test_a_search_stopped_at_its_node_limit_says_how_far_it_is_from_the_optimum(capsys):
+    """Llama3-8B, pp=4 tp=2 dp=8 ZeRO-1, full recompute, m=8: at the default node limit the
+    interleaved searches stop ("best found <x%", JSON lower_bound_s); with more nodes they
+    are proven, and the proven optimum is not below the bound the stopped search gave."""
+    argv = ["--model", "llama3-8b", "--pp", "4", "--tp", "2", "--dp", "8", "--zero", "1", "--recompute", "full",
+            "--microbatches", "8", "--tables", "none"]
+    text = run(argv, capsys)[1]
+    assert re.search(r"interleaved_1f1b v=3 +best found <\d\.\d%", text), text
+    stopped = {(r["schedule"], r["virtual"]): r for r in json.loads(run(argv + ["--json"], capsys)[1])["candidates"]
+               if r["split_kind"] == "best found"}
+    assert ("interleaved_1f1b", 3) in stopped and ("interleaved_1f1b", 4) in stopped, list(stopped)
+    for row in stopped.values():
+        assert 0 < row["lower_bound_s"] <= row["step_time_s"] and not row["proven_optimal"]
+    proven = {(r["schedule"], r["virtual"]): r
+              for r in json.loads(run(argv + ["--json", "--node-limit", "100000"], capsys)[1])["candidates"]}
+    for key, row in stopped.items():
+        done = proven[key]
+        assert done["proven_optimal"] and done["lower_bound_s"] is None
+        assert done["split_kind"] in ("optimal", "no better")
+        # the optimum (or, for "no better", a best time above the v=3 optimum) is not below the bound
+        assert done["step_time_s"] >= row["lower_bound_s"] * (1 - 1e-12), (key, done["step_time_s"], row)
