@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.memory import RECOMPUTE_MODES, GiB
-from pipeschedule.plan.planner import Plan, plan
+from pipeschedule.plan.planner import Plan, ScheduleCache, plan
 from pipeschedule.plan.report import offload_lines
 
 
@@ -52,10 +52,11 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None) -> LeverPlan:
     zeros = zero if zero is not None else ((0, 1) if config.setup.dp > 1 else (0,))
     modes = recompute if recompute is not None else RECOMPUTE_MODES
     plans = {}
+    schedules = ScheduleCache(config.pp, config.microbatches)  # the setups differ, the schedules do not
     for z in zeros:
         for mode in modes:
             setup = replace(config.setup, zero_stage=z, recompute=mode)
-            plans[(z, mode)] = plan(replace(config, setup=setup))
+            plans[(z, mode)] = plan(replace(config, setup=setup), schedules=schedules)
     fitting = [(key, p.recommended) for key, p in plans.items() if p.recommended is not None]
     # The fastest; among equals (1e-9) the first planned, i.e. the fewest levers pulled.
     fastest = min((c.step_time for _, c in fitting), default=None)

@@ -150,15 +150,17 @@ class SplitResult:
 
 
 def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[Sequence[int]] = (),
-                  node_limit: int = 200_000, cutoff: float = math.inf, graph: StepGraph | None = None) -> SplitResult:
+                  node_limit: int = 200_000, cutoff: float = math.inf, graph: StepGraph | None = None,
+                  inflight: Sequence[int] | None = None) -> SplitResult:
     """The split with the least simulated step time among those that fit
     ([Note: exact split search]). `seeds`: splits to try first (for example nanotron's).
     `cutoff`: only splits faster than this are of interest (a planner passes the best
     time it already has), which prunes harder. Raises SplitInfeasible when none fits. If
     the search visits more than `node_limit` nodes it stops with the best split found and
-    `proven=False`. `graph`: the schedule's StepGraph when the caller has built it.
+    `proven=False`. `graph`, `inflight`: the schedule's StepGraph and `stage_inflight`
+    when the caller has them.
     """
-    ev = Evaluator(problem, schedule, graph)
+    ev = Evaluator(problem, schedule, graph, inflight)
     L, S, m = problem.num_layers, problem.num_stages, schedule.microbatches
     maxe, feasible = boundary_tables(ev)
     if not feasible[0][0]:

@@ -46,6 +46,7 @@ from pipeschedule.plan.partition import (
     SplitProblem,
     nanotron_split,
     optimal_split,
+    stage_inflight,
 )
 from pipeschedule.compiler.ir import Schedule
 from pipeschedule.compiler.passes import lower
@@ -61,30 +62,69 @@ from pipeschedule.plan.step_graph import StepGraph
 from pipeschedule.simulate import CostModel, simulate
 
 
-class _Planner:
-    """Evaluates candidates of one config, caching schedules and simulations."""
+class ScheduleCache:
+    """What depends on the schedule alone, for one (pp, microbatches), by (family, cap,
+    virtual): the lowered schedules, their step graphs and peaks ([Note: step graph],
+    [Note: peaks from program order]) and each stage's most microbatches in flight. The
+    plans of a lever search differ in their setup only, so they share one
+    (`plan(..., schedules=)`): a third of the work for the three recompute modes."""
 
-    def __init__(self, config: PlanConfig) -> None:
+    def __init__(self, pp: int, microbatches: int) -> None:
+        self.pp, self.microbatches = pp, microbatches
+        self.schedules: dict = {}
+        self.graphs: dict = {}
+        self.inflights: dict = {}
+
+    def schedule(self, key: tuple):
+        if key not in self.schedules:
+            family, cap, virtual = key
+            self.schedules[key] = lower(generate(family, pp=self.pp, microbatches=self.microbatches,
+                                                 virtual=virtual, cap=cap))
+        return self.schedules[key]
+
+    def graph(self, key: tuple) -> tuple[StepGraph, Peaks]:
+        if key not in self.graphs:
+            schedule = self.schedule(key)
+            self.graphs[key] = (StepGraph(schedule), Peaks(schedule))
+        return self.graphs[key]
+
+    def inflight(self, key: tuple) -> tuple[int, ...]:
+        if key not in self.inflights:
+            self.inflights[key] = stage_inflight(self.schedule(key))
+        return self.inflights[key]
+
+
+class _Planner:
+    """Evaluates candidates of one config, caching schedules (in `schedules`, which
+    plans of the same pp and microbatches may share) and simulations."""
+
+    def __init__(self, config: PlanConfig, schedules: ScheduleCache | None = None) -> None:
         self.config = config
+        if schedules is None:
+            schedules = ScheduleCache(config.pp, config.microbatches)
+        elif (schedules.pp, schedules.microbatches) != (config.pp, config.microbatches):
+            raise ParameterError(f"a schedule cache of pp={schedules.pp}, {schedules.microbatches} microbatches "
+                                 f"cannot serve a plan of pp={config.pp}, {config.microbatches} microbatches")
+        self.cache = schedules
+        self.used: set = set()  # the (family, cap, virtual) this plan asked for
         self.layer = layer_seconds(config)
         self.head = head_seconds(config)
         self.weight = weight_seconds(config)  # (layer, head): W of split-backward schedules
         self.boundary = boundary_bytes(config.model, config.setup)
-        self.schedules: dict = {}
-        self.graphs: dict = {}  # (family, cap, virtual) -> (StepGraph, Peaks) of its schedule
         self.rank_tails: dict = {}  # `rank_tail`'s seconds by what decides them
         self.stats = {"evaluations": 0, "simulations": 0, "searches": 0, "proven": 0, "search_nodes": 0,
                       "search_simulations": 0}
 
+    @staticmethod
+    def _key(family: str, cap, virtual: int) -> tuple:
+        return family, tuple(cap) if isinstance(cap, list) else cap, virtual
+
     def graph(self, family: str, cap, virtual: int) -> tuple[StepGraph, Peaks]:
         """The schedule's step graph and peaks ([Note: step graph], [Note: peaks from
         program order]): its simulated step times, chains and peaks under any costs."""
-        cap = tuple(cap) if isinstance(cap, list) else cap
-        key = (family, cap, virtual)
-        if key not in self.graphs:
-            schedule = self.schedule(family, cap, virtual)
-            self.graphs[key] = (StepGraph(schedule), Peaks(schedule))
-        return self.graphs[key]
+        key = self._key(family, cap, virtual)
+        self.used.add(key)
+        return self.cache.graph(key)
 
     def step(self, family: str, cap, virtual: int, cost: CostModel) -> float:
         """simulate(schedule, cost).step_time, from the step graph."""
@@ -100,12 +140,9 @@ class _Planner:
         return self.graph(family, cap, virtual)[1].of(cost)
 
     def schedule(self, family: str, cap, virtual: int):
-        cap = tuple(cap) if isinstance(cap, list) else cap
-        key = (family, cap, virtual)
-        if key not in self.schedules:
-            self.schedules[key] = lower(generate(family, pp=self.config.pp, microbatches=self.config.microbatches,
-                                                 virtual=virtual, cap=cap))
-        return self.schedules[key]
+        key = self._key(family, cap, virtual)
+        self.used.add(key)
+        return self.cache.schedule(key)
 
     def compute_costs(self, split_backward: bool):
         """((layer F, B, W), (head F, B, W)) seconds; W is 0 unless the backward is split."""
@@ -241,7 +278,8 @@ class _Planner:
         try:
             found = optimal_split(self.problem(family, cap, virtual), schedule, seeds=seeds,
                                   node_limit=self.config.node_limit, cutoff=cutoff,
-                                  graph=self.graph(family, cap, virtual)[0])
+                                  graph=self.graph(family, cap, virtual)[0],
+                                  inflight=self.cache.inflight(self._key(family, cap, virtual)))
         except SplitInfeasible as err:
             if err.overflow <= 0:  # the per-stage bound refused, the rank totals fit: evaluate it
                 row = self.evaluate(family, cap, virtual, err.split, "best found")
@@ -361,17 +399,19 @@ def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:
 
 
 @gc_paused  # thousands of cuts, columns and graphs, none in a cycle (compiler/gcpause.py)
-def plan(config: PlanConfig | None = None, **options) -> Plan:
+def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = None, **options) -> Plan:
     """Evaluate nanotron's default and every alternative; see the module docstring.
 
     Give a PlanConfig, or the command line's options as keywords (`config.build_config`):
     `plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full")`.
+    `schedules`: a ScheduleCache of the same pp and microbatches to take schedules from
+    and add to (plans of other setups share them).
     """
     if config is None:
         config = build_config(options.pop("model"), **options) if "model" in options else build_config(None, **options)
     elif options:
         raise ParameterError(f"give a PlanConfig or keyword options, not both (got {sorted(options)})")
-    planner = _Planner(config)
+    planner = _Planner(config, schedules)
     base_split = nanotron_split(config.model, config.pp)
     default = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
     candidates = [default]
@@ -429,8 +469,8 @@ def plan(config: PlanConfig | None = None, **options) -> Plan:
     zero1 = None
     if config.setup.dp > 1 and config.setup.zero_stage == 0:
         sharded = replace(config, setup=replace(config.setup, zero_stage=1))
-        zero1 = _Planner(sharded).evaluate("1f1b", None, 1, base_split, "nanotron")
-    stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.schedules),
+        zero1 = _Planner(sharded, planner.cache).evaluate("1f1b", None, 1, base_split, "nanotron")
+    stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.used),
                  virtual_tried=list(virtuals))
     # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
     offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
@@ -474,4 +514,4 @@ def offload_report(planner: _Planner, candidate: Candidate) -> dict:
     }
 
 
-__all__ = ["Plan", "offload_report", "plan"]
+__all__ = ["Plan", "ScheduleCache", "offload_report", "plan"]

@@ -122,9 +122,11 @@ def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
 
 class Evaluator:
     """Stage costs, bytes and cached simulations of the splits of one problem (`graph`:
-    the schedule's StepGraph, built here unless given)."""
+    the schedule's StepGraph, built here unless given; `inflight`: its `stage_inflight`,
+    likewise)."""
 
-    def __init__(self, problem: SplitProblem, schedule: Schedule, graph: StepGraph | None = None) -> None:
+    def __init__(self, problem: SplitProblem, schedule: Schedule, graph: StepGraph | None = None,
+                 inflight: Sequence[int] | None = None) -> None:
         if problem.num_stages != schedule.num_stages or len(problem.rank_bytes) != schedule.pp:
             raise ParameterError(
                 f"the split problem has {problem.num_stages} stages and {len(problem.rank_bytes)} ranks; the "
@@ -132,7 +134,7 @@ class Evaluator:
             )
         self.p, self.schedule = problem, schedule
         self.homogeneous = problem.homogeneous
-        self.inflight = stage_inflight(schedule)
+        self.inflight = tuple(inflight) if inflight is not None else stage_inflight(schedule)
         self.rank_of = schedule.placement
         self.stages_of = [[s for s, r in enumerate(schedule.placement) if r == rank] for rank in range(schedule.pp)]
         self.prefix = {k: [0.0, *accumulate(getattr(problem, k))] for k in (

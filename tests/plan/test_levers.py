@@ -106,3 +106,27 @@ def test_optimizer_step_transient_closed_form():
     assert optimizer_step_transient(zero1, P) == 4 * P / 4 + 2 * (P + P / 4)
     assert optimizer_step_transient(TrainingSetup(fp32_grad_accum=False, adam_fused=False), P) == 2 * P
     assert optimizer_step_transient(TrainingSetup(optimizer="none", adam_fused=False), P) == 0
+
+
+def test_the_lever_search_shares_schedules_and_answers_as_plans_alone():
+    """The lever search's plans share one ScheduleCache (schedules, step graphs, peaks, in
+    flight: what depends on the schedule alone): each plan is the one `plan` makes alone,
+    figure for figure, with one cache for all, and a cache of another pp or m is refused."""
+    from dataclasses import replace
+
+    from pipeschedule.errors import ParameterError
+    from pipeschedule.plan.planner import ScheduleCache
+
+    base = config(dp=2)
+    shared = plan_levers(base, zero=(1,), recompute=("none", "full"))
+    assert len(shared.plans) == 2
+    schedules = ScheduleCache(base.pp, base.microbatches)
+    for (zero, mode), together in shared.plans.items():
+        alone = plan(replace(base, setup=replace(base.setup, zero_stage=zero, recompute=mode)))
+        assert together.to_dict() == alone.to_dict(), (zero, mode)
+        again = plan(replace(base, setup=replace(base.setup, zero_stage=zero, recompute=mode)), schedules=schedules)
+        assert again.to_dict() == alone.to_dict(), (zero, mode)
+    assert len(schedules.schedules) >= max(p.stats["schedules"] for p in shared.plans.values())
+    with pytest.raises(ParameterError, match="a schedule cache of pp=4, 8 microbatches cannot serve a plan of pp=4, "
+                                             "16 microbatches"):
+        plan(base, schedules=ScheduleCache(4, 8))
