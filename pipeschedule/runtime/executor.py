@@ -642,6 +642,8 @@ def _finish(pending: Pending, peers: set[int]) -> None:
     peer"), and their messages are what the launcher shows first."""
     try:
         pending.finish()
+    except RuntimeScheduleError:
+        raise  # already says what and where
     except Exception as err:
         names = ", ".join(map(str, sorted(peers)))
         raise RuntimeScheduleError(
