@@ -144,6 +144,11 @@ _INT = re.compile(r"[+-]?[0-9]+")
 _NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
+class TooManyDigits(ParameterError):
+    """`parse_int`'s refusal of an integer over MAX_DIGITS digits, told apart so that a
+    caller that tries other readings after a refusal keeps this reason."""
+
+
 def parse_int(text: str, what: str) -> int:
     """An integer typed as text: ASCII digits with an optional sign, at most MAX_DIGITS
     of them (as the instruction and CSV readers take them); no `_`, no other digits."""
@@ -151,7 +156,7 @@ def parse_int(text: str, what: str) -> int:
         raise ParameterError(f"{what} must be an integer (ASCII digits 0-9), got {shown(text)}")
     digits = text.strip().lstrip("+-")
     if len(digits) > MAX_DIGITS:
-        raise ParameterError(f"{what} has {len(digits)} digits, got {shown(text)}; at most {MAX_DIGITS} are accepted")
+        raise TooManyDigits(f"{what} has {len(digits)} digits, got {shown(text)}; at most {MAX_DIGITS} are accepted")
     return int(text)
 
 

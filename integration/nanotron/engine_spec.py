@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from integration.nanotron.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES, accepted_summary
-from pipeschedule.checks import MAX_DIGITS, MAX_LAYERS, is_int, parse_int, shown
+from pipeschedule.checks import MAX_DIGITS, MAX_LAYERS, TooManyDigits, is_int, parse_int, shown
 from pipeschedule.compiler.families import family_virtual
 from pipeschedule.compiler.offload import OffloadPolicy
 from pipeschedule.errors import ParameterError
@@ -217,10 +217,6 @@ def parse_engine(value: Any) -> EngineSpec:
 # -- helpers ---------------------------------------------------------------------------
 
 
-class _TooManyDigits(ParameterError):
-    """An integer parameter over MAX_DIGITS digits; `_convert` reports it for every key."""
-
-
 def _error(value: Any, reason: str, kind: type[ParameterError] = ParameterError) -> ParameterError:
     return kind(f"pp_engine {value!r}: {reason}. Accepted: {accepted_summary()}")
 
@@ -276,7 +272,7 @@ def _convert(value: Any, key: str, raw: Any) -> Any:
             return raw.strip()
         try:
             items = _integers(value, key, raw)
-        except _TooManyDigits:
+        except TooManyDigits:
             raise  # its own reason: the mode list below would hide it
         except ParameterError:
             items = [-1]
@@ -308,16 +304,13 @@ def _integer(value: Any, key: str, raw: Any) -> int:
     if is_int(raw):
         if abs(raw) >= 10 ** MAX_DIGITS:
             raise _error(value, f"{key} has more than {MAX_DIGITS} digits, got {shown(raw)}; at most {MAX_DIGITS} "
-                                f"are accepted", _TooManyDigits)
+                                f"are accepted", TooManyDigits)
         return raw
     if isinstance(raw, str):
-        text = raw.strip()
-        digits = text[1:] if text.startswith(("+", "-")) else text
-        too_long = len(digits) > MAX_DIGITS and digits.isascii() and digits.isdigit()  # parse_int's digit limit
         try:
             return parse_int(raw, key)  # ASCII digits, as everywhere ([Note: size limits])
         except ParameterError as err:
-            raise _error(value, str(err), _TooManyDigits if too_long else ParameterError) from None
+            raise _error(value, str(err), type(err)) from None  # (TooManyDigits stays itself)
     raise _error(value, f"{key} must be an integer, got {shown(raw)}")
 
 
