@@ -6,6 +6,7 @@ when no split fits. `partition.optimal_split` searches over it (split_search.py)
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -238,11 +239,7 @@ class Evaluator:
                 for r in ranks:
                     if self.tail_floor(r, len(self.stages_of[r])) > t:
                         return False
-                    lo, hi = len(self.stages_of[r]), L  # the largest n with tail_floor(r, n) <= t
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        lo, hi = (mid, hi) if self.tail_floor(r, mid) <= t else (lo, mid - 1)
-                    total += lo
+                    total += bisect_right(self.floors[r], t) - 1  # the largest n with tail_floor(r, n) <= t
                 return total >= L
 
             values = sorted({self.tail_floor(r, n) for r in ranks for n in range(L + 1)} - {math.inf})
