@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -123,6 +124,22 @@ def torchrun(nproc: int, args: list[str], *, timeout: float) -> subprocess.Compl
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def torchrun_failure(what: str, result: subprocess.CompletedProcess, lines_per_rank: int = 15) -> str:
+    """A message for a failed `torchrun`: every rank's last `lines_per_rank` lines of its
+    own traceback (torch prefixes them `[rankN]:`), then the launcher's last lines, so the
+    rank that failed first is not cut off by its neighbours' longer output."""
+    by_rank: dict[str, list[str]] = {}
+    rest = []
+    for line in result.stderr.splitlines():
+        match = re.match(r"\[(rank\d+)\]:", line)
+        (by_rank.setdefault(match.group(1), []) if match else rest).append(line)
+    parts = [f"{what}: torchrun exited with {result.returncode}"]
+    for rank in sorted(by_rank, key=lambda name: int(name[4:])):
+        parts += by_rank[rank][-lines_per_rank:]
+    parts += rest[-lines_per_rank:]
+    return "\n".join(parts)
+
+
 def write_results(stem: str, report: dict, markdown: str | None = None, out: Path | None = None) -> list[Path]:
     """`report` as `out/stem.json` and `markdown` as `out/stem.md` (out: RESULTS);
     returns the paths written."""
@@ -138,5 +155,5 @@ def write_results(stem: str, report: dict, markdown: str | None = None, out: Pat
 
 __all__ = [
     "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER", "cpu_model", "git_commit",
-    "machine", "torchrun", "torch_version", "versions", "write_results",
+    "machine", "torchrun", "torchrun_failure", "torch_version", "versions", "write_results",
 ]

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from integration.nanotron.example import TrainerConfig
-from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, versions, write_results
+from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_failure, versions, write_results
 
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
 AFAB_MAX_M = 8  # AFAB keeps every microbatch's activations: at m = 32 stage 0 alone needs ~64 GiB here
@@ -126,7 +126,7 @@ def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds
     result = torchrun(PP, ["-m", "benchmarks.engine_vs_nanotron", "--rank-main", str(path), str(out),
                            ",".join(map(str, microbatches)), str(warmup), str(rounds)], timeout=timeout)
     if result.returncode != 0:
-        raise RuntimeError(f"{name}: torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}")
+        raise RuntimeError(torchrun_failure(name, result))
     rows = json.loads(out.read_text())
     for row in rows:
         row["size"] = name

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, versions, write_results
+from benchmarks.common import (MICROBATCH_SIZE, MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_failure, versions,
+                               write_results)
 from integration.nanotron.example import TrainerConfig
 
 ENGINES = ("1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1")
@@ -55,7 +56,7 @@ def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list
     result = torchrun(config.world, ["-m", "integration.nanotron.train", "--config-file", str(path),
                                      "--record", str(record)], timeout=timeout)
     if result.returncode != 0:
-        raise RuntimeError(f"{config.engine}: torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}")
+        raise RuntimeError(torchrun_failure(config.engine, result))
     return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(config.world)]
 
 

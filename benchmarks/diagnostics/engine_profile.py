@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, versions, write_results
+from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_failure, versions, write_results
 from integration.nanotron.example import TrainerConfig
 
 PAIRS = (("1f1b", "ps_1f1b"), ("afab", "ps_afab"))
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     result = torchrun(PP, ["-m", "benchmarks.diagnostics.engine_profile", "--rank-main", str(path), str(work), pairs,
                            str(args.microbatches), str(1 if args.smoke else args.steps)], timeout=900)
     if result.returncode != 0:
-        print(f"torchrun exited with {result.returncode}:\n{result.stderr[-4000:]}", file=sys.stderr)
+        print(torchrun_failure("engine_profile", result), file=sys.stderr)
         return 1
     ranks = [int(r) for r in args.ranks.split(",")]
     header = (f"# Host time per function, nanotron's engines against ours ({versions(args.commit)['date']})\n\n"
