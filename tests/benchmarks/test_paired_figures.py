@@ -93,10 +93,10 @@ def test_check_variants_orders_and_refuses():
         check_variants(["ordered"])
 
 
-def _report(fraction: float) -> dict:
+def _report(fraction: float, commit: str = "abc", gpus: str = "1 x GPU A") -> dict:
     step = {"step": [1.0], "host": [1.0], "cpu": [1.0]}
     slower = {"step": [1.0 + fraction], "host": [1.0], "cpu": [1.0]}
-    return {"versions": {"date": "2026-12-05T00:00:00+00:00", "commit": "abc"},
+    return {"versions": {"date": "2026-12-05T00:00:00+00:00", "commit": commit, "gpus": gpus},
             "overhead": {"steps": 1, "variants": ["ordered", "executor"], "pure_compute_s": 1.0,
                          "executor_step_s": 1.0 + fraction, "overhead_fraction": fraction,
                          "min_s": {"ordered": 1.0, "executor": 1.0 + fraction},
@@ -110,8 +110,21 @@ def test_summary_verdict_is_the_largest_run(tmp_path, fractions, verdict):
         paths.append(tmp_path / f"run{k}.json")
         paths[-1].write_text(json.dumps(_report(f)))
     text = runs_summary(paths)
-    assert f"every run: {verdict} (largest {max(fractions):+.2%})" in text
+    assert f"- abc on 1 x GPU A: {verdict} in 2 run(s) (largest {max(fractions):+.2%})" in text
     assert text.count("| run | date") == 1 and all(p.name in text for p in paths)
+
+
+def test_summary_judges_each_commit_and_gpu_apart(tmp_path):
+    runs = [(0.004, "abc", "1 x GPU A"), (0.009, "abc", "1 x GPU B"), (0.002, "def", "1 x GPU A"),
+            (0.003, "abc", "1 x GPU A")]
+    paths = []
+    for k, (f, commit, gpus) in enumerate(runs):
+        paths.append(tmp_path / f"run{k}.json")
+        paths[-1].write_text(json.dumps(_report(f, commit, gpus)))
+    text = runs_summary(paths)
+    assert "- abc on 1 x GPU A: met in 2 run(s) (largest +0.40%)" in text
+    assert "- abc on 1 x GPU B: not met in 1 run(s) (largest +0.90%)" in text
+    assert "- def on 1 x GPU A: met in 1 run(s) (largest +0.20%)" in text
 
 
 @pytest.mark.spawn
