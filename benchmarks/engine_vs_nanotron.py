@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 
 from integration.nanotron.example import TrainerConfig
+from pipeschedule.checks import parse_int
+from pipeschedule.errors import ParameterError
 from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_failure, versions, write_results
 
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
@@ -168,6 +170,17 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _microbatches(text: str) -> tuple[int, ...]:
+    """`--microbatches`: positive integers, comma-separated."""
+    try:
+        values = tuple(parse_int(part, "--microbatches") for part in text.split(","))
+    except ParameterError as err:
+        raise argparse.ArgumentTypeError(f"{err}; give positive integers, comma-separated") from None
+    if any(m < 1 for m in values):
+        raise argparse.ArgumentTypeError(f"--microbatches takes positive integers, got {text!r}")
+    return values
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-main"]:
@@ -178,6 +191,8 @@ def main(argv=None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)}")
+    parser.add_argument("--microbatches", type=_microbatches, default=MICROBATCHES, metavar="M[,M...]",
+                        help=f"microbatches per step, comma-separated (default {','.join(map(str, MICROBATCHES))})")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--commit", help="commit to record (the device machine's tree may lack git history)")
@@ -198,7 +213,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="pipeschedule-vs-"))
     rows = []
     for name, size in sizes.items():
-        rows += run_size(name, size, work, microbatches=MICROBATCHES, warmup=1 if args.smoke else args.warmup,
+        rows += run_size(name, size, work, microbatches=args.microbatches, warmup=1 if args.smoke else args.warmup,
                          rounds=2 if args.smoke else args.rounds, timeout=900)
     report = {"versions": versions(args.commit), "pp": PP, "warmup": args.warmup, "rounds": args.rounds, "rows": rows}
     text = render(report)

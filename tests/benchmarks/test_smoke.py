@@ -29,7 +29,8 @@ SCRIPTS = [
     ("benchmarks.gpu_overhead", ["--smoke", "--steps", "1"], "executor"),
     ("benchmarks.offload", ["--smoke"], "## Offload chosen in `pp_engine`"),
     ("benchmarks.multi_gpu", ["--dry-run"], "nanotron 1f1b"),
-    ("benchmarks.engine_vs_nanotron", ["--smoke", "--rounds", "1"], "ps_1f1b"),
+    ("benchmarks.engine_vs_nanotron", ["--smoke", "--rounds", "1", "--microbatches", "4"],
+     "| smoke | 4 | `1f1b` | `ps_1f1b` |"),
     ("benchmarks.trainer", ["--smoke", "--rounds", "1"], "capped_1f1b:cap=2"),
     ("benchmarks.auto_engine", ["--smoke"], "pp_engine auto on one GPU"),
     ("benchmarks.diagnostics.growth", ["--smoke"], "capped_1f1b:cap=1"),
@@ -59,3 +60,11 @@ def test_every_script_is_smoked():
     scripts = {".".join(p.relative_to(REPO).with_suffix("").parts) for p in (REPO / "benchmarks").rglob("*.py")
                if 'if __name__ == "__main__":' in p.read_text() and "llama" not in p.parts}
     assert scripts == {module for module, _, _ in SCRIPTS}
+
+
+@pytest.mark.parametrize("value, named", [("0", "got '0'"), ("8,x", "got 'x'"), ("", "got ''")])
+def test_engine_vs_nanotron_refuses_bad_microbatches(value, named):
+    done = subprocess.run([sys.executable, "-m", "benchmarks.engine_vs_nanotron", "--smoke", "--microbatches", value],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--microbatches" in done.stderr and named in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
