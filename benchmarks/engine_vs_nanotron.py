@@ -12,9 +12,16 @@ swapping `trainer.pipeline_engine` between steps. Pairs (nanotron's, ours):
 
     1f1b  vs ps_1f1b              the same 1F1B order
     1f1b  vs capped_1f1b:cap=pp   1F1B through the capped generator, cap not binding
-    afab  vs ps_afab              all forwards, then all backwards (m <= 8 only: at m = 32
-                                  AFAB's stage 0 holds 32 microbatches, ~64 GiB here, and four
-                                  ranks share the GPU)
+    afab  vs ps_afab              all forwards, then all backwards
+
+A pair runs where the four ranks' predicted peaks together (`pipeschedule plan`'s memory
+model for nanotron's trainer on the same YAML, plus a CUDA context each) fit the GPU; a
+pair that does not is listed as not run with its figure. The pairs run in order of that
+figure, least first, and what has run is saved after each ([Note: pairs by predicted
+memory]). AFAB keeps every microbatch's activations: at m = 8 it is predicted at 75.6 GiB
+host-bound (an 80 GB H100 holds 79.2: two runs there ended 65 s in, by their timing in
+the AFAB pair's first measured round, rank 0 first: most likely out of memory) and 133.3
+GiB GPU-bound (an H200 holds 139.8); at m = 32, 247 and 474 GiB.
 
 For each model size (`host-bound`: micro-batch 1, where the host issues kernels about as
 fast as the GPU runs them; `gpu-bound`: micro-batch 2, the same kernels on twice the
@@ -31,8 +38,12 @@ Writes benchmarks/results/engine_vs_nanotron.json and .md; prints the table last
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import math
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,18 +52,22 @@ from pathlib import Path
 from integration.nanotron.example import TrainerConfig
 from pipeschedule.checks import parse_int
 from pipeschedule.errors import ParameterError
-from benchmarks.common import MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_failure, versions, write_results
+from benchmarks.common import (CONTEXT_BYTES, MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_failure,
+                               versions, write_results)
 
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
-AFAB_MAX_M = 8  # AFAB keeps every microbatch's activations: at m = 32 stage 0 alone needs ~64 GiB here
+# each pair's two engines run the same schedule (cap = pp does not bind): the pair's memory is nanotron's one's
 MICROBATCHES = (8, 32)
 WARMUP, ROUNDS = 2, 7
 SIZES = {"host-bound": dict(MODEL, micro_batch_size=1), "gpu-bound": dict(MODEL, micro_batch_size=2)}
 SMOKE = {"smoke": SMOKE_TRAINER}
 
 
-def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup: int, rounds: int) -> None:
-    """Inside each torchrun rank: build the trainer once, time the pairs."""
+def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup: int, rounds: int,
+               needs_path: str) -> None:
+    """Inside each torchrun rank: build the trainer once, time the pairs that fit the GPU
+    (`needs_path`: bytes the four ranks need together, per `m:theirs`); rank 0 writes the
+    rows and the pairs left out."""
     import torch
     from nanotron import distributed as dist
     from nanotron.dataloader import sanity_check_dataloader
@@ -89,25 +104,47 @@ def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup:
         dist.barrier(world)
         return time.perf_counter() - start
 
-    rows = []
-    for m in microbatches:
-        for a_name, b_name in PAIRS:
-            if a_name == "afab" and m > AFAB_MAX_M:
-                continue
-            a, b = engine(a_name), engine(b_name)  # each ours compiles once, at its first step
-            for _ in range(warmup):
-                timed(a, m), timed(b, m)
-            pairs, host = [], []
-            for round_index in range(rounds):
-                if round_index % 2 == 0:
-                    ta, tb = timed(a, m), timed(b, m)
-                else:
-                    tb, ta = timed(b, m), timed(a, m)
-                pairs.append((ta, tb))
-                host.append(_host_times(b))
-            rows.append({"m": m, "theirs": a_name, "ours": b_name, "pairs": pairs, "ours_host": host})
-    if dist.get_rank(world) == 0:
-        Path(out_path).write_text(json.dumps(rows))
+    needs = json.loads(Path(needs_path).read_text())
+    capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory \
+        if torch.cuda.is_available() else math.inf
+    rows, skipped = [], []
+    # [Note: pairs by predicted memory] The pairs run in order of predicted need, least first,
+    # and rank 0 saves what has run after each: a pair near the GPU's size that runs out of
+    # memory then ends the run with every pair that fits better already saved. A pair over
+    # the GPU's size is not run at all. Between pairs the engines are dropped and the
+    # allocator's cache emptied, so each pair starts from the same state.
+    order = sorted(((m, a_name, b_name) for m in microbatches for a_name, b_name in PAIRS),
+                   key=lambda case: needs[f"{case[0]}:{case[1]}"])
+    for m, a_name, b_name in order:
+        need = needs[f"{m}:{a_name}"]
+        if need > capacity:
+            skipped.append({"m": m, "theirs": a_name, "ours": b_name, "why":
+                            f"predicted {need / 2**30:.1f} GiB for the {PP} ranks together; the GPU has "
+                            f"{capacity / 2**30:.1f} GiB"})
+        else:
+            rows.append({"m": m, "theirs": a_name, "ours": b_name, "predicted_need_bytes": need,
+                         **_time_pair(engine(a_name), engine(b_name), m, timed, warmup, rounds)})
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if dist.get_rank(world) == 0:
+            Path(out_path).write_text(json.dumps({"rows": rows, "skipped": skipped}))
+
+
+def _time_pair(a, b, m: int, timed, warmup: int, rounds: int) -> dict:
+    """Engines a (nanotron's) and b (ours) at m microbatches: `warmup` rounds, then `rounds`
+    measured ones, A B and B A in turn; each ours compiles once, at its first step."""
+    for _ in range(warmup):
+        timed(a, m), timed(b, m)
+    pairs, host = [], []
+    for round_index in range(rounds):
+        if round_index % 2 == 0:
+            ta, tb = timed(a, m), timed(b, m)
+        else:
+            tb, ta = timed(b, m), timed(a, m)
+        pairs.append((ta, tb))
+        host.append(_host_times(b))
+    return {"pairs": pairs, "ours_host": host}
 
 
 def _host_times(engine) -> dict:
@@ -119,19 +156,62 @@ def _host_times(engine) -> dict:
             "wait_s": times.wait_s, "overhead_s": times.overhead_s, "instructions": times.instructions}
 
 
-def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds, timeout: float) -> list[dict]:
+def predicted_needs(config_path: Path, microbatches) -> dict[str, float]:
+    """`m:schedule` -> bytes the PP ranks of nanotron's trainer on `config_path` need
+    together at their peaks, for each m and each of nanotron's schedules in PAIRS
+    (`pipeschedule plan`'s memory model on the same YAML, nanotron's split, no recompute,
+    the flash-attn stand-in's attention), plus CONTEXT_BYTES a rank."""
+    needs = {}
+    for m in microbatches:
+        command = [sys.executable, "-m", "pipeschedule.cli", "plan", "--model-file", str(config_path),
+                   "--microbatches", str(m), "--recompute", "none", "--attention", "sdpa-standin", "--json",
+                   "--tables", "none"]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stderr[-2000:]}")
+        candidates = json.loads(done.stdout)["candidates"]
+        for theirs in {a for a, _ in PAIRS}:
+            ranks = next(c["memory"] for c in candidates
+                         if c["schedule"] == theirs and c["cap"] is None and c["split_kind"].startswith("nanotron"))
+            needs[f"{m}:{theirs}"] = sum(r["total"] for r in ranks) + len(ranks) * CONTEXT_BYTES
+    return needs
+
+
+def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds,
+             timeout: float) -> tuple[list[dict], list[dict]]:
+    """(rows, skipped) of one model size: the pairs timed, and those whose memory the GPU
+    does not hold, with the reason."""
     config = TrainerConfig(engine="1f1b", pp=PP, microbatches=max(microbatches), steps=10**6, dtype="bfloat16",
                            fp32_accumulation=True, **sizes)
     path = work / f"{name}.yaml"
     path.write_text(config.yaml(str(work / f"checkpoints-{name}")))
+    needs = work / f"{name}-needs.json"
+    needs.write_text(json.dumps(predicted_needs(path, microbatches)))
     out = work / f"{name}.json"
     result = torchrun(PP, ["-m", "benchmarks.engine_vs_nanotron", "--rank-main", str(path), str(out),
-                           ",".join(map(str, microbatches)), str(warmup), str(rounds)], timeout=timeout)
-    if result.returncode != 0:
+                           ",".join(map(str, microbatches)), str(warmup), str(rounds), str(needs)], timeout=timeout)
+    if result.returncode != 0 and not out.exists():
         raise RuntimeError(torchrun_failure(name, result))
-    rows = json.loads(out.read_text())
-    for row in rows:
+    saved = json.loads(out.read_text())
+    rows, skipped = saved["rows"], saved["skipped"]
+    if result.returncode != 0:  # [Note: pairs by predicted memory]: the pairs saved stand; name the rest
+        failure = torchrun_failure(name, result)
+        print(failure, file=sys.stderr)
+        done = {(r["m"], r["theirs"], r["ours"]) for r in rows + skipped}
+        errors = [line for line in failure.splitlines()
+                  if re.match(r"\[rank\d+\]:\s*[\w.]*(Error|Exception|Interrupt)\w*\b", line)]
+        cause = (errors or failure.splitlines())[0]
+        for m in microbatches:
+            for a_name, b_name in PAIRS:
+                if (m, a_name, b_name) not in done:
+                    skipped.append({"m": m, "theirs": a_name, "ours": b_name, "failed": True,
+                                    "why": f"the run ended at this pair or one before it: {cause.strip()[:300]}"})
+    order = {pair: k for k, pair in enumerate(PAIRS)}
+    rows.sort(key=lambda r: (r["m"], order[(r["theirs"], r["ours"])]))
+    skipped.sort(key=lambda r: (r["m"], order[(r["theirs"], r["ours"])]))
+    for row in rows + skipped:
         row["size"] = name
+    for row in rows:
         ta = [a for a, _ in row["pairs"]]
         tb = [b for _, b in row["pairs"]]
         row["theirs_median_s"], row["ours_median_s"] = statistics.median(ta), statistics.median(tb)
@@ -141,7 +221,7 @@ def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds
         host = row["ours_host"]
         row["ours_executor_overhead_s"] = statistics.median(h["overhead_s"] for h in host)
         row["ours_instructions"] = host[0]["instructions"]
-    return rows
+    return rows, skipped
 
 
 def render(report: dict) -> str:
@@ -162,6 +242,9 @@ def render(report: dict) -> str:
                      f"{row['ours_faster_rounds']}/{len(row['pairs'])} | "
                      f"{row['ours_executor_overhead_s'] * 1e3:.1f} ms over {row['ours_instructions']} instructions "
                      f"({row['ours_executor_overhead_s'] / row['ours_median_s']:.2%}) |")
+    for row in report.get("skipped", []):
+        lines.append(f"| {row['size']} | {row['m']} | `{row['theirs']}` | `{row['ours']}` | not run: {row['why']} "
+                     "| | | | | |")
     lines += ["", "The last column is rank 0's host time in the executor outside stage forwards and backwards, "
               "posting and finishing batches and blocked waits (`StepTimes.overhead_s`), median over rounds. With "
               "four processes time-sharing one GPU the device is the bottleneck, and a kernel launch blocks once "
@@ -171,21 +254,23 @@ def render(report: dict) -> str:
 
 
 def _microbatches(text: str) -> tuple[int, ...]:
-    """`--microbatches`: positive integers, comma-separated."""
+    """`--microbatches`: integers of at least PP - 1 (nanotron's 1f1b asks for that many), comma-separated."""
     try:
         values = tuple(parse_int(part, "--microbatches") for part in text.split(","))
     except ParameterError as err:
         raise argparse.ArgumentTypeError(f"{err}; give positive integers, comma-separated") from None
-    if any(m < 1 for m in values):
-        raise argparse.ArgumentTypeError(f"--microbatches takes positive integers, got {text!r}")
+    low = [m for m in values if m < PP - 1]
+    if low:
+        raise argparse.ArgumentTypeError(f"--microbatches {low[0]}: nanotron's 1f1b needs at least pp - 1 = {PP - 1} "
+                                         f"microbatches; give integers >= {PP - 1}, comma-separated")
     return values
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--rank-main"]:
-        config_path, out_path, ms, warmup, rounds = argv[1:6]
-        _rank_main(config_path, out_path, [int(m) for m in ms.split(",")], int(warmup), int(rounds))
+        config_path, out_path, ms, warmup, rounds, needs_path = argv[1:7]
+        _rank_main(config_path, out_path, [int(m) for m in ms.split(",")], int(warmup), int(rounds), needs_path)
         return 0
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_vs_nanotron",
                                      description=__doc__.splitlines()[0])
@@ -211,16 +296,20 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     work = Path(tempfile.mkdtemp(prefix="pipeschedule-vs-"))
-    rows = []
+    rows, skipped = [], []
     for name, size in sizes.items():
-        rows += run_size(name, size, work, microbatches=args.microbatches, warmup=1 if args.smoke else args.warmup,
-                         rounds=2 if args.smoke else args.rounds, timeout=900)
-    report = {"versions": versions(args.commit), "pp": PP, "warmup": args.warmup, "rounds": args.rounds, "rows": rows}
+        timed, left_out = run_size(name, size, work, microbatches=args.microbatches,
+                                   warmup=1 if args.smoke else args.warmup, rounds=2 if args.smoke else args.rounds,
+                                   timeout=900)
+        rows += timed
+        skipped += left_out
+    report = {"versions": versions(args.commit), "pp": PP, "warmup": args.warmup, "rounds": args.rounds, "rows": rows,
+              "skipped": skipped}
     text = render(report)
     if not args.smoke:
         write_results("engine_vs_nanotron", report, text, out=args.out)
     print(text)
-    return 0
+    return 1 if any(row.get("failed") for row in skipped) else 0
 
 
 if __name__ == "__main__":

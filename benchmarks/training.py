@@ -39,7 +39,7 @@ from integration.nanotron._compat import import_nanotron
 import_nanotron()
 
 from integration.nanotron import split as splits  # noqa: E402
-from benchmarks.common import rotated  # noqa: E402
+from benchmarks.common import CONTEXT_BYTES, FIT_SHARE, rotated  # noqa: E402
 from benchmarks.llama.model import ModelConfig  # noqa: E402
 from integration.nanotron.registry import NANOTRON_ENGINES  # noqa: E402
 from pipeschedule.compiler.families import FAMILIES  # noqa: E402
@@ -50,7 +50,6 @@ from pipeschedule.errors import LaunchError  # noqa: E402
 MODEL_X4 = ModelConfig(hidden=3072, layers=28, heads=24, kv_heads=8, ffn=8192, vocab=128256, seq=4096)
 FIT_TOLERANCE = 0.05  # the memory model's peak against measured allocated bytes
 CAP_DROP_SHARE = 0.90  # stage 0's measured fall under a cap, at least this share of the predicted fall
-CONTEXT_BYTES = 600 * 2**20  # a process's CUDA context and allocator slack (the fit check only)
 
 OURS = (  # (label, pp_engine value, virtual); afab last: it needs the most memory
     ("1f1b", "ps_1f1b", 1),
@@ -327,7 +326,7 @@ def run_cases(cfg: ModelConfig, case_list: list[Case], *, pp: int, mode: str, mi
                                       device="cuda" if torch.cuda.is_available() else "cpu")
         totals = [predicted_total(t) + CONTEXT_BYTES for t in predictions[case]]
         need = sum(totals) if mode == "shared" else max(totals)
-        if need > 0.95 * capacity:
+        if need > FIT_SHARE * capacity:
             where = f"the {pp} processes together" if mode == "shared" else "the fullest rank"
             skipped.append({"case": asdict(case), "why": f"predicted {need / 2**30:.1f} GiB for {where}; "
                             f"the GPU has {capacity / 2**30:.1f} GiB"})
