@@ -124,6 +124,7 @@ def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup:
         else:
             rows.append({"m": m, "theirs": a_name, "ours": b_name, "predicted_need_bytes": need,
                          **_time_pair(engine(a_name), engine(b_name), m, timed, warmup, rounds)})
+            trainer.pipeline_engine = None  # (the pair's last engine: nothing holds ours now)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
