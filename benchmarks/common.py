@@ -156,6 +156,7 @@ def write_results(stem: str, report: dict, markdown: str | None = None, out: Pat
 
 
 __all__ = [
-    "CONTEXT_BYTES", "FIT_SHARE", "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER", "cpu_model", "git_commit",
+    "CONTEXT_BYTES", "FIT_SHARE", "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER",
+    "cpu_model", "git_commit",
     "machine", "torchrun", "torchrun_failure", "torch_version", "versions", "write_results",
 ]

@@ -62,8 +62,8 @@ def test_every_script_is_smoked():
     assert scripts == {module for module, _, _ in SCRIPTS}
 
 
-@pytest.mark.parametrize("value, named", [("0", "--microbatches 0: "), ("8,2", "--microbatches 2: "), ("8,x", "got 'x'"),
-                                          ("", "got ''")])
+@pytest.mark.parametrize("value, named", [("0", "--microbatches 0: "), ("8,2", "--microbatches 2: "),
+                                          ("8,x", "got 'x'"), ("", "got ''")])
 def test_engine_vs_nanotron_refuses_bad_microbatches(value, named):
     done = subprocess.run([sys.executable, "-m", "benchmarks.engine_vs_nanotron", "--smoke", "--microbatches", value],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
