@@ -128,8 +128,10 @@ def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        if dist.get_rank(world) == 0:
-            Path(out_path).write_text(json.dumps({"rows": rows, "skipped": skipped}))
+        if dist.get_rank(world) == 0:  # whole or not at all: a rank that dies leaves the last saved file
+            partial = Path(out_path).with_suffix(".partial")
+            partial.write_text(json.dumps({"rows": rows, "skipped": skipped}))
+            partial.replace(out_path)
 
 
 def _time_pair(a, b, m: int, timed, warmup: int, rounds: int) -> dict:
@@ -259,12 +261,12 @@ def _microbatches(text: str) -> tuple[int, ...]:
     try:
         values = tuple(parse_int(part, "--microbatches") for part in text.split(","))
     except ParameterError as err:
-        raise argparse.ArgumentTypeError(f"{err}; give positive integers, comma-separated") from None
+        raise argparse.ArgumentTypeError(f"{err}; give integers >= {PP - 1}, comma-separated") from None
     low = [m for m in values if m < PP - 1]
     if low:
         raise argparse.ArgumentTypeError(f"--microbatches {low[0]}: nanotron's 1f1b needs at least pp - 1 = {PP - 1} "
                                          f"microbatches; give integers >= {PP - 1}, comma-separated")
-    return values
+    return tuple(dict.fromkeys(values))  # each m once
 
 
 def main(argv=None) -> int:
