@@ -208,6 +208,10 @@ def cmd_verify(args) -> int:
 
 def _schedule_for(args):
     if args.schedule is not None:
+        if args.schedule in FAMILIES and not os.path.exists(args.schedule):
+            raise ParameterError(f"--schedule takes a schedule file, and {shown(args.schedule)} is a schedule family: "
+                                 f"give it as NAME, the first argument (pipeschedule {args.command} "
+                                 f"{args.schedule} --pp 4 --microbatches 8)")
         given = [flag for flag, value in (("NAME", args.name), ("--pp", args.pp), ("--microbatches", args.microbatches),
                                           ("--virtual", args.virtual), ("--cap", args.cap)) if value is not None]
         if given:

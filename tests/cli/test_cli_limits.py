@@ -130,6 +130,9 @@ LIMIT = "at most 262144 are accepted"
      ["offload auto: 64 ranks"]),
     (["simulate", "zbv", "--schedule", "one.json"], ["--schedule 'one.json'", "NAME would be ignored"]),
     (["show", "--schedule", "one.json", "--pp", "3", "--cap", "1"], ["--pp, --cap would be ignored"]),
+    (["simulate", "--schedule", "zbv", "--pp", "3", "-m", "2"],
+     ["--schedule takes a schedule file", "'zbv' is a schedule family", "(pipeschedule simulate zbv --pp"]),
+    (["show", "--schedule", "1f1b"], ["'1f1b' is a schedule family", "(pipeschedule show 1f1b --pp"]),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--png", ""], ["--png needs a file path, got ''"]),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--trace", ""], ["--trace needs a file path"]),
     (["compile", "1f1b", "--pp", "2", "-m", "2", "--json", ""], ["--json needs a file path"]),
@@ -150,6 +153,14 @@ LIMIT = "at most 262144 are accepted"
 ])
 def test_bad_input_is_refused_in_one_line(files, argv, fragments):
     refused(argv, files, *fragments)
+
+
+def test_a_schedule_file_named_like_a_family_is_read(files):
+    (files / "1f1b").write_text((files / "one.json").read_text())
+    code, err = run_cli(["verify", "1f1b"], files)
+    assert code == 0 and not err, err
+    code, err = run_cli(["show", "--schedule", "1f1b"], files)
+    assert code == 0 and not err, err
 
 
 def test_an_echoed_value_is_cut(files):
