@@ -177,13 +177,37 @@ def config_from_args(args):
     )
 
 
+class _Progress:
+    """On a terminal, one line that says which of the lever search's plans is being made
+    (a plan of a large model can take seconds to a minute each), rewritten in place and
+    cleared at the end; nothing where stderr is not a terminal."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.shown = stream, False
+
+    def __call__(self, k: int, n: int, zero: int, mode: str) -> None:
+        self.stream.write(f"\rplan: ZeRO-{zero}, recompute {mode} ({k} of {n})...\033[K")
+        self.stream.flush()
+        self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
 def run(args, out=None) -> int:
     out = out or sys.stdout
     args = resolve_layout(args)
     config = config_from_args(args)
     if args.zero == "auto" or args.recompute == "auto":
-        levers = plan_levers(config, zero=None if args.zero == "auto" else (int(args.zero),),
-                             recompute=None if args.recompute == "auto" else (args.recompute,))
+        progress = _Progress(sys.stderr) if sys.stderr.isatty() else None
+        try:
+            levers = plan_levers(config, zero=None if args.zero == "auto" else (int(args.zero),),
+                                 recompute=None if args.recompute == "auto" else (args.recompute,), progress=progress)
+        finally:
+            if progress is not None:
+                progress.clear()
         out.write(json.dumps(levers.to_dict()) + "\n" if args.json else levers.to_text(tables=args.tables))
         if args.png:  # the best combination's plan, or the first one's when nothing fits (as without levers)
             plan_png(levers.best_plan, args.png)

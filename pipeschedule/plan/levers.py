@@ -46,15 +46,18 @@ class LeverPlan:
         return out | ({"offload": self.best_plan.offload} if self.best_plan.offload is not None else {})
 
 
-def plan_levers(config: PlanConfig, zero=None, recompute=None) -> LeverPlan:
+def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None) -> LeverPlan:
     """Plan every ZeRO stage in `zero` (None: 0, and 1 when dp > 1) and recompute mode in
-    `recompute` (None: all three) ([Note: lever search])."""
+    `recompute` (None: all three) ([Note: lever search]). `progress(k, n, zero, mode)`, if
+    given, is called before the k-th of the n plans (k from 1)."""
     zeros = zero if zero is not None else ((0, 1) if config.setup.dp > 1 else (0,))
     modes = recompute if recompute is not None else RECOMPUTE_MODES
     plans = {}
     schedules = ScheduleCache(config.pp, config.microbatches)  # the setups differ, the schedules do not
     for z in zeros:
         for mode in modes:
+            if progress is not None:
+                progress(len(plans) + 1, len(zeros) * len(modes), z, mode)
             setup = replace(config.setup, zero_stage=z, recompute=mode)
             plans[(z, mode)] = plan(replace(config, setup=setup), schedules=schedules)
     fitting = [(key, p.recommended) for key, p in plans.items() if p.recommended is not None]

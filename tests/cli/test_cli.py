@@ -65,3 +65,44 @@ def test_plan_writes_its_png_when_nothing_fits(tmp_path, capsys):
             "none", "--png", str(path)]
     assert main(argv) == 1  # nothing fits
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.spawn
+def test_plan_shows_its_progress_on_a_terminal_only(tmp_path):
+    """The lever search's plans can take a minute together: on a terminal stderr says which
+    one is being made, on one line cleared at the end; piped, stderr stays empty."""
+    import os
+    import pty
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "-m", "pipeschedule.cli", "plan", "--model", "llama3-8b", "--pp", "2", "--microbatches",
+            "4", "--zero", "0", "--tables", "none"]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    leader, follower = pty.openpty()
+    try:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=follower, env=env, timeout=300)
+        os.close(follower)
+        follower = None
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal's other side is closed: all read
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        if follower is not None:
+            os.close(follower)
+        os.close(leader)
+    assert done.returncode == 0 and b"Recommended" in done.stdout
+    text = shown.decode()
+    for k, mode in enumerate(("none", "selective", "full"), start=1):
+        assert f"\rplan: ZeRO-0, recompute {mode} ({k} of 3)..." in text, text
+    assert text.endswith("\r\x1b[K"), text  # the line cleared
+    piped = subprocess.run(argv, capture_output=True, env=env, timeout=300)
+    assert piped.returncode == 0 and piped.stderr == b""
