@@ -126,20 +126,41 @@ def torchrun(nproc: int, args: list[str], *, timeout: float) -> subprocess.Compl
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+_RANK_LINE = re.compile(r"\[rank(\d+)\]:")  # how torch prefixes a rank's traceback lines under torchrun
+_ERROR_LINE = re.compile(r"\s*[\w.]*(Error|Exception|Interrupt)\w*\b")  # "RuntimeError: ...", after the prefix
+
+
+def _split_by_rank(stderr: str) -> tuple[dict[int, list[str]], list[str]]:
+    """(rank -> its `[rankN]:` lines in order, the other lines)."""
+    by_rank: dict[int, list[str]] = {}
+    rest = []
+    for line in stderr.splitlines():
+        match = _RANK_LINE.match(line)
+        (by_rank.setdefault(int(match.group(1)), []) if match else rest).append(line)
+    return dict(sorted(by_rank.items())), rest
+
+
 def torchrun_failure(what: str, result: subprocess.CompletedProcess, lines_per_rank: int = 15) -> str:
     """A message for a failed `torchrun`: every rank's last `lines_per_rank` lines of its
     own traceback (torch prefixes them `[rankN]:`), then the launcher's last lines, so the
     rank that failed first is not cut off by its neighbours' longer output."""
-    by_rank: dict[str, list[str]] = {}
-    rest = []
-    for line in result.stderr.splitlines():
-        match = re.match(r"\[(rank\d+)\]:", line)
-        (by_rank.setdefault(match.group(1), []) if match else rest).append(line)
+    by_rank, rest = _split_by_rank(result.stderr)
     parts = [f"{what}: torchrun exited with {result.returncode}"]
-    for rank in sorted(by_rank, key=lambda name: int(name[4:])):
-        parts += by_rank[rank][-lines_per_rank:]
+    for lines in by_rank.values():
+        parts += lines[-lines_per_rank:]
     parts += rest[-lines_per_rank:]
     return "\n".join(parts)
+
+
+def torchrun_cause(result: subprocess.CompletedProcess) -> str:
+    """The lowest-numbered rank's exception line (`[rank0]: RuntimeError: ...`), or the
+    first line of stderr where no rank printed one: a failure in one line."""
+    by_rank, rest = _split_by_rank(result.stderr)
+    for lines in by_rank.values():
+        for line in lines:
+            if _ERROR_LINE.match(line, _RANK_LINE.match(line).end()):
+                return line.strip()
+    return next((line.strip() for line in rest if line.strip()), f"torchrun exited with {result.returncode}")
 
 
 def write_results(stem: str, report: dict, markdown: str | None = None, out: Path | None = None) -> list[Path]:
@@ -157,5 +178,6 @@ def write_results(stem: str, report: dict, markdown: str | None = None, out: Pat
 
 __all__ = [
     "CONTEXT_BYTES", "FIT_SHARE", "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER",
-    "cpu_model", "git_commit", "machine", "torchrun", "torchrun_failure", "torch_version", "versions", "write_results",
+    "cpu_model", "git_commit", "machine", "torchrun", "torchrun_cause", "torchrun_failure", "torch_version", "versions",
+    "write_results",
 ]

@@ -41,7 +41,6 @@ import argparse
 import gc
 import json
 import math
-import re
 import statistics
 import subprocess
 import sys
@@ -52,8 +51,8 @@ from pathlib import Path
 from integration.nanotron.example import TrainerConfig
 from pipeschedule.checks import parse_int
 from pipeschedule.errors import ParameterError
-from benchmarks.common import (CONTEXT_BYTES, MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_failure,
-                               versions, write_results)
+from benchmarks.common import (CONTEXT_BYTES, MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_cause,
+                               torchrun_failure, versions, write_results)
 
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
 # each pair's two engines run the same schedule (cap = pp does not bind): the pair's memory is nanotron's one's
@@ -201,17 +200,15 @@ def run_size(name: str, sizes: dict, work: Path, *, microbatches, warmup, rounds
         failure = torchrun_failure(name, result)
         print(failure, file=sys.stderr)
         done = {(r["m"], r["theirs"], r["ours"]) for r in rows + skipped}
-        errors = [line for line in failure.splitlines()
-                  if re.match(r"\[rank\d+\]:\s*[\w.]*(Error|Exception|Interrupt)\w*\b", line)]
-        cause = (errors or failure.splitlines())[0]
+        cause = torchrun_cause(result)
         for m in microbatches:
             for a_name, b_name in PAIRS:
                 if (m, a_name, b_name) not in done:
                     skipped.append({"m": m, "theirs": a_name, "ours": b_name, "failed": True,
-                                    "why": f"the run ended at this pair or one before it: {cause.strip()[:300]}"})
+                                    "why": f"the run ended at this pair or one before it: {cause[:300]}"})
     order = {pair: k for k, pair in enumerate(PAIRS)}
-    rows.sort(key=lambda r: (r["m"], order[(r["theirs"], r["ours"])]))
-    skipped.sort(key=lambda r: (r["m"], order[(r["theirs"], r["ours"])]))
+    for listed in (rows, skipped):  # the table's order: by m, then as PAIRS lists them
+        listed.sort(key=lambda r: (r["m"], order[(r["theirs"], r["ours"])]))
     for row in rows + skipped:
         row["size"] = name
     for row in rows:

@@ -2,7 +2,7 @@
 
 import subprocess
 
-from benchmarks.common import torchrun_failure
+from benchmarks.common import torchrun_cause, torchrun_failure
 
 
 def test_every_rank_keeps_its_last_lines_however_long_the_others_are():
@@ -24,3 +24,19 @@ def test_ranks_are_ordered_by_number_not_text():
     stderr = "\n".join(["[rank10]: ValueError: ten", "[rank2]: ValueError: two"])
     text = torchrun_failure("x", subprocess.CompletedProcess([], 1, "", stderr))
     assert text.index("two") < text.index("ten")
+
+
+def test_the_cause_is_the_lowest_rank_s_exception_line():
+    stderr = "\n".join([
+        "W1205 launcher warning",
+        "[rank1]: Traceback (most recent call last):",
+        "[rank1]:   File \"x.py\", line 3, in f",
+        "[rank1]: RuntimeError: Connection closed by peer",
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]:     raise MemoryError(\"not this line\")",
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory.",
+    ])
+    result = subprocess.CompletedProcess([], 1, "", stderr)
+    assert torchrun_cause(result) == "[rank0]: torch.OutOfMemoryError: CUDA out of memory."
+    assert torchrun_cause(subprocess.CompletedProcess([], 1, "", "\n  launcher says no\n")) == "launcher says no"
+    assert torchrun_cause(subprocess.CompletedProcess([], 3, "", "")) == "torchrun exited with 3"
