@@ -31,7 +31,7 @@ from benchmarks.common import git_commit, machine, write_results
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.levers import plan_levers, tail_text, yaml_lines
 from pipeschedule.plan.memory import GiB, TrainingSetup
-from pipeschedule.plan.planner import _Planner
+from pipeschedule.plan.planner import ScheduleCache, nanotron_default
 from pipeschedule.plan.fitting import OffloadCandidate
 from pipeschedule.plan.presets import HOST_LINKS, MODELS
 
@@ -55,7 +55,8 @@ def config(dp: int, microbatches: int = 128, reserve: float = 2, host: float | N
 
 
 def default(dp: int, zero: int, **setup):
-    return _Planner(config(dp, zero_stage=zero, **setup)).evaluate("1f1b", None, 1, SPLIT, "nanotron")
+    cfg = config(dp, zero_stage=zero, **setup)
+    return nanotron_default(cfg, ScheduleCache(cfg.pp, cfg.microbatches), SPLIT)
 
 
 def stages(cand) -> str:

@@ -44,6 +44,7 @@ class Candidate:
     recompute: str = "none"  # the setup's recompute mode, written into pp_engine when not none
     recomputed: tuple[int, ...] | None = None  # layers per stage recomputed on top (pp_engine recompute=N0/N1/..)
     lower_bound: float | None = None  # "best found": a step time no split of this schedule beats (the search's bound)
+    nanotron_engine: bool = False  # nanotron's own engine (the default): its gradient folding, its pp_engine name
 
     @property
     def gap(self) -> float | None:
@@ -76,7 +77,7 @@ class Candidate:
         """The `parallelism.pp_engine` value our nanotron integration reads (see
         integration/nanotron/engine_spec.py): nanotron's own engine when it is nanotron's
         default, else pipeschedule's with virtual, cap and split inside the value."""
-        if nanotron_default and self.recompute == "none" and not self.recomputed:
+        if (nanotron_default or self.nanotron_engine) and self.recompute == "none" and not self.recomputed:
             return "1f1b"
         family = FAMILIES[self.family]
         name = family.engine

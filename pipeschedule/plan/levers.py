@@ -70,9 +70,7 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None) ->
 def yaml_lines(key, candidate, pp: int) -> list[str]:
     """The nanotron YAML that pins a candidate of the lever search."""
     zero, _ = key
-    return (candidate.yaml_lines(pp, candidate.split_kind == "nanotron" and candidate.family == "1f1b"
-                                 and candidate.recompute == "none")
-            + ["optimizer:", f"  zero_stage: {zero}"])
+    return candidate.yaml_lines(pp) + ["optimizer:", f"  zero_stage: {zero}"]
 
 
 def tail_text(cand) -> str:

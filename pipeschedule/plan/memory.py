@@ -7,35 +7,70 @@ activations a schedule keeps (the peaks the simulator reads off its program orde
 buffer_bytes) and the budget, one `RankMemory` per rank.
 
 [Note: memory terms] What nanotron keeps on a GPU, by term (P = parameters on the GPU,
-z = dp under ZeRO-1 and 1 otherwise, bf16 = 2 bytes):
+z = dp under ZeRO-1 and 1 otherwise, bf16 = 2 bytes), with the line of nanotron 0.4 each
+models (files under nanotron/ in the installed package):
 
-    weights                    P * 2              bf16 parameters (`model.dtype: bfloat16`)
+    weights                    P * 2              bf16 parameters: `model.dtype: bfloat16`,
+                                                  built in that dtype by `_init_model`
+                                                  (trainer.py:613-615, `build_model`)
     fp32 grad accumulator      P * 4              `accumulate_grad_in_fp32: true` (nanotron's
                                                   example configs): FP32GradientAccumulator
                                                   keeps an fp32 grad buffer for EVERY
                                                   parameter, also under ZeRO-1
+                                                  (optim/gradient_accumulator.py:173,
+                                                  helpers.py:182-188: the buckets over
+                                                  all `named_parameters`)
     fp32 master weights        P * 4 / z          its fp32 copy of the parameters the rank
-                                                  updates (the ZeRO-1 shard); torch
-                                                  allocates the moments at the first step
+                                                  updates, the ZeRO-1 shard
+                                                  (gradient_accumulator.py:95, helpers.py:
+                                                  202-209); torch allocates the moments at
+                                                  the first step
     Adam moments               P * 8 / z          exp_avg, exp_avg_sq of the fp32 master
+                                                  (torch's AdamW, built by helpers.py:
+                                                  165-176)
     DDP grad buckets           P * 2 (dp > 1)     torch DDP wraps the model only when dp > 1
-                                                  and allocates flat bf16 bucket buffers for
+                                                  and not (fp32 accumulation and ZeRO-1)
+                                                  (trainer.py:608-610, 665-674) and
+                                                  allocates flat bf16 bucket buffers for
                                                   all parameters when it is built
-    bf16 gradients (transient) P * 2              `.grad` of every parameter exists between
-                                                  the end of a backward and the accumulation
-                                                  into fp32 (set to None afterwards)
+    bf16 gradients at the      P * 2, nanotron's  `FP32GradientAccumulator.backward`
+    end of a backward          engines only       (gradient_accumulator.py:204-210) runs
+                                                  `loss.backward()` to its end, then folds
+                                                  each `.grad` into fp32 and drops it
+                                                  (`_accumulate_grad`, :212-232, `.grad =
+                                                  None` at :223): every parameter of the
+                                                  stage holds its bf16 gradient at once
+                                                  when a microbatch's backward ends. They
+                                                  coincide with the other microbatches'
+                                                  stashes, not with that microbatch's
+                                                  (autograd has released it) nor with the
+                                                  backward's transients: the term is what
+                                                  they add above the activations' peak
+                                                  with those (`grad_fold="backward"`)
+    one parameter's gradient   the largest        the gradient a backward produces for one
+                               parameter's, * 2   parameter before it joins `.grad` or, in
+                                                  pipeschedule's engines, before it is
+                                                  folded into fp32 the moment autograd has
+                                                  it ([Note: gradient folding] in
+                                                  integration/nanotron/grad_sync.py): one
+                                                  at a time, the largest counted
+                                                  (`largest_param`: nanotron's Llama fuses
+                                                  q,k,v and gate,up, models/llama.py)
     activations                the simulator's peak of live saved activations: in-flight
                                microbatches x one microbatch's stash (below)
     p2p buffers                its peak of boundary tensors (sent outputs, gradients)
-    working set (transient)    the larger of: one layer's full activations while its
-                               backward (and, under full recompute, its re-run forward)
-                               runs; the last stage's logits during its forward, s*b*V/t
-                               values in bf16 plus nanotron's fp32 copy (`cast_to_fp32`)
+    working set (transient)    the larger of: one layer's activations while its backward
+                               (and, under full recompute, its re-run forward) runs; the
+                               last stage's logits during its forward, s*b*V/t values in
+                               bf16 plus nanotron's fp32 copy (`cast_to_fp32`,
+                               models/llama.py:771)
 
-The peaks of the different kinds are added: a conservative bound, since the bf16
-gradients appear when a backward ends, after that microbatch's stash is released. Not
-counted: the CUDA context, NCCL buffers and allocator fragmentation (the planner's
-`reserve`), the optimizer step's temporaries, the DP all-reduce's buckets in flight.
+The peaks of the different kinds are added (a conservative bound: the working set and one
+parameter's gradient need not coincide with the activations' peak), except nanotron's
+bf16 gradients at a backward's end, whose moment the schedule gives (`Peaks.at_backward_ends`).
+Not counted: the CUDA context, NCCL buffers and allocator fragmentation (the planner's
+`reserve`), the DP all-reduce's buckets in flight. The optimizer step's temporaries are
+their own term where they exceed the pipeline (`optimizer_step_transient`).
 
 Without fp32 accumulation (`fp32_grad_accum=False`) the grads stay bf16 in `.grad`
 (P * 2, all step) and Adam keeps its moments in the parameter dtype (P * 4 / z).
@@ -73,6 +108,7 @@ from pipeschedule.errors import ParameterError
 from pipeschedule.checks import MAX_DIMENSION, MAX_LAYERS, is_int, shown
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+GRAD_FOLDS = ("backward", "parameter")
 OPTIMIZERS = ("adam", "none")
 ACTIVATION_FORMULAS = ("nanotron", "korthikanti", "llama")
 ATTENTIONS = ("flash-attn", "sdpa-standin", "eager")
@@ -168,7 +204,11 @@ class TrainingSetup:
     (softmax scores materialised: counted by the korthikanti and llama formulas, which
     nanotron's Llama, always flash, does not run). adam_fused: nanotron's
     `torch_adam_is_fused` (its example configs: true); false adds foreach Adam's
-    temporary to the optimizer step (`optimizer_step_transient`).
+    temporary to the optimizer step (`optimizer_step_transient`). grad_fold: when the
+    bf16 gradients are folded into the fp32 accumulator (with fp32_grad_accum):
+    "backward", after each microbatch's whole backward, as nanotron's engines do (the
+    stage's bf16 gradients all exist at its end), or "parameter", each as autograd
+    produces it, as pipeschedule's engines do ([Note: memory terms]).
     """
 
     tp: int = 1
@@ -188,6 +228,7 @@ class TrainingSetup:
     tp_async: bool = False
     attention: str = "flash-attn"
     adam_fused: bool = True
+    grad_fold: str = "parameter"
 
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
@@ -209,6 +250,8 @@ class TrainingSetup:
         if self.attention == "eager" and self.activation_formula == "nanotron":
             raise ParameterError("attention 'eager' (scores materialised) is counted by the korthikanti and llama "
                                  "activation formulas; nanotron's Llama runs flash-attn or the adapter's sdpa-standin")
+        if self.grad_fold not in GRAD_FOLDS:
+            raise ParameterError(f"grad_fold must be one of {', '.join(GRAD_FOLDS)}, got {shown(self.grad_fold)}")
         if self.optimizer not in OPTIMIZERS:
             raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
         if self.sequence_parallel and self.seq % self.tp:
@@ -386,29 +429,55 @@ def builds_ddp(setup: TrainingSetup) -> bool:
 
 
 def transient_per_param(setup: TrainingSetup) -> float:
-    """bf16 `.grad` bytes per parameter that outlive a backward: none. With fp32
-    accumulation nanotron's accumulator adds each bf16 gradient to its fp32 buffer as it
-    is produced and frees it (`half_param.grad = None`,
-    nanotron/optim/gradient_accumulator.py:212-223), so one parameter's gradient exists at
-    a time (counted in the working set); without it the gradients are static."""
+    """bf16 gradient bytes per parameter that exist at once at the end of a backward
+    ([Note: memory terms]): every parameter's (`param_bytes`) where nanotron's engines fold
+    after the whole backward (fp32 accumulation, `grad_fold="backward"`,
+    nanotron/optim/gradient_accumulator.py:204-210); none otherwise: pipeschedule's
+    engines fold each gradient as it is produced, and without fp32 accumulation the
+    gradients are static (`static_per_param`). One parameter's gradient at a time is
+    `largest_param`'s."""
+    if setup.fp32_grad_accum and setup.grad_fold == "backward":
+        return float(setup.param_bytes)
     return 0.0
+
+
+def largest_param(model: ModelSpec, tp: int, layers: int, *, first: bool, last: bool) -> int:
+    """Elements of the largest parameter tensor of a stage on one TP rank. nanotron's Llama
+    fuses q, k, v into `qkv_proj` and gate, up into `gate_up_proj` (models/llama.py:
+    CausalSelfAttention, MLP), both column-parallel; `o_proj` and `down_proj` are
+    row-parallel; the embedding and the LM head hold V*h/t (vocab-parallel, padded)."""
+    d = model.head_dim
+    candidates = [0]
+    if layers:
+        candidates += [(model.heads + 2 * model.kv_heads) * d // tp * model.hidden,
+                       model.heads * d // tp * model.hidden,
+                       2 * model.ffn // tp * model.hidden, model.ffn // tp * model.hidden]
+    if first or last:
+        candidates.append(model.embedding_params(tp))
+    return max(candidates)
+
+
+def one_grad_bytes(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: bool, last: bool) -> int:
+    """Bytes of the gradient a backward is producing for one parameter, the largest, before
+    it is folded into fp32 or added into `.grad` ([Note: memory terms]): beside the
+    working set of any backward, whatever the engine."""
+    return setup.param_bytes * largest_param(model, setup.tp, layers, first=first, last=last)
 
 
 def working_set(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool,
                 rerun: bool = False) -> tuple[str, int]:
-    """The largest short-lived allocation of a stage's step, with its name: a decoder
-    layer's backward (SwiGLU's gradients, 4*s*b*f/t values, and gate_up's bf16 weight
-    gradient before the accumulator takes it; under full recompute also the rerun layer's
-    whole stash), or the last stage's fp32 logits (nanotron's `cast_to_fp32`) with the LM
-    head's weight gradient."""
+    """The largest short-lived activation of a stage's step, with its name: a decoder
+    layer's backward (SwiGLU's gradients, 4*s*b*f/t values; under full recompute also the
+    rerun layer's whole stash), or the last stage's fp32 logits (nanotron's
+    `cast_to_fp32`). Parameter gradients are their own terms (`one_grad_bytes`,
+    `transient_per_param`)."""
     e, sb, t = setup.act_bytes, setup.seq * setup.micro_batch, setup.tp
     layer = 0
     if layers:
-        layer = 4 * sb * model.ffn * e // t + 2 * model.hidden * model.ffn * setup.param_bytes // t
+        layer = 4 * sb * model.ffn * e // t
         if setup.recompute == "full" or rerun:
             layer += layer_activation_bytes(model, setup, recompute="none")
-    head = 4 * logits_values(model,
-                             setup) + model.padded_vocab(t) * model.hidden * setup.param_bytes // t if last else 0
+    head = 4 * logits_values(model, setup) if last else 0
     return ("logits fp32 (transient)", head) if head > layer else ("layer backward (transient)", layer)
 
 
@@ -417,13 +486,15 @@ class StageFootprint:
     """What one pipeline stage costs on one GPU, before any schedule is applied.
 
     static: bytes held the whole step, by term. grads_transient: the bf16 gradients at the
-    end of a backward (additive over stages). stash: bytes one in-flight microbatch keeps
-    until its backward, by term (their sum is `stash_bytes`; it includes the stage's
-    input, which its first layer saves). boundary: one tensor crossing a stage boundary.
+    end of a backward under nanotron's engines (additive over stages); one_grad: one
+    parameter's gradient, the largest (pipeschedule's engines, or no fp32 accumulation).
+    stash: bytes one in-flight microbatch keeps until its backward, by term (their sum is
+    `stash_bytes`; it includes the stage's input, which its first layer saves).
+    boundary: one tensor crossing a stage boundary.
     input_bytes: the stage's input as the simulator's `act_in` (token ids on stage 0).
-    working: the largest short-lived peak of one step on this stage (one layer's full
-    activations during backward or recompute, or the logits of the last stage's forward),
-    with its name.
+    working: the largest short-lived activation of one step on this stage (one layer's
+    during backward or recompute, or the logits of the last stage's forward), with its
+    name.
     """
 
     layers: int
@@ -437,6 +508,7 @@ class StageFootprint:
     input_bytes: int
     working: tuple[str, int]
     recomputed: int = 0  # layers of this stage that recompute (on top of setup.recompute)
+    one_grad: int = 0
 
     @property
     def stash_bytes(self) -> int:
@@ -505,6 +577,7 @@ def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, firs
         stash=stash, boundary=boundary,
         input_bytes=8 * setup.seq * setup.micro_batch if first else boundary,
         working=working, recomputed=recomputed,
+        one_grad=one_grad_bytes(model, setup, layers, first=first, last=last),
     )
 
 
@@ -538,7 +611,9 @@ def p2p_buffers(footprints: Sequence[StageFootprint]) -> dict[str, tuple[int, ..
 
 # -- one rank under a schedule ---------------------------------------------------------------
 
-ACTIVATIONS, P2P, GRADS = "activations", "p2p buffers", "bf16 gradients (transient)"
+ACTIVATIONS, P2P = "activations", "p2p buffers"
+GRADS = "bf16 gradients at a backward's end (transient)"  # nanotron's engines: the stage's, above the activations
+ONE_GRAD = "one parameter's gradient (transient)"
 OPTIMIZER_STEP = "optimizer step (transient, above the pipeline)"
 
 
@@ -565,8 +640,11 @@ class RankMemory:
 
     terms: bytes by term in display order: the static terms summed over the rank's stages,
     "activations" (the simulator's peak of live saved activations), "p2p buffers" (its
-    peak of boundary tensors), the bf16 gradients of a backward, and the largest working
-    set. Peaks of different kinds are added (an upper bound: they need not coincide).
+    peak of boundary tensors), one parameter's gradient, the largest working set, and under
+    nanotron's engines the bf16 gradients at a backward's end (what they add above the
+    activations' peak with a backward's transients). Peaks of different kinds are added
+    (an upper bound: they need not coincide) but for the gradients at a backward's end,
+    which the schedule places.
     inflight: the most microbatches (stage-microbatches when interleaved) in flight.
     """
 
@@ -596,7 +674,8 @@ class RankMemory:
 
     @property
     def gradient_bytes(self) -> float:
-        return sum(self.terms.get(k, 0) for k in ("fp32 grad accumulator", "gradients", "DDP grad buckets", GRADS))
+        return sum(self.terms.get(k, 0)
+                   for k in ("fp32 grad accumulator", "gradients", "DDP grad buckets", GRADS, ONE_GRAD))
 
     @property
     def optimizer_bytes(self) -> float:
@@ -624,11 +703,17 @@ def rank_memory(
     budget: float,
     setup: TrainingSetup | None = None,
     shared: Sequence[int] = (),
+    peak_backward_end: Sequence[float] | None = None,
 ) -> list[RankMemory]:
     """Combine stage footprints with a schedule's simulated peaks, one entry per rank.
 
     peak_stash[r] / peak_p2p[r]: the simulator's `peak_bytes` of rank r with
-    `stash_buffers` / `p2p_buffers` as the cost model's buffer_bytes. With `setup`, a
+    `stash_buffers` / `p2p_buffers` as the cost model's buffer_bytes.
+    peak_backward_end[r]: the most saved activations of rank r alive when one of its
+    backwards ends, that backward's own released (`Peaks.at_backward_ends` under the
+    stash cost): where nanotron's engines hold the stage's bf16 gradients, which add what
+    exceeds the activations' peak with a backward's transients, one parameter's gradient
+    and the working set (None: they are added whole). With `setup`, a
     rank whose optimizer step peaks above its pipeline gets the difference as the term
     "optimizer step (transient, above the pipeline)" (`optimizer_step_transient`).
     shared[r]: parameters rank r's stages count twice (`shared_params`), held once
@@ -652,11 +737,16 @@ def rank_memory(
         grads = sum(footprints[s].grads_transient for s in stages)
         if twice:
             grads -= transient_per_param(setup) * twice
-        if grads:
-            terms[GRADS] = grads
+        one = max((footprints[s].one_grad for s in stages), default=0)
+        if one:
+            terms[ONE_GRAD] = float(one)
         name, value = max((footprints[s].working for s in stages), key=lambda w: w[1], default=("", 0))
         if value:
             terms[name] = float(value)
+        if grads and peak_backward_end is not None:  # above the activations' peak with a backward's transients
+            grads = max(0.0, float(peak_backward_end[r]) + grads - float(peak_stash[r]) - one - value)
+        if grads:
+            terms[GRADS] = grads
         if setup is not None:  # the optimizer step's peak, where it is above the pipeline's
             static = sum(sum(footprints[s].static.values()) for s in stages)
             if twice:
@@ -675,9 +765,11 @@ __all__ = [
     "ACTIVATIONS",
     "ACTIVATION_FORMULAS",
     "GRADS",
+    "GRAD_FOLDS",
     "GiB",
     "ModelSpec",
     "OPTIMIZERS",
+    "ONE_GRAD",
     "OPTIMIZER_STEP",
     "P2P",
     "RECOMPUTE_MODES",
@@ -685,9 +777,11 @@ __all__ = [
     "StageFootprint",
     "TrainingSetup",
     "boundary_bytes",
+    "largest_param",
     "layer_activation_bytes",
     "shared_params",
     "logits_values",
+    "one_grad_bytes",
     "optimizer_step_transient",
     "p2p_buffers",
     "rank_memory",

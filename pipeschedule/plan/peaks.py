@@ -114,5 +114,23 @@ class Peaks:
             inflight.append(top)
         return tuple(peaks), tuple(inflight)
 
+    def at_backward_ends(self, cost) -> tuple:
+        """Per rank, the most bytes alive as one of its B ends, that B's own stash left out
+        (nanotron's engines run a microbatch's backward to its end, by which autograd has
+        released what it saved): the moment nanotron's engines hold the stage's bf16
+        gradients ([Note: memory terms] in plan/memory.py). Same cost as `of`; 0 where a
+        rank runs no B."""
+        table = self._deltas(cost)
+        S, stash = self.schedule.num_stages, cost.buffer_bytes["stash"]
+        out = []
+        for changes in self.changes:
+            live = top = 0
+            for i in changes:
+                live += table[i]
+                if i // S == _B:
+                    top = max(top, live - stash[i % S])
+            out.append(top)
+        return tuple(out)
+
 
 __all__ = ["Peaks"]

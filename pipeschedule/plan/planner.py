@@ -192,9 +192,12 @@ class _Planner:
         p2p_cost = self.cost(split, p2p_buffers(footprints), sb, recomputed)
         peak_p2p = self.peaks(family, cap, virtual, p2p_cost)[0]
         pipeline = self.step(family, cap, virtual, p2p_cost)
+        backward_end = None  # [Note: memory terms]: where nanotron's engines hold every bf16 gradient
+        if transient_per_param(config.setup):
+            backward_end = self.graph(family, cap, virtual)[1].at_backward_ends(stash_cost)
         memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash, peak_p2p=peak_p2p,
                              peak_inflight=peak_inflight, budget=config.budget, setup=config.setup,
-                             shared=self.shared(schedule))
+                             shared=self.shared(schedule), peak_backward_end=backward_end)
         tail, parts = self.tail(schedule, split, recomputed)
         step = pipeline + tail
         return Candidate(family, cap_label(cap), virtual, tuple(split), kind, step,
@@ -255,10 +258,13 @@ class _Planner:
         static[-1] -= per_param * self.shared(schedule)[schedule.placement[-1]]  # a tied head on stage 0's rank
         probe = stage_footprints(model, setup, [1] * S)  # split-free parts: boundaries, working sets
         p2p = self.peaks(family, cap, virtual, self.cost([1] * S, p2p_buffers(probe), schedule.split_backward))[0]
-        working = [0.0] * schedule.pp
+        working = [0.0] * schedule.pp  # with one parameter's gradient beside it, as rank_memory adds them
+        one_grad = [0] * schedule.pp
         for s, fp in enumerate(probe):
             r = schedule.placement[s]
             working[r] = max(working[r], fp.working[1])
+            one_grad[r] = max(one_grad[r], fp.one_grad)
+        working = [w + g for w, g in zip(working, one_grad)]
         return SplitProblem(
             layer_forward=(f,) * L, layer_backward=(b,) * L, layer_weight=(w,) * L,
             stage_forward=(0.0,) * (S - 1) + (hf,), stage_backward=(0.0,) * (S - 1) + (hb,),
@@ -413,8 +419,14 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
         raise ParameterError(f"give a PlanConfig or keyword options, not both (got {sorted(options)})")
     planner = _Planner(config, schedules)
     base_split = nanotron_split(config.model, config.pp)
-    default = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
-    candidates = [default]
+    default = nanotron_default(config, planner.cache, base_split)
+    planner.used.add(planner._key("1f1b", None, 1))
+    # pipeschedule's 1F1B with nanotron's split: the default's schedule, ours where it folds gradients
+    # differently ([Note: memory terms]); the same row where the fold changes nothing
+    ours_1f1b = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
+    if ours_1f1b.memory == default.memory:
+        ours_1f1b = default
+    candidates = [default] if ours_1f1b is default else [default, ours_1f1b]
     best = default.step_time if default.fits else math.inf  # a cutoff: the searches time the step, tail included
     virtuals, virtual_dropped = virtual_tried(planner)
     for family, cap, virtual in _families(config, planner, virtuals):
@@ -424,12 +436,13 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
             nanotron = None
         same = None  # the row with nanotron's split, which the search may confirm
         if nanotron is not None:
-            same = default if (family, virtual) == ("1f1b", 1) else planner.evaluate(family, cap, virtual, nanotron,
-                                                                                     "nanotron")
-            if same is not default:
+            if (family, virtual) == ("1f1b", 1):
+                same = ours_1f1b
+            else:
+                same = planner.evaluate(family, cap, virtual, nanotron, "nanotron")
                 candidates.append(same)
-                if same.fits:
-                    best = min(best, same.step_time)
+            if same.fits:
+                best = min(best, same.step_time)
         seeds = [nanotron] if nanotron else []
         row = planner.optimise(family, cap, virtual, seeds, cutoff=best)
         if same is not None and row.split == same.split and row.memory and row.split_kind != "best found":
@@ -468,14 +481,20 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
         recommended = next(c for _, c in fitting if c.step_time <= fastest * (1 + 1e-9))
     zero1 = None
     if config.setup.dp > 1 and config.setup.zero_stage == 0:
-        sharded = replace(config, setup=replace(config.setup, zero_stage=1))
-        zero1 = _Planner(sharded, planner.cache).evaluate("1f1b", None, 1, base_split, "nanotron")
+        zero1 = nanotron_default(replace(config, setup=replace(config.setup, zero_stage=1)), planner.cache, base_split)
     stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.used),
                  virtual_tried=list(virtuals))
     # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
     offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
     return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload,
                 dropped(config) + virtual_dropped + tuple(lever_dropped))
+
+
+def nanotron_default(config: PlanConfig, schedules: ScheduleCache, split: Sequence[int]) -> Candidate:
+    """nanotron's own 1F1B engine with `split`: its schedule, and its gradient folding after
+    each backward ([Note: memory terms], `grad_fold="backward"`)."""
+    nanotron = replace(config, setup=replace(config.setup, grad_fold="backward"))
+    return replace(_Planner(nanotron, schedules).evaluate("1f1b", None, 1, split, "nanotron"), nanotron_engine=True)
 
 
 def offload_report(planner: _Planner, candidate: Candidate) -> dict:

@@ -360,3 +360,57 @@ def test_tied_embeddings_count_once_where_one_stage_holds_both():
     assert (stage_params(tied, 8, first=True, last=False, tp=1) + stage_params(tied, 8, first=False, last=True, tp=1)
             == stage_params(untied, 8, first=True, last=False, tp=1) + stage_params(untied, 8, first=False, last=True,
                                                                                   tp=1))
+
+
+# -- where the bf16 gradients live (issue 32) ------------------------------------------------
+
+
+def test_largest_parameter_of_each_stage_of_llama3_70b():
+    """Stage 0 and the last hold the vocab-parallel embedding / LM head, V*h/t; a middle
+    stage's largest is the fused gate_up projection, 2*f*h/t."""
+    from pipeschedule.plan.memory import largest_param, one_grad_bytes
+
+    vocab_shard, gate_up = L70.padded_vocab(4) * L70.hidden // 4, 2 * L70.ffn * L70.hidden // 4
+    assert largest_param(L70, 4, 21, first=True, last=False) == vocab_shard
+    assert largest_param(L70, 4, 20, first=False, last=False) == gate_up
+    assert largest_param(L70, 4, 0, first=False, last=False) == 0
+    assert one_grad_bytes(L70, TrainingSetup(tp=4), 20, first=False, last=False) == 2 * gate_up
+
+
+def test_gradients_at_a_backward_end_belong_to_nanotron_engines_with_fp32_accumulation():
+    from pipeschedule.plan.memory import transient_per_param
+
+    assert transient_per_param(TrainingSetup(grad_fold="backward")) == 2.0
+    assert transient_per_param(TrainingSetup()) == 0.0  # pipeschedule's engines fold as they go
+    assert transient_per_param(TrainingSetup(grad_fold="backward", fp32_grad_accum=False)) == 0.0  # static
+    with pytest.raises(ParameterError, match="grad_fold must be one of backward, parameter, got 'late'"):
+        TrainingSetup(grad_fold="late")
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_nanotron_gradients_add_what_exceeds_the_activations_peak(recompute):
+    """Reading A of the users' case (dp=1): with full recompute the stash is small and the
+    stage's bf16 gradients at a backward's end set the peak (2P above the other
+    microbatches' stashes, less what the peak and the backward's transients already
+    count); without recompute one microbatch's stash outweighs them and they add nothing."""
+    from pipeschedule.plan.memory import GRADS, ONE_GRAD
+    from pipeschedule.plan.planner import ScheduleCache, nanotron_default
+
+    setup = TrainingSetup(tp=4, recompute=recompute, tp_async=True)
+    cfg = PlanConfig(L70, setup, pp=4, microbatches=16, gpu_memory=96 * GiB)
+    split = (21, 20, 20, 19)
+    theirs = nanotron_default(cfg, ScheduleCache(4, 16), split)
+    ours = _Planner(cfg).evaluate("1f1b", None, 1, split, "nanotron")
+    for r, (t, o) in enumerate(zip(theirs.memory, ours.memory)):
+        params = stage_params(L70, split[r], first=r == 0, last=r == 3, tp=4)
+        stash = t.terms["activations"] / (4 - r)  # 1F1B: pp - r microbatches in flight
+        expected = max(0.0, (3 - r) * stash + 2 * params - t.terms["activations"] - t.terms[ONE_GRAD]
+                       - max(v for k, v in t.terms.items() if "transient" in k and k not in (GRADS, ONE_GRAD)))
+        assert t.terms.get(GRADS, 0.0) == pytest.approx(expected)
+        assert GRADS not in o.terms and o.terms[ONE_GRAD] == t.terms[ONE_GRAD]
+        assert t.total - o.total == pytest.approx(expected)
+    if recompute == "full":
+        assert all(t.terms[GRADS] > 0.5 * 2 * stage_params(L70, 20, first=False, last=False, tp=4)
+                   for t in theirs.memory)
+    else:
+        assert all(GRADS not in t.terms for t in theirs.memory)

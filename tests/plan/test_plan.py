@@ -8,7 +8,7 @@ import pytest
 
 from pipeschedule.cli import build_parser
 from pipeschedule.errors import FormatError, ParameterError
-from pipeschedule.plan.memory import GiB, TrainingSetup
+from pipeschedule.plan.memory import GRADS, GiB, TrainingSetup
 from pipeschedule.cli.plan import run as run_plan
 from pipeschedule.plan import Candidate, PlanConfig, head_seconds, layer_seconds, plan
 from pipeschedule.plan.presets import MODELS
@@ -53,11 +53,18 @@ def test_default_is_nanotron_1f1b_with_its_split():
         assert ENGINE.match(cand.engine()), cand.engine()
 
 
-def test_dp2_without_zero_leaves_stage_0_within_2_gib_and_hints_zero1():
-    """Set A of test_memory.py at dp=2: nanotron's default fits stage 0 with under 2 GiB
-    to spare (DDP's buckets); the recommendation fits, and the ZeRO-1 hint is shown."""
+def test_dp2_without_zero_runs_nanotron_out_of_memory_on_stage_0_only():
+    """Set A of test_memory.py at dp=2, ZeRO-0 (the users' case): nanotron's default holds
+    every bf16 gradient of the stage at a backward's end and overflows stage 0 alone, as
+    the users saw; pipeschedule's 1F1B, the same schedule and split, folds each gradient as
+    it is produced and fits; the recommendation fits, and the ZeRO-1 hint is shown."""
     result = plan(config(setup={"dp": 2}))
-    assert result.default.fits and -result.default.peak.overflow < 2 * GiB
+    default = result.default
+    assert [r.fits for r in default.memory] == [False, True, True, True]
+    ours = next(c for c in result.candidates if c is not default and c.family == "1f1b" and c.split == default.split)
+    assert ours.fits and ours.engine() == "ps_1f1b:recompute=full"
+    fall = default.memory[0].total - ours.memory[0].total
+    assert fall == pytest.approx(default.memory[0].terms[GRADS]) and fall > 6 * GiB
     rec = result.recommended
     assert rec is not None and rec.fits
     assert result.zero1_default is not None and result.zero1_default.fits
@@ -147,7 +154,7 @@ def test_cli_bad_input_names_the_value(argv, message):
 
 def test_nothing_fits_returns_1(capsys):
     code, out = run(["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--gpu", "h100",
-                     "--recompute", "none", "--zero", "0",
+                     "--recompute", "none", "--zero", "0", "--micro-batch", "2",
                      "--tables", "none"], capsys)
     assert code == 1
     assert "Recommended: nothing fits" in out

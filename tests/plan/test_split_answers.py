@@ -1,7 +1,11 @@
 """The split search and the planner hold to what they answered before issue 19's speed
 work (the step graph, peaks from program order, the relaxation): the answers of commit
 a153717 on a fixed set of split problems (split_cases.py, split_answers.json) and on two
-plans (plan_answers.json)."""
+plans (plan_answers.json). The plans' answers were recorded again when the memory model
+learnt where gradients live (issue 32: nanotron's default holds the stage's bf16
+gradients at a backward's end, pipeschedule's 1F1B with nanotron's split is its own row,
+one parameter's gradient replaced the weight gradient inside the working set); the
+recommendations stayed the same."""
 
 import json
 import math

@@ -100,3 +100,52 @@ def test_deadlock_and_unmatched_sends_are_refused():
     lonely = good.replace_programs([[Instr(Op.SEND_F, 0, 0, peer=1)], []])
     with pytest.raises(ScheduleError, match="matching"):
         StepGraph(lonely)
+
+
+def _backward_ends(schedule, stash) -> tuple:
+    """The saved activations alive as each B ends, its own stash left out, walked plainly
+    over the instructions: the reference of `Peaks.at_backward_ends`."""
+    out = []
+    for program in schedule.programs:
+        live, top = 0.0, 0.0
+        for instr in program:
+            if instr.op is Op.F:
+                live += stash[instr.stage]
+            elif instr.op is Op.FREE and instr.buf == "stash":
+                live -= stash[instr.stage]
+            elif instr.op is Op.B:
+                top = max(top, live - stash[instr.stage])
+        out.append(top)
+    return tuple(out)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(st.data())
+def test_backward_ends_walk_the_program(data):
+    """Where nanotron's engines hold every bf16 gradient of a stage ([Note: memory terms]):
+    the reference walk, over every family without a split backward (nanotron's engines
+    run none), under stash bytes alone as the planner asks."""
+    schedule = data.draw(schedules(max_pp=6, max_m=10, max_v=3, offload=False))
+    S = schedule.num_stages
+    stash = tuple(float(x) for x in data.draw(st.lists(st.integers(0, 7), min_size=S, max_size=S)))
+    zeros = (0.0,) * S
+    cost = CostModel(zeros, zeros, zeros, {"act_in": zeros, "act_out": zeros, "stash": stash, "grad_out": zeros,
+                                           "grad_in": zeros})
+    got = Peaks(schedule).at_backward_ends(cost)
+    if not schedule.split_backward:
+        assert got == pytest.approx(_backward_ends(schedule, stash))
+    assert all(g <= p for g, p in zip(got, Peaks(schedule).of(cost)[0]))
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (4, 8), (4, 3), (8, 16)])
+def test_backward_ends_of_1f1b_and_afab_in_closed_form(pp, m):
+    """1F1B: rank r's first B finds min(pp - r, m) microbatches in flight, so one fewer is
+    left beside the gradients; AFAB: all m, one fewer."""
+    for family, inflight in (("1f1b", [min(pp - r, m) for r in range(pp)]), ("afab", [m] * pp)):
+        schedule = compile_schedule(family, pp=pp, microbatches=m)
+        cost = CostModel.default(schedule)
+        stash = cost.buffer_bytes["stash"][0]
+        only_stash = CostModel(cost.forward, cost.backward, cost.weight,
+                               {k: (v if k == "stash" else (0.0,) * len(v)) for k, v in cost.buffer_bytes.items()})
+        got = Peaks(schedule).at_backward_ends(only_stash)
+        assert got == tuple((k - 1) * stash for k in inflight), family
