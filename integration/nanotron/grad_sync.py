@@ -2,33 +2,62 @@
 
 [Note: gradient sync] nanotron's trainer has three ways of getting the data-parallel
 gradient sum, chosen by `make_ddp = dp > 1 and not (accumulate_grad_in_fp32 and
-zero_stage > 0)` and `optimizer.accumulate_grad_in_fp32`:
+zero_stage > 0)` (nanotron/trainer.py:608-610) and `optimizer.accumulate_grad_in_fp32`:
 
     DDP, no accumulator     DDP's reducer all-reduces the half-precision `.grad`s in
                             buckets during the backward nanotron marks as the sync one
     DDP and accumulator     the accumulator's DDP comm hook folds each bucket into its
                             fp32 buffers and all-reduces them (AVG), leaving the handle in
                             `fp32_grads_allreduce_handle`, which the trainer waits on
-    no DDP (dp = 1, or      the trainer calls `sync_gradients_across_dp` after the step:
-    ZeRO-1 with fp32)       one all-reduce of the accumulator's contiguous fp32 buffer
+                            (trainer.py:334-339)
+    no DDP (dp = 1, or      the trainer calls `sync_gradients_across_dp` after the step
+    ZeRO-1 with fp32)       (trainer.py:341-350): one all-reduce of the accumulator's
+                            contiguous fp32 buffer
 
-nanotron marks the sync backward by count (the (m-1)-th). pipeschedule's engines run
-every B under DDP's `no_sync` (and the accumulator's `no_sync`, so each B's half
-gradients are folded into the fp32 buffers right after it, as the accumulator's own
-`backward` does) and then:
+pipeschedule's engines run every B and W under DDP's `no_sync` and, with an accumulator,
+fold each half gradient into its fp32 buffer the moment autograd has accumulated it
+([Note: gradient folding]). Then:
 
-- where one instruction touches every parameter of the rank last (the last B of a
-  schedule without virtual stages or split backward), that B runs under nanotron's
-  `ddp_trigger_sync_in_bwd`, which is nanotron's own path, comm hook included;
-- otherwise (virtual stages, where the last B touches one chunk; split backward, where
-  the W that follow it touch the deferred weights) the sync runs after the step, as one
-  collective per bucket: with the accumulator, the contiguous fp32 buffer is averaged
-  over DDP's group and the handle is left where the trainer looks for it; without,
-  the half-precision gradients are flattened into buckets of DDP's `bucket_bytes_cap`,
-  divided by the group size and summed, as DDP's reducer does.
+- with DDP and an accumulator, after the step one all-reduce (AVG) of the contiguous
+  fp32 buffer over DDP's group, waited for before `train_batch_iter` returns; the
+  completed handle is left in `fp32_grads_allreduce_handle`, where the trainer looks;
+- with DDP and no accumulator, where one instruction touches every parameter of the rank
+  last (the last B of a schedule without virtual stages or split backward), that B runs
+  under nanotron's `ddp_trigger_sync_in_bwd`, which is nanotron's own path; otherwise
+  (virtual stages, split backward) the sync runs after the step, as one collective per
+  bucket: the half-precision gradients are flattened into buckets of DDP's
+  `bucket_bytes_cap`, divided by the group size and summed, as DDP's reducer does;
+- without DDP, nothing: the trainer's own `sync_gradients_across_dp` follows.
+
+The rule every schedule keeps (a test reads the gradients right after the call): under
+DDP, `train_batch_iter` returns with every gradient averaged over the data-parallel
+group (summed over the microbatches, divided by dp); without DDP it returns with every
+gradient summed over this replica's microbatches and the data-parallel sum is the
+trainer's, after the call, as under nanotron's own engines. Parameters shared by two
+stages of one rank are completed in the same place as nanotron's tied parameters
+([Note: parameters shared by stages of one rank]).
 
 Elementwise every path computes the same (a + b) / n or a / n + b / n as nanotron's, in
 the same order for two replicas.
+
+[Note: gradient folding] nanotron's `FP32GradientAccumulator.backward`
+(nanotron/optim/gradient_accumulator.py:204-210) runs `loss.backward()` to its end and
+only then adds each parameter's bf16 `.grad` into its fp32 buffer and drops it
+(`_accumulate_grad`, :212-232, `half_param.grad = None` at :223). So at the end of every
+microbatch's backward the whole stage's bf16 gradients exist at once: 2 bytes per
+parameter, 8.9 GiB on stage 0 of Llama3-70B at pp=4, tp=4. pipeschedule's engines fold
+instead from a post-accumulate-grad hook on each parameter (`GradFolder`): the moment
+autograd has accumulated a parameter's gradient into `.grad` (its AccumulateGrad node,
+in B, in W of a split backward, or in the inner backward of a recomputed layer), the
+hook adds it into the fp32 buffer with the accumulator's own `_accumulate_grad` and
+drops it. One parameter's gradient lives at a time; the values are those of the
+accumulator's own path, since each parameter gets the same one addition per backward.
+(Where one B reaches a parameter through two separate autograd runs, a weight used
+inside and outside a recomputed layer, it is folded once per run: fp32 sums of the two
+parts instead of their bf16 sum.) The hooks act only while one of our B or W runs
+(`GradFolder.stage`), so another engine's backward on the same model is untouched.
+After each B and W any gradient that arrived without its hook (none is known) is folded
+as the accumulator would.
 
 [Note: parameters shared by stages of one rank] A parameter used by two stages on one
 rank (tied embeddings under a V shape: the embedding on stage 0 and the LM head on stage
@@ -38,9 +67,11 @@ own sum in microbatch order and `sync_tied_weights_gradients` adds the two after
 data-parallel sync. `SharedGrads` keeps that order: the first stage using the parameter
 accumulates where nanotron would (`.grad`, or the accumulator's fp32 buffer); each later
 stage into its own tensor (B and W of that stage see it as `.grad`). The partial sums are
-added after the data-parallel sync, where nanotron adds tied gradients: `finish()` runs
-from nanotron's `sync_tied_weights_gradients` (hooks.py), averaging the extra tensors over
-the data-parallel group first where the trainer's own sync does not reach them.
+added after the data-parallel sync, where nanotron adds tied gradients: under DDP at the
+end of the step (the sync is complete there), otherwise from nanotron's
+`sync_tied_weights_gradients` (hooks.py), which the trainer calls after its own
+data-parallel sync; the extra tensors are averaged over the data-parallel group first,
+where the trainer's own sync does not reach them.
 """
 
 from __future__ import annotations
@@ -60,13 +91,57 @@ import_nanotron()
 from nanotron.parallel.data_parallel.utils import ddp_trigger_sync_in_bwd  # noqa: E402
 
 
+class GradFolder:
+    """Folds each half gradient into the accumulator's fp32 buffer as autograd produces it
+    ([Note: gradient folding]); one per (model, accumulator), its hooks registered once."""
+
+    def __init__(self, accumulator, shared: SharedGrads | None):
+        self.accumulator, self.shared = accumulator, shared
+        self.stage: int | None = None  # the stage whose B or W runs; None: fold nothing
+        self.names = {id(entry["half"]): name for name, entry in accumulator.fp32_grad_buffers.items()}
+        self.handles = [entry["half"].register_post_accumulate_grad_hook(self._hook)
+                        for entry in accumulator.fp32_grad_buffers.values()]
+
+    def _hook(self, param: torch.Tensor) -> None:
+        if self.stage is not None and param.grad is not None:
+            self._fold(self.names[id(param)], param, self.stage)
+
+    def _fold(self, name: str, half: torch.Tensor, stage: int) -> None:
+        if self.shared is not None and self.shared.takes(half, stage):
+            self.shared.fold(half, stage)
+        else:
+            self.accumulator._accumulate_grad(name=name, half_param=half)
+
+    @contextlib.contextmanager
+    def folding(self, stage: int):
+        """During one B or W of `stage`: each gradient folded as it arrives; after it, any
+        gradient that arrived without its hook."""
+        self.stage = stage
+        try:
+            yield
+        finally:
+            self.stage = None
+        for name, entry in self.accumulator.fp32_grad_buffers.items():
+            if entry["half"].grad is not None:
+                self._fold(name, entry["half"], stage)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
 class GradientSync:
     """What runs around each B and W, and after the step ([Note: gradient sync])."""
 
     def __init__(self, ddp: DistributedDataParallel | None, accumulator, *, sync_in_backward: bool, last_backward,
-                 shared: SharedGrads | None):
-        self.ddp, self.accumulator, self.shared = ddp, accumulator, shared
-        self.sync_at = last_backward if (ddp is not None and sync_in_backward) else None
+                 shared: SharedGrads | None, folder: GradFolder | None = None):
+        if (accumulator is None) != (folder is None):
+            raise ValueError("GradientSync: a GradFolder comes with an accumulator, and only with one")
+        self.ddp, self.accumulator, self.shared, self.folder = ddp, accumulator, shared, folder
+        # DDP's reducer syncs inside the last B only without an accumulator: with one, each
+        # gradient is folded as it arrives and the fp32 buffer is reduced after the step.
+        self.sync_at = last_backward if (ddp is not None and sync_in_backward and accumulator is None) else None
 
     def step_context(self):
         """Around the whole step: DDP's no_sync (every B but the sync one accumulates)."""
@@ -80,43 +155,31 @@ class GradientSync:
                 if instr == self.sync_at:
                     stack.enter_context(ddp_trigger_sync_in_bwd(model_ddp=self.ddp))
                 elif self.accumulator is not None:
-                    stack.enter_context(self.accumulator.no_sync())
+                    stack.enter_context(self.accumulator.no_sync())  # the accumulator adds (not DDP's hook)
             if self.shared is not None:
                 stack.enter_context(self.shared.using(stage))
+            if self.folder is not None:
+                stack.enter_context(self.folder.folding(stage))
             yield
-            self.fold(stage)  # inside the accumulator's no_sync, which decides whether it adds
-
-    def fold(self, stage: int) -> None:
-        """What `GradientAccumulator.backward` does after `loss.backward()`: each half
-        gradient into its fp32 buffer (a shared parameter's later stages into their own)."""
-        accumulator = self.accumulator
-        if accumulator is None:
-            return
-        for name, entry in accumulator.fp32_grad_buffers.items():
-            half = entry["half"]
-            if half.grad is None:
-                continue
-            if self.shared is not None and self.shared.takes(half, stage):
-                self.shared.fold(half, stage)
-            else:
-                accumulator._accumulate_grad(name=name, half_param=half)
 
     def after_step(self) -> None:
-        """The data-parallel sync of schedules whose B cannot carry DDP's."""
+        """The data-parallel sync of schedules whose B cannot carry DDP's, completed before
+        the step returns ([Note: gradient sync])."""
         if self.ddp is None:
             return
         group = self.ddp.process_group
         if self.shared is not None:
             self.shared.average(group)
-        if self.sync_at is not None:
-            return
         if self.accumulator is not None:
             buffer = self.accumulator._contiguous_fp32_grad_buffer
-            self.accumulator.fp32_grads_allreduce_handle = dist.all_reduce(
-                buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
-        else:
+            handle = dist.all_reduce(buffer, op=dist.ReduceOp.AVG, group=group, async_op=True)
+            handle.wait()
+            self.accumulator.fp32_grads_allreduce_handle = handle  # completed; the trainer waits on it
+        elif self.sync_at is None:
             average_in_buckets([p for p in self.ddp.module.parameters() if p.grad is not None], group,
                                self.ddp.bucket_bytes_cap)
+        if self.shared is not None:
+            self.shared.finish(group)  # averaged above: complete now, as nanotron's tied sync would
 
 
 def average_in_buckets(params: list[torch.Tensor], group, bucket_bytes: int) -> None:
@@ -255,4 +318,5 @@ def finish_pending(model, dp_group) -> None:
         shared.finish(dp_group)
 
 
-__all__ = ["GradientSync", "SharedGrads", "average_in_buckets", "finish_pending", "leave_pending", "unfinished"]
+__all__ = ["GradFolder", "GradientSync", "SharedGrads", "average_in_buckets", "finish_pending", "leave_pending",
+           "unfinished"]

@@ -27,7 +27,7 @@ from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # 
 from integration.nanotron import grad_sync  # noqa: E402
 from integration.nanotron.boundary import Layout  # noqa: E402
 from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
-from integration.nanotron.grad_sync import GradientSync, SharedGrads  # noqa: E402
+from integration.nanotron.grad_sync import GradFolder, GradientSync, SharedGrads  # noqa: E402
 from integration.nanotron.stage_call import StageCall, consumer_tracking, one_stage  # noqa: E402
 from pipeschedule.compiler.ir import Instr, Op, Schedule  # noqa: E402
 from pipeschedule.runtime import DistTransport, Executor, RemoteOutput  # noqa: E402
@@ -65,7 +65,8 @@ class Runner:
         # touch of every parameter of the rank.
         self.sync_in_backward = schedule.virtual == 1 and not schedule.split_backward
         self._models: dict[int, tuple] = {}  # id(model) -> (model, blocks, stage_of)
-        self._shared: dict[tuple[int, int], SharedGrads | None] = {}
+        # (id(model), id(accumulator)) -> the model, the accumulator, and their SharedGrads and GradFolder
+        self._grads: dict[tuple[int, int], tuple] = {}
 
     def step(self, model, batch, grad_accumulator) -> list[dict]:
         inner = unwrap(model)
@@ -78,10 +79,10 @@ class Runner:
                 "([Note: parameters shared by stages of one rank])"
             )
         self.stages.begin(model, blocks, stage_of, batch)
-        shared = self._shared_grads(inner, grad_accumulator) if train else None
+        shared, folder = self._gradients(inner, grad_accumulator) if train else (None, None)
         ddp = model if isinstance(model, DistributedDataParallel) else None
-        sync = GradientSync(ddp, grad_accumulator, sync_in_backward=self.sync_in_backward,
-                            last_backward=self.last_backward, shared=shared)
+        sync = GradientSync(ddp, grad_accumulator if train else None, sync_in_backward=self.sync_in_backward,
+                            last_backward=self.last_backward, shared=shared, folder=folder)
         self.executor.begin(sync)
         try:
             with consumer_tracking(blocks, stage_of), sync.step_context():
@@ -108,12 +109,19 @@ class Runner:
             found = self._models[id(inner)] = (inner, blocks, stage_of)
         return found[1], found[2]
 
-    def _shared_grads(self, inner, accumulator) -> SharedGrads | None:
+    def _gradients(self, inner, accumulator) -> tuple[SharedGrads | None, GradFolder | None]:
+        """The SharedGrads and GradFolder of (model, accumulator), made once ([Note:
+        gradient folding]); a new model or accumulator replaces the old ones' hooks."""
         key = (id(inner), id(accumulator))
-        if key not in self._shared:
+        found = self._grads.get(key)
+        if found is None or found[0] is not inner or found[1] is not accumulator:
+            if found is not None and found[3] is not None:
+                found[3].remove()
             local = [s for s, r in enumerate(self.schedule.placement) if r == self.rank]
-            self._shared[key] = SharedGrads.of({s: list(self.stages.parameters(s)) for s in local}, accumulator)
-        return self._shared[key]
+            shared = SharedGrads.of({s: list(self.stages.parameters(s)) for s in local}, accumulator)
+            folder = GradFolder(accumulator, shared) if accumulator is not None else None
+            found = self._grads[key] = (inner, accumulator, shared, folder)
+        return found[2], found[3]
 
 
 class ModelStages:
