@@ -41,13 +41,17 @@ executor records that in `split_mode` and logs it once ([Note: executor semantic
 Memory: from B to W a deferred linear holds its input (saved by the private matmul)
 and its output gradient; `held_bytes` counts their storages (parameters and the given
 `exclude` left out), which the ledger charges to the stash from B until W frees it.
-Activation checkpointing inside a deferred stage is not supported (its recomputation
-would run outside the mode and rebuild ordinary linears).
+Activation checkpointing inside a deferred stage must run its forward, both times, under
+`not_deferring()` (its recomputation runs at B, outside the mode, and must save what the
+first run saved): its linears then compute their weight gradients at B. Layer recompute
+does (integration/nanotron/recompute.py). Their uses are still noted, so a deferred linear
+sharing a weight with them computes at B too, as a tied weight does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -58,6 +62,7 @@ from torch.autograd.variable import Variable
 from torch.overrides import TorchFunctionMode
 
 _LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear dispatch as
+_plain = threading.local()  # .depth: how many not_deferring() blocks this thread is in
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,7 @@ class _Deferring(TorchFunctionMode):
         kwargs = kwargs or {}
         if not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        if func is _LINEAR and not types:
+        if func is _LINEAR and not types and not getattr(_plain, "depth", 0):
             out = self.store.defer(*args, **kwargs)
             if out is not None:
                 return out
@@ -172,6 +177,18 @@ def _differentiable(out) -> bool:
     if isinstance(out, (list, tuple)):
         return any(isinstance(item, torch.Tensor) and item.grad_fn is not None for item in out)
     return False
+
+
+@contextlib.contextmanager
+def not_deferring() -> Iterator[None]:
+    """Every F.linear of the body runs plain, inside `WeightGrads.deferring()` too: its
+    weight gradient is computed at B ([Note: split backward], activation checkpointing)."""
+    depth = getattr(_plain, "depth", 0)
+    _plain.depth = depth + 1
+    try:
+        yield
+    finally:
+        _plain.depth = depth
 
 
 class WeightGrads:
@@ -274,4 +291,4 @@ class WeightGrads:
         return any(not r.at_b for r in self.records)
 
 
-__all__ = ["SplitReport", "WeightGrads"]
+__all__ = ["SplitReport", "WeightGrads", "not_deferring"]
