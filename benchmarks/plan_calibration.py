@@ -20,7 +20,7 @@ from pathlib import Path
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.memory import GiB, ModelSpec, TrainingSetup
 from pipeschedule.plan.partition import nanotron_split
-from pipeschedule.plan.planner import _Planner
+from pipeschedule.plan.planner import _Planner, evaluate_engine
 
 RESULTS = Path(__file__).parent / "results"
 ENGINES = {"1f1b": ("1f1b", None, 1), "capped_1f1b:cap=2": ("capped_1f1b", 2, 1),
@@ -57,7 +57,7 @@ def rows() -> list[tuple]:
     for name, record in trainer["engines"].items():
         family, cap, virtual = ENGINES[name]
         split = split_of(record["block_ranks"], trainer["pp"] * virtual)
-        cand = planner.evaluate(family, cap, virtual, split, "measured")
+        cand = evaluate_engine(planner, name, family, cap, virtual, split)
         for r, mem in enumerate(cand.memory):
             out.append(("trainer.json", name, trainer["microbatches"], r, mem.total, record["peak_allocated"][r],
                         mem.terms["activations"], record["ledger_stash"][r] or None))
@@ -69,7 +69,7 @@ def rows() -> list[tuple]:
     for row in growth["rows"]:
         family, cap, virtual = ENGINES[row["engine"]]
         planner = _Planner(PlanConfig(model, setup, pp=growth["pp"], microbatches=row["m"], gpu_memory=139 * GiB))
-        cand = planner.evaluate(family, cap, virtual, nanotron_split(model, growth["pp"]), "measured")
+        cand = evaluate_engine(planner, row["engine"], family, cap, virtual, nanotron_split(model, growth["pp"]))
         for rank in row["ranks"]:
             if rank["dp_rank"]:
                 continue  # the dp replicas measure the same

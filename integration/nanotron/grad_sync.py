@@ -51,10 +51,9 @@ autograd has accumulated a parameter's gradient into `.grad` (its AccumulateGrad
 in B, in W of a split backward, or in the inner backward of a recomputed layer), the
 hook adds it into the fp32 buffer with the accumulator's own `_accumulate_grad` and
 drops it. One parameter's gradient lives at a time; the values are those of the
-accumulator's own path, since each parameter gets the same one addition per backward.
-(Where one B reaches a parameter through two separate autograd runs, a weight used
-inside and outside a recomputed layer, it is folded once per run: fp32 sums of the two
-parts instead of their bf16 sum.) The hooks act only while one of our B or W runs
+accumulator's own path, since each parameter gets the same one addition per backward
+(B, W and recomputed layers each run one autograd pass: [Note: layer recompute] reruns a
+layer's forward inside the same backward). The hooks act only while one of our B or W runs
 (`GradFolder.stage`), so another engine's backward on the same model is untouched.
 After each B and W any gradient that arrived without its hook (none is known) is folded
 as the accumulator would.

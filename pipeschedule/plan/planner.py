@@ -497,6 +497,18 @@ def nanotron_default(config: PlanConfig, schedules: ScheduleCache, split: Sequen
     return replace(_Planner(nanotron, schedules).evaluate("1f1b", None, 1, split, "nanotron"), nanotron_engine=True)
 
 
+def evaluate_engine(planner: _Planner, engine: str, family: str, cap, virtual: int, split: Sequence[int],
+                    kind: str = "measured") -> Candidate:
+    """A candidate as the `pp_engine` named `engine` runs it: nanotron's own engines
+    (`1f1b`, `afab`) fold gradients after each backward ([Note: memory terms]), every other
+    name is pipeschedule's. For comparisons with measured runs."""
+    if engine in ("1f1b", "afab"):
+        nanotron = replace(planner.config, setup=replace(planner.config.setup, grad_fold="backward"))
+        return replace(_Planner(nanotron, planner.cache).evaluate(family, cap, virtual, split, kind),
+                       nanotron_engine=True)
+    return planner.evaluate(family, cap, virtual, split, kind)
+
+
 def offload_report(planner: _Planner, candidate: Candidate) -> dict:
     """What host offload ([Note: offload placement] in compiler/offload.py) adds to `candidate`
     under `config.offload`, over a host link of `config.host_bandwidth` per direction:
@@ -533,4 +545,4 @@ def offload_report(planner: _Planner, candidate: Candidate) -> dict:
     }
 
 
-__all__ = ["Plan", "ScheduleCache", "offload_report", "plan"]
+__all__ = ["Plan", "ScheduleCache", "evaluate_engine", "nanotron_default", "offload_report", "plan"]

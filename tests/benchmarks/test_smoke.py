@@ -32,6 +32,7 @@ SCRIPTS = [
     ("benchmarks.engine_vs_nanotron", ["--smoke", "--rounds", "1", "--microbatches", "4"],
      "| smoke | 4 | `1f1b` | `ps_1f1b` |"),
     ("benchmarks.trainer", ["--smoke", "--rounds", "1"], "capped_1f1b:cap=2"),
+    ("benchmarks.grad_fold", ["--smoke"], "smoke: 2 engines ran"),
     ("benchmarks.auto_engine", ["--smoke"], "pp_engine auto on one GPU"),
     ("benchmarks.diagnostics.growth", ["--smoke"], "capped_1f1b:cap=1"),
     ("benchmarks.diagnostics.engine_profile", ["--smoke", "--ranks", "0"], "ps_afab"),
