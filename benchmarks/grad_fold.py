@@ -1,15 +1,15 @@
 """The bf16 gradients' transient on a GPU: nanotron's 1F1B against pipeschedule's engines in a
 parameter-heavy configuration (issue 32).
 
-    python -m benchmarks.grad_fold            # one CUDA GPU: pp=4 as four ranks on it (a few minutes)
+    python -m benchmarks.grad_fold [--seq N]  # one CUDA GPU: pp=4 as four ranks on it (two minutes)
     python -m benchmarks.grad_fold --smoke    # CPU, a tiny model: checks the plumbing, writes nothing
 
 nanotron's `FP32GradientAccumulator.backward` folds every bf16 gradient into fp32 after a
 microbatch's whole backward, so at its end the stage holds all of them (2 bytes per
 parameter); pipeschedule's engines fold each gradient as autograd produces it ([Note:
 gradient folding] in integration/nanotron/grad_sync.py). With parameters dominating (hidden
-4096, ffn 14336, 12 layers, a 64-token sequence, 4 microbatches) the stash is small and the
-stage's peak is set by where the gradients live. Each run is the users' launch (nanotron's
+4096, ffn 14336, 12 layers, a sequence of 32 tokens by default, 4 microbatches) the stash is
+small and the stage's peak is set by where the gradients live. Each run is the users' launch (nanotron's
 `DistributedTrainer` from a YAML, bf16, fp32 gradient accumulation, AdamW), four ranks sharing
 the one GPU over gloo with host-staged boundaries.
 
@@ -20,7 +20,7 @@ parameter's gradient and (b) the memory model's term (pipeschedule/plan/memory.p
 gradients at a backward's end, what they add above the activations' peak); and the memory
 model's predicted pipeline peak against the measured one for every engine.
 
-Writes benchmarks/results/grad_fold.json and grad_fold.md; prints the tables last.
+Writes benchmarks/results/grad_fold_seq{N}.json and .md; prints the tables last.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pipeschedule.plan.memory import (GRADS, OPTIMIZER_STEP, GiB, ModelSpec, Tra
 from pipeschedule.plan.planner import _Planner, evaluate_engine
 
 PP, MICROBATCHES, STEPS, WARMUP = 4, 4, 3, 1
-PARAM_HEAVY = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=12, vocab=32000, seq=64, micro_batch_size=1)
+PARAM_HEAVY = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=12, vocab=32000, seq=32, micro_batch_size=1)
 # engine -> (family, cap, virtual) as the planner names it
 ENGINES = {"1f1b": ("1f1b", None, 1), "ps_1f1b": ("1f1b", None, 1), "capped_1f1b:cap=2": ("capped_1f1b", 2, 1),
            "ps_1f1b:recompute=full": ("1f1b", None, 1)}
@@ -143,12 +143,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.grad_fold", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
     parser.add_argument("--commit", help="commit to record (the device machine's tree may lack git history)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where grad_fold.json and grad_fold.md go")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where grad_fold_seq{N}.json and .md go")
+    parser.add_argument("--seq", type=int, default=PARAM_HEAVY["seq"],
+                        help=f"tokens per sequence (default {PARAM_HEAVY['seq']}; a multiple of 8, 8..4096)")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("benchmarks.grad_fold: no CUDA GPU here; use --smoke on a CPU", file=sys.stderr)
         return 2
-    sizes = {**SMOKE_TRAINER, "ffn": 64, "layers": 8} if args.smoke else PARAM_HEAVY
+    if not (8 <= args.seq <= 4096 and args.seq % 8 == 0):
+        print(f"benchmarks.grad_fold: --seq must be a multiple of 8 in 8..4096, got {args.seq}", file=sys.stderr)
+        return 2
+    sizes = {**SMOKE_TRAINER, "ffn": 64, "layers": 8} if args.smoke else {**PARAM_HEAVY, "seq": args.seq}
     steps = WARMUP + 1 if args.smoke else STEPS
     engines = ("1f1b", "ps_1f1b") if args.smoke else tuple(ENGINES)  # the smoke run: the plumbing, two engines
     runs = measure(sizes, steps, Path(tempfile.mkdtemp(prefix="pipeschedule-grad-fold-")), engines)
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
                           for e, p in report["predicted"].items()))
         return 0
     text = render(report)
-    write_results("grad_fold", report, text, out=args.out)
+    write_results(f"grad_fold_seq{args.seq}", report, text, out=args.out)
     print(text)
     return 0
 
