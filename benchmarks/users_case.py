@@ -1,5 +1,5 @@
 """The users' case: Llama3-70B, pp=4, tp=4 with sequence parallel and async TP linears,
-seq 8192, micro-batch 1, GH200 96 GiB (2 GiB reserve), 128 microbatches, dp = 1..16.
+seq 8192, micro-batch 1, GH200 96 GiB (2 GiB reserve), their 16 microbatches (and 128).
 
     python -m benchmarks.users_case            # the tables of docs/users_case.md
     python -m benchmarks.users_case --quick    # dp 1 and 2 only
@@ -8,12 +8,15 @@ seq 8192, micro-batch 1, GH200 96 GiB (2 GiB reserve), 128 microbatches, dp = 1.
         # same command of another checkout, pair by pair (process CPU of each child);
         # writes benchmarks/results/plan_users_case_time.{md,json}
 
-Prints, per dp, nanotron's default (1F1B, its split 21/20/20/19) under each reading of
-the users' setup, and the planner's recommendation over every lever (`plan_levers`: ZeRO
-stage, recompute none/selective/full and partial, schedule, cap, split, virtual stages,
-host offload over GH200's 450 GB/s link) with nanotron's fp32 gradient accumulation, its
-YAML, its margin and what it keeps on the host; then the same with offload's host memory
-bounded (HOST_BOUND). Pure arithmetic, a few minutes on two cores.
+Prints (1) each of the users' observations beside the memory model's prediction under
+three readings of their setup, nanotron's own 1F1B engine with its split 21/20/20/19
+(which folds the bf16 gradients after each backward, [Note: memory terms]); (2) per dp the
+best that nanotron's engines can do alone (nanotron's 1F1B and split; ZeRO stage and
+recompute as levers) and the best of pipeschedule's engines (every lever of `plan_levers`
+but host offload: schedule, cap, split, virtual stages, ZeRO stage, recompute up to full,
+partial recompute), with every memory term of its tightest stage and the YAML; (3) the goal
+of issue 32: a plan of ours that fits dp=2 and dp=4 at >= 1.0 of the dp=1 default's
+per-GPU throughput. Pure arithmetic, a minute or two on two cores.
 """
 
 from __future__ import annotations
@@ -32,30 +35,32 @@ from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.levers import plan_levers, tail_text, yaml_lines
 from pipeschedule.plan.memory import GiB, TrainingSetup
 from pipeschedule.plan.planner import ScheduleCache, nanotron_default
-from pipeschedule.plan.fitting import OffloadCandidate
 from pipeschedule.plan.presets import HOST_LINKS, MODELS
 
 MODEL = MODELS["llama3-70b"]
 SPLIT = (21, 20, 20, 19)
-DPS = (1, 2, 4, 8, 16)
-RESERVES = (2, 4)  # GiB kept back: the planner's default, and that plus the model's error at this size (2%)
-HOST_BOUND = 64  # GiB of host memory per GPU offload may take in the bounded table: half of a 128 GB Grace
+DPS = (1, 2, 4, 8)
+M = 16  # their batch_accumulation_per_replica
+RESERVE = 2  # GiB kept back (the planner's default): budget 94 GiB
 READINGS = {
     "A: fp32 accumulation, full recompute": {"fp32_grad_accum": True, "recompute": "full"},
     "B: bf16 gradients and Adam, no recompute": {"fp32_grad_accum": False, "recompute": "none"},
     "C: bf16 gradients and Adam, full recompute": {"fp32_grad_accum": False, "recompute": "full"},
 }
+A = "A: fp32 accumulation, full recompute"
 
 
-def config(dp: int, microbatches: int = 128, reserve: float = 2, host: float | None = None, **setup) -> PlanConfig:
+def config(dp: int, microbatches: int = M, reserve: float = RESERVE, host: float | None = None,
+           **setup) -> PlanConfig:
     st = TrainingSetup(tp=4, dp=dp, seq=8192, micro_batch=1, sequence_parallel=True, tp_async=True, **setup)
     return PlanConfig(MODEL, st, pp=4, microbatches=microbatches, gpu_memory=96 * GiB, reserve=reserve * GiB,
                       gpu_name="gh200", host_bandwidth=HOST_LINKS["gh200"] * 1e9,
                       host_memory=None if host is None else host * GiB)
 
 
-def default(dp: int, zero: int, **setup):
-    cfg = config(dp, zero_stage=zero, **setup)
+def default(dp: int, zero: int, microbatches: int = M, **setup):
+    """nanotron's own 1F1B engine with its split."""
+    cfg = config(dp, microbatches, zero_stage=zero, **setup)
     return nanotron_default(cfg, ScheduleCache(cfg.pp, cfg.microbatches), SPLIT)
 
 
@@ -63,58 +68,142 @@ def stages(cand) -> str:
     return " / ".join(f"{r.total / GiB:.1f}" for r in cand.memory)
 
 
+def verdict(cand) -> str:
+    over = [r.rank for r in cand.memory if not r.fits]
+    return "fits" if not over else "OOM on stage " + ", ".join(map(str, over))
+
+
+def observations() -> list[str]:
+    """Each observation of the users beside the prediction of each reading."""
+    d = {name: {(dp, z, m): default(dp, z, m, **setup) for dp, z, m in
+                ((1, 0, M), (2, 0, M), (2, 1, M), (4, 1, M), (8, 1, M), (2, 1, 128), (4, 1, 128), (8, 1, 128))}
+         for name, setup in READINGS.items()}
+    budget = config(1).budget / GiB
+    rows = []
+
+    def row(observed: str, predicted) -> None:
+        rows.append(f"| {observed} | " + " | ".join(predicted(d[name]) for name in READINGS) + " |")
+
+    def step(c) -> str:
+        t = [r.total / GiB for r in c.memory]
+        return " / ".join(f"{a - b:+.1f}" for a, b in zip(t[1:], t))
+
+    row("(1) dp=1 fits, \"just barely\"", lambda x: f"{verdict(x[1, 0, M])}: {stages(x[1, 0, M])} "
+        f"({budget - x[1, 0, M].peak.total / GiB:.1f} to spare)")
+    row("(2) dp=2 (ZeRO-0) OOM, on the first stage only", lambda x: f"{verdict(x[2, 0, M])}: {stages(x[2, 0, M])}")
+    row("(3) each stage ~10 GB less than the one before", lambda x: f"steps {step(x[1, 0, M])} GiB")
+    row("(4a) ZeRO-1, acc=16: fits at dp>1", lambda x: "; ".join(
+        f"dp={dp} {verdict(x[dp, 1, M])} {x[dp, 1, M].peak.total / GiB:.1f}" for dp in (2, 4, 8)))
+    row("(4b) ZeRO-1, acc=128: OOM at dp=2, 4, not 8", lambda x: "; ".join(
+        f"dp={dp} {verdict(x[dp, 1, 128])} {x[dp, 1, 128].peak.total / GiB:.1f}" for dp in (2, 4, 8)))
+    row("(5) \"max memory 50.2 GB\" at dp=1", lambda x: f"{x[1, 0, M].peak.total / GiB:.1f} GiB "
+        f"({x[1, 0, M].peak.total / 1e9:.1f} GB)")
+    return ["## The observations beside the model (nanotron's 1F1B, its split 21/20/20/19; GiB per stage 0/1/2/3, "
+            f"budget {budget:.0f})", "",
+            "| observed | " + " | ".join(READINGS) + " |", "|---|" + "---|" * len(READINGS), *rows]
+
+
+def slopes() -> list[str]:
+    """Which recompute reading gives the ~10 GB fall per stage of observation (3)."""
+    out = ["", "## Which recompute gives the ~10 GB fall per stage (dp=1, nanotron's 1F1B; GiB from one stage to the "
+           "next)", "", "| gradients, optimizer | recompute none | selective | full |", "|---|---|---|---|"]
+    for accum in (True, False):
+        cells = []
+        for mode in ("none", "selective", "full"):
+            t = [r.total / GiB for r in default(1, 0, fp32_grad_accum=accum, recompute=mode).memory]
+            cells.append(" / ".join(f"{b - a:+.1f}" for a, b in zip(t, t[1:])) + f" (stage 0 {t[0]:.1f})")
+        name = "fp32 accumulation, fp32 Adam" if accum else "bf16 gradients and Adam"
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    return out
+
+
+def terms(cand) -> str:
+    """Every memory term of the candidate's tightest stage, GiB."""
+    peak = cand.peak
+    return f"stage {peak.rank}: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in peak.terms.items() if v) \
+        + f"; total {peak.total / GiB:.2f} of {peak.budget / GiB:.0f}"
+
+
+def nanotron_alone(dp: int, reserve: float = RESERVE):
+    """The fastest that fits of nanotron's own 1F1B and split, over the ZeRO stage and
+    recompute none / full (the users' fork recomputes), fp32 accumulation; else the one
+    that overflows least."""
+    options = []
+    for z in (0, 1) if dp > 1 else (0,):
+        for mode in ("none", "full"):
+            cfg = config(dp, reserve=reserve, zero_stage=z, fp32_grad_accum=True, recompute=mode)
+            options.append((z, mode, nanotron_default(cfg, ScheduleCache(cfg.pp, cfg.microbatches), SPLIT)))
+    fitting = [o for o in options if o[2].fits]
+    if fitting:
+        return min(fitting, key=lambda o: o[2].step_time)
+    return min(options, key=lambda o: o[2].peak.overflow)
+
+
+def recommendations(base, reserve: float = RESERVE) -> tuple[list[str], dict]:
+    """Per dp: nanotron's engines alone, and ours (no host offload), with the YAML."""
+    budget = config(1, reserve=reserve).budget / GiB
+    lines = ["", f"## The recommendation per dp, no host offload, reserve {reserve:g} GiB (fp32 accumulation, budget "
+             f"{budget:.0f} GiB; x = per-GPU throughput against reading A's default at dp=1, {base.step_time:.2f} s "
+             "per step)", "",
+             "| dp | engines | pp_engine; ZeRO; recompute | peak GiB per stage | fits | step s | x per GPU |",
+             "|---|---|---|---|---|---|---|"]
+    ours, details = {}, []
+    for dp in DPS:
+        z, mode, cand = nanotron_alone(dp, reserve)
+        lines.append(f"| {dp} | nanotron's alone | `1f1b`; {z}; {mode} | {stages(cand)} | {verdict(cand)} | "
+                     f"{cand.step_time:.2f} | {base.step_time / cand.step_time:.3f} |")
+        levers = plan_levers(config(dp, reserve=reserve, host=0, fp32_grad_accum=True))
+        if levers.best is None:
+            lines.append(f"| {dp} | pipeschedule's | nothing fits | | | | |")
+            continue
+        key, best = levers.best
+        ours[dp] = (key, best)
+        engine = yaml_lines(key, best, 4)[2].split(": ", 1)[1]
+        lines.append(f"| {dp} | pipeschedule's | `{engine}`; {key[0]}; {key[1]} | {stages(best)} | {verdict(best)} | "
+                     f"{best.step_time:.2f} | {base.step_time / best.step_time:.3f} |")
+        details += ["", f"dp={dp}, reserve {reserve:g} GiB, pipeschedule's: {terms(best)}; step "
+                    f"{best.pipeline_time:.2f} s pipeline + "
+                    f"{tail_text(best) or 'no tail'}", "", "```yaml", *yaml_lines(key, best, 4), "```"]
+    return lines + details, ours
+
+
+def goal(base, ours: dict, reserve: float = RESERVE) -> list[str]:
+    out = ["", f"## Goal: a plan of ours that fits dp=2 and dp=4 at >= 1.0 of the dp=1 default, no host offload, "
+           f"recompute full or less (reserve {reserve:g} GiB)", ""]
+    met = True
+    for dp in (2, 4):
+        if dp not in ours:
+            out.append(f"- dp={dp}: nothing fits")
+            met = False
+            continue
+        key, cand = ours[dp]
+        x = base.step_time / cand.step_time
+        met &= cand.fits and x >= 1.0
+        out.append(f"- dp={dp}: `{yaml_lines(key, cand, 4)[2].split(': ', 1)[1]}`, ZeRO-{key[0]}, recompute {key[1]}: "
+                   f"{x:.3f}x, peak {cand.peak.total / GiB:.1f} GiB on stage {cand.peak.rank}")
+    out += ["", f"Goal {'met' if met else 'NOT met'} (predicted)."]
+    return out
+
+
 def main() -> None:
-    global DPS, RESERVES
+    global DPS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="dp 1 and 2, reserve 2 GiB only (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="dp 1 and 2 only (a smoke run)")
     parser.add_argument("--time", type=int, metavar="PAIRS", help="time the README's plan command, PAIRS pairs")
     parser.add_argument("--against", metavar="CHECKOUT", help="with --time: the checkout to pair against")
     args = parser.parse_args()
     if args.time:
         return time_command(args.time, args.against)
     if args.quick:
-        DPS, RESERVES = (1, 2), (2,)
-    base = default(1, 0, **READINGS["A: fp32 accumulation, full recompute"])
-    print("## nanotron's default per reading (peak GiB per stage, budget 94.0)\n")
-    print("| reading | dp | ZeRO | stage 0 / 1 / 2 / 3 | fits | stage 0 margin GiB | step s |")
-    print("|---|---|---|---|---|---|---|")
-    for name, setup in READINGS.items():
-        for dp in DPS:
-            for zero in (0, 1) if dp > 1 else (0,):
-                cand = default(dp, zero, **setup)
-                print(f"| {name} | {dp} | {zero} | {stages(cand)} | {'yes' if cand.fits else 'no'} "
-                      f"| {-cand.memory[0].overflow / GiB:.1f} | {cand.step_time:.2f} |")
-    for reserve in RESERVES:
-        recommend(base, reserve)
-    recommend(base, RESERVES[-1], HOST_BOUND)
-
-
-def host_text(cand) -> str:
-    if not isinstance(cand, OffloadCandidate):
-        return "-"
-    return " / ".join(f"{b / GiB:.1f}" for b in cand.host_bytes)
-
-
-def recommend(base, reserve: float, host: float | None = None) -> None:
-    bound = "" if host is None else f", offload at most {host:g} GiB on the host per GPU"
-    print(f"\n## The recommendation, reserve {reserve:g} GiB{bound} (budget {96 - reserve:g} GiB; fp32 accumulation; "
-          f"x against reading A's default at dp=1, {base.step_time:.2f} s per step)\n")
-    print("| dp | pp_engine; optimizer.zero_stage | peak GiB per stage | margin GiB | host GiB per stage | step s "
-          "| x per GPU | tail |")
-    print("|---|---|---|---|---|---|---|---|")
-    yamls = {}
-    for dp in DPS:
-        levers = plan_levers(config(dp, reserve=reserve, host=host, fp32_grad_accum=True))
-        if levers.best is None:
-            print(f"| {dp} | nothing fits | | | | | | |")
-            continue
-        key, cand = levers.best
-        yamls[dp] = yaml_lines(key, cand, 4)
-        engine = yamls[dp][2].split(": ", 1)[1]
-        print(f"| {dp} | `{engine}`; {key[0]} | {stages(cand)} | {-cand.peak.overflow / GiB:.1f} | {host_text(cand)} "
-              f"| {cand.step_time:.2f} | {base.step_time / cand.step_time:.3f} | {tail_text(cand)} |")
-    for dp, lines in yamls.items():
-        print(f"\ndp={dp}, reserve {reserve:g} GiB{bound}:\n\n```yaml\n" + "\n".join(lines) + "\n```")
+        DPS = (1, 2)
+    base = default(1, 0, **READINGS[A])
+    lines = observations() + slopes()
+    for reserve in (RESERVE,) if args.quick else (RESERVE, 2 * RESERVE):
+        more, ours = recommendations(base, reserve)
+        lines += more
+        if not args.quick:
+            lines += goal(base, ours, reserve)
+    print("\n".join(lines))
 
 
 COMMAND = ("plan --model llama3-70b --pp 4 --tp 4 --dp 2 --microbatches 128 --tp-async --gpu gh200 --reserve 4 "
