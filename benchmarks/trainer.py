@@ -25,6 +25,7 @@ Writes benchmarks/results/trainer.json (raw) and trainer.md (tables); prints the
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -57,7 +58,7 @@ def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list
                                      "--record", str(record)], timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(torchrun_failure(config.engine, result))
-    return [torch.load(record / f"rank{r}.pt", weights_only=False) for r in range(config.world)]
+    return [json.loads((record / f"rank{r}.json").read_text()) for r in range(config.world)]
 
 
 def measure(*, smoke: bool, commit: str | None, rounds: int, steps: int, engines: tuple[str, ...] = ENGINES) -> dict:

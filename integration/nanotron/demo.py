@@ -41,7 +41,7 @@ def _worker(rank: int, world_size: int, store, paths: list[str]) -> list[dict]:
     quiet = contextlib.redirect_stderr(io.StringIO())  # nanotron's progress bars and warnings
     for path in paths:
         with quiet, contextlib.redirect_stdout(io.StringIO()):
-            trainer = train.make_trainer(path, record=True)
+            trainer = train.make_trainer(path, record=True, stash_meter=False)  # (it meters the steps itself)
         summaries = []
         step = trainer.training_step
 

@@ -27,9 +27,15 @@ class StandInUnsupported(PipescheduleError, NotImplementedError):
     """A flash-attn feature the stand-in does not reproduce."""
 
 
+class DataError(PipescheduleError, ValueError):
+    """The config's data cannot feed its model: a dataset or tokenizer that cannot be
+    loaded, a missing text column, a vocabulary or sequence the model cannot take, too
+    few samples for the steps asked (integration/nanotron/data.py)."""
+
+
 class EngineRuntimeError(PipescheduleError, RuntimeError):
     """The model or data did something during a step the engine cannot follow."""
 
 
-__all__ = ["AdapterImportError", "EngineRuntimeError", "LayoutError", "ParameterError", "PipescheduleError",
-           "StandInError", "StandInUnsupported", "UnsupportedConfigError"]
+__all__ = ["AdapterImportError", "DataError", "EngineRuntimeError", "LayoutError", "ParameterError",
+           "PipescheduleError", "StandInError", "StandInUnsupported", "UnsupportedConfigError"]

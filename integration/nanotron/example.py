@@ -4,8 +4,11 @@
     torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file config.yaml
 
 `TrainerConfig(...).yaml(checkpoints)` is a nanotron 0.4 config for `LlamaForTraining`:
-synthetic data (`data.dataset: null`, which `integration.nanotron.train` feeds), AdamW
-with warmup and cosine decay, checkpoints under `checkpoints` (saved only at
+synthetic data (`data.dataset: null`, which `integration.nanotron.train` feeds) or, with
+`dataset` and `tokenizer`, text through nanotron's data path (a Hugging Face dataset name
+or a local folder, e.g. of JSON-lines files; `integration/nanotron/data.py`), nanotron's
+default logging (`info` on every rank: its per-step lines come from the rank of the
+loss), AdamW with warmup and cosine decay, checkpoints under `checkpoints` (saved only at
 `save_initial_state`). The demo, the tests and the benchmarks write their configs with
 it; a user can start from its output and edit it.
 """
@@ -50,6 +53,11 @@ class TrainerConfig:
     seed: int = 42
     save_initial_state: bool = False
     init_from: str | None = None  # a checkpoint folder to load the initial weights from
+    dataset: str | None = None  # hf_dataset_or_datasets: a hub name or a local folder; None: synthetic data
+    text_column: str = "text"
+    tokenizer: str | None = None  # tokenizer_name_or_path (needed with a dataset)
+    loading_workers: int = 1  # data.num_loading_workers (nanotron's default)
+    log_level: str = "info"  # logging.log_level and log_level_replica
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "layers", "microbatches", "steps", "hidden", "heads", "kv_heads", "vocab",
@@ -64,6 +72,12 @@ class TrainerConfig:
         if self.fp32_accumulation and self.dtype == "float32":
             raise ParameterError("fp32_accumulation needs a half-precision dtype (nanotron keeps fp32 copies of "
                              "bfloat16 / float16 weights), got dtype float32")
+        if not isinstance(self.loading_workers, int) or self.loading_workers < 0:
+            raise ParameterError(f"loading_workers must be an integer >= 0, got {self.loading_workers!r}")
+        if self.dataset is not None and self.tokenizer is None:
+            raise ParameterError(f"dataset {self.dataset!r} needs a tokenizer (a folder or a Hugging Face name)")
+        if self.log_level not in ("debug", "info", "warning", "error", "critical"):
+            raise ParameterError(f"log_level must be debug, info, warning, error or critical, got {self.log_level!r}")
         if self.hidden % self.heads or self.heads % self.kv_heads or (self.hidden // self.heads) % 2:
             raise ParameterError(f"hidden {self.hidden} must divide into heads {self.heads} of even size, and heads "
                              f"into kv_heads {self.kv_heads}")
@@ -91,7 +105,7 @@ class TrainerConfig:
                     "max_position_embeddings": self.seq, "tie_word_embeddings": self.tie_embeddings,
                 },
             },
-            "tokenizer": {"tokenizer_name_or_path": None},
+            "tokenizer": {"tokenizer_name_or_path": self.tokenizer},
             "tokens": {"sequence_length": self.seq, "train_steps": self.steps,
                        "micro_batch_size": self.micro_batch_size,
                        "batch_accumulation_per_replica": self.microbatches},
@@ -102,12 +116,21 @@ class TrainerConfig:
                 "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_steps": 1, "lr_warmup_style": "linear",
                                             "lr_decay_style": "cosine", "min_decay_lr": 1e-4},
             },
-            "logging": {"log_level": "warning", "log_level_replica": "warning", "iteration_step_info_interval": 1},
-            "data": {"dataset": None, "seed": 1234},
+            "logging": {"log_level": self.log_level, "log_level_replica": self.log_level,
+                        "iteration_step_info_interval": 1},
+            "data": {"dataset": self._dataset(), "seed": 1234, "num_loading_workers": self.loading_workers},
         }
         text = yaml.safe_dump(config, sort_keys=False)
         # pp_engine is written plain (its ':' is not followed by a space: one YAML scalar)
         return text.replace(f"pp_engine: '{self.engine}'", f"pp_engine: {self.engine}")
+
+    def _dataset(self) -> dict | None:
+        """nanotron's `PretrainDatasetsArgs` of `dataset` (None: synthetic data)."""
+        if self.dataset is None:
+            return None
+        return {"hf_dataset_or_datasets": self.dataset, "hf_dataset_splits": "train",
+                "text_column_name": self.text_column, "dataset_processing_num_proc_per_process": 1,
+                "dataset_overwrite_cache": False}
 
 
 def main(argv=None) -> int:

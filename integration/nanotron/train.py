@@ -13,26 +13,44 @@ otherwise, that is on a machine without a GPU or with several ranks per GPU
 ([Note: nanotron over gloo]); `--backend` overrides. Without flash-attn installed, a
 pure-torch stand-in takes its place (`flash_attn_standin`).
 
-Data: with `data.dataset: null` (or no `data` section) each data-parallel replica reads a
-synthetic token stream: microbatch i of replica d is drawn from a generator seeded by
-(data seed, d, i), the same tensors whatever the engine, pp or placement, so runs with
-different engines see the same data (nanotron's own dummy generator seeds by pp rank,
-so its labels change with the rank of the loss). For Hugging Face datasets, run
-nanotron's own `run_train.py` with `import integration.nanotron` as its first line: the
-engines and the layout hook are the same.
+Data: with `data.dataset` set (a Hugging Face dataset name or a local folder, the text
+column, the tokenizer in `tokenizer.tokenizer_name_or_path`), nanotron's own data path
+as its run_train.py builds it ([Note: nanotron's data path] in data.py), sharded over the
+data-parallel replicas and continued at the consumed samples of a resumed checkpoint;
+the dataset and tokenizer are loaded and checked against the model before the trainer
+is built. With `data.dataset: null` (or no `data` section) each data-parallel replica
+reads a synthetic token stream: microbatch i of replica d is drawn from a generator
+seeded by (data seed, d, i), the same tensors whatever the engine, pp or placement, so
+runs with different engines see the same data (nanotron's own dummy generator seeds by
+pp rank, so its labels change with the rank of the loss).
 
-`--record DIR` writes, per rank, `DIR/rank{R}.pt`: each step's loss (on the loss rank),
-wall time, peak device memory (CUDA: of the whole step, and of its pipeline part up to
-the end of `train_batch_iter`, before the gradient sync and the optimizer step) and the
-engine's ledger peaks; with
-`--record-weights` also the parameters after the last step by name, for comparisons
-between engines.
+Progress: after the first step world rank 0 logs one block through nanotron's logging
+(the engine, its schedule, the stash per rank predicted and measured: [Note: the
+first-step block] in progress.py); nanotron's own per-step lines follow.
+
+A refusal that follows from the config and files alone (a config nanotron cannot read, a
+bad `pp_engine` value, data that cannot feed the model) is the same on every rank:
+world rank 0 says it in one line and the other ranks stop without a word
+([Note: one refusal, once]).
+
+`--record DIR` writes, per rank, `DIR/rank{R}.json` (`record_of`, without weights): the
+rank's place (world, pp, dp, tp), the engine, each step's loss (on the loss rank, else
+null), seconds, peak device memory (CUDA: of the whole step and of its pipeline part up
+to the end of `train_batch_iter`, before the gradient sync and the optimizer step; null
+on CPU) and the engine's ledger peaks (null under nanotron's own engines, which keep no
+ledger), the first-step block's figures (`first_step`), the block rank of each pipeline
+block, and what `pp_engine: auto` measured and chose. `--record-weights` adds
+`DIR/rank{R}-weights.pt`: the parameters after the last step by name (torch.load), for
+comparisons between engines.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import json
+import logging
 import os
 import signal
 import sys
@@ -43,8 +61,8 @@ import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers t
 import torch
 from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-from integration.nanotron import flash_attn_standin
-from integration.nanotron.errors import PipescheduleError
+from integration.nanotron import data, flash_attn_standin, progress
+from integration.nanotron.errors import DataError, PipescheduleError
 from integration.nanotron.gloo import use_gloo
 from integration.nanotron.step import pipeline_blocks
 
@@ -57,9 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config-file", required=True, help="nanotron YAML config")
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: NCCL with one GPU per local rank, else gloo")
-    parser.add_argument("--record", metavar="DIR", help="write per-rank losses, step times and peak memory here")
+    parser.add_argument("--record", metavar="DIR",
+                        help="write DIR/rank{R}.json per rank: losses, step times, peak memory, the first step's stash")
     parser.add_argument("--record-weights", action="store_true",
-                        help="with --record: also the weights after the last step")
+                        help="with --record: also DIR/rank{R}-weights.pt, the weights after the last step")
     return parser.parse_args(argv)
 
 
@@ -102,19 +121,26 @@ def stream_seed(seed: int, replica: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def make_trainer(config_file: str, record: bool = False):
-    """nanotron's `DistributedTrainer` (recording each step when `record`)."""
+def make_trainer(config_file: str, record: bool = False, *, stash_meter: bool = True):
+    """nanotron's `DistributedTrainer`, which also measures its first step for the block of
+    [Note: the first-step block] and, when `record`, keeps each step's record.
+    `stash_meter=False`: no stash meter under nanotron's engines (for a caller that
+    attaches saved-tensors hooks of its own, which a second meter would hide from it)."""
     # Imported here, after `prepare`: nanotron's trainer imports its Llama, which imports
     # flash-attn, so the stand-in (flash_attn_standin.install) must be in place first.
     from nanotron.trainer import DistributedTrainer
 
-    class RecordingTrainer(DistributedTrainer):
-        """nanotron's trainer; `training_step` also records loss, time and memory."""
+    class LauncherTrainer(DistributedTrainer):
+        """nanotron's trainer; `training_step` also measures time, memory and the stash."""
 
         def post_init(self):
             self.records = []
+            self.first_step = None  # the block's figures, after the first step of this run
 
         def training_step(self, dataloader):
+            first = self.iteration_step == self.start_iteration_step + 1
+            view = _engine_view(self) if first else None
+            meter = _stash_meter(self) if stash_meter and view is not None and not view.ours else None
             cuda = torch.cuda.is_available()
             if cuda:
                 torch.cuda.synchronize()
@@ -124,24 +150,78 @@ def make_trainer(config_file: str, record: bool = False):
             engine.train_batch_iter = _phase_peak(engine.train_batch_iter, phases, peaks)
             start = time.perf_counter()
             try:
-                with peaks:
+                with peaks, (meter.attached(self.unwrapped_model) if meter else contextlib.nullcontext()):
                     outputs, loss_avg = super().training_step(dataloader)
                     if cuda:
                         torch.cuda.synchronize()
             finally:
                 del engine.train_batch_iter  # the class's method again
             seconds = time.perf_counter() - start
-            self.records.append({
-                "step": self.iteration_step, "seconds": seconds,
-                "loss": None if loss_avg is None else float(loss_avg),
-                "peak_allocated": peaks.allocated if cuda else None,
-                "peak_reserved": peaks.reserved if cuda else None,
-                **phases,
-                "ledger": _ledger_summary(self.pipeline_engine),
-            })
+            if record:
+                self.records.append({
+                    "step": self.iteration_step, "seconds": seconds,
+                    "loss": None if loss_avg is None else float(loss_avg),
+                    "peak_allocated": peaks.allocated if cuda else None,
+                    "peak_reserved": peaks.reserved if cuda else None,
+                    **phases,
+                    "ledger": _ledger_summary(self.pipeline_engine),
+                })
+            if view is not None:
+                stash = meter.finish()["peak_bytes"] if meter else _ledger_stash(engine)
+                self.first_step = _report_first_step(self, view, stash, phases["peak_allocated_pipeline"])
             return outputs, loss_avg
 
-    return (RecordingTrainer if record else DistributedTrainer)(config_file)
+    return LauncherTrainer(config_file)
+
+
+_LOG = logging.getLogger("pipeschedule.nanotron")
+
+
+def _engine_view(trainer):
+    """The first-step block's view of the engine on the trainer's model, or None (said in
+    one line) where the engine cannot describe itself."""
+    try:
+        return progress.view_of(trainer.pipeline_engine, trainer.model, trainer.parallel_context.pp_pg.size(),
+                                trainer.n_micro_batches_per_batch)
+    except PipescheduleError as err:
+        _log_rank0(trainer, f"{progress.PREFIX}no first-step block: {err}")
+        return None
+
+
+def _stash_meter(trainer):
+    from integration.nanotron.stash import StashMeter
+
+    return StashMeter.for_model(trainer.unwrapped_model)
+
+
+def _ledger_stash(engine) -> float | None:
+    ledger = engine.training_ledger() if hasattr(engine, "training_ledger") else None
+    return None if ledger is None else float(ledger.high["stash"])
+
+
+def _report_first_step(trainer, view, stash, allocated) -> dict:
+    """Gather what every rank measured, log the block on world rank 0 ([Note: the
+    first-step block]); returns the block's figures (the same on every rank)."""
+    context = trainer.parallel_context
+    mine = progress.Measured(dist.get_rank(context.pp_pg), dist.get_rank(context.dp_pg), dist.get_rank(context.tp_pg),
+                             stash, allocated)
+    measured = [None] * context.world_pg.size()
+    torch.distributed.all_gather_object(measured, mine, group=context.world_pg)
+    predicted = progress.predicted_stash(view, trainer.config, trainer.model_config)
+    _log_rank0(trainer, progress.block(view, predicted, measured, step=trainer.iteration_step))
+    ranks = sorted((m for m in measured if m.dp_rank == 0 and m.tp_rank == 0), key=lambda m: m.pp_rank)
+    return {"engine": view.name, "family": view.family, "microbatches": view.microbatches,
+            "placement": list(view.placement), "layers_per_stage": list(view.layers),
+            "predicted_stash": None if isinstance(predicted, str) else list(predicted[0]),
+            "predicted_inflight": None if isinstance(predicted, str) else list(predicted[1]),
+            "measured_stash": [m.stash for m in ranks], "measured_by": "ledger" if view.ours else "stash meter",
+            "peak_allocated_pipeline": [m.allocated for m in ranks]}
+
+
+def _log_rank0(trainer, text: str) -> None:
+    from nanotron.logging import log_rank
+
+    log_rank(text, logger=_LOG, level=logging.INFO, group=trainer.parallel_context.world_pg, rank=0)
 
 
 class StepPeaks:
@@ -205,9 +285,9 @@ def _phase_peak(train_batch_iter, phases: dict, peaks: StepPeaks):
 
 
 def record_of(trainer, *, weights: bool = True) -> dict:
-    """What `--record` writes for this rank: ranks, engine, per-step records, block ranks
-    and (`weights`) the parameters after the last step (fp32, CPU, by nanotron's
-    tied-aware names)."""
+    """What `--record` writes for this rank: ranks, engine, per-step records, the
+    first-step block's figures, block ranks and (`weights`) the parameters after the last
+    step (fp32, CPU, by nanotron's tied-aware names)."""
     context = trainer.parallel_context
     params = {name: p.detach().float().cpu().clone()
               for name, p in trainer.unwrapped_model.get_named_params_with_correct_tied()} if weights else None
@@ -215,9 +295,23 @@ def record_of(trainer, *, weights: bool = True) -> dict:
         "world_rank": dist.get_rank(context.world_pg), "pp_rank": dist.get_rank(context.pp_pg),
         "dp_rank": dist.get_rank(context.dp_pg), "tp_rank": dist.get_rank(context.tp_pg),
         "engine": _engine_name(trainer.config.parallelism.pp_engine), "steps": list(trainer.records),
+        "first_step": trainer.first_step,
         "params": params, "block_ranks": [b.rank for b in pipeline_blocks(trainer.unwrapped_model)],
         "auto": _auto_summary(trainer.config.parallelism.pp_engine),
     }
+
+
+def write_record(trainer, directory: str, *, weights: bool = False) -> None:
+    """`--record DIR`: `DIR/rank{R}.json` (`record_of` without the parameters) and, with
+    `weights`, `DIR/rank{R}-weights.pt` (the parameters by name)."""
+    os.makedirs(directory, exist_ok=True)
+    record = record_of(trainer, weights=weights)
+    params = record.pop("params")
+    rank = record["world_rank"]
+    with open(os.path.join(directory, f"rank{rank}.json"), "w") as handle:
+        json.dump(record, handle, indent=1)
+    if weights:
+        torch.save(params, os.path.join(directory, f"rank{rank}-weights.pt"))
 
 
 def _auto_summary(engine) -> dict | None:
@@ -239,10 +333,14 @@ def prepare(backend: str = "auto") -> str:
     return chosen
 
 
-def train(config_file: str, *, record: bool = False):
-    """Build nanotron's trainer from `config_file` and train it; returns the trainer."""
+def train(config_file: str, *, record: bool = False, text: data.TextData | None = None):
+    """Build nanotron's trainer from `config_file` and train it on the config's data (`text`:
+    what `data.load` gave for it, loaded here when the config names a dataset and it is
+    not given); returns the trainer."""
     trainer = make_trainer(config_file, record)
-    trainer.train(synthetic_batches(trainer) if _synthetic(trainer.config) else _refuse_dataset(trainer.config))
+    if text is None and not _synthetic(trainer.config):
+        text = data.load(trainer.config)
+    trainer.train(synthetic_batches(trainer) if text is None else data.train_dataloader(trainer, text))
     return trainer
 
 
@@ -266,14 +364,23 @@ def read_config(config_file: str):
 
 
 def run(config_file: str, *, backend: str = "auto", record: str | None = None, weights: bool = False) -> None:
-    """One process of the job: read the config, prepare, train, and write the record if asked."""
-    read_config(config_file)  # (the trainer reads it again: nanotron 0.4's takes a file, not a Config)
+    """One process of the job: read and check the config and its data, prepare, train,
+    and write the record if asked."""
+    try:
+        config = read_config(config_file)  # (the trainer reads it again: nanotron 0.4's takes a file, not a Config)
+        text = data.load(config)
+    except PipescheduleError as err:
+        raise SameOnEveryRank(str(err)) from None
+    _quiet["stopping"] = False  # checked: from here on a SIGTERM means another rank failed on its own
     prepare(backend)
-    trainer = train(config_file, record=record is not None)
+    trainer = train(config_file, record=record is not None, text=text)
     if record:
-        os.makedirs(record, exist_ok=True)
-        rank = dist.get_rank(trainer.parallel_context.world_pg)
-        torch.save(record_of(trainer, weights=weights), os.path.join(record, f"rank{rank}.pt"))
+        write_record(trainer, record, weights=weights)
+
+
+class SameOnEveryRank(PipescheduleError):
+    """A refusal every rank makes alike, from the config and files alone ([Note: one
+    refusal, once])."""
 
 
 def _ledger_summary(engine) -> dict | None:
@@ -292,19 +399,16 @@ def _synthetic(config) -> bool:
     return config.data is None or config.data.dataset is None
 
 
-def _refuse_dataset(config):
-    raise PipescheduleError(
-        f"data.dataset is set ({config.data.dataset!r}); this launcher feeds synthetic data only. For Hugging Face "
-        "datasets run nanotron's own run_train.py with `import integration.nanotron` as its first line"
-    )
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "?")
     _say_when_stopped(rank)
+    # Until the config and data are checked, a SIGTERM means rank 0 refused them, and said so.
+    _quiet["stopping"] = rank not in ("0", "?")
     try:
         run(args.config_file, backend=args.backend, record=args.record, weights=args.record_weights)
+    except (SameOnEveryRank, DataError) as err:
+        _refuse_once(rank, err)
     except PipescheduleError as err:
         print(f"integration.nanotron.train rank {rank}: {err}", file=sys.stderr, flush=True)
         _abort(2)
@@ -314,15 +418,37 @@ def main(argv=None) -> int:
     return 0
 
 
+QUIET_WAIT_S = 60.0  # how long a rank other than 0 waits for torchrun to end it after a shared refusal
+_quiet = {"stopping": False}
+
+
+def _refuse_once(rank: str, err: PipescheduleError) -> None:
+    """[Note: one refusal, once] A refusal that follows from the config and files alone is
+    made by every rank alike. World rank 0 prints it and leaves; torchrun then ends the
+    others with SIGTERM, which they take without a word, whether they have reached the
+    refusal themselves or are still checking (`run` reads and checks the config and its
+    data before anything else, and a rank other than 0 keeps quiet on SIGTERM until that
+    is done). A rank other than 0 that is still
+    running `QUIET_WAIT_S` later (rank 0 did not refuse: its view of the files differs)
+    prints its own line and leaves."""
+    if rank not in ("0", "?"):
+        _quiet["stopping"] = True
+        time.sleep(QUIET_WAIT_S)
+    print(f"integration.nanotron.train rank {rank}: {err}", file=sys.stderr, flush=True)
+    _abort(2)
+
+
 def _say_when_stopped(rank: str) -> None:
     """When one rank fails, torchrun ends the others with SIGTERM (or SIGINT on Ctrl-C);
-    each says so in one line instead of vanishing. A rank blocked inside a C++ collective
-    runs this only once the call returns; torchrun's SIGKILL follows after its grace period."""
+    each says so in one line instead of vanishing, unless it is waiting on rank 0's
+    refusal ([Note: one refusal, once]). A rank blocked inside a C++ collective runs this
+    only once the call returns; torchrun's SIGKILL follows after its grace period."""
 
     def stopped(signum, frame):  # noqa: ARG001
-        print(f"integration.nanotron.train rank {rank}: stopped by {signal.Signals(signum).name} "
-              "(torchrun ends every rank when one fails; the failing rank printed why)",
-              file=sys.stderr, flush=True)
+        if not _quiet["stopping"]:
+            print(f"integration.nanotron.train rank {rank}: stopped by {signal.Signals(signum).name} "
+                  "(torchrun ends every rank when one fails; the failing rank printed why)",
+                  file=sys.stderr, flush=True)
         _abort(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -3,6 +3,7 @@ run as they run it (torchrun, two CPU processes, gloo), good and bad configs."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -35,11 +36,15 @@ def our_lines(result) -> list[str]:
 def test_trains_from_the_yaml_and_records(tmp_path):
     result = launch(tmp_path, "capped_1f1b:cap=1,split=1/3", "--record", str(tmp_path / "record"), "--record-weights")
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [torch.load(tmp_path / "record" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = [json.loads((tmp_path / "record" / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["engine"] for r in ranks] == ["capped_1f1b:cap=1,split=1/3"] * 2
     assert ranks[0]["block_ranks"] == [0, 0, 1, 1, 1, 1, 1, 1, 1]  # the split from pp_engine, built by nanotron
     assert ranks[1]["steps"][0]["loss"] > 0 and ranks[0]["steps"][0]["loss"] is None
-    assert "model.lm_head.pp_block.weight" in ranks[1]["params"]
+    first = ranks[0]["first_step"]  # the block's figures, the same on every rank
+    assert first == ranks[1]["first_step"] and first["layers_per_stage"] == [1, 3] and first["measured_by"] == "ledger"
+    assert all(b > 0 for b in first["measured_stash"] + first["predicted_stash"])
+    weights = torch.load(tmp_path / "record" / "rank1-weights.pt")
+    assert "model.lm_head.pp_block.weight" in weights
 
 
 @pytest.mark.parametrize("engine, expected", [
