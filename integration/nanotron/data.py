@@ -112,27 +112,29 @@ def train_dataloader(trainer, text: TextData):
             dataloader_drop_last=True)
     if not torch.cuda.is_available():
         dataloader.pin_memory = False  # (torch warns on every rank that there is nothing to pin for)
-    check_enough(len(samples), trainer, text.source)
+    check_enough(len(samples), dp=context.dp_pg.size(), micro_batch_size=trainer.micro_batch_size,
+                 microbatches=trainer.n_micro_batches_per_batch, consumed=trainer.consumed_train_samples,
+                 start_step=trainer.start_iteration_step, train_steps=config.tokens.train_steps, source=text.source)
     return dataloader
 
 
-def check_enough(samples: int, trainer, source: str) -> None:
-    """Refuse a run whose remaining steps need more samples than one epoch of `samples`
-    has left for each data-parallel replica after the consumed ones (nanotron's sampler
-    drops the remainders: per replica floor(samples / dp), then whole microbatches)."""
-    dp = trainer.parallel_context.dp_pg.size()
-    mbs, m = trainer.micro_batch_size, trainer.n_micro_batches_per_batch
-    left = samples // dp - trainer.consumed_train_samples // dp
-    steps_left = trainer.config.tokens.train_steps - trainer.start_iteration_step
-    if (left // mbs) >= steps_left * m:
+def check_enough(samples: int, *, dp: int, micro_batch_size: int, microbatches: int, consumed: int,
+                 start_step: int, train_steps: int, source: str) -> None:
+    """Refuse a run whose steps `start_step + 1 .. train_steps` need more microbatches than
+    one epoch of `samples` has left for each data-parallel replica after the `consumed`
+    samples. nanotron's sampler gives each replica floor(samples / dp) of them (a torch
+    DistributedSampler with drop_last), skips consumed / dp of those, and its DataLoader
+    drops a last partial microbatch."""
+    left = samples // dp - consumed // dp
+    steps_left = train_steps - start_step
+    if max(left, 0) // micro_batch_size >= steps_left * microbatches:
         return
-    possible = trainer.start_iteration_step + max(left // mbs, 0) // m
+    possible = start_step + max(left, 0) // micro_batch_size // microbatches
     raise DataError(
-        f"the dataset {source} gives {samples} samples of sequence_length+1 = {trainer.sequence_length + 1} tokens; "
-        f"steps {trainer.start_iteration_step + 1}..{trainer.config.tokens.train_steps} need {steps_left} x "
-        f"{trainer.global_batch_size} (micro_batch_size {mbs} x batch_accumulation_per_replica {m} x dp {dp}) after "
-        f"the {trainer.consumed_train_samples} consumed, one epoch has {max(left, 0) * dp} left: set "
-        f"tokens.train_steps <= {possible} or give more text")
+        f"the dataset {source} gives {samples} samples; steps {start_step + 1}..{train_steps} need {steps_left} x "
+        f"{micro_batch_size * microbatches * dp} (micro_batch_size {micro_batch_size} x batch_accumulation_per_replica "
+        f"{microbatches} x dp {dp}) but after the {consumed} consumed one epoch has {max(left, 0)} per replica left: "
+        f"set tokens.train_steps <= {possible} or give more text")
 
 
 # -- what load checks, each before the trainer exists ------------------------------------------------
