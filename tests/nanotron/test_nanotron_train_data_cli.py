@@ -1,0 +1,79 @@
+"""The users' launch on real text, as they run it: `torchrun --nproc-per-node 2 -m
+integration.nanotron.train --config-file CONFIG` (two CPU ranks, gloo, pp=2) with
+`data.dataset` a local folder of JSON lines and a tokenizer folder, made here offline.
+What the user reads: one block from rank 0 after the first step, then nanotron's own
+per-step lines; a config whose data cannot feed the model: one line, once."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from integration.nanotron.example import TrainerConfig
+from text_corpus import write_corpus, write_tokenizer
+
+pytestmark = pytest.mark.spawn
+
+SEQ = 16
+
+
+def launch(tmp_path, config: TrainerConfig, *extra: str, timeout: float = 240.0):
+    """torchrun with two ranks on `config`'s YAML, offline, datasets' cache in tmp_path."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config.yaml(str(tmp_path / "checkpoints")))
+    with socket.socket() as probe:  # a free port for torchrun's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               "-m", "integration.nanotron.train", "--config-file", str(path), *extra]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(tmp_path / "hf")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture
+def text_config(tmp_path) -> TrainerConfig:
+    corpus = write_corpus(tmp_path / "corpus", 40 * SEQ + 1)
+    tokenizer = write_tokenizer(tmp_path / "tokenizer")
+    return TrainerConfig(engine="capped_1f1b:cap=1", pp=2, steps=3, microbatches=4, micro_batch_size=2, seq=SEQ,
+                         vocab=64, dataset=str(corpus), tokenizer=str(tokenizer), loading_workers=0)
+
+
+def test_trains_on_text_and_shows_one_block_then_nanotrons_lines(tmp_path, text_config):
+    result = launch(tmp_path, text_config, "--record", str(tmp_path / "record"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    block = [i for i, line in enumerate(lines) if "pipeschedule: " in line]
+    # one block, logged by world rank 0 in nanotron's format, before nanotron's line of step 1
+    assert len(block) == 6 and block == list(range(block[0], block[0] + 6)), "\n".join(lines[-40:])
+    assert all("[INFO|DP=0|PP=0|TP=0]: pipeschedule: " in lines[i] for i in block)
+    text = "\n".join(lines[i].split("]: ", 1)[1] for i in block)
+    assert "pipeschedule: engine capped_1f1b:cap=1 (pipeschedule), family capped_1f1b, pp 2, m 4" in text
+    assert "cap 1; placement (rank of each stage) 0/1; decoder layers per stage 3/1" in text
+    rows = [re.split(r"\s{2,}", lines[i].split("pipeschedule: ", 1)[1].strip()) for i in block[-2:]]
+    assert [row[:4] for row in rows] == [["0", "0", "3", "1"], ["1", "1", "1", "1"]]  # rank, stage, layers, in flight
+    steps = [i for i, line in enumerate(lines) if re.search(r"iteration: \d+ / 3 \|", line)]
+    assert len(steps) == 3 and block[-1] < steps[0], "\n".join(lines[-40:])  # nanotron's own, after the block
+    assert all("lm_loss: " in lines[i] and "tokens_per_sec: " in lines[i] for i in steps)
+    record = json.loads((tmp_path / "record" / "rank1.json").read_text())
+    assert [s["step"] for s in record["steps"]] == [1, 2, 3] and all(s["loss"] > 0 for s in record["steps"])
+    first = record["first_step"]  # the block's figures
+    assert first["measured_by"] == "ledger" and first["predicted_inflight"] == [1, 1]
+    for predicted, measured in zip(first["predicted_stash"], first["measured_stash"]):
+        assert abs(predicted - measured) <= 0.1 * measured, first  # the memory model, within 10% on CPU
+
+
+def test_a_text_column_the_dataset_lacks_is_refused_once_by_rank_0(tmp_path, text_config):
+    result = launch(tmp_path, dataclasses.replace(text_config, text_column="body"), timeout=120)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("integration.nanotron.train rank")]
+    assert ours == [f"integration.nanotron.train rank 0: data.dataset.text_column_name 'body' is not a column of "
+                    f"the dataset '{tmp_path / 'corpus'}' (its columns: text)"], result.stderr[-3000:]
+    assert "[INFO" not in result.stdout  # refused before the trainer: nothing of nanotron's ran
