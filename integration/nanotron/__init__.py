@@ -28,6 +28,9 @@ tests' and benchmarks' helpers live in benchmarks/llama/):
     gloo          nanotron's trainer over gloo; cpu: nanotron's ParallelContext and P2P
                   on CPU (and staged through host memory on a shared GPU)
     train         `python -m integration.nanotron.train`: nanotron's trainer from a YAML
+    data          real text through nanotron's data path, checked before the trainer is built
+    progress      the block logged after the first step: engine, schedule, stash per rank
+    run           `python -m integration.nanotron.run SCRIPT`: your own launch script, unchanged
     example       `python -m integration.nanotron.example`: a YAML to start from
     demo          `pipeschedule demo`'s training part
     stash         saved-for-backward memory meter (saved_tensors_hooks), used by the demo

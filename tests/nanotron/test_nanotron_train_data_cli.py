@@ -77,3 +77,39 @@ def test_a_text_column_the_dataset_lacks_is_refused_once_by_rank_0(tmp_path, tex
     assert ours == [f"integration.nanotron.train rank 0: data.dataset.text_column_name 'body' is not a column of "
                     f"the dataset '{tmp_path / 'corpus'}' (its columns: text)"], result.stderr[-3000:]
     assert "[INFO" not in result.stdout  # refused before the trainer: nothing of nanotron's ran
+
+
+USER_SCRIPT = '''\
+"""A user's own launch script: nanotron imported first, no pipeschedule import line."""
+import argparse
+
+from nanotron import logging  # the nanotron 0.4 wheel alone cannot import this (its import cycle)
+from nanotron.trainer import DistributedTrainer
+
+from integration.nanotron import data
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--config-file", required=True)
+trainer = DistributedTrainer(parser.parse_args().config_file)
+print("engine:", type(trainer.config.parallelism.pp_engine).__name__, trainer.config.parallelism.pp_engine.spec)
+trainer.train(data.train_dataloader(trainer, data.load(trainer.config)))
+'''
+
+
+def test_a_users_own_script_runs_unchanged_with_our_engines(tmp_path, text_config):
+    """`-m integration.nanotron.run SCRIPT ARGS`: the script imports nanotron before anything
+    of ours, and trains with capped_1f1b, a name only pipeschedule's import teaches nanotron."""
+    script = tmp_path / "run_train.py"
+    script.write_text(USER_SCRIPT)
+    path = tmp_path / "config.yaml"
+    path.write_text(dataclasses.replace(text_config, steps=2).yaml(str(tmp_path / "checkpoints")))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               "-m", "integration.nanotron.run", str(script), "--config-file", str(path)]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "engine: PipescheduleEngine EngineSpec(name='capped_1f1b', cap=1" in result.stdout, result.stdout[-2000:]
+    assert len(re.findall(r"iteration: \d / 2 \| .*lm_loss: ", result.stdout)) == 2, result.stdout[-2000:]
