@@ -22,7 +22,8 @@ in their ledger (saved storages, less the received input and the targets:
 [Note: what the ledger counts]); nanotron's own engines keep no ledger, so for them a
 stash meter (`stash.StashMeter`, saved storages less the parameters) is attached for the
 first step only. On CUDA the allocator's peak of each rank's pipeline part of the step is
-added (`peak allocated`); on CPU the allocator reports nothing.
+added (`peak allocated`); on CPU the allocator reports nothing. (The meter's hooks cost
+host time in that one step, which nanotron's line of step 1 includes.)
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ class EngineView:
     offload: tuple[int, ...] | None = None
 
     def schedule(self):
-        """The compiled schedule of (family, pp, m), without host copies."""
-        return compile_schedule(self.family, pp=self.pp, microbatches=self.microbatches,
-                                virtual=self.virtual if self.virtual > 1 else None, cap=self.cap)
+        """The compiled schedule of (family, pp, m), as the engine compiles it but without
+        host copies."""
+        return compile_schedule(self.family, pp=self.pp, microbatches=self.microbatches, virtual=self.virtual,
+                                cap=self.cap)
 
 
 def view_of(engine, model, pp: int, microbatches: int) -> EngineView:
@@ -73,8 +75,9 @@ def view_of(engine, model, pp: int, microbatches: int) -> EngineView:
     if isinstance(engine, PipescheduleEngine):
         layout = engine.model_layout(model, pp)
         spec = engine.spec
-        name = spec.to_string() if not isinstance(engine, AutoEngine) else f"{engine.auto.to_string()} (step 1: " \
-            f"{spec.to_string()})"
+        name = spec.to_string()
+        if isinstance(engine, AutoEngine):
+            name = f"{engine.auto.to_string()} (step 1: {name})"
         return EngineView(name, True, engine.family.name, pp, microbatches, engine.virtual, engine.cap(pp),
                           tuple(layout.placement), tuple(layout.layers_per_stage), spec.recompute, spec.offload)
     blocks = pipeline_blocks(model)
@@ -82,8 +85,8 @@ def view_of(engine, model, pp: int, microbatches: int) -> EngineView:
     for block, is_layer in zip(blocks, layer_mask([b.module_builder for b in blocks], _block_costs(model, blocks))):
         layers[block.rank] += is_layer
     family = NANOTRON_FAMILIES.get(type(engine).__name__)
-    name = {"1f1b": "1f1b", "afab": "afab"}.get(family, type(engine).__name__)
-    return EngineView(name, False, family, pp, microbatches, 1, None, tuple(range(pp)), tuple(layers))
+    return EngineView(family or type(engine).__name__, False, family, pp, microbatches, 1, None, tuple(range(pp)),
+                      tuple(layers))
 
 
 def predicted_stash(view: EngineView, config, model_config) -> tuple[tuple[float, ...], tuple[int, ...]] | str:
