@@ -33,6 +33,7 @@ SCRIPTS = [
      "| smoke | 4 | `1f1b` | `ps_1f1b` |"),
     ("benchmarks.trainer", ["--smoke", "--rounds", "1"], "capped_1f1b:cap=2"),
     ("benchmarks.grad_fold", ["--smoke"], "smoke: 2 engines ran"),
+    ("benchmarks.real_data", ["--smoke"], "smoke: 2 engines trained on text"),
     ("benchmarks.auto_engine", ["--smoke"], "pp_engine auto on one GPU"),
     ("benchmarks.diagnostics.growth", ["--smoke"], "capped_1f1b:cap=1"),
     ("benchmarks.diagnostics.engine_profile", ["--smoke", "--ranks", "0"], "ps_afab"),
