@@ -29,7 +29,14 @@ the verified schedule for (pp, m) through pipeschedule's runtime (`step.Runner`)
 Returns what nanotron's engines return: on the rank of the loss block m dicts
 `{"loss": loss / m}` (detached), elsewhere m dicts `{"loss": TensorPointer(rank of the
 loss)}`. Gradients end where nanotron's optimizer paths expect them (DDP, fp32
-accumulation, ZeRO-1: [Note: gradient sync] in grad_sync).
+accumulation, ZeRO-1: [Note: gradient sync] in grad_sync), by one rule for every schedule:
+under DDP, `train_batch_iter` returns with every gradient averaged over the data-parallel
+group (with the fp32 accumulator, its all-reduce has completed and the handle the trainer
+waits on is done); without DDP (dp = 1, or ZeRO-1 with fp32 accumulation) it returns with
+each gradient summed over this replica's microbatches, and the data-parallel sum is the
+trainer's own `sync_gradients_across_dp` after the call, as under nanotron's engines. With
+the fp32 accumulator each bf16 gradient is folded into fp32 as autograd produces it
+([Note: gradient folding]), so one parameter's bf16 gradient lives at a time.
 """
 
 from __future__ import annotations
