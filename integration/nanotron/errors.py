@@ -15,6 +15,10 @@ class LayoutError(PipescheduleError, ValueError):
     that split and placement cannot be built for this model."""
 
 
+class ConfigError(PipescheduleError, ValueError):
+    """A nanotron config whose keys cannot be read as given (named in the message)."""
+
+
 class UnsupportedConfigError(PipescheduleError, ValueError):
     """A nanotron setting this engine cannot run with (named in the message)."""
 
@@ -37,5 +41,5 @@ class EngineRuntimeError(PipescheduleError, RuntimeError):
     """The model or data did something during a step the engine cannot follow."""
 
 
-__all__ = ["AdapterImportError", "DataError", "EngineRuntimeError", "LayoutError", "ParameterError",
+__all__ = ["AdapterImportError", "ConfigError", "DataError", "EngineRuntimeError", "LayoutError", "ParameterError",
            "PipescheduleError", "StandInError", "StandInUnsupported", "UnsupportedConfigError"]

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import integration.nanotron  # noqa: F401  (registers the engines, as a launch script would)
 from integration.nanotron import config as engine_config
 from integration.nanotron.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.errors import ConfigError
 from integration.nanotron.registry import ENGINES
 from nanotron.config import get_config_from_file
 from nanotron.config.parallelism_config import ParallelismArgs
@@ -175,6 +176,42 @@ def test_python_mapping_form_builds_the_engine_and_saves(tmp_path):
     assert get_config_from_file(str(tmp_path / "saved.yaml")).parallelism.pp_engine.spec == args.pp_engine.spec
 
 
+# -- parallelism.pipeline_engine: the design's name for pp_engine -------------------------
+
+
+def write_key(path, **engine_keys) -> str:
+    path.write_text(yaml.safe_dump({**MINIMAL, "parallelism": {**MINIMAL["parallelism"], **engine_keys}}))
+    return str(path)
+
+
+@pytest.mark.parametrize("value, expected", [("capped_1f1b:cap=2", EngineSpec("capped_1f1b", cap=2)),
+                                             ({"name": "zbv", "cap": 3}, EngineSpec("zbv", cap=3)),
+                                             ("1f1b", EngineSpec("1f1b"))])
+def test_pipeline_engine_key_loads_and_saves_as_pp_engine(tmp_path, value, expected):
+    """[Note: pipeline_engine key]: the same engine as under pp_engine; saved under pp_engine only."""
+    loaded = get_config_from_file(write_key(tmp_path / "in.yaml", pipeline_engine=value))
+    assert spec_of(loaded.parallelism.pp_engine) == expected
+    loaded.save_as_yaml(str(tmp_path / "saved.yaml"))
+    saved = yaml.safe_load((tmp_path / "saved.yaml").read_text())["parallelism"]
+    assert saved["pp_engine"] == expected.to_string() and "pipeline_engine" not in saved
+
+
+@pytest.mark.parametrize("ours", ["1f1b", "capped_1f1b:cap=2"])
+def test_pipeline_engine_and_pp_engine_together_are_refused_naming_both(tmp_path, ours):
+    with pytest.raises(ConfigError) as caught:
+        get_config_from_file(write_key(tmp_path / "both.yaml", pp_engine="1f1b", pipeline_engine=ours))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "pp_engine ('1f1b')" in message and f"pipeline_engine ({ours!r})" in message
+    assert "give one of them" in message
+
+
+def test_other_keys_are_left_to_nanotron(tmp_path):
+    """Only pipeline_engine is renamed: another unknown key is still dacite's to refuse."""
+    with pytest.raises(Exception, match="can not match \"pipline_engine\""):
+        get_config_from_file(write_key(tmp_path / "typo.yaml", pipline_engine="1f1b"))
+
+
 # -- errors at load -----------------------------------------------------------------------
 
 
@@ -213,12 +250,12 @@ def bindings():
     return {
         (module, attr): getattr(sys.modules[module], attr)
         for module in engine_config.BINDING_MODULES
-        for attr in (engine_config.LOAD, engine_config.SAVE)
+        for attr in engine_config.HOMES
         if hasattr(sys.modules[module], attr)
     }
 
 
-def test_register_is_idempotent_and_reversible():
+def test_register_is_idempotent_and_reversible(tmp_path):
     before = bindings()
     assert engine_config.is_registered()
     engine_config.register()
@@ -228,6 +265,8 @@ def test_register_is_idempotent_and_reversible():
         assert not engine_config.is_registered()
         with pytest.raises(ValueError, match="pp_engine should be a string selected in"):
             parse_and_build("capped_1f1b")  # nanotron's own message
+        with pytest.raises(Exception, match="can not match \"pipeline_engine\" to any data class field"):
+            get_config_from_file(write_key(tmp_path / "key.yaml", pipeline_engine="1f1b"))  # dacite's own
     finally:
         engine_config.register()
     assert bindings() == before
