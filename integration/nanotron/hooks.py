@@ -31,7 +31,11 @@ The hook's `build_model`:
   of the first block and of the loss block (nanotron's arithmetic can name a rank that
   does not run the loss: see `split.nanotron_output_pp_rank`);
 - for any other engine, or a model without `parallel_config`, calls nanotron's function
-  unchanged.
+  unchanged;
+- in both cases, gives a model of nanotron's Llama the initialisation by parameter name
+  (`initial_weights.attach`, [Note: same initial weights] in initial_weights.py), so that
+  every engine and layout, nanotron's `1f1b` and `afab` included, starts from the same
+  weights.
 
 If the hook is not installed, the engine's first-step check ([Note: model layout])
 refuses a model that is not laid out as it runs, quoting `describe()`.
@@ -54,7 +58,7 @@ import nanotron.config.parallelism_config as nanotron_parallelism  # noqa: E402
 import nanotron.models.base as nanotron_base  # noqa: E402
 import nanotron.parallel.tied_parameters as nanotron_tied  # noqa: E402
 
-from integration.nanotron import grad_sync  # noqa: E402
+from integration.nanotron import grad_sync, initial_weights  # noqa: E402
 from integration.nanotron.errors import LayoutError  # noqa: E402
 
 _CUDA = torch.device("cuda")  # build_model's default device, as in nanotron's signature
@@ -81,6 +85,7 @@ def build_model(model_builder, parallel_context, dtype: torch.dtype, target_pp_r
     """nanotron's `build_model`, laying out the blocks as a pipeschedule engine runs
     them ([Note: build hook]); the same arguments and result."""
     model = model_builder()
+    initial_weights.attach(model)
     engine = getattr(getattr(model, "parallel_config", None), "pp_engine", None)
     if not callable(getattr(engine, "model_layout", None)):
         return _BUILD.original()(model_builder=lambda: model, parallel_context=parallel_context, dtype=dtype,

@@ -9,7 +9,6 @@ final parameters. One spawn per job keeps the tests to seconds per training.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -22,15 +21,9 @@ def train_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0)
     """Train each config in turn in one process group; per config, the ranks' records
     merged (`merge`). Every config of a job must have the same world size.
 
-    [Note: same initial weights] nanotron initialises each rank's parameters from one
-    seeded stream in the order the rank holds them, so a model laid out differently
-    (another split, interleaving, a V shape) starts from other weights. The first config
-    therefore saves its initial state (nanotron's `save_initial_state`) and every later
-    one loads it (`init_method: {path: ...}`, nanotron's `load_weights`, by parameter
-    name, whatever the layout)."""
-    first = tmp_path / "checkpoints-0"
-    configs = [dataclasses.replace(configs[0], save_initial_state=True)] + [
-        dataclasses.replace(c, init_from=str(first / "0")) for c in configs[1:]]
+    Every config starts from its own random initialisation: whatever the engine and
+    layout, the same weights for the same seed ([Note: same initial weights] in
+    integration/nanotron/initial_weights.py), so no initial state is passed between them."""
     worlds = {c.world for c in configs}
     if len(worlds) != 1:
         raise ValueError(f"one job runs one world size, got {sorted(worlds)}")
