@@ -8,9 +8,10 @@ synthetic data (`data.dataset: null`, which `integration.nanotron.train` feeds) 
 `dataset` and `tokenizer`, text through nanotron's data path (a Hugging Face dataset name
 or a local folder, e.g. of JSON-lines files; `integration/nanotron/data.py`), nanotron's
 default logging (`info` on every rank: its per-step lines come from the rank of the
-loss), AdamW with warmup and cosine decay, checkpoints under `checkpoints` (saved only at
-`save_initial_state`). The demo, the tests and the benchmarks write their configs with
-it; a user can start from its output and edit it.
+loss), AdamW with warmup and cosine decay, checkpoints under `checkpoints` (every
+`checkpoint_interval` steps and at `save_initial_state`; `resume_from` resumes another
+run's). The demo, the tests and the benchmarks write their configs with it; a user can
+start from its output and edit it.
 """
 
 from __future__ import annotations
@@ -58,10 +59,13 @@ class TrainerConfig:
     tokenizer: str | None = None  # tokenizer_name_or_path (needed with a dataset)
     loading_workers: int = 1  # data.num_loading_workers (nanotron's default)
     log_level: str = "info"  # logging.log_level and log_level_replica
+    checkpoint_interval: int = 10**6  # save a checkpoint every this many steps
+    resume_from: str | None = None  # checkpoints_path of a run to resume (its latest.txt step)
+    lr_decay_steps: int | None = None  # None: nanotron's default, train_steps - 1 (changes with train_steps)
 
     def __post_init__(self) -> None:
         for name in ("pp", "dp", "tp", "layers", "microbatches", "steps", "hidden", "heads", "kv_heads", "vocab",
-                     "seq", "micro_batch_size"):
+                     "seq", "micro_batch_size", "checkpoint_interval"):
             check_int(name, getattr(self, name))
         if self.tp_mode not in ("ALL_REDUCE", "REDUCE_SCATTER"):
             raise ParameterError(f"tp_mode must be ALL_REDUCE or REDUCE_SCATTER, got {self.tp_mode!r}")
@@ -91,8 +95,8 @@ class TrainerConfig:
         config = {
             "general": {"project": "pipeschedule-test", "run": "trainer", "seed": self.seed,
                         "ignore_sanity_checks": True},
-            "checkpoints": {"checkpoints_path": checkpoints, "checkpoint_interval": 10**6,
-                            "save_initial_state": self.save_initial_state},
+            "checkpoints": {"checkpoints_path": checkpoints, "checkpoint_interval": self.checkpoint_interval,
+                            "save_initial_state": self.save_initial_state, "resume_checkpoint_path": self.resume_from},
             "parallelism": {"dp": self.dp, "pp": self.pp, "tp": self.tp, "pp_engine": self.engine,
                             "tp_mode": self.tp_mode, "tp_linear_async_communication": self.tp_async},
             "model": {
@@ -114,7 +118,8 @@ class TrainerConfig:
                 "accumulate_grad_in_fp32": self.fp32_accumulation, "adam_eps": 1e-8, "adam_beta1": 0.9,
                 "adam_beta2": 0.95, "torch_adam_is_fused": False,
                 "learning_rate_scheduler": {"learning_rate": 1e-3, "lr_warmup_steps": 1, "lr_warmup_style": "linear",
-                                            "lr_decay_style": "cosine", "min_decay_lr": 1e-4},
+                                            "lr_decay_style": "cosine", "min_decay_lr": 1e-4,
+                                            "lr_decay_steps": self.lr_decay_steps},
             },
             "logging": {"log_level": self.log_level, "log_level_replica": self.log_level,
                         "iteration_step_info_interval": 1},

@@ -1,7 +1,7 @@
 """Where pipeschedule hooks into nanotron's own code, all in one place.
 
-[Note: nanotron hooks] Three nanotron functions are rebound by name (the fourth and
-fifth, nanotron's pp_engine loader and saver, are `config.register()`'s). `install()`
+[Note: nanotron hooks] Five nanotron functions are rebound by name (nanotron's
+pp_engine loader and saver and its config reader are `config.register()`'s). `install()`
 applies them; `import integration.nanotron` calls it, so a launch script gets them by
 importing that package before nanotron's trainer (which binds the names when first
 imported); `python -m integration.nanotron.train` does. Each is version-guarded: it is
@@ -15,6 +15,15 @@ applied only when nanotron's function has the signature it was written against (
 3. `ParallelismArgs.__post_init__`: a `pp_engine` given from Python in the mapping form
    (`{"name": "capped_1f1b", "cap": 3}`) becomes the engine, as a string does (nanotron
    converts only strings, and saving a config that still holds the dict fails).
+4. `load_optimizer`: a checkpoint saved under another layout (another engine's split or
+   placement) gives each rank the optimizer state of its own parameters, by name
+   ([Note: checkpoints across layouts] in checkpoint.py); otherwise nanotron's own.
+5. `load_lr_scheduler`: after nanotron's own, the optimizer's learning rates are the
+   loaded schedule's last ones. nanotron 0.4 builds the schedule after loading the
+   optimizer, and building it writes the schedule's step-0 rate (0 under a linear
+   warmup) into the optimizer, which loading the schedule's state does not undo: the
+   first step of every resumed run, whatever the engine, ran at that rate (nanotron's
+   GitHub main now re-steps the schedule after loading it). Written for 0.4's signature.
 
 [Note: build hook] nanotron's trainer builds its model in `DistributedTrainer._init_model`
 with `build_model(model_builder=..., parallel_context=..., dtype=...)`, never passing
@@ -57,8 +66,9 @@ import_nanotron()
 import nanotron.config.parallelism_config as nanotron_parallelism  # noqa: E402
 import nanotron.models.base as nanotron_base  # noqa: E402
 import nanotron.parallel.tied_parameters as nanotron_tied  # noqa: E402
+import nanotron.serialize.optimizer as nanotron_serialize_optimizer  # noqa: E402
 
-from integration.nanotron import grad_sync, initial_weights  # noqa: E402
+from integration.nanotron import checkpoint, grad_sync, initial_weights  # noqa: E402
 from integration.nanotron.errors import LayoutError  # noqa: E402
 
 _CUDA = torch.device("cuda")  # build_model's default device, as in nanotron's signature
@@ -114,6 +124,26 @@ def sync_tied_weights_gradients(module, parallel_context, grad_accumulator):
     return _TIED.original()(module=module, parallel_context=parallel_context, grad_accumulator=grad_accumulator)
 
 
+def load_optimizer(optimizer, parallel_context, root_folder, map_location=None, param_shard_metadata=None,
+                   model=None):
+    """nanotron's `load_optimizer`, reading the state by parameter name where the checkpoint
+    was saved under another layout ([Note: checkpoints across layouts]); the same arguments."""
+    if checkpoint.load_optimizer_by_name(optimizer, parallel_context, root_folder):
+        return None
+    return _LOAD_OPTIMIZER.original()(optimizer=optimizer, parallel_context=parallel_context, root_folder=root_folder,
+                                      map_location=map_location, param_shard_metadata=param_shard_metadata,
+                                      model=model)
+
+
+def load_lr_scheduler(lr_scheduler, root_folder):
+    """nanotron's `load_lr_scheduler`, then the optimizer's learning rates set to the loaded
+    schedule's last ones, as an uninterrupted run has them ([Note: nanotron hooks], item 5)."""
+    result = _LOAD_LR.original()(lr_scheduler=lr_scheduler, root_folder=root_folder)
+    for group, rate in zip(lr_scheduler.optimizer.param_groups, lr_scheduler.get_last_lr(), strict=True):
+        group["lr"] = rate
+    return result
+
+
 def parallelism_post_init(self) -> None:
     """`ParallelismArgs.__post_init__`, which also converts a mapping-form `pp_engine`."""
     if isinstance(self.pp_engine, Mapping):
@@ -126,7 +156,12 @@ _BUILD = Hook("build_model", nanotron_base, ("nanotron.models.base", "nanotron.m
 _TIED = Hook("sync_tied_weights_gradients", nanotron_tied, ("nanotron.parallel.tied_parameters", "nanotron.trainer"),
              ("module", "parallel_context", "grad_accumulator"), sync_tied_weights_gradients)
 _POST_INIT = Hook("__post_init__", nanotron_parallelism.ParallelismArgs, (), ("self",), parallelism_post_init)
-HOOKS = (_BUILD, _TIED, _POST_INIT)
+_LOAD_OPTIMIZER = Hook("load_optimizer", nanotron_serialize_optimizer, ("nanotron.serialize", "nanotron.trainer"),
+                       ("optimizer", "parallel_context", "root_folder", "map_location", "param_shard_metadata",
+                        "model"), load_optimizer)
+_LOAD_LR = Hook("load_lr_scheduler", nanotron_serialize_optimizer, ("nanotron.serialize", "nanotron.trainer"),
+                ("lr_scheduler", "root_folder"), load_lr_scheduler)
+HOOKS = (_BUILD, _TIED, _POST_INIT, _LOAD_OPTIMIZER, _LOAD_LR)
 
 for _hook in HOOKS:
     _hook.replacement.__pipeschedule_original__ = _hook.original()
@@ -168,5 +203,5 @@ def describe() -> str:
     return "; ".join(f"nanotron's {name} hook: {status}" for name, status in _status.items())
 
 
-__all__ = ["HOOKS", "build_model", "describe", "install", "parallelism_post_init", "sync_tied_weights_gradients",
-           "uninstall"]
+__all__ = ["HOOKS", "build_model", "describe", "install", "load_lr_scheduler", "load_optimizer",
+           "parallelism_post_init", "sync_tied_weights_gradients", "uninstall"]

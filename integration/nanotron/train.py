@@ -22,7 +22,8 @@ is built. With `data.dataset: null` (or no `data` section) each data-parallel re
 reads a synthetic token stream: microbatch i of replica d is drawn from a generator
 seeded by (data seed, d, i), the same tensors whatever the engine, pp or placement, so
 runs with different engines see the same data (nanotron's own dummy generator seeds by
-pp rank, so its labels change with the rank of the loss).
+pp rank, so its labels change with the rank of the loss); a resumed run goes on from the
+microbatch after the last one its checkpoint's run consumed.
 
 Progress: after the first step world rank 0 logs one block through nanotron's logging
 (the engine, its schedule, the stash per rank predicted and measured: [Note: the
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -100,7 +102,8 @@ def synthetic_batches(trainer):
     vocab = trainer.model_config.vocab_size
     dp_rank, pp_rank = dist.get_rank(context.dp_pg), dist.get_rank(context.pp_pg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for index in range(10**12):
+    resumed = trainer.consumed_train_samples // (batch * context.dp_pg.size())  # microbatches read before a resume
+    for index in itertools.count(resumed):
         generator = torch.Generator().manual_seed(stream_seed(seed, dp_rank, index))
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
         full = {

@@ -5,7 +5,8 @@ every rank prepares the gloo mode once (`integration.nanotron.train.prepare`) an
 for each config file in turn, builds nanotron's trainer from it, trains, and returns
 `train.record_of(trainer)`: per-step losses, times and ledger peaks, block ranks and the
 final parameters. One spawn per job keeps the tests to seconds per training.
-`initial_all` builds the trainers only and returns their initial weights.
+`initial_all` builds the trainers only and returns their initial weights; `resume_states`
+the optimizer state a resumed trainer loaded beside the one its checkpoint's run saved.
 """
 
 from __future__ import annotations
@@ -28,13 +29,23 @@ def train_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0)
     worlds = {c.world for c in configs}
     if len(worlds) != 1:
         raise ValueError(f"one job runs one world size, got {sorted(worlds)}")
+    paths = write_configs(configs, tmp_path)
+    per_rank = spawn(_child, worlds.pop(), args=(paths,), timeout=timeout)
+    return [merge([rank[i] for rank in per_rank]) for i in range(len(configs))]
+
+
+def checkpoints_path(tmp_path, index: int):
+    """Where config `index` of a job saves its checkpoints (what a later config resumes)."""
+    return tmp_path / f"checkpoints-{index}"
+
+
+def write_configs(configs: list[TrainerConfig], tmp_path) -> list[str]:
     paths = []
     for index, config in enumerate(configs):
         path = tmp_path / f"config-{index}.yaml"
-        path.write_text(config.yaml(str(tmp_path / f"checkpoints-{index}")))
+        path.write_text(config.yaml(str(checkpoints_path(tmp_path, index))))
         paths.append(str(path))
-    per_rank = spawn(_child, worlds.pop(), args=(paths,), timeout=timeout)
-    return [merge([rank[i] for rank in per_rank]) for i in range(len(configs))]
+    return paths
 
 
 def _child(rank: int, world: int, store, paths: list[str]) -> list[dict]:
@@ -54,11 +65,7 @@ def initial_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.
     worlds = {c.world for c in configs}
     if len(worlds) != 1:
         raise ValueError(f"one job runs one world size, got {sorted(worlds)}")
-    paths = []
-    for index, config in enumerate(configs):
-        path = tmp_path / f"config-{index}.yaml"
-        path.write_text(config.yaml(str(tmp_path / f"checkpoints-{index}")))
-        paths.append(str(path))
+    paths = write_configs(configs, tmp_path)
     per_rank = spawn(_initial_child, worlds.pop(), args=(paths,), timeout=timeout)
     return [{"ours": assemble([rank[i] for rank in per_rank], "ours"),
              "nanotron": assemble([rank[i] for rank in per_rank], "nanotron")} for i in range(len(configs))]
@@ -77,6 +84,34 @@ def _initial_child(rank: int, world: int, store, paths: list[str]) -> list[dict]
         type(model).init_model_randomly(model, config=trainer.config)  # nanotron's own, not the instance's
         out.append({"dp_rank": torch.distributed.get_rank(context.dp_pg), "ours": ours, "nanotron": _shards(model)})
     return out
+
+
+def resume_states(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0) -> tuple[list, list]:
+    """Train every config but the last in turn, then build the last one's trainer only (it
+    resumes a checkpoint of the others); per rank, the optimizer state by parameter name
+    and the learning rates of the last config trained and of the one built."""
+    worlds = {c.world for c in configs}
+    if len(worlds) != 1:
+        raise ValueError(f"one job runs one world size, got {sorted(worlds)}")
+    per_rank = spawn(_resume_child, worlds.pop(), args=(write_configs(configs, tmp_path),), timeout=timeout)
+    return [rank[0] for rank in per_rank], [rank[1] for rank in per_rank]
+
+
+def _resume_child(rank: int, world: int, store, paths: list[str]) -> tuple[dict, dict]:
+    from integration.nanotron import train
+
+    train.prepare("gloo")
+    for path in paths[:-1]:
+        trained = train.train(path)
+    return _optimizer_by_name(trained), _optimizer_by_name(train.make_trainer(paths[-1]))
+
+
+def _optimizer_by_name(trainer) -> dict:
+    state = trainer.optimizer.state_dict()
+    return {"dp_rank": torch.distributed.get_rank(trainer.parallel_context.dp_pg),
+            "lr": [group["lr"] for group in trainer.optimizer.param_groups],
+            "state": {state["names"][i]: {k: v.clone() for k, v in s.items()} for i, s in state["state"].items()},
+            "fp32": {k: v.clone() for k, v in state.get("gradient_accumulator", {}).items()}}
 
 
 def _shards(model) -> dict:
@@ -131,4 +166,4 @@ def merge(records: list[dict]) -> dict:
             "block_ranks": first[0]["block_ranks"], "replicas": replicas}
 
 
-__all__ = ["TrainerConfig", "assemble", "initial_all", "merge", "train_all"]
+__all__ = ["TrainerConfig", "assemble", "checkpoints_path", "initial_all", "merge", "resume_states", "train_all"]
