@@ -10,9 +10,9 @@ YAML's `pp_engine` alone. Four ranks share the one GPU, so their group is gloo w
 boundaries staged through pinned host memory ([Note: nanotron over gloo]).
 
 Engines: nanotron's `1f1b`, `capped_1f1b:cap=2`, `interleaved_1f1b:virtual=2`, `zb_h1`,
-all on the same synthetic data. The first run saves its initial weights and every other
-run loads them ([Note: same initial weights] in tests/trainer_jobs.py), so losses are
-comparable step by step. The engines run in `ROUNDS` alternating rounds (A B C D A B C D),
+all on the same synthetic data and from the same initial weights (drawn by parameter
+name, [Note: same initial weights] in integration/nanotron/initial_weights.py), so losses
+are comparable step by step. The engines run in `ROUNDS` alternating rounds (A B C D A B C D),
 so a slow stretch of the shared machine does not fall on one engine only; step time is
 the median over the measured steps (after `WARMUP`) of every round, per-stage peak
 memory the largest over them (`torch.cuda.max_memory_allocated` / `_reserved` of each
@@ -42,11 +42,10 @@ MICROBATCHES, STEPS, WARMUP, ROUNDS = 8, 6, 2, 2
 SIZES = dict(MODEL, micro_batch_size=MICROBATCH_SIZE)
 
 
-def config_for(engine: str, *, smoke: bool, init_from: str | None, save: bool, steps: int) -> TrainerConfig:
+def config_for(engine: str, *, smoke: bool, steps: int) -> TrainerConfig:
     sizes = SMOKE_TRAINER if smoke else SIZES
     return TrainerConfig(engine=engine, pp=PP, microbatches=MICROBATCHES, steps=steps,
-                         dtype="bfloat16", fp32_accumulation=True, save_initial_state=save, init_from=init_from,
-                         **sizes)
+                         dtype="bfloat16", fp32_accumulation=True, **sizes)
 
 
 def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list[dict]:
@@ -63,14 +62,11 @@ def launch(config: TrainerConfig, work: Path, name: str, timeout: float) -> list
 
 def measure(*, smoke: bool, commit: str | None, rounds: int, steps: int, engines: tuple[str, ...] = ENGINES) -> dict:
     work = Path(tempfile.mkdtemp(prefix="pipeschedule-trainer-"))
-    init = str(work / "checkpoints-init" / "0")
-    launch(config_for("1f1b", smoke=smoke, init_from=None, save=True, steps=1), work, "init", timeout=600)
     runs: dict[str, list] = {engine: [] for engine in engines}
     for round_index in range(rounds):
         for engine in engines:
             name = f"{engine.replace(':', '_').replace('=', '').replace(',', '_')}-{round_index}"
-            records = launch(config_for(engine, smoke=smoke, init_from=init, save=False, steps=steps), work, name,
-                             timeout=600)
+            records = launch(config_for(engine, smoke=smoke, steps=steps), work, name, timeout=600)
             runs[engine].append(records)
             print(f"round {round_index} {engine}: {summarise([records])['step_s']:.3f} s/step", flush=True)
     report = {"versions": versions(commit), "model": SIZES if not smoke else SMOKE_TRAINER, "pp": PP,

@@ -2,9 +2,9 @@
 
 Importing this package (i) repairs the nanotron 0.4 wheel's import cycle if present
 (`_compat`), (ii) teaches nanotron's config loader and saver the pipeschedule engine
-names (`config.register()`), and (iii) hooks nanotron's model construction and tied
-gradient sync (`hooks.install()`), so a launch script needs one extra line, before any
-other nanotron import:
+names (`config.register()`), and (iii) hooks nanotron's model construction and
+initialisation, tied gradient sync and checkpoint loading (`hooks.install()`), so a
+launch script needs one extra line, before any other nanotron import:
 
     import integration.nanotron  # noqa: F401
 
@@ -16,8 +16,11 @@ tests' and benchmarks' helpers live in benchmarks/llama/):
     engine_spec   EngineSpec, parse_engine(): the pp_engine value syntax
     registry      pp_engine name -> schedule family and parameters, from the family records
     config        register() / unregister(): nanotron's pp_engine loader and saver
-    hooks         install(): nanotron's build_model, tied-gradient sync and
-                  ParallelismArgs taught pp_engine ([Note: nanotron hooks])
+    hooks         install(): nanotron's build_model, tied-gradient sync,
+                  ParallelismArgs taught pp_engine, optimizer and schedule loading
+                  ([Note: nanotron hooks])
+    initial_weights  Llama's initial weights by parameter name, whatever the layout
+    checkpoint    optimizer state by parameter name: resuming under another layout
     engine        PipescheduleEngine, the one PipelineEngine of every family; build_engine
     step          one step of it (Runner, ModelStages, NanotronExecutor); stage_call: one
                   stage per model call; boundary: the packed boundary tensors
