@@ -13,10 +13,12 @@ nanotron's distributions and removes the dependence:
   N(0, std), `TensorParallelRowLinear` weights N(0, std / sqrt(2 * num_hidden_layers)),
   `TritonRMSNorm` weights 1, every bias 0, with std = `model.init_method.std`; any other
   module is refused, as nanotron's own does.
-- The values are those of the full (unsharded) tensor, drawn in blocks of whole rows of
-  dim 0 (`block_rows`, a function of the full shape only); block k of the parameter
-  named n comes from a CPU generator seeded by `block_seed(general.seed, n, k)`. A rank
-  draws the blocks that meet its shard and copies its part, as nanotron's sharding
+- The values are those of the full (unsharded) tensor, drawn in blocks along the
+  dimension nanotron's tensor parallelism splits (dim 1 of a row linear's weight, dim 0
+  otherwise: a property of the module, not of tp), each block a run of whole slices
+  (`block_length`, a function of the full shape only); block k of the parameter named n
+  comes from a CPU generator seeded by `block_seed(general.seed, n, k)`. A rank draws
+  only the blocks that meet its shard and copies its part, as nanotron's sharding
   metadata (`ShardedInfo.local_global_slices_pairs`) maps it, so tp=1 and tp=2 hold the
   same full tensor.
 - The name is nanotron's: the tied name for a tied parameter (so the embedding and a
@@ -24,12 +26,13 @@ nanotron's distributions and removes the dependence:
   Decoder layers are named by their index in the model (`model.decoder.3...`), which no
   split or placement changes.
 
-Drawn on the CPU whatever the device (then copied), so a GPU run starts from the same
-weights as a CPU run; the cost is a CPU draw of each rank's share of the model (a
-row-sharded weight is drawn whole on every tp rank: its shard is a column slice).
-nanotron's trainer then averages the parameters over dp and over each tie group, as
-before; equal values average to themselves exactly over two ranks (x + x is exact), and
-to the same value whatever the layout over more.
+Drawn in fp32 on the CPU whatever the device and dtype (then copied, and cast), so a GPU
+run draws the values a CPU run does. The cost is a CPU draw of each rank's share of the
+model: about 70 million values a second on the 2-core test machine, so Llama3-70B at
+pp=4, tp=4 (about 4.4e9 values per rank) takes about a minute. nanotron's trainer then
+averages the parameters over dp and over each tie group, as before; equal values average
+to themselves exactly over two ranks (x + x is exact), and to the same value whatever the
+layout over more.
 
 Applied by the build hook ([Note: build hook] in hooks.py) to every model whose
 `init_model_randomly` is nanotron's Llama's, under nanotron's engines too: a run launched
@@ -57,18 +60,20 @@ def block_seed(seed: int, name: str, block: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def block_rows(full_shape: tuple[int, ...]) -> int:
-    """Rows of dim 0 per seeded block: a function of the full shape only."""
-    row = math.prod(full_shape[1:])
-    return max(1, BLOCK_NUMEL // max(row, 1))
+def block_length(full_shape: tuple[int, ...], dim: int) -> int:
+    """Indices of `dim` per seeded block (at least one): a function of the full shape only."""
+    slice_numel = math.prod(full_shape) // full_shape[dim] if full_shape[dim] else 0
+    return max(1, BLOCK_NUMEL // max(slice_numel, 1))
 
 
 @dataclass(frozen=True)
 class Draw:
-    """What a parameter starts as: N(0, std) where `std` is given, else the constant `value`."""
+    """What a parameter starts as: N(0, std) where `std` is given, drawn in blocks along
+    `dim` (the dimension tensor parallelism splits), else the constant `value`."""
 
     std: float | None = None
     value: float = 0.0
+    dim: int = 0
 
 
 def nanotron_llama_draw(module, attr: str, *, std: float, num_layers: int) -> Draw:
@@ -87,33 +92,38 @@ def nanotron_llama_draw(module, attr: str, *, std: float, num_layers: int) -> Dr
     if isinstance(module, (TensorParallelColumnLinear, TensorParallelEmbedding)):
         return Draw(std=std)
     if isinstance(module, TensorParallelRowLinear):
-        return Draw(std=std / math.sqrt(2 * num_layers))
+        return Draw(std=std / math.sqrt(2 * num_layers), dim=1)
     raise UnsupportedConfigError(
         f"no initial-weight rule for {attr!r} of a {type(module).__name__} (nanotron's Llama initialises "
         "TensorParallelColumnLinear, TensorParallelRowLinear, TensorParallelEmbedding and TritonRMSNorm)")
 
 
 @torch.no_grad()
-def fill(param: torch.Tensor, *, name: str, std: float, seed: int) -> None:
-    """Write into `param` its part of the full tensor whose blocks of rows are drawn from
-    N(0, std) with `block_seed(seed, name, k)` ([Note: same initial weights])."""
+def fill(param: torch.Tensor, *, name: str, std: float, seed: int, dim: int = 0) -> None:
+    """Write into `param` its part of the full tensor whose blocks along `dim` are drawn
+    from N(0, std) with `block_seed(seed, name, k)` ([Note: same initial weights])."""
     full_shape, pairs = _shard_map(param)
-    rows, step = full_shape[0], block_rows(full_shape)
-    spans = [(pair_global[0].indices(rows), local, pair_global) for local, pair_global in pairs]
-    needed = sorted({k for (start, stop, _), _, _ in spans for k in range(start // step, (stop - 1) // step + 1)
-                     if start < stop})
+    length, step = full_shape[dim], block_length(full_shape, dim)
+    spans = [(pair_global[dim].indices(length), local, pair_global) for local, pair_global in pairs]
+    needed = sorted({k for (start, stop, _), _, _ in spans if start < stop
+                     for k in range(start // step, (stop - 1) // step + 1)})
     for k in needed:
-        low, high = k * step, min(rows, (k + 1) * step)
+        low, high = k * step, min(length, (k + 1) * step)
         generator = torch.Generator(device="cpu").manual_seed(block_seed(seed, name, k))
-        values = torch.empty((high - low, *full_shape[1:]), dtype=torch.float32, device="cpu")
-        values.normal_(mean=0.0, std=std, generator=generator)
+        block_shape = tuple(high - low if d == dim else size for d, size in enumerate(full_shape))
+        values = torch.empty(block_shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
         for (start, stop, _), local, pair_global in spans:
             first, last = max(low, start), min(high, stop)
             if first >= last:
                 continue
-            local_start = local[0].indices(param.shape[0])[0] + first - start
-            target = param[(slice(local_start, local_start + last - first), *local[1:])]
-            target.copy_(values[(slice(first - low, last - low), *pair_global[1:])])
+            local_start = local[dim].indices(param.shape[dim])[0] + first - start
+            target = param[_along(dim, local, slice(local_start, local_start + last - first))]
+            target.copy_(values[_along(dim, pair_global, slice(first - low, last - low))])
+
+
+def _along(dim: int, slices: tuple[slice, ...], replacement: slice) -> tuple[slice, ...]:
+    """`slices` with the one of `dim` replaced."""
+    return tuple(replacement if d == dim else s for d, s in enumerate(slices))
 
 
 def _shard_map(param) -> tuple[tuple[int, ...], list[tuple[tuple[slice, ...], tuple[slice, ...]]]]:
@@ -131,7 +141,7 @@ def _shard_map(param) -> tuple[tuple[int, ...], list[tuple[tuple[slice, ...], tu
             raise UnsupportedConfigError(f"a shard with a strided slice ({local} <- {pair_global}) cannot be "
                                          "initialised by name; nanotron shards in contiguous slices")
     if not full_shape:
-        raise UnsupportedConfigError("a 0-dimensional parameter cannot be drawn by rows; nanotron's Llama has none")
+        raise UnsupportedConfigError("a 0-dimensional parameter cannot be drawn in blocks; nanotron's Llama has none")
     return full_shape, pairs
 
 
@@ -152,7 +162,7 @@ def init_model_randomly(model, config) -> None:
         if draw.std is None:
             param.fill_(draw.value)
         else:
-            fill(param, name=name, std=draw.std, seed=seed)
+            fill(param, name=name, std=draw.std, seed=seed, dim=draw.dim)
 
 
 def is_nanotron_llama(model) -> bool:
@@ -171,5 +181,5 @@ def attach(model) -> bool:
     return True
 
 
-__all__ = ["BLOCK_NUMEL", "Draw", "attach", "block_rows", "block_seed", "fill", "init_model_randomly",
+__all__ = ["BLOCK_NUMEL", "Draw", "attach", "block_length", "block_seed", "fill", "init_model_randomly",
            "is_nanotron_llama", "nanotron_llama_draw"]

@@ -136,22 +136,24 @@ def layouts(draw):
     dim = draw(st.integers(0, 1))
     other = draw(st.integers(1, 7))
     shape = (sum(chunks), other) if dim == 0 else (other, sum(chunks))
-    return shape, dim, chunks, tp, draw(st.integers(1, 40))
+    return shape, dim, chunks, tp, draw(st.integers(0, 1)), draw(st.integers(1, 40))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(layouts())
 def test_tp_shards_are_parts_of_the_full_draw(layout):
-    shape, dim, chunks, tp, block_numel = layout
+    """Shards split along either dimension, drawn in blocks along either (nanotron's
+    rows split dim 1 and are drawn along it; the property holds either way)."""
+    shape, dim, chunks, tp, block_dim, block_numel = layout
     original = initial_weights.BLOCK_NUMEL
     initial_weights.BLOCK_NUMEL = block_numel  # blocks smaller than, and across, the shards
     try:
         full = NanotronParameter(torch.empty(shape))
-        initial_weights.fill(full, name="w", std=0.02, seed=7)
+        initial_weights.fill(full, name="w", std=0.02, seed=7, dim=block_dim)
         assembled = torch.full(shape, float("nan"))
         for rank in range(tp):
             param = sharded(shape, dim=dim, chunks=chunks, rank=rank, tp=tp)
-            initial_weights.fill(param, name="w", std=0.02, seed=7)
+            initial_weights.fill(param, name="w", std=0.02, seed=7, dim=block_dim)
             for pair in param.get_sharded_info().local_global_slices_pairs:
                 assembled[pair.global_slices] = param[pair.local_slices]
     finally:
@@ -169,9 +171,24 @@ def test_a_shard_mapped_wrongly_is_not_the_full_draw():
 
 
 def test_blocks_depend_on_the_full_shape_only():
-    assert initial_weights.block_rows((10, 3)) == initial_weights.BLOCK_NUMEL // 3
-    assert initial_weights.block_rows((10, initial_weights.BLOCK_NUMEL * 2)) == 1
-    assert initial_weights.block_rows((5,)) == initial_weights.BLOCK_NUMEL
+    assert initial_weights.block_length((10, 3), 0) == initial_weights.BLOCK_NUMEL // 3
+    assert initial_weights.block_length((3, 10), 1) == initial_weights.BLOCK_NUMEL // 3
+    assert initial_weights.block_length((10, initial_weights.BLOCK_NUMEL * 2), 0) == 1
+    assert initial_weights.block_length((5,), 0) == initial_weights.BLOCK_NUMEL
+
+
+def test_a_shard_draws_only_the_blocks_it_holds(monkeypatch):
+    """Blocked along the split dimension (a row linear's dim 1), each of two tp ranks
+    draws half of the blocks; blocked along the other, each would draw them all."""
+    drawn = []
+    seed_of = initial_weights.block_seed
+    monkeypatch.setattr(initial_weights, "block_seed", lambda seed, name, k: drawn.append(k) or seed_of(seed, name, k))
+    monkeypatch.setattr(initial_weights, "BLOCK_NUMEL", 8)  # one column of 8 rows, or one row of 6 columns
+    for block_dim, expected in ((1, [0, 1, 2]), (0, list(range(8)))):
+        drawn.clear()
+        initial_weights.fill(sharded((8, 6), dim=1, chunks=(6,), rank=0, tp=2), name="w", std=0.02, seed=7,
+                             dim=block_dim)
+        assert drawn == expected, block_dim
 
 
 def test_strided_shards_are_refused():
