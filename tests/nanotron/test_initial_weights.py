@@ -3,7 +3,8 @@
 The spawned job builds nanotron's own trainer (no training) from YAML files that differ
 only in the engine, the layout, tp, dp and tied embeddings, and compares the full
 initial weights, assembled from the ranks' shards by nanotron's sharding metadata: the
-same, bit for bit, everywhere. It also runs nanotron's own `init_model_randomly` on the
+same, bit for bit, everywhere (drawn in blocks small enough that each weight spans
+several, across nanotron's shards). It also runs nanotron's own `init_model_randomly` on the
 same models to check the distributions are nanotron's. The unit tests draw tp shards by
 hand-made sharding metadata (nanotron's own `mark_as_sharded`) against the full draw.
 """
@@ -39,9 +40,13 @@ OTHER_SEED = {"seed-43": TrainerConfig(engine="1f1b", seed=43)}
 CONFIGS = {**UNTIED, **TIED, **OTHER_SEED}
 
 
+BLOCK_NUMEL = 100  # blocks of 3 rows of a 32-wide weight: across nanotron's q/k/v and gate/up chunks and shards
+
+
 @pytest.fixture(scope="module")
 def initial(tmp_path_factory):
-    results = initial_all(list(CONFIGS.values()), tmp_path_factory.mktemp("initial"), timeout=600)
+    results = initial_all(list(CONFIGS.values()), tmp_path_factory.mktemp("initial"), block_numel=BLOCK_NUMEL,
+                          timeout=600)
     return dict(zip(CONFIGS, results))
 
 

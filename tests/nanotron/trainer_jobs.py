@@ -57,25 +57,30 @@ def _child(rank: int, world: int, store, paths: list[str]) -> list[dict]:
     return [train.record_of(train.train(path, record=True)) for path in paths]
 
 
-def initial_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0) -> list[dict]:
+def initial_all(configs: list[TrainerConfig], tmp_path, *, block_numel: int | None = None,
+                timeout: float = 300.0) -> list[dict]:
     """Build nanotron's trainer from each config in turn in one process group (no
     training); per config, the full initial weights by name (`ours`: as the trainer
     initialised them; `nanotron`: after nanotron's own `LlamaForTraining.init_model_randomly`
-    ran again on the same model, on each rank alone) and the replicas' copies."""
+    ran again on the same model, on each rank alone) and the replicas' copies.
+    `block_numel` replaces `initial_weights.BLOCK_NUMEL` in the ranks (small blocks make
+    a tiny model's parameters span several)."""
     worlds = {c.world for c in configs}
     if len(worlds) != 1:
         raise ValueError(f"one job runs one world size, got {sorted(worlds)}")
     paths = write_configs(configs, tmp_path)
-    per_rank = spawn(_initial_child, worlds.pop(), args=(paths,), timeout=timeout)
+    per_rank = spawn(_initial_child, worlds.pop(), args=(paths, block_numel), timeout=timeout)
     return [{"ours": assemble([rank[i] for rank in per_rank], "ours"),
              "nanotron": assemble([rank[i] for rank in per_rank], "nanotron")} for i in range(len(configs))]
 
 
-def _initial_child(rank: int, world: int, store, paths: list[str]) -> list[dict]:
-    from integration.nanotron import train
+def _initial_child(rank: int, world: int, store, paths: list[str], block_numel: int | None) -> list[dict]:
+    from integration.nanotron import initial_weights, train
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     train.prepare("gloo")
+    if block_numel is not None:
+        initial_weights.BLOCK_NUMEL = block_numel
     out = []
     for path in paths:
         trainer = train.make_trainer(path)
