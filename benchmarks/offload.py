@@ -16,7 +16,7 @@ Before each step the peak statistics are reset, so peaks are the step's own.
    its ledger peaks (device stash, host) and the step time: the cases run in rounds and
    the slowdown is paired round by round ([Note: paired offload rounds]). Beside them, the
    simulator's predicted fall in stage 0's peak and its slowdown
-   (`pipeschedule.plan.offload.evaluate_offload`), from costs calibrated here (one decoder
+   (`pipeschedule.simulate.offload_search.evaluate_offload`), from costs calibrated here (one decoder
    layer, embedding, head; `benchmarks.calibration`) with the host link measured on the
    H200 lent here (55.4 GB/s each way, issue 9) and a 2% compute slowdown while copying.
    Four processes share one GPU, so the measured step time is that of one GPU running
@@ -56,7 +56,7 @@ from benchmarks.llama.model import ModelConfig
 from benchmarks.llama.stages import LlamaStages
 from benchmarks.training import model_split, sync, to_device
 from pipeschedule.compiler.offload import OffloadPolicy, add_offload
-from pipeschedule.plan.offload import evaluate_offload
+from pipeschedule.simulate.offload_search import evaluate_offload
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
 STREAM_FRACTIONS = (0.25, 0.5, 1.0)  # streamed ([Note: streamed offload]) in chunks of:
@@ -272,7 +272,7 @@ def measure_nanotron(cfg, *, smoke: bool) -> tuple[list[list[dict]], list[dict]]
 
 def predictions(cfg, calibration: dict, fractions_rows: list[list[dict]], m: int) -> list[dict] | None:
     """Per fraction, the simulator's stage-0 device peak fall and slowdown
-    (`pipeschedule.plan.offload.evaluate_offload`)."""
+    (`pipeschedule.simulate.offload_search.evaluate_offload`)."""
     from benchmarks.costs import stage_costs
     from pipeschedule import compile_schedule
     from pipeschedule.simulate import CostModel

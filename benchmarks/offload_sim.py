@@ -27,7 +27,8 @@ from pathlib import Path
 from benchmarks.common import write_results
 from pipeschedule import compile_schedule
 from pipeschedule.plan.presets import HOST_LINKS
-from pipeschedule.plan.offload import AutoOffload, choose_offload
+from pipeschedule.compiler.offload_spec import AutoOffload
+from pipeschedule.simulate.offload_search import choose_offload
 from pipeschedule.simulate import CostModel
 
 LAYERS, LAYER_STASH = 8, 34 * 4096 * 2048

@@ -25,18 +25,18 @@ import sys
 from dataclasses import replace
 
 from pipeschedule import compile_schedule
-from pipeschedule.checks import MAX_SHOWN, int_arg, number_arg, parse_int, path_arg, shown
+from pipeschedule.checks import MAX_SHOWN, check_number, int_arg, number_arg, parse_int, path_arg, shown
 from pipeschedule.cli.demo import run_demo
 from pipeschedule.cli.plan import add_arguments as add_plan_arguments, run as run_plan
 from pipeschedule.compiler.families import FAMILIES, family
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, load
+from pipeschedule.compiler.offload_spec import AutoOffload, parse_offload
 from pipeschedule.compiler.passes import is_lowered, lower
 from pipeschedule.compiler.torch_csv import load_csv, write_csv
 from pipeschedule.compiler.verify import check_coverage, verify
 from pipeschedule.errors import FormatError, ParameterError, PipescheduleError, ScheduleError
-from pipeschedule.plan.offload import AutoOffload, choose_offload, evaluate_offload, parse_offload
-from pipeschedule.plan.presets import host_bandwidth
 from pipeschedule.simulate import CostModel, load_cost, simulate
+from pipeschedule.simulate.offload_search import choose_offload, evaluate_offload
 from pipeschedule.simulate.render import ascii_timeline, chrome_trace, png
 
 EXIT_INVALID = 1
@@ -119,9 +119,7 @@ def _with_host_link(args, cost):
     """`cost` with --host-bandwidth (GB/s = 1e6 bytes per ms) on both directions."""
     if getattr(args, "host_bandwidth", None) is None:
         return cost
-
-
-    per_ms = host_bandwidth(None, args.host_bandwidth) * 1e6
+    per_ms = check_number("--host-bandwidth", args.host_bandwidth, above=True, hint=" (GB/s per direction)") * 1e6
     return replace(cost, offload_bandwidth=per_ms, reload_bandwidth=per_ms)
 
 

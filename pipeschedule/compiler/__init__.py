@@ -8,6 +8,7 @@
     timing       when each compute of an order can start (`asap`), under unit or given costs
     passes       lowering: compute order -> + SEND/RECV -> + FREE; the forward-only form
     offload      the pass that adds OFFLOAD / RELOAD of stashes
+    offload_spec the `--offload` spec: a policy for that pass, or a request for the search
     verify       the six rules; errors show the step x rank grid
     walk         the six rules proved in one walk over packed programs (what verify runs first)
     torch_csv    PyTorch's pipeline schedule CSV, read and written

@@ -3,7 +3,8 @@
     add_offload(schedule, policy)          lowered schedule -> + OFFLOAD / RELOAD
 
 How much to offload within a step-time budget is searched in the planner
-(`pipeschedule.plan.offload.choose_offload`).
+(`pipeschedule.simulate.offload_search.choose_offload`); the `--offload` spec is read by
+`offload_spec.parse_offload`.
 
 [Note: offload placement] On a rank, the stash of (stage, mb) lives from its F to its B
 (to its W under a split backward). Between them the rank runs `wait` other computes; the

@@ -9,7 +9,7 @@
     peaks          per-rank peak bytes and in-flight from program order (= simulate's)
     config         what a plan is for (`PlanConfig`, `build_config`), compute costs
     candidate      one evaluated way to run the pipeline; caps that fit a split
-    offload        how much to offload within a step-time budget; the `--offload` spec
+    offload        what the planner counts for a rank that streams its stashes to the host
     planner        `plan(config)`: every candidate evaluated, the recommendation
     report         a plan as text, JSON and a PNG
     presets        model and GPU presets (with host links), model files

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memory import GiB, ModelSpec, TrainingSetup
-from pipeschedule.plan.offload import parse_offload
+from pipeschedule.compiler.offload_spec import parse_offload
 from pipeschedule.plan.presets import gpu_preset, host_bandwidth as host_link, load_model, model_preset
 from pipeschedule.checks import (
     MAX_SEARCH_NODES,

@@ -49,6 +49,7 @@ from pipeschedule.plan.partition import (
     stage_inflight,
 )
 from pipeschedule.compiler.ir import Schedule
+from pipeschedule.compiler.offload_spec import AutoOffload
 from pipeschedule.compiler.passes import lower
 from pipeschedule.plan.candidate import Candidate, cap_label, fitted_caps
 from pipeschedule.plan.dp_step import rank_tail, step_tail
@@ -56,10 +57,10 @@ from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, lay
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
 from pipeschedule.plan.fitting import lever_rows, virtual_tried
-from pipeschedule.plan.offload import AutoOffload, choose_offload, evaluate_offload
 from pipeschedule.plan.peaks import Peaks
 from pipeschedule.plan.step_graph import StepGraph
 from pipeschedule.simulate import CostModel, simulate
+from pipeschedule.simulate.offload_search import choose_offload, evaluate_offload
 
 
 class ScheduleCache:

@@ -11,6 +11,7 @@ in-flight microbatches, and the live-buffer memory curve of every rank.
     hostlink       one rank's host link: OFFLOAD / RELOAD copies and the bytes they move
     critical_path  the critical path of a simulated step, a lower bound for every cost
     render         ASCII timeline, Chrome/Perfetto trace, PNG
+    offload_search how much to offload within a step-time budget (`choose_offload`)
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from pipeschedule.errors import FormatError, ParameterError, ScheduleError
 from pipeschedule.compiler.families import FAMILIES, generate
 from pipeschedule.compiler.ir import Instr, Op
 from pipeschedule.compiler.offload import OffloadPolicy, add_offload, stash_waits
-from pipeschedule.plan.offload import AutoOffload, choose_offload, parse_offload
+from pipeschedule.compiler.offload_spec import AutoOffload, parse_offload
+from pipeschedule.simulate.offload_search import choose_offload
 from pipeschedule.compiler.passes import lower
 from pipeschedule.simulate import CostModel, simulate
 from pipeschedule.compiler.verify import verify
