@@ -8,11 +8,17 @@
     pipeschedule show NAME ...                ASCII timeline
     pipeschedule demo                         1f1b vs capped_1f1b vs interleaved, side by side
     pipeschedule plan ...                     what fits a GPU (see `pipeschedule plan -h`)
+    pipeschedule --version
 
 Every error the user can cause ends with one line on stderr and a non-zero exit code,
 never a traceback: 2 for bad input (naming the value, cut to a readable length, and what
 is accepted; sizes beyond [Note: size limits] in checks.py included), 1 for a schedule
 that breaks a rule.
+
+[Note: one command, its own imports] `main` builds the arguments of the one subcommand
+it runs (`build_parser(command)`): `compile`, `verify`, `simulate` and `show` load the
+compiler and the simulator only and `plan` loads the planner
+(`pipeschedule.plan`). `build_parser()` with no command builds them all (tests, help pages).
 """
 
 from __future__ import annotations
@@ -22,12 +28,14 @@ import json
 import os
 import re
 import sys
-from dataclasses import replace
+import textwrap
+from dataclasses import dataclass, replace
+from importlib import metadata
+from typing import Callable
 
 from pipeschedule import compile_schedule
 from pipeschedule.checks import MAX_SHOWN, check_number, int_arg, number_arg, parse_int, path_arg, shown
 from pipeschedule.cli.demo import run_demo
-from pipeschedule.cli.plan import add_arguments as add_plan_arguments, run as run_plan
 from pipeschedule.compiler.families import FAMILIES, family
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, load
 from pipeschedule.compiler.offload_spec import AutoOffload, parse_offload
@@ -268,12 +276,7 @@ def cmd_demo(args) -> int:
     return run_demo()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pipeschedule", description="Compile, verify, simulate and plan pipeline-parallel schedules.")
-    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
-    sub.required = True
-
-    p = sub.add_parser("compile", help="build, lower and verify a schedule; write it as JSON/text/CSV")
+def _add_compile(p: argparse.ArgumentParser) -> None:
     _schedule_args(p)
     p.add_argument("--json", type=path_arg("--json"), metavar="PATH", help="write the pipeschedule/1 JSON form")
     p.add_argument("--text", type=path_arg("--text"), metavar="PATH", help="write the compact text form")
@@ -285,39 +288,154 @@ def build_parser() -> argparse.ArgumentParser:
                         "--offload auto simulates with it (default: unit costs)")
     p.set_defaults(run=cmd_compile)
 
-    p = sub.add_parser("verify", help="check a schedule file (JSON, text or PyTorch CSV) against every rule")
-    p.add_argument("path", type=path_arg("PATH"))
+
+def _add_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", type=path_arg("PATH"), metavar="PATH",
+                   help="a schedule: pipeschedule/1 JSON, the text form, or PyTorch's CSV (either form)")
     p.set_defaults(run=cmd_verify)
 
-    for name, run, helptext in (("simulate", cmd_simulate, "simulate time and memory"),
-                                ("show", cmd_show, "print the ASCII timeline")):
-        p = sub.add_parser(name, help=helptext)
-        _schedule_args(p, name_required=False)
-        p.add_argument("--schedule", metavar="PATH", type=path_arg("--schedule"),
-                       help="a schedule file instead of NAME")
-        if name == "simulate":
-            p.add_argument("--cost", metavar="PATH", type=path_arg("--cost"),
-                           help="cost model JSON (per-stage times, buffer bytes, p2p latency/bandwidth)")
-            p.add_argument("--json", action="store_true", help="print one JSON object")
-            p.add_argument("--trace", metavar="PATH", type=path_arg("--trace"), help="write a Chrome/Perfetto trace")
-            p.add_argument("--png", metavar="PATH", type=path_arg("--png"), help="write a PNG (needs matplotlib)")
-            _offload_args(p)
-        else:
-            p.add_argument("--width", type=int_arg("--width"), default=None, help="maximum columns")
-        p.set_defaults(run=run)
 
-    p = sub.add_parser("demo", help="1f1b vs capped_1f1b vs interleaved_1f1b at pp=4, 8 microbatches")
+def _add_simulate(p: argparse.ArgumentParser) -> None:
+    _schedule_args(p, name_required=False)
+    p.add_argument("--schedule", metavar="PATH", type=path_arg("--schedule"), help="a schedule file instead of NAME")
+    p.add_argument("--cost", metavar="PATH", type=path_arg("--cost"),
+                   help="cost model JSON (per-stage times, buffer bytes, p2p latency/bandwidth; examples/)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", metavar="PATH", type=path_arg("--trace"), help="write a Chrome/Perfetto trace")
+    p.add_argument("--png", metavar="PATH", type=path_arg("--png"), help="write a PNG (needs matplotlib)")
+    _offload_args(p)
+    p.set_defaults(run=cmd_simulate)
+
+
+def _add_show(p: argparse.ArgumentParser) -> None:
+    _schedule_args(p, name_required=False)
+    p.add_argument("--schedule", metavar="PATH", type=path_arg("--schedule"), help="a schedule file instead of NAME")
+    p.add_argument("--width", type=int_arg("--width"), default=None, help="maximum columns")
+    p.set_defaults(run=cmd_show)
+
+
+def _add_demo(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=cmd_demo)
 
-    p = sub.add_parser("plan", help="what fits a GPU: memory per stage, throughput, recommended schedule")
-    add_plan_arguments(p)
-    p.set_defaults(run=run_plan)
+
+def _add_plan(p: argparse.ArgumentParser) -> None:
+    from pipeschedule.cli import plan  # the planner: loaded for `plan` only ([Note: one command, its own imports])
+
+    plan.add_arguments(p)
+    p.set_defaults(run=plan.run)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its line in `pipeschedule -h`, what its own -h says above and below
+    its options, and the function that adds its options and its run."""
+
+    help: str
+    description: str
+    examples: tuple[str, ...]
+    add: Callable[[argparse.ArgumentParser], None]
+
+
+COMMANDS = {
+    "compile": Command(
+        "build, lower and verify a schedule; write it as JSON, text or PyTorch's CSV",
+        "Generate the compute order of a schedule family, add its sends, receives and frees, verify every rule "
+        "and write the per-rank instruction lists.",
+        ("pipeschedule compile capped_1f1b --pp 4 --microbatches 8 --cap 2 --json s.json",
+         "pipeschedule compile interleaved_1f1b --pp 4 -m 8 --virtual 2 --text s.txt --offload fraction=0.5"),
+        _add_compile),
+    "verify": Command(
+        "check a schedule file (JSON, text or PyTorch's CSV) against every rule",
+        "Check a schedule file against the six rules (coverage, data dependencies, matching, no deadlock, "
+        "liveness, caps); a file holding a compute order only is lowered first. Exit 0: valid; 1: invalid (the "
+        "rank x step grid around the fault is printed); 2: the file cannot be used.",
+        ("pipeschedule verify s.json", "pipeschedule verify torch_schedule.csv"),
+        _add_verify),
+    "simulate": Command(
+        "simulate one step: time, bubble, peak memory per rank",
+        "Simulate one step of a schedule under a cost model (default: unit costs) and print its step time, bubble "
+        "fraction, peak in-flight microbatches and peak bytes per rank.",
+        ("pipeschedule simulate interleaved_1f1b --pp 4 -m 8 --virtual 2 --json",
+         "pipeschedule simulate 1f1b --pp 4 -m 8 --cost examples/cost_pp4.json --trace t.json"),
+        _add_simulate),
+    "show": Command(
+        "print a schedule's timeline as ASCII",
+        "Print the simulated timeline of a schedule, one row per rank, under unit costs.",
+        ("pipeschedule show capped_1f1b --pp 4 -m 8 --cap 2", "pipeschedule show --schedule s.json --width 100"),
+        _add_show),
+    "demo": Command(
+        "1f1b vs capped_1f1b vs interleaved_1f1b at pp=4, 8 microbatches; then nanotron training on CPU",
+        "Compile, verify and simulate 1f1b, capped_1f1b (cap 2) and interleaved_1f1b (virtual 2) side by side; "
+        "where torch and nanotron are installed, then train nanotron's Llama on CPU under nanotron's 1F1B and "
+        "pipeschedule's capped_1f1b.",
+        ("pipeschedule demo",),
+        _add_demo),
+    "plan": Command(
+        "what fits a GPU: memory per stage, throughput, recommended schedule",
+        "Evaluate nanotron's default and every schedule, cap and layer split for a model, a layout and a GPU: "
+        "memory per rank, simulated throughput, and the pp_engine line of the fastest that fits.",
+        ("pipeschedule plan --model llama3-70b --pp 4 --tp 4 --dp 2 --microbatches 8 --gpu gh200",
+         "pipeschedule plan --model-file config.yaml --gpu h100"),
+        _add_plan),
+}
+
+DESCRIPTION = """\
+Pipeline-parallel schedules for nanotron: each schedule is compiled ahead of time into
+per-rank instruction lists (forward, backward, send, receive, free), verified against
+every rule before it runs, simulated for time and memory, and run by nanotron's own
+trainer through `parallelism.pp_engine` in its YAML (capped_1f1b:cap=2,
+interleaved_1f1b:virtual=2, zb_h1, zbv, ...)."""
+
+EPILOG = """\
+training (torch and nanotron installed):
+  torchrun --nproc-per-node N -m integration.nanotron.train --config-file CONFIG
+
+examples:
+  pipeschedule demo
+  pipeschedule compile capped_1f1b --pp 4 --microbatches 8 --cap 2 --json s.json
+  pipeschedule plan --model-file config.yaml --gpu h100
+
+`pipeschedule COMMAND -h` describes each command."""
+
+ALL = "all"  # build_parser(ALL): every subcommand's options
+
+
+def version() -> str:
+    """The installed package's version (pyproject.toml's, through its metadata)."""
+    try:
+        return metadata.version("pipeschedule")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
+def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
+    """The parser of every subcommand (ALL), or of `command` alone: the others are listed
+    but take no options, and their modules are not loaded ([Note: one command, its own
+    imports]); None: none of them (`pipeschedule -h`, `--version`)."""
+    parser = _Parser(prog="pipeschedule", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pipeschedule {version()}")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+    sub.required = True
+    for name, spec in COMMANDS.items():
+        examples = "examples:\n" + "\n".join("  " + line for line in spec.examples)
+        p = sub.add_parser(name, help=spec.help, description=textwrap.fill(spec.description, 88), epilog=examples,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        if command in (ALL, name):
+            spec.add(p)
     return parser
 
 
+def command_of(argv) -> str | None:
+    """The subcommand `argv` names: its first word that is not an option (the top level
+    takes no option with a value), or None."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(command_of(argv)).parse_args(argv)
         return args.run(args)
     except ScheduleError as err:
         print(f"pipeschedule: invalid schedule: {str(err).splitlines()[0]}", file=sys.stderr)

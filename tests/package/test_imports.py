@@ -1,6 +1,10 @@
 """The package's layering, read from the source (its imports, not running them): no
-import circle among pipeschedule, integration and benchmarks, and the compiler,
-simulator and planner import no torch (only pipeschedule/runtime and integration/ do).
+import circle among pipeschedule, integration and benchmarks; the compiler, simulator
+and planner import no torch and no nanotron (only pipeschedule/runtime and integration/
+do); and pipeschedule reaches the nanotron adapter (integration/) only from the two
+commands that need it, inside the function that runs them (`pipeschedule check`,
+`pipeschedule demo`'s training part). What each command loads when it runs is
+tests/cli/test_cli_help.py's.
 
 An edge A -> B is an `import B` / `from B import name` anywhere in A (a name that is a
 module of B counts as that module), inside functions too: an import moved into a
@@ -79,17 +83,53 @@ def test_no_import_circles():
         " <-> ".join(c) for c in circles(graph))
 
 
-def test_the_compiler_simulator_and_planner_import_no_torch():
+def imported_names(path: Path) -> list[tuple[str, bool]]:
+    """Every module name `path` imports, and whether the import is inside a function."""
+    tree = ast.parse(path.read_text())
+    inside = {id(node) for function in ast.walk(tree) if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+              for node in ast.walk(function)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, id(node) in inside) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            out.append((node.module or "", id(node) in inside))
+    return out
+
+
+def compiler_imports(roots: tuple[str, ...]) -> list[str]:
+    """`module: name` for each import of a package in `roots` by pipeschedule outside runtime/."""
     found = []
     for name, path in modules().items():
         if not name.startswith("pipeschedule") or name.startswith("pipeschedule.runtime"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                found += [f"{name}: {n}" for n in names if n.split(".")[0] == "torch"]
-    assert not found, found
+        found += [f"{name}: {n}" for n, _ in imported_names(path) if n.split(".")[0] in roots]
+    return found
+
+
+def test_the_compiler_simulator_and_planner_import_no_torch_and_no_nanotron():
+    assert not compiler_imports(("torch", "nanotron")), compiler_imports(("torch", "nanotron"))
+
+
+ADAPTER_DOORS = {"pipeschedule.cli.check", "pipeschedule.cli.demo"}  # the commands that run nanotron's adapter
+
+
+def test_pipeschedule_reaches_the_adapter_only_inside_the_commands_that_need_it():
+    found = []
+    for name, path in modules().items():
+        if name.startswith("pipeschedule"):
+            found += [(name, n, inside) for n, inside in imported_names(path) if n.split(".")[0] == "integration"]
+    assert found and {name for name, _, _ in found} <= ADAPTER_DOORS, found
+    assert all(inside for _, _, inside in found), [f for f in found if not f[2]]
 
 
 def test_the_circle_finder_finds_circles():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_imported_names_tell_module_level_from_function_imports(tmp_path):
+    path = tmp_path / "sample.py"
+    path.write_text("import torch\nfrom integration.nanotron import check\n\n\n"
+                    "def run():\n    from integration.nanotron.check import main\n    import nanotron.config\n")
+    assert imported_names(path) == [("torch", False), ("integration.nanotron", False),
+                                    ("integration.nanotron.check", True), ("nanotron.config", True)]

@@ -1,0 +1,92 @@
+"""What `pipeschedule` says about itself: its version, what it is for, a help line, a
+description and examples for every command (each example a command line the parser
+takes); and that a command loads only what it needs ([Note: one command, its own
+imports] in cli/main.py)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pipeschedule.cli import main
+from pipeschedule.cli.main import COMMANDS, build_parser, command_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_version_is_the_projects(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert capsys.readouterr().out.strip() == f"pipeschedule {version}"
+
+
+def test_the_top_level_help_says_what_the_tool_is_for(capsys):
+    with pytest.raises(SystemExit):
+        main(["-h"])
+    text = capsys.readouterr().out
+    assert "nanotron" in text and "pp_engine" in text
+    assert "torchrun --nproc-per-node N -m integration.nanotron.train --config-file CONFIG" in text
+    for name, command in COMMANDS.items():
+        assert f"    {name}" in text and command.help.split()[0] in text
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_every_command_has_a_description_and_examples_the_parser_takes(capsys, name):
+    with pytest.raises(SystemExit):
+        main([name, "-h"])
+    text = capsys.readouterr().out
+    command = COMMANDS[name]
+    assert command.help and command.description.split()[0] in text
+    assert "examples:\n" in text and command.examples
+    for example in command.examples:
+        assert f"  {example}\n" in text + "\n"
+        words = shlex.split(example)
+        assert words[0] == "pipeschedule" and words[1] == name
+        args = build_parser().parse_args(words[1:])  # every flag and value of the example is accepted
+        assert args.command == name
+
+
+def test_a_parser_for_one_command_builds_that_command_alone():
+    parser = build_parser("compile")
+    assert parser.parse_args(["compile", "1f1b", "--pp", "2", "-m", "2", "--json", "s.json"]).pp == 2
+    with pytest.raises(Exception, match="unrecognized arguments: --model"):
+        parser.parse_args(["plan", "--model", "llama3-8b"])  # plan's options were not built
+    assert command_of(["--version"]) is None and command_of(["show", "1f1b"]) == "show"
+
+
+LOADED = ("import json, sys\n"
+          "from pipeschedule.cli import main\n"
+          "code = main(sys.argv[1:])\n"
+          "print(json.dumps([code, sorted(m for m in sys.modules if m.split('.')[0] in "
+          "('torch', 'nanotron', 'integration') or m.startswith('pipeschedule.plan'))]))\n")
+
+
+@pytest.mark.spawn
+@pytest.mark.parametrize("argv, planner", [
+    (["compile", "1f1b", "--pp", "4", "-m", "8", "--offload", "auto", "--json", "{tmp}/s.json"], False),
+    (["compile", "capped_1f1b", "--pp", "4", "-m", "8", "--offload", "fraction=0.5", "--text", "{tmp}/s.txt"], False),
+    (["verify", "{tmp}/s.json"], False),
+    (["simulate", "zbv", "--pp", "2", "-m", "4", "--json"], False),
+    (["show", "capped_1f1b", "--pp", "2", "-m", "4"], False),
+    (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--tables", "none", "--recompute",
+      "none", "--zero", "0"], True),
+])
+def test_a_command_loads_the_planner_only_when_it_plans(tmp_path, argv, planner):
+    """In a fresh interpreter: what each command leaves in sys.modules (the compiler's
+    commands: no pipeschedule.plan, no torch, no nanotron, no adapter)."""
+    if argv[0] == "verify":
+        assert main(["compile", "1f1b", "--pp", "2", "-m", "2", "--json", str(tmp_path / "s.json")]) == 0
+    argv = [word.replace("{tmp}", str(tmp_path)) for word in argv]
+    result = subprocess.run([sys.executable, "-c", LOADED, *argv], capture_output=True, text=True, timeout=300)
+    code, loaded = json.loads(result.stdout.splitlines()[-1])
+    assert code == 0, result.stderr[-2000:]
+    assert not [m for m in loaded if not m.startswith("pipeschedule.plan")], loaded
+    assert bool(loaded) == planner, loaded
