@@ -52,6 +52,7 @@ virtual, cap, split, recompute, offload, lead, stream, defaults left out.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -196,13 +197,13 @@ def parse_engine(value: Any) -> EngineSpec:
         return EngineSpec(name, reserve=reserve)
     entry = ENGINES.get(name)
     if entry is None:
-        raise _error(value, f"unknown engine {name!r}")
+        raise _error(value, f"unknown engine {name!r}{_closest(name, (*NANOTRON_ENGINES, *ENGINES, AUTO_ENGINE))}")
     unknown = [key for key in raw if key not in entry.params]
     if unknown:
         raise _error(
             value,
             f"unknown parameter {unknown[0]!r} for {name}; {name} accepts: "
-            + (", ".join(entry.params) if entry.params else "no parameters"),
+            + (", ".join(entry.params) if entry.params else "no parameters") + _closest(unknown[0], entry.params),
         )
     missing = [key for key in entry.required if key not in raw]
     if missing:
@@ -219,6 +220,14 @@ def parse_engine(value: Any) -> EngineSpec:
 
 def _error(value: Any, reason: str, kind: type[ParameterError] = ParameterError) -> ParameterError:
     return kind(f"pp_engine {value!r}: {reason}. Accepted: {accepted_summary()}")
+
+
+def _closest(name: str, known) -> str:
+    """` (did you mean NAME?)` for the known name closest to a mistyped one (in any case),
+    if one is close (difflib's ratio at least 0.6); else nothing."""
+    by_folded = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(name.lower(), list(by_folded), n=1)
+    return f" (did you mean {by_folded[close[0]]}?)" if close else ""
 
 
 def _split_string(value: str) -> tuple[str, dict[str, Any]]:
