@@ -148,10 +148,16 @@ class PipescheduleEngine(PipelineEngine):
     def model_layout(self, model, pp: int) -> ModelLayout:
         """Where this engine puts each block of `model` (what nanotron's build_model
         applies under [Note: build hook])."""
-        self.check(pp=pp)
         blocks = self.pipeline_blocks(model)
-        return engine_layout([b.module_builder for b in blocks], _block_costs(model, blocks),
-                             placement=self.placement(pp), split=self.spec.split, engine=self.spec.to_string())
+        return self.layout([b.module_builder for b in blocks], _block_costs(model, blocks), pp)
+
+    def layout(self, builders, costs, pp: int) -> ModelLayout:
+        """Where this engine puts blocks of these module builders and nanotron compute
+        costs (forward order) at `pp` ranks: `model_layout` from numbers alone, as
+        `pipeschedule check` lays out a model it does not build."""
+        self.check(pp=pp)
+        return engine_layout(builders, costs, placement=self.placement(pp), split=self.spec.split,
+                             engine=self.spec.to_string())
 
     def model_stages(self, model, blocks, pp: int) -> list[int]:
         """The stage of each block of a built model; refuses a model not laid out as this

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from integration.nanotron.errors import LayoutError
+from integration.nanotron.layout_fix import even_split, layout_fix
 from integration.nanotron.split import nanotron_block_stages
 
 
@@ -87,13 +88,13 @@ def engine_layout(builders: Sequence[object], costs: Sequence[int], *, placement
         if len(split) != stages:
             raise LayoutError(
                 f"pp_engine {engine!r}: split lists {len(split)} stages but the engine runs {stages} "
-                f"(pp * virtual); give one layer count per stage"
+                f"(pp * virtual); give one layer count per stage{_fix_text(engine, layers, placement)}"
             )
         if sum(layers) != sum(split):
             raise LayoutError(
                 f"pp_engine {engine!r}: split places {'+'.join(map(str, split))} = {sum(split)} decoder layers "
                 f"but the model has {sum(layers)} (model.model_config.num_hidden_layers); make the split sum to "
-                f"{sum(layers)}"
+                f"{sum(layers)}{_fix_text(engine, layers, placement)}"
             )
         owner = [s for s, count in enumerate(split) for _ in range(count)]
         block_stages, seen = [], 0
@@ -108,26 +109,25 @@ def engine_layout(builders: Sequence[object], costs: Sequence[int], *, placement
     layout = ModelLayout(tuple(block_stages), placement, tuple(layers))
     empty = [s for s, n in enumerate(_blocks_per_stage(layout)) if n == 0]
     if empty:
-        hint = even_split(sum(layers), stages)
         how = f"split={'/'.join(map(str, split))}" if split is not None else "nanotron's cost split"
         raise LayoutError(
             f"pp_engine {engine!r}: {how} leaves stage(s) {empty} of {stages} without any block "
-            f"({layout.describe()}); every stage needs at least one block. Give a split in pp_engine, "
-            f"e.g. split={'/'.join(map(str, hint))}"
-            + ("" if sum(layers) >= stages else f", or use fewer stages: the model has {sum(layers)} decoder layers")
+            f"({layout.describe()}); every stage needs at least one block{_fix_text(engine, layers, placement)}"
         )
     return layout
 
 
-def even_split(layers: int, stages: int) -> list[int]:
-    """`layers` decoder layers over `stages` stages as evenly as possible, the first and
-    last stage (which also hold the embedding and the head) getting the smaller shares."""
-    base, extra = divmod(layers, stages)
-    counts = [base] * stages
-    middle = list(range(1, stages - 1)) + [0, stages - 1]  # extra layers go to middle stages first
-    for s in middle[:extra]:
-        counts[s] += 1
-    return counts
+def _fix_text(engine: str, layers: Sequence[bool], placement: Sequence[int]) -> str:
+    """The end of a refusal: the fix that is accepted ([Note: a fix that is accepted] in
+    layout_fix.py), after the rule where the model has too few layers for the stages."""
+    fix = layout_fix(engine, layers, max(placement) + 1)
+    rule = (f"the model's {sum(layers)} decoder layers fill at most {sum(layers) + 2} stages (the embedding on the "
+            f"first, the head on the last, a layer on each between)")
+    if fix is None:
+        return f". {rule[0].upper()}{rule[1:]}: give fewer stages than {len(placement)}"
+    if sum(layers) + 2 < len(placement):
+        return f"; {rule}. Give {fix.text()}"
+    return f". Give {fix.text()}"
 
 
 def model_stages(found_ranks: Sequence[int], builders: Sequence[object], costs: Sequence[int], *,

@@ -103,7 +103,7 @@ def predicted_stash(view: EngineView, config, model_config) -> tuple[tuple[float
                           ffn=model_config.intermediate_size, vocab=model_config.vocab_size,
                           tied_embeddings=bool(getattr(model_config, "tie_word_embeddings", False)))
         setup = _setup(config, view)
-        recomputed = _recomputed(view)
+        recomputed = recomputed_layers(view)
         footprints = stage_footprints(model, setup, view.layers, recomputed)
         schedule = view.schedule()
         n = schedule.num_stages
@@ -129,7 +129,7 @@ def _setup(config, view: EngineView) -> TrainingSetup:
         attention="sdpa-standin" if flash_attn_standin.is_installed() else "flash-attn")
 
 
-def _recomputed(view: EngineView) -> tuple[int, ...] | None:
+def recomputed_layers(view: EngineView) -> tuple[int, ...] | None:
     """Decoder layers each stage recomputes (the spec's `recompute=`; selective is a mode of the setup)."""
     recompute = view.recompute
     if recompute is None or recompute == "selective":
@@ -205,4 +205,4 @@ def _size(nbytes) -> str:
     return f"{int(nbytes)} B"
 
 
-__all__ = ["EngineView", "Measured", "block", "predicted_stash", "view_of"]
+__all__ = ["EngineView", "Measured", "block", "predicted_stash", "recomputed_layers", "view_of"]

@@ -8,6 +8,7 @@
     pipeschedule show NAME ...                ASCII timeline
     pipeschedule demo                         1f1b vs capped_1f1b vs interleaved, side by side
     pipeschedule plan ...                     what fits a GPU (see `pipeschedule plan -h`)
+    pipeschedule check CONFIG [--nproc N] [--gpu NAME]   a nanotron YAML, before launching it
     pipeschedule --version
 
 Every error the user can cause ends with one line on stderr and a non-zero exit code,
@@ -17,8 +18,9 @@ that breaks a rule.
 
 [Note: one command, its own imports] `main` builds the arguments of the one subcommand
 it runs (`build_parser(command)`): `compile`, `verify`, `simulate` and `show` load the
-compiler and the simulator only and `plan` loads the planner
-(`pipeschedule.plan`). `build_parser()` with no command builds them all (tests, help pages).
+compiler and the simulator only, `plan` loads the planner (`pipeschedule.plan`), and
+`check` loads nanotron's adapter (`integration.nanotron`: torch and nanotron) only once
+it runs. `build_parser()` with no command builds them all (tests, help pages).
 """
 
 from __future__ import annotations
@@ -325,6 +327,13 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=plan.run)
 
 
+def _add_check(p: argparse.ArgumentParser) -> None:
+    from pipeschedule.cli import check  # its run loads nanotron's adapter ([Note: one command, its own imports])
+
+    check.add_arguments(p)
+    p.set_defaults(run=check.run)
+
+
 @dataclass(frozen=True)
 class Command:
     """One subcommand: its line in `pipeschedule -h`, what its own -h says above and below
@@ -377,6 +386,14 @@ COMMANDS = {
         ("pipeschedule plan --model llama3-70b --pp 4 --tp 4 --dp 2 --microbatches 8 --gpu gh200",
          "pipeschedule plan --model-file config.yaml --gpu h100"),
         _add_plan),
+    "check": Command(
+        "check a nanotron YAML before launching it: engine, layout, world size, schedule, memory per stage",
+        "Read a nanotron config through nanotron's own loader (with pipeschedule's engines), parse its pp_engine, "
+        "lay its model out as the engine will, check the world size, compile and verify the schedule, and print "
+        "the predicted memory per stage (against a GPU with --gpu). No GPU and no processes are needed; torch and "
+        "nanotron are. Exit 0: it would run; 2: one line naming the value and the fix.",
+        ("pipeschedule check config.yaml", "pipeschedule check config.yaml --nproc 8 --gpu h100"),
+        _add_check),
 }
 
 DESCRIPTION = """\
@@ -394,6 +411,7 @@ examples:
   pipeschedule demo
   pipeschedule compile capped_1f1b --pp 4 --microbatches 8 --cap 2 --json s.json
   pipeschedule plan --model-file config.yaml --gpu h100
+  pipeschedule check config.yaml --nproc 8
 
 `pipeschedule COMMAND -h` describes each command."""
 

@@ -499,15 +499,23 @@ def nanotron_default(config: PlanConfig, schedules: ScheduleCache, split: Sequen
 
 
 def evaluate_engine(planner: _Planner, engine: str, family: str, cap, virtual: int, split: Sequence[int],
-                    kind: str = "measured") -> Candidate:
+                    kind: str = "measured", recomputed: Sequence[int] | None = None) -> Candidate:
     """A candidate as the `pp_engine` named `engine` runs it: nanotron's own engines
     (`1f1b`, `afab`) fold gradients after each backward ([Note: memory terms]), every other
-    name is pipeschedule's. For comparisons with measured runs."""
+    name is pipeschedule's. recomputed: decoder layers per stage the engine recomputes
+    (its `recompute=`). For comparisons with measured runs."""
     if engine in ("1f1b", "afab"):
         nanotron = replace(planner.config, setup=replace(planner.config.setup, grad_fold="backward"))
-        return replace(_Planner(nanotron, planner.cache).evaluate(family, cap, virtual, split, kind),
+        return replace(_Planner(nanotron, planner.cache).evaluate(family, cap, virtual, split, kind, None, recomputed),
                        nanotron_engine=True)
-    return planner.evaluate(family, cap, virtual, split, kind)
+    return planner.evaluate(family, cap, virtual, split, kind, None, recomputed)
+
+
+def engine_memory(config: PlanConfig, engine: str, family: str, cap, virtual: int, split: Sequence[int], *,
+                  recomputed: Sequence[int] | None = None) -> Candidate:
+    """`evaluate_engine` under `config` alone (a planner of its own): the memory per rank
+    and the step time of the one engine a config names (`pipeschedule check`)."""
+    return evaluate_engine(_Planner(config), engine, family, cap, virtual, split, "given", recomputed)
 
 
 def offload_report(planner: _Planner, candidate: Candidate) -> dict:
@@ -546,4 +554,4 @@ def offload_report(planner: _Planner, candidate: Candidate) -> dict:
     }
 
 
-__all__ = ["Plan", "ScheduleCache", "evaluate_engine", "nanotron_default", "offload_report", "plan"]
+__all__ = ["Plan", "ScheduleCache", "engine_memory", "evaluate_engine", "nanotron_default", "offload_report", "plan"]

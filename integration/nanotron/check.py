@@ -1,0 +1,346 @@
+"""A nanotron config checked before launch, without GPUs or processes: `pipeschedule check
+CONFIG [--nproc N] [--gpu NAME]`, and the first thing `python -m integration.nanotron.train`
+does on every rank.
+
+[Note: pre-flight] `preflight` takes the steps the job would take, in its order, and stops
+at the first that would fail, with one line naming the value and the fix:
+
+    1. read        nanotron's own loader (`get_config_from_file`), with pipeschedule's
+                   engine names registered: a file it cannot read, a bad `pp_engine`
+                   (an unknown name gets the closest known one)
+    2. world       parallelism dp * tp * pp (* expert_parallel_size) against the processes
+                   started (`--nproc`; the launcher: torchrun's WORLD_SIZE), which
+                   nanotron's ParallelContext would refuse with an AssertionError per rank
+    3. layout      the stage and rank of each block of nanotron's Llama as the engine lays
+                   it out (`PipescheduleEngine.layout`, what nanotron's build_model is hooked
+                   to apply; nanotron's own cost split under its own engines): a split that
+                   does not fit the model, a stage or rank left without a block, with the
+                   fix that is accepted ([Note: a fix that is accepted] in layout_fix.py)
+    4. schedule    the engine's schedule for (pp, m) compiled and verified against every
+                   rule, as the engine compiles it at its first step (with its OFFLOAD /
+                   RELOAD where it offloads)
+    5. memory      (`pipeschedule check` only) per rank, the planner's prediction for this
+                   engine (`pipeschedule.plan.planner.engine_memory`) from the config as
+                   `pipeschedule plan --model-file` reads it, with the config's dtype and the
+                   attention the launcher runs; against the GPU's memory less 2 GiB with --gpu
+
+The model's blocks are read from numbers: nanotron's LlamaForTraining is an embedding, the
+decoder layers, final norm, LM head, cast to fp32 and loss, priced as its
+`get_block_compute_costs` prices them (`pipeschedule.plan.partition.llama_block_costs`);
+tests/nanotron/test_check_cli.py holds the prediction to the block ranks nanotron's
+trainer builds. A model config of another kind is read and its world checked, but its
+layout and memory are not predicted (said in the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+from dataclasses import dataclass, replace
+
+from integration.nanotron.engine import PipescheduleEngine
+from integration.nanotron.errors import LayoutError, ParameterError, PipescheduleError
+from integration.nanotron.layout import ModelLayout, layer_mask
+from integration.nanotron.layout_fix import LayoutFix, fitting_split
+from integration.nanotron.progress import EngineView, NANOTRON_FAMILIES, recomputed_layers
+from integration.nanotron.split import nanotron_block_stages
+from pipeschedule import compile_schedule
+from pipeschedule.cli import plan as plan_cli
+from pipeschedule.plan.memory import GiB, ModelSpec
+from pipeschedule.plan.partition import llama_block_costs
+from pipeschedule.plan.planner import engine_memory
+from pipeschedule.plan.presets import GPUS, gpu_preset
+
+LLAMA_CONFIGS = ("LlamaConfig",)  # the model configs whose blocks `llama_blocks` describes
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What `preflight` found for a config that would run.
+
+    view: the engine, its schedule family and parameters and the layout (progress.py's
+    `EngineView`, as the first-step block shows it; None for a model whose layout is not
+    predicted). world: (dp, tp, pp, expert parallel). instructions: of the verified
+    schedule. memory: the planner's `Candidate` for the engine (None: not predicted, and
+    why in `notes`). gpu / budget: the GPU preset checked against and its budget in bytes
+    (None without --gpu)."""
+
+    config_file: str
+    model: str
+    view: EngineView | None
+    block_ranks: tuple[int, ...]
+    world: tuple[int, int, int, int]
+    nproc: int | None
+    instructions: int | None
+    memory: object = None
+    gpu: str | None = None
+    budget: float | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def processes(self) -> int:
+        dp, tp, pp, expert = self.world
+        return dp * tp * pp * expert
+
+    def over_budget(self) -> list:
+        """The ranks whose predicted memory exceeds the GPU's budget (none without --gpu)."""
+        if self.memory is None or self.budget is None:
+            return []
+        return [r for r in self.memory.memory if r.total > self.budget]
+
+
+def read_config(config_file: str):
+    """nanotron's own reading of `config_file`: a file it cannot read (missing, not YAML, a
+    value of the wrong type, a key nanotron lacks) is refused in one line that names the
+    file, where nanotron's trainer would raise it from inside its constructor. Refusals of
+    ours (a bad `pp_engine`) pass through as they are."""
+    from nanotron.config import get_config_from_file
+
+    try:
+        return get_config_from_file(config_file)
+    except PipescheduleError:
+        raise
+    except OSError as err:
+        raise PipescheduleError(f"cannot read the config file {config_file}: {err.strerror or err}") from None
+    except Exception as err:  # noqa: BLE001  (yaml's, dacite's, nanotron's own checks: all say what is wrong)
+        said = " ".join(str(err).split()) or "(no message)"
+        raise PipescheduleError(f"nanotron cannot read the config file {config_file}: {type(err).__name__}: "
+                                f"{said}") from None
+
+
+def check_world(config, nproc: int | None, source: str = "--nproc") -> None:
+    """Refuses a job of `nproc` processes (named `source` in the message) that the config's
+    parallelism does not fill exactly; nothing when nproc is None."""
+    parallelism = config.parallelism
+    expert = getattr(parallelism, "expert_parallel_size", 1) or 1
+    sizes = [("dp", parallelism.dp), ("tp", parallelism.tp), ("pp", parallelism.pp)]
+    if expert != 1:
+        sizes.append(("expert_parallel_size", expert))
+    world = 1
+    for _, size in sizes:
+        world *= size
+    if nproc is None or nproc == world:
+        return
+    model = world // parallelism.dp
+    other = (f", or set parallelism.dp: {nproc // model} to use {nproc}" if nproc % model == 0 and nproc >= model
+             else "")
+    raise ParameterError(
+        f"parallelism {' * '.join(name for name, _ in sizes)} = {' * '.join(str(size) for _, size in sizes)} = "
+        f"{world} processes, but {source} is {nproc}: start {world} (torchrun --nproc-per-node {world} on one "
+        f"node){other}")
+
+
+def llama_blocks(model_config) -> tuple[list[str], list[int]]:
+    """nanotron's LlamaForTraining as (block kinds, nanotron's compute cost of each) in
+    forward order: the kinds stand for its module builders (the decoder layers share one,
+    as `layout.layer_mask` reads them)."""
+    spec = model_spec(model_config)
+    costs = llama_block_costs(spec)
+    layer = "decoder layer"
+    kinds = ["embedding"] + [layer] * spec.layers + ["final norm", "LM head", "fp32 cast", "loss"]
+    if len(kinds) != len(costs):  # llama_block_costs lists nanotron's blocks: these are their names
+        raise ParameterError(f"llama_block_costs gives {len(costs)} blocks for {spec.layers} decoder layers, "
+                             f"expected {len(kinds)}")
+    return kinds, costs
+
+
+def model_spec(model_config) -> ModelSpec:
+    """The planner's description of a nanotron Llama config (the memory model's and the
+    split's sizes)."""
+    return ModelSpec("nanotron", layers=model_config.num_hidden_layers, hidden=model_config.hidden_size,
+                     heads=model_config.num_attention_heads,
+                     kv_heads=model_config.num_key_value_heads or model_config.num_attention_heads,
+                     ffn=model_config.intermediate_size, vocab=model_config.vocab_size,
+                     tied_embeddings=bool(getattr(model_config, "tie_word_embeddings", False)))
+
+
+def engine_layout(engine, model_config, pp: int) -> ModelLayout:
+    """The layout the model gets under `engine` at `pp` ranks: the engine's own
+    (`PipescheduleEngine.layout`), or nanotron's cost split over pp ranks for nanotron's
+    engines, refused where that leaves a rank without a block."""
+    kinds, costs = llama_blocks(model_config)
+    if isinstance(engine, PipescheduleEngine):
+        return engine.layout(kinds, costs, pp)
+    layers = layer_mask(kinds, costs)
+    layout = ModelLayout(tuple(nanotron_block_stages(costs, pp)), tuple(range(pp)), tuple(layers))
+    empty = sorted(set(range(pp)) - set(layout.block_stages))
+    if empty:
+        split = fitting_split(sum(layers), pp)
+        fewer = next((p for p in range(pp - 1, 0, -1) if len(set(nanotron_block_stages(costs, p))) == p), None)
+        fixes = ([LayoutFix(f"ps_{_engine_name(engine)}:split={'/'.join(map(str, split))}")] if split else []) + (
+            [LayoutFix(_engine_name(engine), fewer)] if fewer else [])
+        raise LayoutError(f"nanotron's cost split of {sum(layers)} decoder layers over pp = {pp} ranks leaves "
+                          f"rank(s) {empty} without any block ({layout.describe()}); give "
+                          f"{' or '.join(fix.text() for fix in fixes) or 'a model with more decoder layers'}")
+    return layout
+
+
+def engine_view(engine, layout: ModelLayout, pp: int, microbatches: int) -> EngineView:
+    """What the first-step block would say of `engine` on this layout (progress.py)."""
+    if isinstance(engine, PipescheduleEngine):
+        spec = engine.spec
+        name = spec.to_string() if getattr(engine, "auto", None) is None else (
+            f"{engine.auto.to_string()} (step 1: {spec.to_string()})")
+        return EngineView(name, True, engine.family.name, pp, microbatches, engine.virtual, engine.cap(pp),
+                          layout.placement, tuple(layout.layers_per_stage), spec.recompute, spec.offload)
+    family = NANOTRON_FAMILIES.get(type(engine).__name__)
+    return EngineView(_engine_name(engine), False, family, pp, microbatches, 1, None, layout.placement,
+                      tuple(layout.layers_per_stage))
+
+
+def compiled(engine, view: EngineView):
+    """The verified schedule the engine runs for (pp, m): the engine's own compile (with its
+    OFFLOAD / RELOAD), or the schedule of nanotron's engine's family (None: an engine
+    with no schedule model)."""
+    if isinstance(engine, PipescheduleEngine):
+        return engine.compile(pp=view.pp, microbatches=view.microbatches)
+    if view.family is None:
+        return None
+    return compile_schedule(view.family, pp=view.pp, microbatches=view.microbatches)
+
+
+def preflight(config_file: str, *, nproc: int | None = None, source: str = "--nproc", gpu: str | None = None,
+              memory: bool = True, config=None) -> Preflight:
+    """[Note: pre-flight]: the config checked step by step; raises PipescheduleError (one
+    line naming the value and the fix) at the first step that would fail. `config`: what
+    `read_config` gave, where the caller has read it; `memory`: predict memory (step 5)."""
+    if gpu is not None:
+        _gpu_budget(gpu)  # a name that is no preset is refused before the work
+    config = read_config(config_file) if config is None else config
+    check_world(config, nproc, source)
+    parallelism, model_config = config.parallelism, config.model.model_config
+    engine, pp = parallelism.pp_engine, parallelism.pp
+    world = (parallelism.dp, parallelism.tp, pp, getattr(parallelism, "expert_parallel_size", 1) or 1)
+    kind = type(model_config).__name__
+    if kind not in LLAMA_CONFIGS:
+        return Preflight(config_file, kind, None, (), world, nproc, None,
+                         notes=(f"layout, schedule and memory not predicted: the check knows nanotron's Llama "
+                                f"({', '.join(LLAMA_CONFIGS)}), not {kind}",))
+    layout = engine_layout(engine, model_config, pp)
+    view = engine_view(engine, layout, pp, config.tokens.batch_accumulation_per_replica)
+    schedule = compiled(engine, view)
+    notes = _notes(engine, view, config)
+    predicted, budget = None, None
+    if memory and schedule is not None:
+        predicted, why = _memory(config_file, config, view, gpu)
+        notes += (why,) if why else ()
+        budget = _gpu_budget(gpu) if gpu is not None and predicted is not None else None
+    return Preflight(config_file, kind, view, tuple(layout.block_ranks), world, nproc,
+                     None if schedule is None else sum(len(p) for p in schedule.programs), predicted, gpu, budget,
+                     notes)
+
+
+def _notes(engine, view: EngineView, config) -> tuple[str, ...]:
+    notes = []
+    if getattr(engine, "auto", None) is not None:
+        notes.append("auto chooses its engine after the first step, from what that step measures; shown: the "
+                     "first step's")
+    if view.offload is not None:
+        notes.append(f"offload ranks {'/'.join(map(str, view.offload))}: the memory shown keeps every stash on the "
+                     "device")
+    dataset = getattr(getattr(config, "data", None), "dataset", None)
+    notes.append("data: synthetic tokens" if dataset is None else
+                 "data: not checked here (the launcher loads the dataset and tokenizer and checks them first)")
+    return tuple(notes)
+
+
+def _gpu_budget(gpu: str) -> float:
+    """Bytes a GPU preset leaves the job: its memory less the planner's default 2 GiB reserve."""
+    try:
+        return gpu_preset(gpu)["memory"] - 2 * GiB
+    except ParameterError:
+        raise ParameterError(f"--gpu {gpu!r} is no GPU preset; accepted: {', '.join(GPUS)}") from None
+
+
+def _memory(config_file: str, config, view: EngineView, gpu: str | None):
+    """(the planner's Candidate for the engine, None) or (None, why not): the config read
+    as `pipeschedule plan --model-file` reads it, with the dtype and attention of the run."""
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    args = parser.parse_args(["--model-file", config_file] + (["--gpu", gpu] if gpu else []))
+    args.attention = "flash-attn" if importlib.util.find_spec("flash_attn") else "sdpa-standin"  # as the launcher
+    args.recompute = "selective" if view.recompute == "selective" else "none"
+    try:
+        plan_config = plan_cli.config_from_args(plan_cli.resolve_layout(args, err=io.StringIO()))
+        itemsize = config.model.dtype.itemsize
+        plan_config = replace(plan_config, setup=replace(plan_config.setup, param_bytes=itemsize, act_bytes=itemsize))
+        return engine_memory(plan_config, view.name, view.family, view.cap, view.virtual, view.layers,
+                             recomputed=recomputed_layers(view)), None
+    except PipescheduleError as err:
+        return None, f"memory not predicted: {' '.join(str(err).split())}"
+
+
+def _engine_name(engine) -> str:
+    return NANOTRON_FAMILIES.get(type(engine).__name__, type(engine).__name__)
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+
+def report(found: Preflight) -> str:
+    """`pipeschedule check`'s text: what would run, and the memory per rank."""
+    dp, tp, pp, expert = found.world
+    sizes = f"dp {dp} * tp {tp} * pp {pp}" + (f" * expert {expert}" if expert != 1 else "")
+    started = "" if found.nproc is None else f" (--nproc {found.nproc})"
+    lines = [f"{found.config_file}: would run", f"  world     {sizes} = {found.processes} processes{started}"]
+    view = found.view
+    if view is not None:
+        who = "pipeschedule" if view.ours else "nanotron's own"
+        lines.append(f"  engine    {view.name} ({who}), family {view.family}" +
+                     ("" if view.cap is None else f", cap {_joined(view.cap)}") +
+                     ("" if view.virtual == 1 else f", virtual {view.virtual}"))
+        lines.append(f"  layout    placement (rank of each stage) {_joined(view.placement)}; decoder layers per "
+                     f"stage {_joined(view.layers)}")
+        lines.append(f"  schedule  pp {view.pp}, m {view.microbatches} microbatches a step: " + (
+            f"{found.instructions} instructions, verified against every rule" if found.instructions is not None
+            else f"no schedule model of {view.name}: not compiled"))
+    lines += [f"  note      {note}" for note in found.notes]
+    if found.memory is not None:
+        lines += _memory_table(found)
+    return "\n".join(lines)
+
+
+def _memory_table(found: Preflight) -> list[str]:
+    against = (f"against {found.gpu}: {found.budget / GiB:.1f} GiB after 2 GiB kept back" if found.budget is not None
+               else "give --gpu to check them against a GPU")
+    lines = [f"  memory    per rank, predicted by pipeschedule's memory model ({against})",
+             "    rank  stages  layers  in flight  activations       total" + ("  fits" if found.budget else "")]
+    for rank in found.memory.memory:
+        row = (f"    {rank.rank:>4}  {_joined(rank.stages):<6}  {_joined(rank.layers):>6}  {rank.inflight:>9}  "
+               f"{_size(rank.terms.get('activations', 0)):>11}  {_size(rank.total):>10}")
+        if found.budget is not None:
+            row += "  " + ("yes" if rank.total <= found.budget else "NO")
+        lines.append(row)
+    return lines
+
+
+def _joined(value) -> str:
+    return "/".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def main(config_file: str, *, nproc: int | None = None, gpu: str | None = None) -> int:
+    """`pipeschedule check`: the report on standard output, 0; or raises PipescheduleError
+    with the one line (the command prints it and exits 2), after the report when only the
+    memory does not fit the GPU."""
+    found = preflight(config_file, nproc=nproc, gpu=gpu)
+    print(report(found))
+    over = found.over_budget()
+    if over:
+        worst = max(over, key=lambda r: r.total)
+        raise ParameterError(
+            f"rank {worst.rank} needs {worst.total / GiB:.2f} GiB (predicted), over the {found.gpu}'s "
+            f"{found.budget / GiB:.1f} GiB (its memory less 2 GiB kept back): see what fits with "
+            f"`pipeschedule plan --model-file {config_file} --gpu {found.gpu}`")
+    return 0
+
+
+__all__ = ["Preflight", "check_world", "engine_layout", "llama_blocks", "main", "preflight", "read_config",
+           "report"]

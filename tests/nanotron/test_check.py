@@ -1,0 +1,149 @@
+"""`pipeschedule check CONFIG [--nproc N] [--gpu NAME]` on real nanotron YAML files, read
+by nanotron's own loader ([Note: pre-flight] in integration/nanotron/check.py): a config
+that would run prints what would run and its memory per rank (exit 0); each bad input
+ends in one line naming the value and the fix (exit 2), and a fix it suggests is
+accepted when applied."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+import integration.nanotron  # noqa: F401  (registers the engines, as a launch script would)
+from integration.nanotron.check import preflight
+from integration.nanotron.example import TrainerConfig
+from pipeschedule.cli import main
+
+SMALL = TrainerConfig(pp=2, layers=4, microbatches=4)
+# Llama3-70B's sizes in nanotron's config, pp=4: arithmetic only, nothing is allocated
+BIG = TrainerConfig(pp=4, layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192,
+                    micro_batch_size=1, microbatches=8, dtype="bfloat16", fp32_accumulation=True)
+
+
+def write(tmp_path, config: TrainerConfig, name: str = "config.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(config.yaml(str(tmp_path / "checkpoints")))
+    return str(path)
+
+
+def check(capsys, *argv: str) -> tuple[int, str, list[str]]:
+    """`pipeschedule check ARGV`: (exit code, stdout, stderr's lines)."""
+    code = main(["check", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err.splitlines()
+
+
+@pytest.mark.parametrize("engine, placement, layers", [
+    ("1f1b", "0/1", "3/1"),  # nanotron's own engine: nanotron's cost split (the LM head weighs on the last rank)
+    ("afab", "0/1", "3/1"),
+    ("capped_1f1b:cap=1", "0/1", "3/1"),
+    ("ps_1f1b:split=2/2", "0/1", "2/2"),
+    ("interleaved_1f1b:virtual=2", "0/1/0/1", "2/1/1/0"),  # nanotron's cost split over the 4 stages
+    ("zb_h1:split=1/3", "0/1", "1/3"),
+    ("zbv", "0/1/1/0", "2/1/1/0"),
+    ("v_half:cap=2,recompute=full,split=1/1/1/1", "0/1/1/0", "1/1/1/1"),
+    ("capped_1f1b:cap=1,offload=0", "0/1", "3/1"),
+    ("auto", "0/1", "3/1"),
+])
+def test_a_config_that_would_run_prints_what_runs_and_exits_0(tmp_path, capsys, engine, placement, layers):
+    path = write(tmp_path, replace(SMALL, engine=engine))
+    code, out, err = check(capsys, path, "--nproc", "2", "--gpu", "h100")
+    assert code == 0 and err == [], err
+    assert out.startswith(f"{path}: would run\n")
+    assert "  world     dp 1 * tp 1 * pp 2 = 2 processes (--nproc 2)" in out
+    assert f"placement (rank of each stage) {placement}; decoder layers per stage {layers}" in out
+    assert re.search(r"schedule  pp 2, m 4 microbatches a step: \d+ instructions, verified against every rule", out)
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s+[01]\s+\d", line)]
+    assert [row[0] for row in rows] == ["0", "1"] and all(row[-1] == "yes" for row in rows), out  # fits an H100
+    assert "memory    per rank, predicted by pipeschedule's memory model (against h100: 78.0 GiB" in out
+
+
+def test_the_memory_follows_the_schedule(tmp_path):
+    """Rank 0 keeps 2 microbatches in flight under 1F1B at pp 2 and 1 under cap 1: the
+    prediction of its activations halves (the same split, 3/1)."""
+    found = {engine: preflight(write(tmp_path, replace(SMALL, engine=engine), f"{i}.yaml"), gpu="h100").memory.memory
+             for i, engine in enumerate(("ps_1f1b", "capped_1f1b:cap=1"))}
+    assert [r.inflight for r in found["ps_1f1b"]] == [2, 1]
+    assert [r.inflight for r in found["capped_1f1b:cap=1"]] == [1, 1]
+    full, capped = (found[e][0].terms["activations"] for e in ("ps_1f1b", "capped_1f1b:cap=1"))
+    assert capped == pytest.approx(full / 2, rel=0.01)
+
+
+def test_a_config_over_the_gpu_prints_its_table_then_one_line(tmp_path, capsys):
+    path = write(tmp_path, BIG)
+    code, out, err = check(capsys, path, "--gpu", "h100")
+    assert code == 2 and len(err) == 1, err
+    assert " NO" in out  # the table still says which ranks do not fit
+    assert re.fullmatch(rf"pipeschedule: error: rank \d needs [\d.]+ GiB \(predicted\), over the h100's 78.0 GiB "
+                        rf"\(its memory less 2 GiB kept back\): see what fits with `pipeschedule plan --model-file "
+                        rf"{re.escape(path)} --gpu h100`", err[0]), err
+
+
+@pytest.mark.parametrize("config, argv, expected", [
+    (SMALL, ["--nproc", "4"], "parallelism dp * tp * pp = 1 * 1 * 2 = 2 processes, but --nproc is 4: start 2 "
+                              "(torchrun --nproc-per-node 2 on one node), or set parallelism.dp: 2 to use 4"),
+    (SMALL, ["--nproc", "3"], "parallelism dp * tp * pp = 1 * 1 * 2 = 2 processes, but --nproc is 3: start 2 "
+                              "(torchrun --nproc-per-node 2 on one node)"),
+    (replace(SMALL, dp=2), ["--nproc", "2"], "dp * tp * pp = 2 * 1 * 2 = 4 processes, but --nproc is 2"),
+    (replace(SMALL, engine="caped_1f1b"), [], "unknown engine 'caped_1f1b' (did you mean capped_1f1b?)"),
+    (replace(SMALL, engine="capped_1f1b:split=1/1"), [], "split places 1+1 = 2 decoder layers but the model has 4"),
+    (replace(SMALL, engine="capped_1f1b:cap=1/1/1"), [], "cap lists 3 ranks but pp = 2"),
+    (SMALL, ["--gpu", "a100"], "--gpu 'a100' is no GPU preset; accepted: gh200, h100, h200"),
+])
+def test_a_bad_config_is_refused_in_one_line(tmp_path, capsys, config, argv, expected):
+    code, out, err = check(capsys, write(tmp_path, config), *argv)
+    assert code == 2 and out == "" and len(err) == 1, (out, err)
+    assert err[0].startswith("pipeschedule: error: ") and expected in err[0], err
+
+
+@pytest.mark.parametrize("engine, pp, layers", [
+    ("interleaved_1f1b:virtual=3", 4, 4),  # issue 33: the suggestion used to be refused itself
+    ("interleaved_1f1b:virtual=8", 2, 4),
+    ("capped_1f1b:split=1/1", 2, 4),
+    ("ps_1f1b:split=0/0/4/0", 4, 4),
+    ("zbv", 4, 3),  # 8 stages, 3 layers: no split of pp 4 can fill them; the fix is pp 2
+    ("capped_1f1b:cap=4/3/2/1,split=0/0/2/2", 4, 4),
+    ("zbv:split=4/0/0/0", 2, 4),
+])
+def test_too_few_layers_for_the_stages_is_refused_with_a_fix_that_is_accepted(tmp_path, capsys, engine, pp, layers):
+    config = replace(SMALL, engine=engine, pp=pp, layers=layers)
+    code, out, err = check(capsys, write(tmp_path, config))
+    assert code == 2 and len(err) == 1, err
+    fix = re.search(r"Give pp_engine: (\S+)(?: with parallelism\.pp: (\d+))?$", err[0])
+    assert fix is not None, err
+    fixed = replace(config, engine=fix.group(1), pp=int(fix.group(2) or pp))
+    code, out, err = check(capsys, write(tmp_path, fixed, "fixed.yaml"))
+    assert code == 0 and err == [], (fix.group(0), err)
+
+
+def test_a_file_nanotron_cannot_read_is_refused_in_one_line(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_text(SMALL.yaml(str(tmp_path)) + "  [unclosed\n")
+    code, out, err = check(capsys, str(path))
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(f"pipeschedule: error: nanotron cannot read the config file {path}: ScannerError: ")
+    code, out, err = check(capsys, str(tmp_path / "nowhere.yaml"))
+    assert code == 2 and err == [f"pipeschedule: error: cannot read the config file {tmp_path / 'nowhere.yaml'}: "
+                                 f"No such file or directory"]
+
+
+def test_without_nanotron_the_command_says_what_to_install(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "nanotron", None)  # as find_spec sees a package that is not installed
+    code, out, err = check(capsys, write(tmp_path, SMALL))
+    assert code == 2 and err == ["pipeschedule: error: pipeschedule check reads the config with nanotron's own "
+                                 "loader and needs nanotron: pip install torch -e '.[nanotron]' (from the "
+                                 "pipeschedule checkout)"]
+
+
+@pytest.mark.spawn
+def test_the_installed_command_refuses_in_one_line_without_a_traceback(tmp_path):
+    path = write(tmp_path, replace(SMALL, engine="interleaved_1f1b:virtual=3", pp=4))
+    result = subprocess.run(["pipeschedule", "check", path, "--nproc", "4"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "Give pp_engine: interleaved_1f1b:virtual=1,split=1/1/1/1" in result.stderr
