@@ -29,10 +29,13 @@ Progress: after the first step world rank 0 logs one block through nanotron's lo
 (the engine, its schedule, the stash per rank predicted and measured: [Note: the
 first-step block] in progress.py); nanotron's own per-step lines follow.
 
-A refusal that follows from the config and files alone (a config nanotron cannot read, a
-bad `pp_engine` value, data that cannot feed the model) is the same on every rank:
-world rank 0 says it in one line and the other ranks stop without a word
-([Note: one refusal, once]).
+Before anything else every rank checks the config as `pipeschedule check` does
+([Note: pre-flight] in check.py: nanotron's loader, the engine, the layout of the model,
+the schedule, and the world size against the processes torchrun started). A refusal that
+follows from the config and files alone (a config nanotron cannot read, a bad
+`pp_engine` value, a layout the engine cannot run, a world size the config does not
+fill, data that cannot feed the model) is the same on every rank: world rank 0 says it
+in one line and the other ranks stop without a word ([Note: one refusal, once]).
 
 `--record DIR` writes, per rank, `DIR/rank{R}.json` (`record_of`, without weights): the
 rank's place (world, pp, dp, tp), the engine, each step's loss (on the loss rank, else
@@ -64,6 +67,7 @@ import torch
 from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from integration.nanotron import data, flash_attn_standin, progress
+from integration.nanotron.check import preflight, read_config
 from integration.nanotron.errors import DataError, PipescheduleError
 from integration.nanotron.gloo import use_gloo
 from integration.nanotron.step import pipeline_blocks
@@ -347,30 +351,14 @@ def train(config_file: str, *, record: bool = False, text: data.TextData | None 
     return trainer
 
 
-def read_config(config_file: str):
-    """nanotron's own reading of `config_file`, first and alone: a file it cannot read
-    (missing, not YAML, a value of the wrong type, a key nanotron lacks) is refused in
-    one line that names the file, where nanotron's trainer would raise it from inside its
-    constructor. Refusals of ours (a bad `pp_engine`) pass through as they are."""
-    from nanotron.config import get_config_from_file
-
-    try:
-        return get_config_from_file(config_file)
-    except PipescheduleError:
-        raise
-    except OSError as err:
-        raise PipescheduleError(f"cannot read the config file {config_file}: {err.strerror or err}") from None
-    except Exception as err:  # noqa: BLE001  (yaml's, dacite's, nanotron's own checks: all say what is wrong)
-        said = " ".join(str(err).split()) or "(no message)"
-        raise PipescheduleError(f"nanotron cannot read the config file {config_file}: {type(err).__name__}: "
-                                f"{said}") from None
-
-
 def run(config_file: str, *, backend: str = "auto", record: str | None = None, weights: bool = False) -> None:
-    """One process of the job: read and check the config and its data, prepare, train,
-    and write the record if asked."""
+    """One process of the job: read and check the config ([Note: pre-flight]: its engine,
+    layout and schedule, and the world size torchrun started) and its data, prepare,
+    train, and write the record if asked."""
     try:
         config = read_config(config_file)  # (the trainer reads it again: nanotron 0.4's takes a file, not a Config)
+        preflight(config_file, config=config, nproc=int(os.environ.get("WORLD_SIZE", "1")),
+                  source="torchrun's world size (WORLD_SIZE)", memory=False)
         text = data.load(config)
     except PipescheduleError as err:
         raise SameOnEveryRank(str(err)) from None

@@ -16,16 +16,17 @@ from trainer_jobs import TrainerConfig
 pytestmark = pytest.mark.spawn
 
 
-def launch(tmp_path, engine: str, *extra: str, layers: int = 4, timeout: float = 180.0, edit=None):
-    """torchrun with two ranks on a TrainerConfig's YAML (`edit`: text -> text, applied first)."""
+def launch(tmp_path, engine: str, *extra: str, layers: int = 4, timeout: float = 180.0, edit=None, nproc: int = 2,
+           pp: int = 2):
+    """torchrun with `nproc` ranks on a TrainerConfig's YAML (`edit`: text -> text, applied first)."""
     config = tmp_path / "config.yaml"
-    text = TrainerConfig(engine=engine, layers=layers, steps=1).yaml(str(tmp_path / "checkpoints"))
+    text = TrainerConfig(engine=engine, layers=layers, steps=1, pp=pp).yaml(str(tmp_path / "checkpoints"))
     config.write_text(edit(text) if edit else text)
     with socket.socket() as probe:  # a free port for torchrun's rendezvous
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               "-m", "integration.nanotron.train", "--config-file", str(config), *extra]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(port), "-m", "integration.nanotron.train", "--config-file", str(config), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 
@@ -45,6 +46,31 @@ def test_trains_from_the_yaml_and_records(tmp_path):
     assert all(b > 0 for b in first["measured_stash"] + first["predicted_stash"])
     weights = torch.load(tmp_path / "record" / "rank1-weights.pt")
     assert "model.lm_head.pp_block.weight" in weights
+
+
+@pytest.mark.parametrize("nproc, pp, engine, expected", [
+    (3, 2, "1f1b", "parallelism dp * tp * pp = 1 * 1 * 2 = 2 processes, but torchrun's world size (WORLD_SIZE) is "
+                   "3: start 2 (torchrun --nproc-per-node 2 on one node)"),
+    (4, 2, "capped_1f1b", "parallelism dp * tp * pp = 1 * 1 * 2 = 2 processes, but torchrun's world size "
+                          "(WORLD_SIZE) is 4: start 2 (torchrun --nproc-per-node 2 on one node), or set "
+                          "parallelism.dp: 2 to use 4"),
+    (2, 2, "caped_1f1b", "pp_engine 'caped_1f1b': unknown engine 'caped_1f1b' (did you mean capped_1f1b?). Accepted: "),
+    (4, 4, "interleaved_1f1b:virtual=3", "the model's 4 decoder layers fill at most 6 stages (the embedding on the "
+                                         "first, the head on the last, a layer on each between). Give pp_engine: "
+                                         "interleaved_1f1b:virtual=1,split=1/1/1/1"),
+])
+def test_the_launch_checks_the_config_first_and_rank_0_alone_says_what_is_wrong(tmp_path, nproc, pp, engine,
+                                                                                 expected):
+    """[Note: pre-flight]: a world size torchrun's ranks do not fill (nanotron's
+    ParallelContext used to raise an AssertionError on every rank), an unknown engine, a
+    layout the engine cannot run: one line, from rank 0, once; every rank ends."""
+    result = launch(tmp_path, engine, timeout=120, nproc=nproc, pp=pp)
+    assert result.returncode != 0
+    lines = our_lines(result)
+    assert len(lines) == 1 and lines[0].startswith("integration.nanotron.train rank 0: "), result.stderr[-3000:]
+    assert expected in lines[0], lines
+    assert "AssertionError" not in result.stderr and "[rank" not in result.stderr, result.stderr[-3000:]
+    assert "[INFO" not in result.stdout  # refused before nanotron's trainer was built
 
 
 @pytest.mark.parametrize("engine, expected", [

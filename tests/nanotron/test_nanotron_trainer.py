@@ -105,3 +105,19 @@ def test_recompute_keeps_less_and_trains_the_same(job):
     selective = ours["capped_1f1b:cap=1,recompute=selective"]["stash"]
     for rank in (0, 1):
         assert full[rank][-1] < selective[rank][-1] < plain[rank][-1], (full, selective, plain)
+
+
+@pytest.mark.parametrize("key", ["pp2", "pp4"])
+def test_pipeschedule_check_predicts_the_blocks_the_trainer_built(job, key, tmp_path):
+    """`pipeschedule check` lays the model out from numbers alone ([Note: pre-flight] in
+    integration/nanotron/check.py); nanotron's trainer built it, through its build_model
+    (our hook under our engines, nanotron's cost split under its own): every block on the
+    rank the check said."""
+    from integration.nanotron.check import preflight
+
+    base, engines = JOBS[key]
+    ref, ours = job(key)
+    for engine, result in [("1f1b", ref), *ours.items()]:
+        path = tmp_path / "config.yaml"
+        path.write_text(TrainerConfig(engine=engine, **base).yaml(str(tmp_path / "checkpoints")))
+        assert list(preflight(str(path), memory=False).block_ranks) == result["block_ranks"], engine
