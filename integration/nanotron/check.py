@@ -39,6 +39,8 @@ import importlib.util
 import io
 from dataclasses import dataclass, replace
 
+from nanotron.config import get_config_from_file  # (nanotron repaired and our names registered by the package)
+
 from integration.nanotron.engine import PipescheduleEngine
 from integration.nanotron.errors import LayoutError, ParameterError, PipescheduleError
 from integration.nanotron.layout import ModelLayout, layer_mask
@@ -47,6 +49,7 @@ from integration.nanotron.progress import EngineView, NANOTRON_FAMILIES, recompu
 from integration.nanotron.split import nanotron_block_stages
 from pipeschedule import compile_schedule
 from pipeschedule.cli import plan as plan_cli
+from pipeschedule.plan.candidate import Candidate
 from pipeschedule.plan.memory import GiB, ModelSpec
 from pipeschedule.plan.partition import llama_block_costs
 from pipeschedule.plan.planner import engine_memory
@@ -59,12 +62,15 @@ LLAMA_CONFIGS = ("LlamaConfig",)  # the model configs whose blocks `llama_blocks
 class Preflight:
     """What `preflight` found for a config that would run.
 
-    view: the engine, its schedule family and parameters and the layout (progress.py's
-    `EngineView`, as the first-step block shows it; None for a model whose layout is not
-    predicted). world: (dp, tp, pp, expert parallel). instructions: of the verified
-    schedule. memory: the planner's `Candidate` for the engine (None: not predicted, and
-    why in `notes`). gpu / budget: the GPU preset checked against and its budget in bytes
-    (None without --gpu)."""
+    model: the class of the config's model config (LlamaConfig). view: the engine, its
+    schedule family and parameters and the layout (progress.py's `EngineView`, as the
+    first-step block shows it; None for a model whose layout is not predicted).
+    block_ranks: the rank of each of the model's blocks in forward order. world: (dp, tp,
+    pp, expert parallel); nproc: the processes checked against (None: not given).
+    instructions: of the verified schedule. memory: the planner's `Candidate` for the
+    engine (None: not predicted, and why in `notes`). gpu / budget: the GPU preset checked
+    against and the bytes the planner leaves the job on it, its memory less the plan's
+    reserve (None without --gpu)."""
 
     config_file: str
     model: str
@@ -73,7 +79,7 @@ class Preflight:
     world: tuple[int, int, int, int]
     nproc: int | None
     instructions: int | None
-    memory: object = None
+    memory: Candidate | None = None
     gpu: str | None = None
     budget: float | None = None
     notes: tuple[str, ...] = ()
@@ -87,7 +93,7 @@ class Preflight:
         """The ranks whose predicted memory exceeds the GPU's budget (none without --gpu)."""
         if self.memory is None or self.budget is None:
             return []
-        return [r for r in self.memory.memory if r.total > self.budget]
+        return [r for r in self.memory.memory if not r.fits]
 
 
 def read_config(config_file: str):
@@ -95,8 +101,6 @@ def read_config(config_file: str):
     value of the wrong type, a key nanotron lacks) is refused in one line that names the
     file, where nanotron's trainer would raise it from inside its constructor. Refusals of
     ours (a bad `pp_engine`) pass through as they are."""
-    from nanotron.config import get_config_from_file
-
     try:
         return get_config_from_file(config_file)
     except PipescheduleError:
@@ -206,7 +210,7 @@ def preflight(config_file: str, *, nproc: int | None = None, source: str = "--np
     line naming the value and the fix) at the first step that would fail. `config`: what
     `read_config` gave, where the caller has read it; `memory`: predict memory (step 5)."""
     if gpu is not None:
-        _gpu_budget(gpu)  # a name that is no preset is refused before the work
+        _check_gpu(gpu)  # a name that is no preset is refused before the work
     config = read_config(config_file) if config is None else config
     check_world(config, nproc, source)
     parallelism, model_config = config.parallelism, config.model.model_config
@@ -225,7 +229,7 @@ def preflight(config_file: str, *, nproc: int | None = None, source: str = "--np
     if memory and schedule is not None:
         predicted, why = _memory(config_file, config, view, gpu)
         notes += (why,) if why else ()
-        budget = _gpu_budget(gpu) if gpu is not None and predicted is not None else None
+        budget = predicted.memory[0].budget if gpu is not None and predicted is not None else None
     return Preflight(config_file, kind, view, tuple(layout.block_ranks), world, nproc,
                      None if schedule is None else sum(len(p) for p in schedule.programs), predicted, gpu, budget,
                      notes)
@@ -245,10 +249,10 @@ def _notes(engine, view: EngineView, config) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _gpu_budget(gpu: str) -> float:
-    """Bytes a GPU preset leaves the job: its memory less the planner's default 2 GiB reserve."""
+def _check_gpu(gpu: str) -> None:
+    """Refuses a --gpu that names no preset of the planner's."""
     try:
-        return gpu_preset(gpu)["memory"] - 2 * GiB
+        gpu_preset(gpu)
     except ParameterError:
         raise ParameterError(f"--gpu {gpu!r} is no GPU preset; accepted: {', '.join(GPUS)}") from None
 
@@ -302,17 +306,22 @@ def report(found: Preflight) -> str:
 
 
 def _memory_table(found: Preflight) -> list[str]:
-    against = (f"against {found.gpu}: {found.budget / GiB:.1f} GiB after 2 GiB kept back" if found.budget is not None
-               else "give --gpu to check them against a GPU")
+    against = (f"against {found.gpu}: {found.budget / GiB:.1f} GiB after {_reserve(found) / GiB:g} GiB kept back"
+               if found.budget is not None else "give --gpu to check them against a GPU")
     lines = [f"  memory    per rank, predicted by pipeschedule's memory model ({against})",
              "    rank  stages  layers  in flight  activations       total" + ("  fits" if found.budget else "")]
     for rank in found.memory.memory:
         row = (f"    {rank.rank:>4}  {_joined(rank.stages):<6}  {_joined(rank.layers):>6}  {rank.inflight:>9}  "
                f"{_size(rank.terms.get('activations', 0)):>11}  {_size(rank.total):>10}")
         if found.budget is not None:
-            row += "  " + ("yes" if rank.total <= found.budget else "NO")
+            row += "  " + ("yes" if rank.fits else "NO")
         lines.append(row)
     return lines
+
+
+def _reserve(found: Preflight) -> float:
+    """What the plan keeps back of the GPU's memory (CUDA context, NCCL, allocator slack)."""
+    return gpu_preset(found.gpu)["memory"] - found.budget
 
 
 def _joined(value) -> str:
@@ -337,8 +346,8 @@ def main(config_file: str, *, nproc: int | None = None, gpu: str | None = None) 
         worst = max(over, key=lambda r: r.total)
         raise ParameterError(
             f"rank {worst.rank} needs {worst.total / GiB:.2f} GiB (predicted), over the {found.gpu}'s "
-            f"{found.budget / GiB:.1f} GiB (its memory less 2 GiB kept back): see what fits with "
-            f"`pipeschedule plan --model-file {config_file} --gpu {found.gpu}`")
+            f"{found.budget / GiB:.1f} GiB (its memory less {_reserve(found) / GiB:g} GiB kept back): see what fits "
+            f"with `pipeschedule plan --model-file {config_file} --gpu {found.gpu}`")
     return 0
 
 
