@@ -62,11 +62,15 @@ def test_a_parser_for_one_command_builds_that_command_alone():
     assert command_of(["--version"]) is None and command_of(["show", "1f1b"]) == "show"
 
 
+# A fresh interpreter in which torch, nanotron and the adapter cannot be imported (as
+# where the compiler alone is installed) runs one command and says what it loaded.
 LOADED = ("import json, sys\n"
+          "for name in ('torch', 'nanotron', 'einops', 'integration'):\n"
+          "    sys.modules[name] = None  # import raises ImportError, find_spec says not installed\n"
           "from pipeschedule.cli import main\n"
           "code = main(sys.argv[1:])\n"
-          "print(json.dumps([code, sorted(m for m in sys.modules if m.split('.')[0] in "
-          "('torch', 'nanotron', 'integration') or m.startswith('pipeschedule.plan'))]))\n")
+          "print(json.dumps([code, sorted(m for m, module in sys.modules.items() if module is not None and "
+          "m.startswith('pipeschedule.plan'))]))\n")
 
 
 @pytest.mark.spawn
@@ -76,17 +80,29 @@ LOADED = ("import json, sys\n"
     (["verify", "{tmp}/s.json"], False),
     (["simulate", "zbv", "--pp", "2", "-m", "4", "--json"], False),
     (["show", "capped_1f1b", "--pp", "2", "-m", "4"], False),
+    (["demo"], False),  # (its training part skipped: torch and nanotron are not there)
     (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--tables", "none", "--recompute",
       "none", "--zero", "0"], True),
 ])
-def test_a_command_loads_the_planner_only_when_it_plans(tmp_path, argv, planner):
-    """In a fresh interpreter: what each command leaves in sys.modules (the compiler's
-    commands: no pipeschedule.plan, no torch, no nanotron, no adapter)."""
+def test_a_command_runs_without_torch_and_loads_the_planner_only_when_it_plans(tmp_path, argv, planner):
+    """Each command runs where torch, nanotron and the adapter cannot be imported; the
+    compiler's commands leave no pipeschedule.plan module loaded."""
     if argv[0] == "verify":
         assert main(["compile", "1f1b", "--pp", "2", "-m", "2", "--json", str(tmp_path / "s.json")]) == 0
     argv = [word.replace("{tmp}", str(tmp_path)) for word in argv]
     result = subprocess.run([sys.executable, "-c", LOADED, *argv], capture_output=True, text=True, timeout=300)
     code, loaded = json.loads(result.stdout.splitlines()[-1])
     assert code == 0, result.stderr[-2000:]
-    assert not [m for m in loaded if not m.startswith("pipeschedule.plan")], loaded
     assert bool(loaded) == planner, loaded
+
+
+@pytest.mark.spawn
+def test_check_without_torch_or_nanotron_says_what_to_install_in_one_line(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("parallelism: {dp: 1, pp: 2, tp: 1}\n")
+    result = subprocess.run([sys.executable, "-c", LOADED, "check", str(config)], capture_output=True, text=True,
+                            timeout=300)
+    assert json.loads(result.stdout.splitlines()[-1])[0] == 2
+    assert result.stderr.splitlines() == [
+        "pipeschedule: error: pipeschedule check reads the config with nanotron's own loader and needs torch, "
+        "nanotron, einops: pip install torch -e '.[nanotron]' (from the pipeschedule checkout)"], result.stderr
