@@ -10,11 +10,15 @@ import re
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, strategies as st
 
 import integration.nanotron  # noqa: F401  (registers the engines, as a launch script would)
-from integration.nanotron.check import preflight
+from integration.nanotron.check import check_world, preflight
+from nanotron.config.parallelism_config import ParallelismArgs
+from pipeschedule.errors import ParameterError
 from integration.nanotron.example import TrainerConfig
 from pipeschedule.cli import main
 
@@ -98,6 +102,32 @@ def test_a_bad_config_is_refused_in_one_line(tmp_path, capsys, config, argv, exp
     code, out, err = check(capsys, write(tmp_path, config), *argv)
     assert code == 2 and out == "" and len(err) == 1, (out, err)
     assert err[0].startswith("pipeschedule: error: ") and expected in err[0], err
+
+
+def parallelism(dp: int, tp: int, pp: int) -> SimpleNamespace:
+    """A config as check_world reads it: nanotron's own ParallelismArgs under `parallelism`."""
+    return SimpleNamespace(parallelism=ParallelismArgs(dp=dp, tp=tp, pp=pp, pp_engine="1f1b"))
+
+
+@given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8), st.integers(1, 600))
+def test_every_world_size_fix_is_accepted(dp, tp, pp, nproc):
+    """The processes to start, and the dp that fills the processes started, pass the check
+    they were suggested by; the check refuses exactly the worlds the config does not fill."""
+    try:
+        check_world(parallelism(dp, tp, pp), nproc)
+    except ParameterError as err:
+        message = str(err)
+    else:
+        assert nproc == dp * tp * pp
+        return
+    assert nproc != dp * tp * pp and len(message.splitlines()) == 1
+    start = int(re.search(r"start (\d+) ", message).group(1))
+    check_world(parallelism(dp, tp, pp), start)
+    other = re.search(r"set parallelism\.dp: (\d+) to use (\d+)$", message)
+    assert (other is not None) == (nproc % (tp * pp) == 0)
+    if other:
+        assert int(other.group(2)) == nproc
+        check_world(parallelism(int(other.group(1)), tp, pp), nproc)
 
 
 @pytest.mark.parametrize("engine, pp, layers", [
