@@ -25,11 +25,14 @@ tests' and benchmarks' helpers live in benchmarks/llama/):
     step          one step of it (Runner, ModelStages, NanotronExecutor); stage_call: one
                   stage per model call; boundary: the packed boundary tensors
     layout        where each block goes; the first-step check of the built model
+    layout_fix    the fix a layout refusal suggests, one that is accepted when applied
     grad_sync     DDP, fp32 accumulation, parameters shared by stages of one rank
     recompute     layer recompute
     split         layer splits: explicit, nanotron's default
     gloo          nanotron's trainer over gloo; cpu: nanotron's ParallelContext and P2P
                   on CPU (and staged through host memory on a shared GPU)
+    check         `pipeschedule check CONFIG`: a config checked before launch (the launcher's
+                  first step too)
     train         `python -m integration.nanotron.train`: nanotron's trainer from a YAML
     data          real text through nanotron's data path, checked before the trainer is built
     progress      the block logged after the first step: engine, schedule, stash per rank

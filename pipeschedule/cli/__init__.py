@@ -1,7 +1,8 @@
 """The `pipeschedule` command (`main`); `python -m pipeschedule.cli` runs it too.
 
-    main   the subcommands compile, verify, simulate, show, demo, plan
+    main   the subcommands compile, verify, simulate, show, demo, plan, check; --version
     plan   `pipeschedule plan`: its flags and its run
+    check  `pipeschedule check`: its flags; its run is nanotron's adapter's (integration.nanotron.check)
     demo   `pipeschedule demo`
 """
 
