@@ -89,6 +89,8 @@ import_nanotron()
 
 from nanotron.parallel.data_parallel.utils import ddp_trigger_sync_in_bwd  # noqa: E402
 
+from integration.nanotron.errors import ParameterError  # noqa: E402
+
 
 class GradFolder:
     """Folds each half gradient into the accumulator's fp32 buffer as autograd produces it
@@ -136,7 +138,8 @@ class GradientSync:
     def __init__(self, ddp: DistributedDataParallel | None, accumulator, *, sync_in_backward: bool, last_backward,
                  shared: SharedGrads | None, folder: GradFolder | None = None):
         if (accumulator is None) != (folder is None):
-            raise ValueError("GradientSync: a GradFolder comes with an accumulator, and only with one")
+            raise ParameterError("GradientSync: a GradFolder comes with an accumulator, and only with one (got "
+                                 f"accumulator={type(accumulator).__name__}, folder={type(folder).__name__})")
         self.ddp, self.accumulator, self.shared, self.folder = ddp, accumulator, shared, folder
         # DDP's reducer syncs inside the last B only without an accumulator: with one, each
         # gradient is folded as it arrives and the fp32 buffer is reduced after the step.
