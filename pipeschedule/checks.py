@@ -160,6 +160,32 @@ def parse_int(text: str, what: str) -> int:
     return int(text)
 
 
+# [Note: list syntax] A list of integers (caps per rank, layers per stage, ranks, dp
+# sizes) is written `4/3/2/1` everywhere: in a pp_engine string `,` separates parameters
+# (`capped_1f1b:cap=4/3/2/1,split=19/21/21/19`), so it cannot join a list there. Where it
+# clashes with nothing, on the command line (--cap, --dp) and in the strings of the
+# pp_engine mapping form ({name: capped_1f1b, cap: "4,3,2,1"}), `4,3,2,1` reads the same.
+LIST_SEPARATORS = "/,"
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """Integers joined by one of LIST_SEPARATORS ([Note: list syntax]), each read as
+    `parse_int` reads it: `4/3/2/1` and `4,3,2,1` -> [4, 3, 2, 1]; `2` -> [2]."""
+    if not isinstance(text, str):
+        raise ParameterError(f"{what} must be integers joined by / or , (4/3/2/1), got {shown(text)}")
+    used = [sep for sep in LIST_SEPARATORS if sep in text]
+    if len(used) > 1:
+        raise ParameterError(f"{what} joins its integers with one of / and , (4/3/2/1 or 4,3,2,1), got {shown(text)}")
+    parts = text.split(used[0]) if used else [text]
+    try:
+        return [parse_int(part, what) for part in parts]
+    except TooManyDigits:
+        raise
+    except ParameterError:
+        raise ParameterError(f"{what} must be an integer or integers joined by / or , (4/3/2/1 or 4,3,2,1; ASCII "
+                             f"digits), got {shown(text)}") from None
+
+
 def parse_number(text: str, what: str) -> float:
     """A finite number typed as text: ASCII digits, an optional sign, point and exponent
     (`1.5`, `2e-3`); no `_`, no other digits, no inf or nan."""
@@ -169,6 +195,11 @@ def parse_number(text: str, what: str) -> float:
     if not math.isfinite(value):
         raise ParameterError(f"{what} must be a finite number, got {shown(text)}")
     return value
+
+
+def int_list_arg(flag: str):
+    """An argparse `type` reading `flag`'s value with `parse_int_list`."""
+    return _arg(parse_int_list, flag)
 
 
 def int_arg(flag: str):

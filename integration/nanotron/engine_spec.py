@@ -8,7 +8,9 @@ Two forms are accepted, and both load to the same `EngineSpec`:
     pp_engine: {name: capped_1f1b, cap: 2, split: [19, 21, 21, 19]}   # mapping form
 
 Grammar of the string form: `NAME[:KEY=VALUE[,KEY=VALUE]...]`; a VALUE is an integer or
-a list of integers joined by `/` (`cap=4/3/2/1`). No spaces or quotes are needed, so the
+a list of integers joined by `/` (`cap=4/3/2/1`; `,` separates parameters, so a list
+cannot be joined by it here; a string of the mapping form, like the command line's
+`--cap`, takes `4,3,2,1` too: [Note: list syntax] in pipeschedule/checks.py). No spaces or quotes are needed, so the
 value survives YAML unquoted (a `:` not followed by a space does not start a mapping)
 and `yaml.dump` writes it back as a plain string. In the mapping form a list may also be
 a YAML list.
@@ -57,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from integration.nanotron.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES, accepted_summary
-from pipeschedule.checks import MAX_DIGITS, MAX_LAYERS, TooManyDigits, is_int, parse_int, shown
+from pipeschedule.checks import LIST_SEPARATORS, MAX_DIGITS, MAX_LAYERS, TooManyDigits, is_int, parse_int, shown
 from pipeschedule.compiler.families import family_virtual
 from pipeschedule.compiler.offload import OffloadPolicy
 from pipeschedule.errors import ParameterError
@@ -240,6 +242,10 @@ def _split_string(value: str) -> tuple[str, dict[str, Any]]:
         for item in rest.split(","):
             key, eq, text = item.partition("=")
             key = key.strip()
+            if not eq and key.isdigit() and raw:  # cap=4,3,2,1: a list joined as the command line may join it
+                last = next(reversed(raw))
+                raise _error(value, f"cannot read parameter {item.strip()!r}: in the string form ',' separates "
+                                    f"parameters, so a list is joined with '/' ({last}=4/3/2/1)")
             if not eq or not key:
                 raise _error(value, f"cannot read parameter {item.strip()!r}; expected KEY=VALUE")
             if key in raw:
@@ -328,8 +334,11 @@ def _integers(value: Any, key: str, raw: Any) -> list[int]:
         if not raw:
             raise _error(value, f"{key} is an empty list")
         return [_integer(value, key, item) for item in raw]
-    if isinstance(raw, str) and "/" in raw:
-        return [_integer(value, key, item) for item in raw.split("/")]
+    used = [sep for sep in LIST_SEPARATORS if isinstance(raw, str) and sep in raw]
+    if len(used) > 1:
+        raise _error(value, f"{key} joins its integers with one of / and , (4/3/2/1 or 4,3,2,1), got {raw!r}")
+    if used:  # `,` reaches here from the mapping form only: in the string form it separates parameters
+        return [_integer(value, key, item) for item in raw.split(used[0])]
     return [_integer(value, key, raw)]
 
 

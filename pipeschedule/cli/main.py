@@ -36,7 +36,7 @@ from importlib import metadata
 from typing import Callable
 
 from pipeschedule import compile_schedule
-from pipeschedule.checks import MAX_SHOWN, check_number, int_arg, number_arg, parse_int, path_arg, shown
+from pipeschedule.checks import MAX_SHOWN, check_number, int_arg, number_arg, parse_int_list, path_arg, shown
 from pipeschedule.cli.demo import run_demo
 from pipeschedule.compiler.families import FAMILIES, family
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, load
@@ -63,13 +63,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_cap(text: str):
-    """`--cap 2` -> 2; `--cap 4,3,2,1` -> [4, 3, 2, 1] (integers as `checks.parse_int`
-    reads them)."""
-    try:
-        values = [parse_int(p, "--cap") for p in text.split(",")]
-    except ParameterError:
-        raise ParameterError(f"--cap must be an integer or a comma-separated list of integers (ASCII digits), "
-                             f"got {shown(text)}") from None
+    """`--cap 2` -> 2; `--cap 4/3/2/1` (pp_engine's `cap=4/3/2/1`) or `--cap 4,3,2,1` ->
+    [4, 3, 2, 1] ([Note: list syntax] in checks.py)."""
+    values = parse_int_list(text, "--cap")
     return values[0] if len(values) == 1 else values
 
 
@@ -81,23 +77,49 @@ def _virtual_help() -> str:
 
 
 def _schedule_args(parser: argparse.ArgumentParser, *, name_required: bool = True) -> None:
-    parser.add_argument("name", nargs=None if name_required else "?", help="schedule family: " + ", ".join(FAMILIES))
+    parser.add_argument("name", nargs=None if name_required else "?",
+                        help="schedule family: " + ", ".join(FAMILIES) + " (or its pp_engine name: ps_1f1b, ps_afab)")
     parser.add_argument("--pp", type=int_arg("--pp"), default=None, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=int_arg("--microbatches"), default=None,
                         help="microbatches per step")
     parser.add_argument("--virtual", type=int_arg("--virtual"), default=None,
                         help=f"chunks per rank ({_virtual_help()})")
     parser.add_argument("--cap", type=str, default=None,
-                        help="in-flight cap: one int for all ranks or C0,C1,... per rank")
+                        help="in-flight cap: one int for all ranks, or one per rank as pp_engine writes it, "
+                             "C0/C1/... (C0,C1,... also)")
+
+
+def cli_family(name: str):
+    """The family NAME means: a family's name, or its pp_engine name (`ps_1f1b`, and the
+    names they share), as nanotron's YAML writes it (integration/nanotron/registry.py)."""
+    by_engine = {f.engine: f for f in FAMILIES.values()}
+    return by_engine[name] if name not in FAMILIES and name in by_engine else family(name)
+
+
+def warn_unfilled(schedule, err=None) -> None:
+    """On stderr, one line when a schedule has fewer microbatches than ranks: the share
+    of the step its ranks idle at unit costs, beside 1F1B's at m = pp."""
+    pp, m = schedule.pp, schedule.microbatches
+    if m >= pp:
+        return
+    idle = simulate(schedule if is_lowered(schedule) else lower(schedule), CostModel.default(schedule)).bubble_fraction
+    print(f"pipeschedule: warning: {m} microbatch{'es' if m > 1 else ''} < pp={pp}: the pipeline never fills; this "
+          f"schedule's ranks idle {idle:.0%} of the step at unit costs (1F1B at m=pp: {(pp - 1) / (2 * pp - 1):.0%})",
+          file=err or sys.stderr)
 
 
 def _build(args, cost=None):
-    family(args.name)  # an unknown name is refused first, with the accepted ones
+    chosen = cli_family(args.name)  # an unknown name is refused first, with the accepted ones
     missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)) if value is None]
     if missing:
         raise ParameterError(f"{' and '.join(missing)} required to build schedule {shown(args.name)}")
+    if chosen.takes_virtual and args.virtual is None:
+        # as pp_engine requires virtual=V of it (integration/nanotron/registry.py): without a
+        # count it would be one chunk per rank, 1F1B under another name
+        raise ParameterError(f"{chosen.name} needs --virtual V, the model chunks per rank (as pp_engine's "
+                             f"{chosen.engine}:virtual=V); --virtual 1 is 1F1B's order")
     cap = parse_cap(args.cap) if args.cap is not None else None
-    return compile_schedule(args.name, pp=args.pp, microbatches=args.microbatches, virtual=args.virtual, cap=cap,
+    return compile_schedule(chosen.name, pp=args.pp, microbatches=args.microbatches, virtual=args.virtual, cap=cap,
                             cost=cost)
 
 
@@ -180,6 +202,7 @@ def cmd_compile(args) -> int:
         if moved:
             print(f"pipeschedule: note: PyTorch's CSV has no OFFLOAD or RELOAD: {args.csv} leaves out the "
                   f"schedule's {moved} (the --json and --text forms keep them)", file=sys.stderr)
+    warn_unfilled(schedule)
     count = sum(len(p) for p in schedule.programs)
     print(f"compiled {schedule.name}: pp={schedule.pp} virtual={schedule.virtual} "
           f"microbatches={schedule.microbatches}, {count} instructions, verified")
@@ -216,7 +239,8 @@ def cmd_verify(args) -> int:
 
 def _schedule_for(args):
     if args.schedule is not None:
-        if args.schedule in FAMILIES and not os.path.exists(args.schedule):
+        if (args.schedule in FAMILIES or args.schedule in {f.engine for f in FAMILIES.values()}) \
+                and not os.path.exists(args.schedule):
             raise ParameterError(f"--schedule takes a schedule file, and {shown(args.schedule)} is a schedule family: "
                                  f"give it as NAME, the first argument (pipeschedule {args.command} "
                                  f"{args.schedule} --pp 4 --microbatches 8)")
@@ -235,6 +259,7 @@ def _schedule_for(args):
 
 def cmd_simulate(args) -> int:
     schedule = _schedule_for(args)
+    warn_unfilled(schedule)
     cost = _with_host_link(args, load_cost(args.cost, schedule) if args.cost else CostModel.default(schedule))
     choice = None
     if args.offload is not None:
@@ -269,6 +294,7 @@ def _summary(schedule, result) -> str:
 
 def cmd_show(args) -> int:
     schedule = _schedule_for(args)
+    warn_unfilled(schedule)
     result = simulate(schedule, CostModel.default(schedule))
     print(ascii_timeline(schedule, result, width=args.width))
     return 0

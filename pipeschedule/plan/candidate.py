@@ -80,17 +80,18 @@ class Candidate:
         if (nanotron_default or self.nanotron_engine) and self.recompute == "none" and not self.recomputed:
             return "1f1b"
         family = FAMILIES[self.family]
-        name = family.engine
-        params = [] if self.recompute == "none" else [f"recompute={self.recompute}"]
-        if self.recomputed:
-            params = ["recompute=" + "/".join(str(n) for n in self.recomputed)]
-        if self.virtual > 1 and family.takes_virtual:
+        params = []  # in the order the adapter writes them back (EngineSpec.to_string): virtual, cap, split, recompute
+        if family.takes_virtual:  # pp_engine requires it of such a family, 1 included
             params.append(f"virtual={self.virtual}")
         if self.cap is not None:
             params.append(f"cap={cap_text(self.cap)}")
         if self.split is not None and not self.split_kind.startswith("nanotron"):
             params.append("split=" + "/".join(str(n) for n in self.split))
-        return name + (":" + ",".join(params) if params else "")
+        if self.recomputed:
+            params.append("recompute=" + "/".join(str(n) for n in self.recomputed))
+        elif self.recompute != "none":
+            params.append(f"recompute={self.recompute}")
+        return family.engine + (":" + ",".join(params) if params else "")
 
     def yaml_lines(self, pp: int, nanotron_default: bool = False) -> list[str]:
         return ["parallelism:", f"  pp: {pp}", f"  pp_engine: {self.engine(nanotron_default)}"]
@@ -104,6 +105,7 @@ class Candidate:
             "tokens_per_s_per_gpu": self.tokens_per_gpu,
             "relative_throughput": self.relative, "fits": self.fits, "proven_optimal": self.proven,
             "lower_bound_s": self.lower_bound, "pp_engine": self.engine(), "note": self.note,
+            "recompute": self.recompute, "recomputed": list(self.recomputed) if self.recomputed else None,
             "memory": [r.to_dict() for r in self.memory],
         }
 

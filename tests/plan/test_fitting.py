@@ -38,7 +38,7 @@ def test_every_layer_recomputed_by_count_is_full_recompute_when_interleaved():
     assert [r.terms[ACTIVATIONS] for r in counted.memory] == [r.terms[ACTIVATIONS] for r in full.memory]
     assert [r.total for r in counted.memory] == pytest.approx([r.total for r in full.memory])
     assert counted.pipeline_time == pytest.approx(full.pipeline_time)
-    assert counted.engine() == "interleaved_1f1b:recompute=" + "/".join(map(str, split)) + ",virtual=2"
+    assert counted.engine() == "interleaved_1f1b:virtual=2,recompute=" + "/".join(map(str, split))
 
 
 def test_partial_recompute_spreads_over_a_ranks_chunks_and_saves_what_it_says():
