@@ -13,14 +13,13 @@ import json
 import sys
 from dataclasses import replace
 
-from pipeschedule.checks import int_arg, number_arg, path_arg, shown
+from pipeschedule.checks import MAX_PLAN_DPS, int_arg, int_list_arg, number_arg, path_arg, shown
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.config import build_config
-from pipeschedule.plan.levers import plan_levers
+from pipeschedule.plan.advice import advise
 from pipeschedule.plan.memory import ACTIVATION_FORMULAS, ATTENTIONS, RECOMPUTE_MODES, ModelSpec
-from pipeschedule.plan.planner import plan
-from pipeschedule.plan.presets import (GPUS, MODELS, NANOTRON_LAYOUT, load_mapping, load_model, model_preset,
-                                       nanotron_layout)
+from pipeschedule.plan.presets import (DTYPE_BYTES, GPUS, MODELS, NANOTRON_LAYOUT, load_mapping, load_model,
+                                       model_preset, nanotron_layout)
 from pipeschedule.plan.report import plan_png
 
 SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
@@ -48,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout.add_argument("--pp", type=int_arg("--pp"), help="pipeline stages (required unless --model-file is a "
                                                            "nanotron config, which names them)")
     layout.add_argument("--tp", type=int_arg("--tp"), help="tensor parallel (default 1)")
-    layout.add_argument("--dp", type=int_arg("--dp"), help="data parallel replicas (default 1)")
+    layout.add_argument("--dp", type=int_list_arg("--dp"),
+                        help="data parallel replicas, or several to compare (1,2,4,8 or 1/2/4/8): one row each, one "
+                             "recommendation (default 1)")
     layout.add_argument("--zero", choices=("0", "1", "auto"),
                         help="nanotron ZeRO stage, or auto: plan 0 and (dp > 1) 1 (default auto)")
     layout.add_argument("--microbatches", type=int_arg("--microbatches"),
@@ -72,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its ALL_REDUCE)")
     layout.add_argument("--fp32-grad-accum", action=argparse.BooleanOptionalAction,
                         help="nanotron accumulate_grad_in_fp32 (default on)")
+    layout.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
+                        help="nanotron model.dtype: the bytes of a weight and an activation (default bfloat16)")
     layout.add_argument("--ddp-buckets", action=argparse.BooleanOptionalAction, default=True,
                         help="count torch DDP's bf16 gradient buckets when dp > 1 (default on)")
     layout.add_argument("--activation-formula", choices=ACTIVATION_FORMULAS, default="nanotron",
@@ -97,22 +100,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--host-bandwidth", metavar="GB/s", type=number_arg("--host-bandwidth"), default=None,
                      help="host link per direction (default: the preset's, gh200 450, h200 55.4)")
     gpu.add_argument("--host-memory", metavar="GiB", type=number_arg("--host-memory"), default=None,
-                     help="host memory per GPU that offloaded stashes may take (default: no bound)")
+                     help="host memory per GPU that offloaded stashes may take; giving it lets a plan that offloads "
+                          "be recommended where the link is only the GPU preset's datasheet figure (default: no "
+                          "bound, and such plans are shown as options)")
     search = parser.add_argument_group("search and output")
     search.add_argument("--virtual", type=int_arg("--virtual"), default=4,
                         help="the most chunks per rank tried for interleaved candidates: every count from 2 up to it "
                              "whose chunks divide the layers evenly (default 4)")
     search.add_argument("--node-limit", type=int_arg("--node-limit"), default=20_000,
                         help="search nodes per optimal split (default 20000)")
-    search.add_argument("--tables", choices=("all", "top", "none"), default="all",
-                        help="memory tables of all candidates, of the default and recommended, or none")
+    search.add_argument("--tables", choices=("none", "top", "all"), default="none",
+                        help="beyond the best plan per dp, the recommendation and its YAML: top adds the memory per "
+                             "rank, term by term, of the baseline and the recommendation; all adds every dp's lever "
+                             "search, every candidate and its memory (default none)")
     search.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     search.add_argument("--png", metavar="PATH", type=path_arg("--png"),
                         help="write a stacked bar chart of memory per stage")
 
 
-LAYOUT_DEFAULTS = {"pp": None, "tp": 1, "dp": 1, "zero": "auto", "microbatches": None, "seq": 8192, "micro_batch": 1,
-                   "tp_async": False, "adam_fused": True, "sequence_parallel": True, "fp32_grad_accum": True}
+LAYOUT_DEFAULTS = {"pp": None, "tp": 1, "dp": [1], "zero": "auto", "microbatches": None, "seq": 8192, "micro_batch": 1,
+                   "tp_async": False, "adam_fused": True, "sequence_parallel": True, "fp32_grad_accum": True,
+                   "dtype": "bfloat16"}
 
 
 def resolve_layout(args, err=None) -> argparse.Namespace:
@@ -140,6 +148,14 @@ def resolve_layout(args, err=None) -> argparse.Namespace:
     if taken:
         print(f"plan: from the nanotron config {args.model_file} (flags override): {', '.join(taken)}",
               file=err or sys.stderr)
+    if not isinstance(resolved["dp"], list):  # one dp from the file
+        resolved["dp"] = [resolved["dp"]]
+    for dp in resolved["dp"]:
+        if dp < 1:
+            raise ParameterError(f"--dp takes data-parallel sizes >= 1, got {dp}")
+    if len(set(resolved["dp"])) > MAX_PLAN_DPS:
+        raise ParameterError(f"--dp compares at most {MAX_PLAN_DPS} data-parallel sizes (each is a lever search of "
+                             f"its own), got {len(set(resolved['dp']))}")
     return argparse.Namespace(**resolved)
 
 
@@ -163,8 +179,9 @@ def model_from_args(args) -> ModelSpec:
 
 
 def config_from_args(args):
+    """The PlanConfig of the resolved flags (`resolve_layout`), at the smallest dp asked."""
     return build_config(
-        model_from_args(args), pp=args.pp, microbatches=args.microbatches, tp=args.tp, dp=args.dp,
+        model_from_args(args), pp=args.pp, microbatches=args.microbatches, tp=args.tp, dp=min(args.dp),
         zero_stage=0 if args.zero == "auto" else int(args.zero), seq=args.seq, micro_batch=args.micro_batch,
         recompute="none" if args.recompute == "auto" else args.recompute, tp_async=args.tp_async,
         attention=args.attention, dp_bandwidth=args.dp_bandwidth, adam_fused=args.adam_fused,
@@ -173,7 +190,7 @@ def config_from_args(args):
         gpu_memory=args.gpu_memory, reserve=args.reserve, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
         p2p_bandwidth=args.p2p_bandwidth, p2p_latency=args.p2p_latency, virtual=args.virtual,
         node_limit=args.node_limit, offload=args.offload, host_bandwidth=args.host_bandwidth,
-        host_memory=args.host_memory,
+        host_memory=args.host_memory, dtype=args.dtype,
     )
 
 
@@ -182,11 +199,12 @@ class _Progress:
     (a plan of a large model can take seconds to a minute each), rewritten in place and
     cleared at the end; nothing where stderr is not a terminal."""
 
-    def __init__(self, stream) -> None:
-        self.stream, self.shown = stream, False
+    def __init__(self, stream, several_dp: bool) -> None:
+        self.stream, self.several_dp, self.shown = stream, several_dp, False
 
-    def __call__(self, k: int, n: int, zero: int, mode: str) -> None:
-        self.stream.write(f"\rplan: ZeRO-{zero}, recompute {mode} ({k} of {n})...\033[K")
+    def __call__(self, k: int, n: int, dp: int, zero: int, mode: str) -> None:
+        at = f"dp={dp}, " if self.several_dp else ""
+        self.stream.write(f"\rplan: {at}ZeRO-{zero}, recompute {mode} ({k} of {n})...\033[K")
         self.stream.flush()
         self.shown = True
 
@@ -196,30 +214,28 @@ class _Progress:
             self.stream.flush()
 
 
-def run(args, out=None) -> int:
-    out = out or sys.stdout
-    args = resolve_layout(args)
+def run(args, out=None, err=None) -> int:
+    """The plan of each dp asked, the recommendation and its YAML ([Note: plan advice] in
+    plan/advice.py), as text or one JSON object; exit 0, or 1 when nothing fits."""
+    out, err = out or sys.stdout, err or sys.stderr
+    args = resolve_layout(args, err)
     config = config_from_args(args)
-    if args.zero == "auto" or args.recompute == "auto":
-        progress = _Progress(sys.stderr) if sys.stderr.isatty() else None
-        try:
-            levers = plan_levers(config, zero=None if args.zero == "auto" else (int(args.zero),),
-                                 recompute=None if args.recompute == "auto" else (args.recompute,), progress=progress)
-        finally:
-            if progress is not None:
-                progress.clear()
-        out.write(json.dumps(levers.to_dict()) + "\n" if args.json else levers.to_text(tables=args.tables))
-        if args.png:  # the best combination's plan, or the first one's when nothing fits (as without levers)
-            plan_png(levers.best_plan, args.png)
-        return 0 if levers.best is not None else 1
-    result = plan(config)
+    progress = _Progress(err, len(set(args.dp)) > 1) if err.isatty() else None
+    try:
+        advice = advise(config, args.dp, zero=None if args.zero == "auto" else (int(args.zero),),
+                        recompute=None if args.recompute == "auto" else (args.recompute,), progress=progress)
+    finally:
+        if progress is not None:
+            progress.clear()
     if args.json:
-        out.write(json.dumps(result.to_dict()) + "\n")
+        for warning in advice.warnings:  # the text shows them; beside JSON they go to stderr too
+            print(f"plan: warning: {warning}", file=err)
+        out.write(json.dumps(advice.to_dict()) + "\n")
     else:
-        out.write(result.to_text(tables=args.tables))
-    if args.png:
-        plan_png(result, args.png)
-    return 0 if result.recommended is not None else 1
+        out.write(advice.to_text(tables=args.tables))
+    if args.png:  # the recommendation's plan, or the first dp's best when nothing fits
+        plan_png(advice.plan_for_png, args.png)
+    return 0 if advice.recommended is not None else 1
 
 
 __all__ = ["LAYOUT_DEFAULTS", "add_arguments", "config_from_args", "model_from_args", "resolve_layout", "run"]

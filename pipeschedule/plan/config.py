@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memory import GiB, ModelSpec, TrainingSetup
 from pipeschedule.compiler.offload_spec import parse_offload
-from pipeschedule.plan.presets import gpu_preset, host_bandwidth as host_link, load_model, model_preset
+from pipeschedule.plan.partition import nanotron_stages
+from pipeschedule.plan.presets import (DTYPE_BYTES, gpu_preset, host_bandwidth as host_link, host_link_source,
+                                       load_model, model_preset)
 from pipeschedule.checks import (
     MAX_SEARCH_NODES,
     check_at_most,
@@ -44,7 +46,10 @@ class PlanConfig:
     search budget of each optimal split. offload / host_bandwidth: the offload to report
     for the recommended candidate (None: none) and the host link it runs over (bytes/s
     per direction), which the offload lever also runs over. host_memory: bytes per GPU
-    the offloaded stashes may take on the host (None: no bound).
+    the offloaded stashes may take on the host (None: no bound). host_link_source: where
+    host_bandwidth comes from, "given" (by the caller), "measured" (a preset whose copies
+    were timed) or "vendor" (a preset's datasheet figure), which decides whether an
+    offloading candidate may be recommended ([Note: offload advice]).
     """
 
     model: ModelSpec
@@ -65,6 +70,8 @@ class PlanConfig:
     host_memory: float | None = None  # bytes of host memory per GPU offloaded stashes may take (None: no bound)
     dp_bandwidth: float = 25e9  # bytes/s per GPU of the data-parallel collectives ([Note: step tail])
     hbm_bandwidth: float = 4e12  # bytes/s of GPU memory, for the optimizer step
+    host_link_source: str = "given"  # "given", "measured" or "vendor" ([Note: offload advice])
+    dtype: str | None = None  # nanotron's model.dtype (DTYPE_BYTES); None: named by setup.param_bytes
 
     def __post_init__(self) -> None:
         for key in ("pp", "microbatches", "virtual", "node_limit"):
@@ -79,9 +86,14 @@ class PlanConfig:
             raise ParameterError(
                 f"reserve {self.reserve / GiB:g} GiB leaves nothing of gpu_memory {self.gpu_memory / GiB:g} GiB"
             )
-        if self.model.layers < self.pp:
+        if self.model.layers < self.pp and nanotron_stages(self.model, self.pp)[1] != self.pp - 1:
+            # Fewer layers than stages plan only where nanotron's own split still ends at the
+            # LM head on the last stage (a stage of the final norm or the head alone, which
+            # nanotron trains); the alternatives need a layer per stage and are left out.
             raise ParameterError(
-                f"pp={self.pp} exceeds the model's {self.model.layers} decoder layers: a stage would get no layer"
+                f"pp={self.pp} exceeds the model's {self.model.layers} decoder layers: a stage would get no layer, "
+                f"and nanotron's split puts the LM head on stage {nanotron_stages(self.model, self.pp)[1]}, not the "
+                f"last"
             )
         # [Note: size limits], before any candidate is built
         check_plan_size(self.pp, self.microbatches, self.model.layers)
@@ -95,6 +107,32 @@ class PlanConfig:
             check_number("host_bandwidth", self.host_bandwidth, above=True, hint=" (bytes/s)")
         if self.host_memory is not None:
             check_number("host_memory", self.host_memory, hint=" (bytes per GPU)")
+        if self.dtype is not None:
+            if self.dtype not in DTYPE_BYTES:
+                raise ParameterError(f"dtype must be one of {', '.join(DTYPE_BYTES)} (nanotron's model.dtype), got "
+                                     f"{shown(self.dtype)}")
+            if DTYPE_BYTES[self.dtype] != self.setup.param_bytes or self.setup.param_bytes != self.setup.act_bytes:
+                raise ParameterError(f"dtype {self.dtype} is {DTYPE_BYTES[self.dtype]} bytes a value, but the setup "
+                                     f"counts param_bytes={self.setup.param_bytes}, act_bytes={self.setup.act_bytes}")
+        if self.host_link_source not in HOST_LINK_SOURCES:
+            raise ParameterError(f"host_link_source must be one of {', '.join(HOST_LINK_SOURCES)}, got "
+                                 f"{shown(self.host_link_source)}")
+
+    @property
+    def dtype_name(self) -> str | None:
+        """nanotron's model.dtype this plan counts: `dtype`, else the one its setup's bytes
+        name (2: bfloat16, nanotron's default; 4: float32), else None."""
+        if self.dtype is not None:
+            return self.dtype
+        if self.setup.param_bytes == self.setup.act_bytes:
+            return {2: "bfloat16", 4: "float32"}.get(self.setup.param_bytes)
+        return None
+
+    @property
+    def offload_recommendable(self) -> bool:
+        """Whether a candidate that moves stashes to the host may be recommended
+        ([Note: offload advice])."""
+        return self.host_link_source != "vendor" or self.host_memory is not None
 
     @property
     def budget(self) -> float:
@@ -104,6 +142,18 @@ class PlanConfig:
     def tokens_per_gpu(self) -> int:
         """Tokens one GPU's pipeline processes per step: m * b * s / (tp * pp)."""
         return self.microbatches * self.setup.micro_batch * self.setup.seq / (self.setup.tp * self.pp)
+
+
+HOST_LINK_SOURCES = ("given", "measured", "vendor")
+
+# [Note: offload advice] A candidate that moves stashes to host memory is timed over the
+# host link, so it is recommended only where that link's figure can be trusted: measured
+# (a preset whose copies were timed, presets.MEASURED_HOST_LINKS), given by the user
+# (--host-bandwidth, their own figure), or where the user asks for offload by bounding
+# the host memory it may take (--host-memory). Over a datasheet figure alone (GH200's
+# NVLink-C2C, 450 GB/s a direction: no offload plan has run over it) the offload rows are
+# still planned and listed, and the fastest is shown as an option with the link it
+# assumes, but the recommendation is the fastest candidate without offload.
 
 
 # [Note: virtual counts] Interleaving is tried at the chunk counts v = 2 .. config.virtual
@@ -203,18 +253,23 @@ def build_config(
     gpu_tflops: float | None = None, mfu: float = 0.5, p2p_bandwidth: float = 25.0, p2p_latency: float = 20.0,
     virtual: int = 4, node_limit: int = 20_000, offload=None, host_bandwidth: float | None = None,
     dp_bandwidth: float = 25.0, tp_async: bool = False, attention: str = "flash-attn", adam_fused: bool = True,
-    host_memory: float | None = None,
+    host_memory: float | None = None, dtype: str = "bfloat16",
 ):
     """A PlanConfig in the command line's units: `model` a preset name, a model file path
     or a ModelSpec; gpu_memory and reserve in GiB (gpu_memory overrides the `gpu` preset),
     p2p_bandwidth, dp_bandwidth and host_bandwidth in GB/s, p2p_latency in microseconds, host_memory
     in GiB per GPU (None: offloaded stashes unbounded); offload an
-    `--offload` spec, an OffloadPolicy or an AutoOffload."""
+    `--offload` spec, an OffloadPolicy or an AutoOffload; dtype nanotron's model.dtype
+    (DTYPE_BYTES: the bytes of a weight and of an activation value)."""
     if isinstance(model, str):
         model = load_model(model) if model.endswith((".yaml", ".yml", ".json")) else model_preset(model)
     if not isinstance(model, ModelSpec):
         raise ParameterError(f"model must be a preset name, a model file or a ModelSpec, got {shown(model)}")
+    if dtype not in DTYPE_BYTES:
+        raise ParameterError(f"--dtype must be one of {', '.join(DTYPE_BYTES)} (nanotron's model.dtype), got "
+                             f"{shown(dtype)}")
     setup = TrainingSetup(
+        param_bytes=DTYPE_BYTES[dtype], act_bytes=DTYPE_BYTES[dtype],
         tp=tp, dp=dp, zero_stage=zero_stage, seq=seq, micro_batch=micro_batch, recompute=recompute,
         sequence_parallel=sequence_parallel, fp32_grad_accum=fp32_grad_accum,
         ddp_buckets=ddp_buckets, activation_formula=activation_formula, tp_async=tp_async, attention=attention,
@@ -225,7 +280,7 @@ def build_config(
     preset = gpu_preset(gpu) if gpu is not None else {"memory": None, "tflops": 989.0}
     memory = _scaled("--gpu-memory", gpu_memory, GiB, "GiB") if gpu_memory is not None else preset["memory"]
     _scaled("--gpu-tflops", gpu_tflops, 1e12, "TFLOP/s", floor=RATE_FLOOR)  # used as FLOP/s
-    link = host_link(gpu, host_bandwidth)
+    link, source = host_link(gpu, host_bandwidth), host_link_source(gpu, host_bandwidth)
     return PlanConfig(
         model=model, setup=setup, pp=pp, microbatches=microbatches, gpu_memory=memory,
         reserve=_scaled("--reserve", reserve, GiB, "GiB", zero_ok=True),
@@ -238,6 +293,7 @@ def build_config(
         dp_bandwidth=_scaled("--dp-bandwidth", dp_bandwidth, 1e9, "GB/s", floor=RATE_FLOOR),
         hbm_bandwidth=preset.get("hbm", 4.0) * 1e12,
         host_memory=_scaled("--host-memory", host_memory, GiB, "GiB", zero_ok=True),
+        host_link_source=source or "given", dtype=dtype,
     )
 
 

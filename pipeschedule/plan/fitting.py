@@ -192,9 +192,12 @@ def lever_rows(planner, candidates: Sequence[Candidate]) -> tuple[list[Candidate
     """Rows fitted with partial recompute or offload ([Note: partial recompute], [Note:
     offload lever]) for the candidates that do not fit and could beat the fastest that
     does ([Note: lever bound]), the fastest first; and (lever, why) for what was not tried
-    or did not fit."""
+    or did not fit. Where offload may not be recommended ([Note: offload advice] in
+    config.py), an offload row bounds only the offload tried after it: the plan shows the
+    fastest as an option."""
     config = planner.config
     fastest = min((c.step_time for c in candidates if c.fits), default=math.inf)
+    offered = math.inf  # the fastest offload row that is an option only
     rows, dropped, pruned, seen, unmodelled = [], [], 0, set(), []
     offload_known = config.host_bandwidth is not None
     todo = [c for c in candidates if not c.fits and c.split is not None]
@@ -211,14 +214,17 @@ def lever_rows(planner, candidates: Sequence[Candidate]) -> tuple[list[Candidate
         split_backward = planner.schedule(cand.family, cand.cap, cand.virtual).split_backward
         if offload_known and split_backward:
             unmodelled.append(cand.label)
-        elif offload_known:
+        elif offload_known and cand.step_time < offered:
             row, why = fitted_offload(planner, cand)
             fitted.append(row)
             if row is None:
                 dropped.append(("offload", why))
         for row in filter(None, fitted):
             rows.append(row)
-            fastest = min(fastest, row.step_time)
+            if config.offload_recommendable or not isinstance(row, OffloadCandidate):
+                fastest = min(fastest, row.step_time)
+            else:
+                offered = min(offered, row.step_time)
     if pruned:
         dropped.append(("partial recompute, offload",
                         f"not tried on {pruned} row{'s' if pruned > 1 else ''} that do not fit and are no faster "

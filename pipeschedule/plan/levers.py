@@ -39,21 +39,37 @@ class LeverPlan:
         """The plan of the best combination (the first one when nothing fits)."""
         return self.plans[self.best[0]] if self.best else next(iter(self.plans.values()))
 
+    @property
+    def offload_option(self) -> tuple | None:
+        """(key, candidate): the fastest of the plans' offload options ([Note: offload
+        advice] in config.py) where it beats `best`; else None."""
+        options = [(key, p.offload_option) for key, p in self.plans.items() if p.offload_option is not None]
+        if not options:
+            return None
+        key, cand = min(options, key=lambda item: item[1].step_time)
+        return (key, cand) if self.best is None or cand.step_time < self.best[1].step_time else None
+
     def to_dict(self) -> dict:
         out = {"levers": [{"zero_stage": z, "recompute": r, "plan": p.to_dict()} for (z, r), p in self.plans.items()],
                "best": None if self.best is None else {"zero_stage": self.best[0][0], "recompute": self.best[0][1],
-                                                        "candidate": self.best[1].to_dict()}}
+                                                        "candidate": self.best[1].to_dict()},
+               "offload_option": None if self.offload_option is None else {
+                   "zero_stage": self.offload_option[0][0], "recompute": self.offload_option[0][1],
+                   "candidate": self.offload_option[1].to_dict()}}
         return out | ({"offload": self.best_plan.offload} if self.best_plan.offload is not None else {})
 
 
-def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None) -> LeverPlan:
+def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None,
+                schedules: ScheduleCache | None = None) -> LeverPlan:
     """Plan every ZeRO stage in `zero` (None: 0, and 1 when dp > 1) and recompute mode in
     `recompute` (None: all three) ([Note: lever search]). `progress(k, n, zero, mode)`, if
-    given, is called before the k-th of the n plans (k from 1)."""
+    given, is called before the k-th of the n plans (k from 1). `schedules`: a
+    ScheduleCache of the config's pp and microbatches to share (None: one of its own)."""
     zeros = zero if zero is not None else ((0, 1) if config.setup.dp > 1 else (0,))
     modes = recompute if recompute is not None else RECOMPUTE_MODES
     plans = {}
-    schedules = ScheduleCache(config.pp, config.microbatches)  # the setups differ, the schedules do not
+    if schedules is None:  # the setups differ, the schedules do not
+        schedules = ScheduleCache(config.pp, config.microbatches)
     for z in zeros:
         for mode in modes:
             if progress is not None:
@@ -68,7 +84,9 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None) ->
 
 
 def yaml_lines(key, candidate, pp: int) -> list[str]:
-    """The nanotron YAML that pins a candidate of the lever search."""
+    """`parallelism.pp_engine` and `optimizer.zero_stage` of a candidate of the lever
+    search (benchmarks/users_case.py's table); the whole config that pins it is
+    `nanotron_yaml.plan_yaml`'s."""
     zero, _ = key
     return candidate.yaml_lines(pp) + ["optimizer:", f"  zero_stage: {zero}"]
 
@@ -94,7 +112,7 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
            f"budget {c.budget / GiB:.1f} GiB; x = step throughput against nanotron's default at ZeRO-{base_key[0]}, "
            f"recompute {base_key[1]} (step {base.step_time:.2f} s)", ""]
     w = max([52] + [len(p.recommended.engine()) for p in result.plans.values() if p.recommended is not None])
-    out.append(f"{'ZeRO':>4} {'recompute':<10} {'nanotron default':<28} {'recommended':<{w}} {'peak GiB':>9} "
+    out.append(f"{'ZeRO':>4} {'recompute':<10} {'nanotron default':<28} {'fastest that fits':<{w}} {'peak GiB':>9} "
                f"{'step s':>8} {'x':>6}")
     for (z, mode), p in result.plans.items():
         d = p.default
@@ -103,22 +121,21 @@ def levers_text(result: LeverPlan, tables: str = "none") -> str:
         if rec is None:
             out.append(f"{z:>4} {mode:<10} {default:<28} {'nothing fits':<{w}}".rstrip())
             continue
-        out.append(f"{z:>4} {mode:<10} {default:<28} {rec.engine():<{w}} {rec.peak.total / GiB:9.1f} "
+        out.append(f"{z:>4} {mode:<10} {default:<28} {rec.engine(rec is d):<{w}} {rec.peak.total / GiB:9.1f} "
                    f"{rec.step_time:8.2f} {base.step_time / rec.step_time:6.3f}")
     out.append("")
     if result.best is None:
-        out.append("Recommended: nothing fits at any ZeRO stage and recompute mode. Use more GPUs (pp, tp, dp with "
-                   "ZeRO-1) or a smaller micro-batch or sequence.")
+        out.append(f"Fastest that fits at dp={c.setup.dp}: nothing fits at any ZeRO stage and recompute mode planned.")
         if result.best_plan.offload is not None:
             out += offload_lines(result.best_plan)
         return "\n".join(out) + "\n"
     key, cand = result.best
     peak = cand.peak
-    out.append(f"Recommended: ZeRO-{key[0]}, recompute {key[1]}, {cand.label} split {'/'.join(map(str, cand.split))}: "
-               f"{base.step_time / cand.step_time:.3f}x, peak {peak.total / GiB:.1f} of {peak.budget / GiB:.1f} GiB "
-               f"(rank {peak.rank}, margin {-peak.overflow / GiB:.1f} GiB); step {cand.step_time:.2f} s = pipeline "
-               f"{cand.pipeline_time:.2f} s + " + tail_text(cand))
-    out += ["  " + line for line in yaml_lines(key, cand, c.pp)]
+    out.append(f"Fastest that fits at dp={c.setup.dp}: ZeRO-{key[0]}, recompute {key[1]}, {cand.label} split "
+               f"{'/'.join(map(str, cand.split))}: {base.step_time / cand.step_time:.3f}x, peak {peak.total / GiB:.1f} "
+               f"of {peak.budget / GiB:.1f} GiB (rank {peak.rank}, margin {-peak.overflow / GiB:.1f} GiB); step "
+               f"{cand.step_time:.2f} s = pipeline {cand.pipeline_time:.2f} s + " + tail_text(cand))
+    out.append(f"  pp_engine: {cand.engine(cand is result.plans[key].default)}")
     if cand.note:
         out.append("  note: " + cand.note)
     if result.best_plan.offload is not None:

@@ -96,22 +96,24 @@ def nanotron_assignment(block_costs: Sequence[float], pp: int) -> list[int]:
 
 
 def nanotron_split(model: ModelSpec, pp: int) -> tuple[int, ...]:
-    """Decoder layers per stage under nanotron's split. Raises ParameterError where it
-    would leave a stage without a decoder layer or put the LM head before the last stage
-    (nanotron builds that, but it is no pipeline of `pp` working stages)."""
+    """Decoder layers per stage under nanotron's split. A stage may hold none where a
+    block of its own still runs there (the LM head alone on the last stage, say: nanotron
+    trains that, integration/nanotron/example.py's README config at pp=4 with 4 layers is
+    one). Raises ParameterError where the LM head lands before the last stage: the ranks
+    after it would hold nothing, no pipeline of `pp` working stages."""
     check_int("pp", pp)
-    layers, head = _nanotron_layers(model, pp)
+    layers, head = nanotron_stages(model, pp)
     if not _working(layers, head):
-        below = next(q for q in range(min(pp, model.layers), 0, -1) if _working(*_nanotron_layers(model, q)))
+        below = next(q for q in range(min(pp, model.layers), 0, -1) if _working(*nanotron_stages(model, q)))
         raise ParameterError(
             f"nanotron's split of {model.name} ({model.layers} layers) at pp={pp} gives layers {layers} "
-            f"with the LM head on stage {head}: a stage gets no decoder layer, and the plan starts from nanotron's "
-            f"own 1F1B; the largest pp up to {pp} where its split works for this model is {below}"
+            f"with the LM head on stage {head}: the stages after it hold nothing, and the plan starts from "
+            f"nanotron's own 1F1B; the largest pp up to {pp} where its split works for this model is {below}"
         )
     return tuple(layers)
 
 
-def _nanotron_layers(model: ModelSpec, pp: int) -> tuple[list[int], int]:
+def nanotron_stages(model: ModelSpec, pp: int) -> tuple[list[int], int]:
     """(decoder layers per stage, the LM head's stage) under nanotron's split."""
     ranks = nanotron_assignment(llama_block_costs(model), pp)
     layers = [0] * pp
@@ -121,8 +123,10 @@ def _nanotron_layers(model: ModelSpec, pp: int) -> tuple[list[int], int]:
 
 
 def _working(layers: list[int], head: int) -> bool:
-    """Every stage has a decoder layer and the LM head is on the last."""
-    return head == len(layers) - 1 and 0 not in layers
+    """The LM head is on the last stage. (nanotron's walk moves at most one stage per
+    block, so every stage before the head's holds a block: a decoder layer, or the final
+    norm alone.)"""
+    return head == len(layers) - 1
 
 
 # -- the exact search ---------------------------------------------------------------------------
@@ -212,5 +216,5 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
 
 __all__ = [
     "SplitInfeasible", "SplitProblem", "SplitResult", "llama_block_costs", "nanotron_assignment",
-    "nanotron_split", "optimal_split", "stage_inflight",
+    "nanotron_split", "nanotron_stages", "optimal_split", "stage_inflight",
 ]

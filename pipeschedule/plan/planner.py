@@ -13,7 +13,8 @@ program order ([Note: step graph], [Note: peaks from program order]), built once
 schedule and equal to what `simulate` gives. The rows that do not fit get partial
 recompute and host offload fitted where that could beat the fastest fit
 (plan/fitting.py). The recommendation is the candidate that fits with the least
-simulated step time.
+simulated step time, host offload only over a link trusted for it ([Note: offload
+advice] in config.py: otherwise the fastest offload is `offload_option`).
 
 Costs follow [Note: compute costs] and the config, candidates and their nanotron config
 lines live in config.py and candidate.py.
@@ -56,7 +57,7 @@ from pipeschedule.plan.dp_step import rank_tail, step_tail
 from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, layer_seconds, weight_seconds
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
-from pipeschedule.plan.fitting import lever_rows, virtual_tried
+from pipeschedule.plan.fitting import OffloadCandidate, lever_rows, virtual_tried
 from pipeschedule.plan.peaks import Peaks
 from pipeschedule.plan.step_graph import StepGraph
 from pipeschedule.simulate import CostModel, simulate
@@ -325,7 +326,7 @@ class _Planner:
 class Plan:
     """The evaluated candidates of a config; `default` is nanotron's 1F1B with its own
     split, `recommended` the fitting candidate with the least step time (None: nothing
-    fits)."""
+    fits), offload only where its link is trusted ([Note: offload advice])."""
 
     config: PlanConfig
     default: Candidate
@@ -335,6 +336,9 @@ class Plan:
     stats: dict = field(default_factory=dict, compare=False)  # work done: simulations, searches, nodes
     offload: dict | None = field(default=None, compare=False)  # what offload adds to `recommended` (config.offload)
     dropped: tuple = ()  # (family, why) not listed: the engines cannot run them under this config
+    # The fastest candidate that fits only with host offload over a link not trusted for a
+    # recommendation ([Note: offload advice]), where it beats `recommended`; else None.
+    offload_option: Candidate | None = None
 
     def to_dict(self) -> dict:
         return plan_to_dict(self)
@@ -475,11 +479,13 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
     base = default.tokens_per_gpu
     candidates = [replace(c, relative=c.tokens_per_gpu / base if c.tokens_per_gpu else None) for c in candidates]
     # The fastest that fits; among equals (1e-9) the earliest, i.e. the simplest change.
-    fitting = [(i, c) for i, c in enumerate(candidates) if c.fits]
-    recommended = None
-    if fitting:
-        fastest = min(c.step_time for _, c in fitting)
-        recommended = next(c for _, c in fitting if c.step_time <= fastest * (1 + 1e-9))
+    # Offload only where its link is trusted; otherwise the fastest offload is an option
+    # ([Note: offload advice] in config.py).
+    trusted = config.offload_recommendable
+    recommended = _fastest([c for c in candidates if c.fits and (trusted or not isinstance(c, OffloadCandidate))])
+    option = None if trusted else _fastest([c for c in candidates if c.fits and isinstance(c, OffloadCandidate)])
+    if option is not None and recommended is not None and option.step_time >= recommended.step_time:
+        option = None  # no faster than what is recommended: nothing to offer
     zero1 = None
     if config.setup.dp > 1 and config.setup.zero_stage == 0:
         zero1 = nanotron_default(replace(config, setup=replace(config.setup, zero_stage=1)), planner.cache, base_split)
@@ -488,7 +494,15 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
     # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
     offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
     return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload,
-                dropped(config) + virtual_dropped + tuple(lever_dropped))
+                dropped(config) + virtual_dropped + tuple(lever_dropped), offload_option=option)
+
+
+def _fastest(candidates: Sequence[Candidate]) -> Candidate | None:
+    """The candidate of least step time; among equals (1e-9) the earliest."""
+    if not candidates:
+        return None
+    fastest = min(c.step_time for c in candidates)
+    return next(c for c in candidates if c.step_time <= fastest * (1 + 1e-9))
 
 
 def nanotron_default(config: PlanConfig, schedules: ScheduleCache, split: Sequence[int]) -> Candidate:

@@ -37,6 +37,13 @@ GPUS = {
 # both directions together, as the vendor quotes it) and the H200 lent here (pinned
 # copies measured at 55.4 GB/s each way, issue 9).
 HOST_LINKS = {"gh200": 450.0, "h200": 55.4}
+# The presets whose host link was measured here, and how ([Note: offload advice] in
+# plan/config.py); the others' figure is the vendor's.
+MEASURED_HOST_LINKS = {"h200": "pinned copies timed at 55.4 GB/s each way on the H200 lent here (issue 9)"}
+
+# nanotron's model.dtype values a plan counts, and the bytes of a weight and of an
+# activation value under each (nanotron's default is bfloat16).
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 _KEYS = {
     "layers": ("layers", "num_hidden_layers", "num_layers", "n_layers"),
@@ -58,10 +65,9 @@ def model_preset(name: str) -> ModelSpec:
 
 
 def gpu_preset(name: str) -> dict:
-    key = name.lower().replace("-", "").replace(" ", "")
-    for preset, spec in GPUS.items():
-        if key == preset or key.startswith(preset):
-            return spec
+    key = preset_key(name, GPUS)
+    if key is not None:
+        return GPUS[key]
     raise ParameterError(f"unknown GPU {shown(name)}; presets: {', '.join(GPUS)} (or give --gpu-memory in GiB)")
 
 
@@ -70,12 +76,30 @@ def host_bandwidth(gpu: str | None, given: float | None) -> float | None:
     (HOST_LINKS), else None (unknown)."""
     if given is not None:
         return float(check_number("--host-bandwidth", given, above=True, hint=" (GB/s per direction)"))
-    if gpu:
-        key = gpu.lower().replace("-", "").replace(" ", "")
-        for name, value in HOST_LINKS.items():
-            if key == name or key.startswith(name):
-                return value
-    return None
+    key = preset_key(gpu, HOST_LINKS)
+    return None if key is None else HOST_LINKS[key]
+
+
+def host_link_source(gpu: str | None, given: float | None) -> str | None:
+    """Where the host link figure `host_bandwidth(gpu, given)` comes from: "given"
+    (--host-bandwidth), "measured" (MEASURED_HOST_LINKS), "vendor" (a preset's datasheet
+    figure), or None (no link known)."""
+    if given is not None:
+        return "given"
+    key = preset_key(gpu, HOST_LINKS)
+    if key is None:
+        return None
+    return "measured" if key in MEASURED_HOST_LINKS else "vendor"
+
+
+def preset_key(gpu: str | None, table: dict) -> str | None:
+    """The key of `table` (GPUS, HOST_LINKS, ...) that GPU preset name `gpu` means, as
+    `gpu_preset` reads names (any case, dashes and spaces ignored, a longer name such as
+    h200-141gb starting with the key); None where none does."""
+    if not gpu:
+        return None
+    key = gpu.lower().replace("-", "").replace(" ", "")
+    return next((name for name in table if key == name or key.startswith(name)), None)
 
 
 def model_from_mapping(obj: Any, name: str = "custom") -> ModelSpec:
@@ -149,7 +173,8 @@ def load_mapping(path: str) -> Any:
 # `plan --model-file` plans that layout, not the flags' defaults, unless a flag sets a
 # value. Where nanotron fills in a key the file leaves out, its default is what runs:
 # tp_mode ALL_REDUCE (no sequence parallelism) and tp_linear_async_communication false
-# (nanotron/config/parallelism_config.py, ParallelismArgs.__post_init__).
+# (nanotron/config/parallelism_config.py, ParallelismArgs.__post_init__), model.dtype
+# bfloat16 (nanotron/config/config.py, ModelArgs.__post_init__).
 NANOTRON_LAYOUT = {  # plan option: (section, key) of a nanotron config
     "pp": ("parallelism", "pp"), "tp": ("parallelism", "tp"), "dp": ("parallelism", "dp"),
     "sequence_parallel": ("parallelism", "tp_mode"),
@@ -157,7 +182,7 @@ NANOTRON_LAYOUT = {  # plan option: (section, key) of a nanotron config
     "seq": ("tokens", "sequence_length"), "micro_batch": ("tokens", "micro_batch_size"),
     "microbatches": ("tokens", "batch_accumulation_per_replica"),
     "zero": ("optimizer", "zero_stage"), "fp32_grad_accum": ("optimizer", "accumulate_grad_in_fp32"),
-    "adam_fused": ("optimizer", "torch_adam_is_fused"),
+    "adam_fused": ("optimizer", "torch_adam_is_fused"), "dtype": ("model", "dtype"),
 }
 TP_MODES = {"REDUCE_SCATTER": True, "ALL_REDUCE": False}
 
@@ -182,6 +207,8 @@ def nanotron_layout(obj: Any, source: str) -> dict[str, tuple[Any, str]]:
                 out[option] = (False, f"{where} not set: nanotron's ALL_REDUCE")
             elif option == "tp_async":
                 out[option] = (False, f"{where} not set: nanotron's false")
+            elif option == "dtype" and isinstance(part, dict):
+                out[option] = ("bfloat16", f"{where} not set: nanotron's bfloat16")
             continue
         if option == "sequence_parallel":
             mode = value.upper() if isinstance(value, str) else None
@@ -191,6 +218,11 @@ def nanotron_layout(obj: Any, source: str) -> dict[str, tuple[Any, str]]:
         elif option in ("tp_async", "fp32_grad_accum", "adam_fused"):
             if not isinstance(value, bool):
                 raise FormatError(f"{source}: {where} must be true or false, got {shown(value)}")
+            out[option] = (value, where)
+        elif option == "dtype":
+            if value not in DTYPE_BYTES:
+                raise FormatError(f"{source}: {where} must be one of {', '.join(DTYPE_BYTES)} (the dtypes the plan "
+                                  f"counts), got {shown(value)}")
             out[option] = (value, where)
         elif option == "zero":
             if not is_int(value) or value not in (0, 1):
@@ -339,5 +371,6 @@ def _sequence(lines, index, indent, source):
     return out, index
 
 
-__all__ = ["GPUS", "HOST_LINKS", "MODELS", "NANOTRON_LAYOUT", "gpu_preset", "host_bandwidth", "load_mapping",
-           "load_model", "model_from_mapping", "model_preset", "nanotron_layout", "parse_scalar", "parse_yaml"]
+__all__ = ["DTYPE_BYTES", "GPUS", "HOST_LINKS", "MEASURED_HOST_LINKS", "MODELS", "NANOTRON_LAYOUT", "gpu_preset",
+           "host_bandwidth", "host_link_source", "load_mapping", "load_model", "model_from_mapping", "model_preset",
+           "nanotron_layout", "parse_scalar", "parse_yaml", "preset_key"]

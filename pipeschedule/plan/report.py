@@ -7,6 +7,7 @@ rest never needs it.
 from __future__ import annotations
 
 from pipeschedule.plan.memory import GiB, builds_ddp
+from pipeschedule.plan.nanotron_yaml import plan_yaml
 
 
 def _gib(value: float) -> str:
@@ -25,15 +26,16 @@ def _title(plan, index: int, candidate) -> str:
 def assumptions(config) -> list[str]:
     """The modelling assumptions a plan rests on, one line each."""
     st = config.setup
+    half = {"float16": "fp16", "float32": "fp32"}.get(config.dtype_name, "bf16")  # model.dtype's short name
     if st.fp32_grad_accum:
-        state = ("bf16 weights; fp32 grad accumulator for every parameter; fp32 master weights and Adam "
+        state = (f"{half} weights; fp32 grad accumulator for every parameter; fp32 master weights and Adam "
                  f"moments{' sharded over dp (ZeRO-1)' if st.zero_stage == 1 else ''} "
-                 "(nanotron accumulate_grad_in_fp32: true); bf16 grads counted at the end of each backward")
+                 f"(nanotron accumulate_grad_in_fp32: true); {half} grads counted at the end of each backward")
     else:
         sharded = " sharded over dp (ZeRO-1)" if st.zero_stage == 1 else ""
-        state = (f"bf16 weights and grads; Adam moments in bf16{sharded} "
+        state = (f"{half} weights and grads; Adam moments in {half}{sharded} "
                  "(accumulate_grad_in_fp32: false)")
-    ddp = "; DDP bf16 grad buckets (dp > 1 without ZeRO)" if builds_ddp(st) and st.ddp_buckets else ""
+    ddp = f"; DDP {half} grad buckets (dp > 1 without ZeRO)" if builds_ddp(st) and st.ddp_buckets else ""
     lines = [
         "memory: " + state + ddp,
         (f"activations: {st.activation_formula} formula ({st.attention}), recompute {st.recompute}, sequence "
@@ -62,7 +64,9 @@ def plan_to_dict(plan) -> dict:
         "assumptions": assumptions(c),
         "default": index[id(plan.default)],
         "recommended": index[id(plan.recommended)] if plan.recommended else None,
-        "yaml": (plan.recommended.yaml_lines(c.pp, plan.recommended is plan.default) if plan.recommended else None),
+        "yaml": (plan_yaml(c, plan.recommended, nanotron_default=plan.recommended is plan.default)
+                 if plan.recommended else None),
+        "offload_option": (plan.candidates.index(plan.offload_option) if plan.offload_option is not None else None),
         "candidates": [x.to_dict() for x in plan.candidates],
         "zero1_default": plan.zero1_default.to_dict() if plan.zero1_default else None,
         "dropped": [{"schedule": name, "why": why} for name, why in plan.dropped],
@@ -150,20 +154,24 @@ def plan_to_text(plan, tables: str = "all") -> str:
     ]
     out.append("")
     rec = plan.recommended
+    where = f"dp={st.dp}, ZeRO-{st.zero_stage}, recompute {st.recompute}"
     if rec is None:
-        out.append("Recommended: nothing fits. Lower the in-flight activations (recompute, smaller micro-batch), "
-                   "shard the optimizer (ZeRO-1 with dp > 1) or use more GPUs.")
+        out.append(f"Fastest that fits at {where}: nothing fits. Lower the in-flight activations (recompute, smaller "
+                   "micro-batch), shard the optimizer (ZeRO-1 with dp > 1) or use more GPUs.")
     else:
         i = plan.candidates.index(rec)
         peak = rec.peak
-        out.append(f"Recommended: #{i + 1} {rec.label} with split {_split(rec.split)}: "
-                   f"{rec.relative:.3f}x the simulated throughput of nanotron's default, peak "
-                   f"{_gib(peak.total)} of {_gib(peak.budget)} GiB (rank {peak.rank}).")
-        out.append("  nanotron config (our integration reads cap, virtual and split inside pp_engine;")
-        out.append("  nanotron's strict config parser rejects a separate key):")
-        out += ["    " + line for line in rec.yaml_lines(c.pp, rec is plan.default)]
+        out.append(f"Fastest that fits at {where}: #{i + 1} {rec.label} with split {_split(rec.split)}: "
+                   f"{rec.relative:.3f}x the simulated throughput of this plan's nanotron default, peak "
+                   f"{_gib(peak.total)} of {_gib(peak.budget)} GiB (rank {peak.rank}); "
+                   f"pp_engine: {rec.engine(rec is plan.default)}")
         if rec.note:
             out.append("  note: " + rec.note)
+    option = plan.offload_option
+    if option is not None:
+        i = plan.candidates.index(option)
+        out.append(f"Offload option (its host link is not trusted for a recommendation, [Note: offload advice]): "
+                   f"#{i + 1} {option.label}, {option.relative:.3f}x; pp_engine: {option.engine()}")
     if plan.offload is not None:
         out += offload_lines(plan)
     z = plan.zero1_default

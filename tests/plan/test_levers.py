@@ -76,7 +76,8 @@ def test_lever_search_fits_at_dp1_and_prefers_zero1_without_recompute_at_dp2():
     assert (zero, mode) == (1, "none") and cand.fits
     assert cand.step_time < min(p.default.step_time for p in two.plans.values() if p.default.fits)
     text = two.to_text()
-    assert "optimizer:\n    zero_stage: 1" in text and "Recommended: ZeRO-1, recompute none" in text
+    assert f"Fastest that fits at dp=2: ZeRO-1, recompute none, {cand.label}" in text
+    assert f"  pp_engine: {cand.engine()}" in text
 
 
 def test_cli_default_searches_the_levers_and_finds_a_fit_at_dp1(capsys):
@@ -84,7 +85,7 @@ def test_cli_default_searches_the_levers_and_finds_a_fit_at_dp1(capsys):
 
     code = main(["plan", "--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "16", "--tp-async"])
     out = capsys.readouterr().out
-    assert code == 0 and "Recommended: ZeRO-0" in out and "nothing fits" not in out.split("Recommended")[1]
+    assert code == 0 and "Recommended: dp=1, ZeRO-0" in out and "nothing fits" not in out.split("Recommended")[1]
 
 
 def test_bad_lever_input_is_one_line(capsys):

@@ -57,14 +57,24 @@ def test_nanotron_split_other_sizes():
     assert sum(nanotron_split(MODELS["llama3-405b"], 16)) == 126
 
 
-def test_nanotron_split_rejects_a_stage_without_layers():
+def test_nanotron_split_rejects_a_head_before_the_last_stage():
     tiny = ModelSpec("tiny", layers=4, hidden=64, heads=4, kv_heads=4, ffn=128, vocab=100_000)
-    with pytest.raises(ParameterError, match="pp=4 gives layers .* a stage gets no decoder layer"):
+    with pytest.raises(ParameterError, match="pp=4 gives layers .* LM head on stage 0: the stages after it hold "
+                                             "nothing"):
         nanotron_split(tiny, 4)
     # and says where nanotron's split does work: the largest pp at or below the one asked for
-    with pytest.raises(ParameterError, match="the largest pp up to 16 where its split works for this model is 10"):
+    with pytest.raises(ParameterError, match="the largest pp up to 16 where its split works for this model is 15"):
         nanotron_split(MODELS["llama3-8b"], 16)
-    assert len(nanotron_split(MODELS["llama3-8b"], 10)) == 10
+    assert len(nanotron_split(MODELS["llama3-8b"], 15)) == 15
+
+
+def test_nanotron_split_keeps_a_last_stage_of_the_lm_head_alone():
+    """nanotron trains a last stage that holds the LM head and no decoder layer (the
+    README's example config: 4 layers at pp=4, integration/nanotron/example.py), so the
+    planner plans it as nanotron builds it; before, it refused the config."""
+    assert nanotron_split(MODELS["llama3-8b"], 15)[-1] == 0
+    small = ModelSpec("example", layers=4, hidden=32, heads=4, kv_heads=2, ffn=64, vocab=128)
+    assert nanotron_split(small, 4) == (2, 1, 1, 0)
 
 
 # -- problems ---------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def test_cli_model_from_sizes(capsys):
             "--pp", "2", "--microbatches", "4", "--seq", "128", "--gpu-memory", "1", "--reserve", "0",
             "--tables", "none"]
     code, out = run(argv, capsys)
-    assert code == 0 and "Plan for custom: 8 layers" in out
+    assert code == 0 and "Plan for custom (8 layers" in out
 
 
 @pytest.mark.parametrize(
@@ -330,7 +330,7 @@ def test_a_nanotron_config_plans_its_own_layout(tmp_path, capsys):
     layout = resolve_layout(args, err=said)
     assert (layout.pp, layout.tp, layout.dp, layout.zero, layout.microbatches, layout.seq, layout.micro_batch,
             layout.tp_async, layout.sequence_parallel, layout.fp32_grad_accum, layout.adam_fused) == (
-        4, 4, 2, "1", 16, 8192, 1, True, True, True, True)
+        4, 4, [2], "1", 16, 8192, 1, True, True, True, True)
     assert "pp 4 (parallelism.pp)" in said.getvalue() and "zero 1 (optimizer.zero_stage)" in said.getvalue()
     from_file = run(["--model-file", str(path), "--tables", "none", "--json", "--recompute", "full"], capsys)[1]
     from_flags = run(["--model", "llama3-70b", "--pp", "4", "--tp", "4", "--dp", "2", "--zero", "1",
@@ -341,7 +341,7 @@ def test_a_nanotron_config_plans_its_own_layout(tmp_path, capsys):
     assert a == b
     # a flag overrides the file, and nanotron's own defaults fill what the file leaves out
     layout = resolve_layout(build_parser().parse_args(["plan", "--model-file", str(path), "--dp", "1"]), err=said)
-    assert layout.dp == 1 and layout.pp == 4
+    assert layout.dp == [1] and layout.pp == 4
     path.write_text(USERS_CONFIG.replace("  tp_linear_async_communication: true\n", "")
                     .replace("  tp_mode: REDUCE_SCATTER\n", ""))
     layout = resolve_layout(build_parser().parse_args(["plan", "--model-file", str(path)]), err=said)
@@ -419,7 +419,7 @@ def test_a_search_stopped_at_its_node_limit_says_how_far_it_is_from_the_optimum(
     interleaved searches stop ("best found <x%", JSON lower_bound_s); with more nodes they
     are proven, and the proven optimum is not below the bound the stopped search gave."""
     argv = ["--model", "llama3-8b", "--pp", "4", "--tp", "2", "--dp", "8", "--zero", "1", "--recompute", "full",
-            "--microbatches", "8", "--tables", "none"]
+            "--microbatches", "8", "--tables", "all"]
     text = run(argv, capsys)[1]
     assert re.search(r"interleaved_1f1b v=3 +best found <\d\.\d%", text), text
     stopped = {(r["schedule"], r["virtual"]): r for r in json.loads(run(argv + ["--json"], capsys)[1])["candidates"]
