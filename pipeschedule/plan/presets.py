@@ -4,13 +4,16 @@ JSON file.
 A model file may be flat (`hidden: 4096`) or a whole nanotron config: the keys are
 looked for anywhere in it, in our spelling (layers, hidden, heads, kv_heads, ffn, vocab)
 or nanotron's / Hugging Face's (num_hidden_layers, hidden_size, num_attention_heads,
-num_key_value_heads, intermediate_size, vocab_size). PyYAML is not needed: `parse_yaml`
-reads the subset of YAML that configs use (nested mappings by indentation, scalars,
-comments, `- item` lists and `[a, b]` inline lists). JSON files are read as JSON.
+num_key_value_heads, intermediate_size, vocab_size). YAML is read by PyYAML where it is
+installed (as nanotron reads it, `read_yaml`); PyYAML is not needed: without it
+`parse_yaml` reads the subset of YAML that configs use (nested mappings by indentation,
+scalars, comments, `- item` lists and `[a, b]` inline lists) and refuses what it does not
+read (anchors, aliases, tags, block scalars). JSON files are read as JSON.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from typing import Any
@@ -131,10 +134,15 @@ def model_from_mapping(obj: Any, name: str = "custom") -> ModelSpec:
 
 
 def _find(obj: Any, keys: tuple[str, ...]) -> Any:
-    """The first value under any of `keys`, searching nested mappings breadth-first."""
-    queue = [obj]
+    """The first value under any of `keys`, searching nested mappings breadth-first, each
+    node once (YAML aliases make one node reachable many times: a few lines can reach it
+    10^9 times)."""
+    queue, seen = [obj], set()
     while queue:
         node = queue.pop(0)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
         if isinstance(node, dict):
             for key in keys:
                 if key in node and not isinstance(node[key], (dict, list)):
@@ -165,8 +173,30 @@ def load_mapping(path: str) -> Any:
         except (ValueError, RecursionError) as err:  # ValueError: also ints over 4300 digits
             raise FormatError(f"model file {path} is not valid JSON: {err}") from None
     else:
-        obj = parse_yaml(text, source=path)
+        obj = read_yaml(text, path)
     return obj
+
+
+def read_yaml(text: str, source: str = "<yaml>") -> Any:
+    """YAML as nanotron reads its configs: PyYAML's safe loader where PyYAML is installed
+    (nanotron needs it, so a config the launcher trains reads here as it reads there:
+    anchors, folded strings and all), else `parse_yaml`'s subset. Text that is no YAML is
+    refused in one line; a value PyYAML cannot build (a 5000-digit integer, nesting past
+    the recursion limit) is read by `parse_yaml`, whose reading or error stands (the
+    integer is then a string that the model's checks name)."""
+    try:
+        import yaml  # optional: the compiler and the planner need no package
+    except ImportError:
+        return parse_yaml(text, source)
+    stream = io.StringIO(text)
+    stream.name = source  # PyYAML's messages name the file and the line
+    try:
+        obj = yaml.safe_load(stream)
+    except yaml.YAMLError as err:
+        raise FormatError(f"{source} is not valid YAML: {' '.join(str(err).split())}") from None
+    except (ValueError, RecursionError):
+        return parse_yaml(text, source)
+    return {} if obj is None else obj
 
 
 # [Note: a nanotron config's layout] A nanotron config names the layout it trains with;
@@ -251,6 +281,9 @@ def parse_scalar(text: str) -> Any:
     text = text.strip()
     if text in ("", "~", "null", "Null", "NULL"):
         return None
+    if text[0] in "&*!|>":
+        raise FormatError(f"YAML anchors, aliases, tags and block scalars ({shown(text)}) are read with PyYAML, as "
+                          "nanotron reads its configs: pip install pyyaml")
     if text in _TRUE:
         return True
     if text in _FALSE:
@@ -373,4 +406,4 @@ def _sequence(lines, index, indent, source):
 
 __all__ = ["DTYPE_BYTES", "GPUS", "HOST_LINKS", "MEASURED_HOST_LINKS", "MODELS", "NANOTRON_LAYOUT", "gpu_preset",
            "host_bandwidth", "host_link_source", "load_mapping", "load_model", "model_from_mapping", "model_preset",
-           "nanotron_layout", "parse_scalar", "parse_yaml", "preset_key"]
+           "nanotron_layout", "parse_scalar", "parse_yaml", "preset_key", "read_yaml"]

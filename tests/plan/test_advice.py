@@ -160,6 +160,35 @@ def test_configs_the_launcher_trains_are_planned(knobs, capsys, tmp_path):
     assert code == 0 and "Recommended: dp=" in out, err
 
 
+def test_yaml_is_read_as_nanotron_reads_it(capsys, tmp_path):
+    """PyYAML, as nanotron's loader: a string folded over two lines (yaml.dump folds long
+    ones, as nanotron's save_as_yaml writes them) and anchors with aliases were refused or
+    read as text by the subset reader; without PyYAML that reader names them."""
+    from pipeschedule.errors import FormatError
+    from pipeschedule.plan.presets import load_mapping, parse_yaml
+
+    config = yaml.safe_load(TrainerConfig(pp=4, layers=8).yaml("checkpoints"))
+    config["general"]["run"] = "a run of the four-stage pipeline with its stashes capped at two " * 2
+    folded = yaml.safe_dump(config, sort_keys=False)
+    assert "\n    " in folded.split("run: ")[1].split("\n  seed")[0]  # the string spans two lines
+    anchored = (TrainerConfig(pp=4, layers=8).yaml("checkpoints")
+                .replace("    max_position_embeddings: 16", "    max_position_embeddings: &seq 16")
+                .replace("  sequence_length: 16", "  sequence_length: *seq"))
+    for name, text in (("folded", folded), ("anchored", anchored)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        assert load_mapping(str(path)) == yaml.safe_load(text)
+        code, out, err = run(["--model-file", str(path)], capsys)
+        assert code == 0 and "seq 16 (tokens.sequence_length)" in err, err
+        with pytest.raises(FormatError):
+            parse_yaml(text)
+    with pytest.raises(FormatError, match=re.escape("YAML anchors, aliases, tags and block scalars ('&seq 16')")):
+        parse_yaml(anchored)
+    (tmp_path / "bad.yaml").write_text("parallelism:\n  pp: [1, 2\n")
+    code, _, err = run(["--model-file", str(tmp_path / "bad.yaml")], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "bad.yaml is not valid YAML" in err
+
+
 def test_fewer_microbatches_than_stages_warn_with_the_bubble(capsys):
     assert bubble(4, 2) == pytest.approx(3 / 5) and bubble(4, 4) == pytest.approx(3 / 7)
     code, out, err = run(["--model", "llama3-8b", "--pp", "4", "--microbatches", "2", "--zero", "0", "--recompute",
