@@ -140,7 +140,7 @@ class Relaxation:
             self.inverse = [pivot if i == r else ([a - wi * b for a, b in zip(row, pivot)] if wi else row)
                             for i, (row, wi) in enumerate(zip(inv, w))]
         y = self._prices()
-        n = [min(max(v, lo), hi) for v, lo, hi in zip(y[1:], self.lo, self.hi)]
+        n = _onto_layers([min(max(v, lo), hi) for v, lo, hi in zip(y[1:], self.lo, self.hi)], self.lo, self.hi, self.L)
         weights = [0.0] * len(self.consts)
         for j, v in zip(self.basis, self.values):
             if j >= 2 + 2 * self.S and v > 0:
@@ -148,6 +148,22 @@ class Relaxation:
         total = sum(weights)
         weights = [x / total for x in weights] if total > 0 else weights
         return y[0], n, weights
+
+
+def _onto_layers(n: list[float], lo: list[float], hi: list[float], layers: int) -> list[float]:
+    """`n` moved back onto sum n = layers inside the box, stage by stage: the multipliers
+    are the split only up to the basis inverse's rounding, which a cut with coefficients
+    near 1e-11 beside ones near 1 makes visible (1.0000153 layers where the box allows 1)."""
+    excess = sum(n) - layers
+    out = list(n)
+    for s in range(len(out)):
+        if abs(excess) <= 1e-12 * (1 + layers):
+            break
+        room = out[s] - lo[s] if excess > 0 else out[s] - hi[s]  # how far stage s may move
+        step = min(excess, room) if excess > 0 else max(excess, room)
+        out[s] -= step
+        excess -= step
+    return out
 
 
 __all__ = ["Relaxation"]
