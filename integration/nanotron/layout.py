@@ -15,7 +15,9 @@ used, and the engine's placement (rank of each stage):
                            frequent module builder) in stage order, A on stage 0, B on
                            stage 1, ...; blocks before the first layer (embedding) on
                            stage 0, blocks after the last (norm, head, loss) on the last
-                           stage
+                           stage, a block between two layers with the layer before it
+                           (a model of alternating linear and activation blocks, as
+                           nanotron's pipeline tests build)
                            no split: nanotron's cost arithmetic over pp * virtual stages
                            (`split.nanotron_block_stages`), i.e. exactly what
                            `build_model(target_pp_ranks=placement)` does
@@ -102,8 +104,10 @@ def engine_layout(builders: Sequence[object], costs: Sequence[int], *, placement
             if is_layer:
                 block_stages.append(owner[seen])
                 seen += 1
-            else:
+            elif seen == 0 or seen == len(owner):  # before the first layer, after the last
                 block_stages.append(0 if seen == 0 else stages - 1)
+            else:  # between two layers: with the one before it
+                block_stages.append(owner[seen - 1])
     else:
         block_stages = nanotron_block_stages(list(costs), stages)
     layout = ModelLayout(tuple(block_stages), placement, tuple(layers))

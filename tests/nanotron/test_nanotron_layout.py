@@ -1,0 +1,91 @@
+"""Where an engine puts the blocks of a model that is not a Llama ([Note: model layout] in
+integration/nanotron/layout.py).
+
+nanotron's own pipeline tests build models of alternating blocks (a linear, then an
+activation, per rank; then a loss). With `split=` the decoder layers are the linears;
+every block between two of them must stay with the one before it, so that the stages
+follow forward order.
+"""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from integration.nanotron.errors import LayoutError
+from integration.nanotron.layout import engine_layout
+from strategies import examples
+
+LINEAR = "linear"  # the one module builder shared by several blocks: the decoder layers
+
+
+def alternating(pairs: int, *, extra_between: tuple[int, ...] = (), before: int = 0) -> list[str]:
+    """Module builders of a model: `before` leading blocks, then `pairs` linear blocks each
+    followed by 1 + extra_between[i] other blocks, then a loss. Every other block has a
+    builder of its own (as nanotron's tests build activations from a fresh lambda)."""
+    blocks = [f"first{k}" for k in range(before)]
+    for i in range(pairs):
+        blocks.append(LINEAR)
+        blocks += [f"activation{i}.{k}" for k in range(1 + (extra_between[i] if i < len(extra_between) else 0))]
+    return blocks + ["loss"]
+
+
+def costs(blocks: list[str]) -> list[int]:
+    """nanotron-style compute costs: the linears 1, the rest 0 (a one-pair model's layer
+    is then its one costly block)."""
+    return [int(b == LINEAR) for b in blocks]
+
+
+def test_a_block_between_two_layers_goes_with_the_layer_before_it():
+    layout = engine_layout(alternating(4), [0] * 9, placement=[0, 1, 1, 0], split=(1, 1, 1, 1), engine="zbv")
+    assert layout.block_stages == (0, 0, 1, 1, 2, 2, 3, 3, 3)
+    assert layout.block_ranks == [0, 0, 1, 1, 1, 1, 0, 0, 0]
+    # nanotron's test places pair r on rank r and the loss on the last: a 1F1B engine with a split agrees
+    assert engine_layout(alternating(2), [0] * 5, placement=[0, 1], split=(1, 1), engine="ps_1f1b").block_ranks == [
+        0, 0, 1, 1, 1]
+
+
+@settings(max_examples=examples(200))
+@given(st.data())
+def test_split_layouts_follow_forward_order(data):
+    """Any split of any alternating model: stages never go back, each stage holds the
+    layers the split gives it, and a non-layer block sits on the stage of the layer
+    before it (stage 0 before the first layer, the last stage after the last one)."""
+    stages = data.draw(st.integers(1, 6), label="stages")
+    split = data.draw(st.lists(st.integers(0, 3), min_size=stages, max_size=stages).filter(lambda s: sum(s) > 0),
+                      label="split")
+    pairs = sum(split)
+    extra = tuple(data.draw(st.lists(st.integers(0, 2), min_size=pairs, max_size=pairs), label="extra"))
+    before = data.draw(st.integers(0, 2), label="before")
+    blocks = alternating(pairs, extra_between=extra, before=before)
+    try:
+        layout = engine_layout(blocks, costs(blocks), placement=list(range(stages)), split=tuple(split),
+                               engine="ps_1f1b")
+    except LayoutError as error:  # only for a stage left without any block
+        assert "without any block" in str(error) and 0 in split
+        return
+    assert _forward_order_faults(blocks, split, layout.block_stages) == []
+
+
+def _forward_order_faults(blocks: list[str], split: list[int], block_stages) -> list[str]:
+    """What is wrong with `block_stages` for `blocks` under `split` (empty when right)."""
+    owner = [s for s, count in enumerate(split) for _ in range(count)]
+    faults, seen = [], 0
+    for index, (block, stage) in enumerate(zip(blocks, block_stages)):
+        if index and stage < block_stages[index - 1]:
+            faults.append(f"block {index} goes back to stage {stage}")
+        if block == LINEAR:
+            want = owner[seen]
+            seen += 1
+        else:
+            want = 0 if seen == 0 else len(split) - 1 if seen == len(owner) else owner[seen - 1]
+        if stage != want:
+            faults.append(f"block {index} ({block}) on stage {stage}, not {want}")
+    return faults
+
+
+def test_the_check_finds_the_old_rule_wrong():
+    """The property's check rejects the rule used before (every non-layer block after the
+    first layer on the last stage)."""
+    blocks, split = alternating(4), [1, 1, 1, 1]
+    old = [0, 3, 1, 3, 2, 3, 3, 3, 3]
+    assert _forward_order_faults(blocks, split, old)[:2] == ["block 1 (activation0.0) on stage 3, not 0",
+                                                             "block 2 goes back to stage 1"]
