@@ -148,7 +148,7 @@ def model_stages(found_ranks: Sequence[int], builders: Sequence[object], costs: 
     if split is not None:
         expected = engine_layout(builders, costs, placement=placement, split=split, engine=engine)
         if found_ranks != expected.block_ranks:
-            raise _mismatch(found_ranks, expected, engine, hook)
+            raise _mismatch(found_ranks, expected.layer_blocks, placement, expected, engine, hook)
         return list(expected.block_stages)
     runs, stages = [], []
     for rank in found_ranks:
@@ -157,20 +157,38 @@ def model_stages(found_ranks: Sequence[int], builders: Sequence[object], costs: 
         stages.append(len(runs) - 1)
     if tuple(runs) == placement:
         return stages
-    expected = engine_layout(builders, costs, placement=placement, split=None, engine=engine)
+    try:
+        expected = engine_layout(builders, costs, placement=placement, split=None, engine=engine)
+    except LayoutError:
+        if tuple(runs) == _runs(placement):  # laid out on the engine's ranks; only the V's turn is unknown
+            raise  # the error asks for split=
+        # The engine cannot lay this model out itself (no compute costs), and the model's own
+        # ranks do not pass through its stages: say what was found, not why a cost split fails.
+        raise _mismatch(found_ranks, layer_mask(builders, costs), placement, None, engine, hook) from None
     if found_ranks == expected.block_ranks:
         return list(expected.block_stages)
-    raise _mismatch(found_ranks, expected, engine, hook)
+    raise _mismatch(found_ranks, expected.layer_blocks, placement, expected, engine, hook)
 
 
-def _mismatch(found_ranks: Sequence[int], expected: ModelLayout, engine: str, hook: str) -> LayoutError:
-    found = _describe_ranks(found_ranks, expected.layer_blocks)
+def _runs(ranks: Sequence[int]) -> tuple[int, ...]:
+    """`ranks` with consecutive repeats dropped: the ranks a forward pass visits in turn."""
+    return tuple(r for i, r in enumerate(ranks) if i == 0 or r != ranks[i - 1])
+
+
+def _mismatch(found_ranks: Sequence[int], layers: Sequence[bool], placement: Sequence[int],
+              expected: ModelLayout | None, engine: str, hook: str) -> LayoutError:
+    found = _describe_ranks(found_ranks, layers)
+    wants = (expected.describe() if expected is not None
+             else f"its blocks to visit ranks {list(_runs(placement))} in turn, in forward order")
     return LayoutError(
-        f"pp_engine {engine!r} runs {len(expected.placement)} stages on ranks {list(expected.placement)} and "
-        f"expects {expected.describe()}, but the model it was given has {found}. nanotron builds the model before "
+        f"pp_engine {engine!r} runs {len(placement)} stages on ranks {list(placement)} and "
+        f"expects {wants}, but the model it was given has {found}. nanotron builds the model before "
         f"the engine runs: start training with `python -m integration.nanotron.train --config-file CONFIG`, or put "
         f"`import integration.nanotron` before any other nanotron import in your launch script, so that nanotron's "
-        f"build_model applies pp_engine's split and placement" + (f" ({hook})" if hook else "")
+        f"build_model applies pp_engine's split and placement; a script that places blocks itself "
+        f"(build_and_set_rank) puts them on engine.model_layout(model, pp).block_ranks (give split= in pp_engine "
+        f"where the model has no get_block_compute_costs)"
+        + (f" ({hook})" if hook else "")
     )
 
 

@@ -1,17 +1,22 @@
 """Where an engine puts the blocks of a model that is not a Llama ([Note: model layout] in
-integration/nanotron/layout.py).
+integration/nanotron/layout.py), and what it says of a model laid out by someone else.
 
 nanotron's own pipeline tests build models of alternating blocks (a linear, then an
-activation, per rank; then a loss). With `split=` the decoder layers are the linears;
-every block between two of them must stay with the one before it, so that the stages
-follow forward order.
+activation, per rank; then a loss) and place them themselves with `build_and_set_rank`.
+With `split=` the decoder layers are the linears; every block between two of them must
+stay with the one before it, so that the stages follow forward order. A model whose
+blocks visit the ranks in an order the engine's stages cannot follow (one run of blocks
+per rank under an interleaved or V placement) is refused in one line that names the
+ranks the engine needs and the ranks it found.
 """
+
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from integration.nanotron.errors import LayoutError
-from integration.nanotron.layout import engine_layout
+from integration.nanotron.layout import engine_layout, model_stages
 from strategies import examples
 
 LINEAR = "linear"  # the one module builder shared by several blocks: the decoder layers
@@ -89,3 +94,37 @@ def test_the_check_finds_the_old_rule_wrong():
     old = [0, 3, 1, 3, 2, 3, 3, 3, 3]
     assert _forward_order_faults(blocks, split, old)[:2] == ["block 1 (activation0.0) on stage 3, not 0",
                                                              "block 2 goes back to stage 1"]
+
+
+@pytest.mark.parametrize("engine, placement, visits", [
+    ("zbv", [0, 1, 1, 0], [0, 1, 0]),
+    ("interleaved_1f1b:virtual=2", [0, 1, 0, 1], [0, 1, 0, 1]),
+    ("v_min", [0, 1, 2, 3, 3, 2, 1, 0], [0, 1, 2, 3, 2, 1, 0]),
+])
+def test_a_model_with_one_run_of_blocks_per_rank_is_refused_naming_both_orders(engine, placement, visits):
+    """nanotron's test models (a linear and an activation per rank, the loss on the last)
+    under placements with two stages per rank: one line naming the ranks the engine
+    needs and the ranks found, not the cost split's complaint."""
+    pp = max(placement) + 1
+    blocks = alternating(pp)
+    found = [r for r in range(pp) for _ in range(2)] + [pp - 1]
+    with pytest.raises(LayoutError) as caught:
+        model_stages(found, blocks, [0] * len(blocks), placement=placement, split=None, engine=engine)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"pp_engine {engine!r} runs {len(placement)} stages on ranks {placement} and expects "
+                              f"its blocks to visit ranks {visits} in turn")
+    assert f"the model it was given has decoder layers per run of blocks {'/'.join(['1'] * pp)} on ranks " \
+           f"{list(range(pp))}" in message
+    assert "cost split" not in message and "build_and_set_rank" in message
+
+
+def test_a_v_model_on_the_right_ranks_without_costs_asks_for_a_split():
+    """Blocks on the V's ranks, but nothing says where the turn's two stages on rank 1
+    divide: the refusal asks for split= (which then runs it)."""
+    blocks = alternating(4)
+    found = [0, 0, 1, 1, 1, 1, 0, 0, 0]
+    with pytest.raises(LayoutError, match=r"^pp_engine 'zbv': .* Give a split in pp_engine, e\.g\. split=1/1/1/1$"):
+        model_stages(found, blocks, [0] * 9, placement=[0, 1, 1, 0], split=None, engine="zbv")
+    assert model_stages(found, blocks, [0] * 9, placement=[0, 1, 1, 0], split=(1, 1, 1, 1), engine="zbv") == [
+        0, 0, 1, 1, 2, 2, 3, 3, 3]
