@@ -217,20 +217,22 @@ class Job:
 
 class NanotronChain(nn.Module):
     """nanotron's DummyModel: per rank an nn.Linear block and an activation block (sigmoid,
-    the last rank identity), then a loss block on the last rank."""
+    the last rank identity), then a loss block on the last rank. With `pairs`, that many
+    (linear, activation) pairs, placed where the engine's layout puts them (`ranks` None)."""
 
-    def __init__(self, p2p, pp: int):
+    def __init__(self, p2p, pp: int, pairs: int | None = None):
         super().__init__()
+        count = pp if pairs is None else pairs
         self.mlp = nn.Sequential(*(nn.ModuleDict({
             "linear": PipelineBlock(p2p=p2p, module_builder=nn.Linear,
                                     module_kwargs={"in_features": WIDTH, "out_features": WIDTH},
                                     module_input_keys={"input"}, module_output_keys={"output"}),
-            "activation": PipelineBlock(p2p=p2p, module_builder=nn.Sigmoid if r < pp - 1 else nn.Identity,
+            "activation": PipelineBlock(p2p=p2p, module_builder=nn.Sigmoid if r < count - 1 else nn.Identity,
                                         module_kwargs={}, module_input_keys={"input"}, module_output_keys={"output"}),
-        }) for r in range(pp)))
+        }) for r in range(count)))
         self.loss = PipelineBlock(p2p=p2p, module_builder=lambda: lambda x: x.sum(), module_kwargs={},
                                   module_input_keys={"x"}, module_output_keys={"output"})
-        self.ranks = [r for r in range(pp) for _ in range(2)] + [pp - 1]
+        self.ranks = [r for r in range(pp) for _ in range(2)] + [pp - 1] if pairs is None else None
 
     def forward(self, x):
         for pair in self.mlp:
@@ -247,9 +249,11 @@ class NanotronChain(nn.Module):
 class NanotronNoGrad(nn.Module):
     """nanotron's DummyModelPassingNonDifferentiableTensor: pp + 1 pairs of (linear with a
     passed-through input, sigmoid(x) * y), the last two pairs on the last rank, then a loss;
-    asserts, as nanotron's test does, that y never requires grad and x always does."""
+    asserts, as nanotron's test does, that y never requires grad and x always does (when grad
+    is enabled). With
+    `pairs`, that many pairs, placed where the engine's layout puts them (`ranks` None)."""
 
-    def __init__(self, p2p, pp: int):
+    def __init__(self, p2p, pp: int, pairs: int | None = None):
         super().__init__()
         keys = {"x", "y"}
         self.mlp = nn.Sequential(*(nn.ModuleDict({
@@ -258,10 +262,10 @@ class NanotronNoGrad(nn.Module):
                                     module_input_keys=keys, module_output_keys={"output", "y"}),
             "activation": PipelineBlock(p2p=p2p, module_builder=lambda: gate, module_kwargs={},
                                         module_input_keys=keys, module_output_keys={"output", "y"}),
-        }) for _ in range(pp + 1)))
+        }) for _ in range(pp + 1 if pairs is None else pairs)))
         self.loss = PipelineBlock(p2p=p2p, module_builder=lambda: lambda x: x.sum(), module_kwargs={},
                                   module_input_keys={"x"}, module_output_keys={"output"})
-        self.ranks = [min(i, pp - 1) for i in range(pp + 1) for _ in range(2)] + [pp - 1]
+        self.ranks = [min(i, pp - 1) for i in range(pp + 1) for _ in range(2)] + [pp - 1] if pairs is None else None
 
     def forward(self, differentiable_tensor, non_differentiable_tensor):
         x, y = differentiable_tensor, non_differentiable_tensor
@@ -269,7 +273,8 @@ class NanotronNoGrad(nn.Module):
             out = pair.linear(x=x, y=y)
             out = pair.activation(x=out["output"], y=out["y"])
             x, y = out["output"], out["y"]
-            assert not isinstance(x, torch.Tensor) or x.requires_grad is True, "x lost its grad"
+            if isinstance(x, torch.Tensor) and torch.is_grad_enabled():  # (evaluation runs it without grad)
+                assert x.requires_grad is True, "x lost its grad"
             assert not isinstance(y, torch.Tensor) or y.requires_grad is False, "y requires grad"
         return self.loss(x=x)["output"]
 
