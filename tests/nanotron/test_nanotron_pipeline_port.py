@@ -22,13 +22,16 @@ rank. Here, with every engine built through nanotron's config path:
   nanotron's `sync_tied_weights_gradients` they are, equal on the ranks sharing them, and
   the optimizer's fp32 gradient still views the buffer.
 
-Models come from pipeline_port.MODELS and the engines from the registry, so a model or a
-family added there is trained here.
+The engines come from the registry, so a family added there is trained here; a model joins
+by its class in pipeline_port.MODELS and an entry in PLACED_BY_TEST (placed as nanotron's
+test places it) or PLACED_BY_ENGINE (a shape each engine places).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import torch
@@ -39,14 +42,27 @@ from pipeline_port import SEQUENTIAL, Job, Run, TiedJob, TiedRun, engine_of, run
 
 OPTIONS = ("recompute=full", "offload=0")  # each also drawn on top of one engine of each shape
 
-# nanotron's test models (pipeline_port.MODELS) as its tests place them, each with the
-# decoder layers (its repeated linear blocks) per rank of that placement, which is also the
-# split= describing it to an engine (None: no split describes it, only the plain engines run).
+
+@dataclass(frozen=True)
+class Placed:
+    """A model of pipeline_port.MODELS as nanotron's tests place it: the pipeline sizes it
+    is built for, and the decoder layers (its repeated blocks) per rank of that placement,
+    which is also the split= describing it to an engine (None: no split does; the engines
+    run it without one)."""
+
+    pps: tuple[int, ...]
+    layers: Callable[[int], list[int] | None]
+
+
 PLACED_BY_TEST = {
-    "chain": lambda pp: [1] * pp,
-    "no_grad": lambda pp: [1] * (pp - 1) + [2],
+    "chain": Placed((2, 4), lambda pp: [1] * pp),
+    "no_grad": Placed((2, 4), lambda pp: [1] * (pp - 1) + [2]),
 }
 PLACED_BY_ENGINE = ("chain", "no_grad")  # the same shapes with one pair per stage, where each engine puts them
+
+
+def placed_by_test(pp: int) -> list[str]:
+    return [name for name, placed in PLACED_BY_TEST.items() if pp in placed.pps]
 
 
 def engine_values(pp: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -77,7 +93,7 @@ def _split(counts) -> str:
 def engines_on_test_placement(model: str, pp: int) -> tuple[str, ...]:
     """Our engines that run `model` as nanotron's tests place it."""
     one, _ = engine_values(pp)
-    layers = PLACED_BY_TEST[model](pp)
+    layers = PLACED_BY_TEST[model].layers(pp)
     return one + (() if layers is None else (_with("ps_1f1b", _split(layers)),))
 
 
@@ -93,7 +109,7 @@ def runs_for(pp: int) -> tuple[Run, ...]:
     _, two = engine_values(pp)
     m = pp + 5  # as nanotron's tests
     runs = []
-    for model in PLACED_BY_TEST:
+    for model in placed_by_test(pp):
         runs += [Run(model, SEQUENTIAL, m), Run(model, "afab", m), Run(model, "1f1b", m)]
         runs += [Run(model, engine, m, evaluate=True) for engine in engines_on_test_placement(model, pp)]
         runs += [Run(model, engine, m) for engine in plain(two)]  # refused
@@ -123,7 +139,7 @@ def assert_same(run: dict, reference: dict) -> None:
 @pytest.mark.parametrize("pp", [2, 4])
 def test_one_stage_per_rank_engines_train_nanotrons_models_as_one_rank_does(pp):
     runs = job(pp)
-    for model in PLACED_BY_TEST:
+    for model in placed_by_test(pp):
         reference = runs[model, SEQUENTIAL]
         assert reference["grads"] and reference["no_grad"] == [], reference
         for engine in ("afab", "1f1b") + engines_on_test_placement(model, pp):
@@ -135,7 +151,7 @@ def test_one_stage_per_rank_engines_train_nanotrons_models_as_one_rank_does(pp):
 def test_two_stages_per_rank_engines_refuse_nanotrons_placement_in_one_line(pp):
     runs = job(pp)
     _, two = engine_values(pp)
-    for model in PLACED_BY_TEST:
+    for model in placed_by_test(pp):
         for engine in plain(two):
             error = runs[model, engine]["error"]
             assert error is not None, (model, engine)
@@ -144,8 +160,10 @@ def test_two_stages_per_rank_engines_refuse_nanotrons_placement_in_one_line(pp):
             assert len(placement) == 2 * pp
             assert line.startswith(f"integration.nanotron.errors.LayoutError: pp_engine {engine!r} runs {2 * pp} "
                                    f"stages on ranks {placement} and expects its blocks to visit ranks"), line
-            assert f"but the model it was given has decoder layers per run of blocks " \
-                   f"{'/'.join(map(str, PLACED_BY_TEST[model](pp)))} on ranks {list(range(pp))}" in line, line
+            layers = PLACED_BY_TEST[model].layers(pp)
+            if layers is not None:
+                assert f"but the model it was given has decoder layers per run of blocks " \
+                       f"{'/'.join(map(str, layers))} on ranks {list(range(pp))}" in line, line
 
 
 @pytest.mark.spawn
