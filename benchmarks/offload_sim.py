@@ -4,7 +4,7 @@ stashes against streamed ones, over GH200's link and the H200's PCIe link.
     python -m benchmarks.offload_sim          # a few seconds on a CPU; writes results/offload_sim.{json,md}
     python -m benchmarks.offload_sim --no-write
 
-1. The measured layer ([Note: offload figures] in tests/test_offload.py): one Llama-style
+1. The measured layer ([Note: offload figures] in tests/simulate/test_offload.py): one Llama-style
    layer of the H200 here (hidden 2048, sequence 4096, bf16) forward 1.03 ms, backward
    2.19 ms, its stash 285,212,672 bytes; 8 layers a stage, 1F1B at pp=4 with 16
    microbatches, 20 us a message. For each link (GH200 450 GB/s per direction, the H200

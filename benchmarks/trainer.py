@@ -128,9 +128,9 @@ def render(report: dict) -> str:
             + (" / ".join(f"{b / 2**20:.0f}" for b in row["ledger_stash"]) if any(row["ledger_stash"]) else "-")
             + " |")
     lines += ["", "Losses per step (first round; every run starts from the same weights and data). On CPU the engines "
-              "give bitwise equal losses and weights (tests/test_nanotron_trainer.py); on the GPU nondeterministic "
-              "kernels (atomic adds in backward) make any two runs drift, the same engine's included: compare "
-              "the engines' gaps with that of a repeated run.", "",
+              "give bitwise equal losses and weights (tests/nanotron/test_nanotron_trainer.py); on the GPU "
+              "nondeterministic kernels (atomic adds in backward) make any two runs drift, the same engine's "
+              "included: compare the engines' gaps with that of a repeated run.", "",
               "| pp_engine | " + " | ".join(f"step {i + 1}" for i in range(len(ref["losses"][0])))
               + f" | max |Δ| vs {reference} (any round) |",
               "|---|" + "---|" * (len(ref["losses"][0]) + 1)]

@@ -196,7 +196,7 @@ def weight_stash(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: b
     (o_proj), the normalised residual (gate_up_proj) and silu(gate) * up (down_proj); the
     output gradients are those of q, kv, o, gate_up and down. On the last stage the LM
     head adds its input and its logits' gradient. Embedding and norms have no linear.
-    Checked against the ledger's `resized` of a zb_h1 run (tests/test_memory_calibration.py)."""
+    Checked against the ledger's `resized` of a zb_h1 run (tests/nanotron/test_memory_calibration.py)."""
     sb, h, f, e = setup.seq * setup.micro_batch, model.hidden, model.ffn, setup.act_bytes
     q, kv = model.heads * model.head_dim, 2 * model.kv_heads * model.head_dim
     layer = sb * e * (3 * h + f) + sb * e * (q + kv + h + 2 * f + h)

@@ -102,7 +102,7 @@ class Run:
                   losses go to `eval_losses`
     placement     rank of each stage; None = 0..pp-1, or round-robin when split lists
                   a multiple of pp stages (interleaving: nanotron's AFAB runs it, its
-                  1F1B deadlocks, see DESIGN.md); with a pipeschedule engine, None =
+                  1F1B deadlocks, see docs/training.md); with a pipeschedule engine, None =
                   the engine's placement (`engine.placement(pp)`: the V
                   shape of zbv, v_half, v_min)
     measure_stash attach a StashMeter (integration.nanotron.stash) to the model

@@ -27,7 +27,7 @@ at the first that would fail, with one line naming the value and the fix:
 The model's blocks are read from numbers: nanotron's LlamaForTraining is an embedding, the
 decoder layers, final norm, LM head, cast to fp32 and loss, priced as its
 `get_block_compute_costs` prices them (`pipeschedule.plan.partition.llama_block_costs`);
-tests/nanotron/test_check_cli.py holds the prediction to the block ranks nanotron's
+tests/nanotron/test_nanotron_trainer.py holds the prediction to the block ranks nanotron's
 trainer builds. A model config of another kind is read and its world checked, but its
 layout and memory are not predicted (said in the report).
 """

@@ -83,7 +83,7 @@ class OffloadCandidate(Candidate):
 
 
 def fitted_recompute(planner, cand: Candidate) -> Candidate | None:
-    """[Note: partial recompute] The fewest layers per stage to recompute for `cand` (a row
+    """[Note: partial recompute]: the fewest layers per stage to recompute for `cand` (a row
     of the setup without recompute, evaluated) to fit; None when it cannot fit."""
     config = planner.config
     model, setup = config.model, config.setup
@@ -238,7 +238,7 @@ def lever_rows(planner, candidates: Sequence[Candidate]) -> tuple[list[Candidate
 
 
 def virtual_tried(planner) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
-    """[Note: virtual counts] The chunk counts per rank the interleaved candidates are
+    """[Note: virtual counts]: the chunk counts per rank the interleaved candidates are
     tried at, and (candidate, why) for the others up to `config.virtual`: the counts that
     give every chunk a layer (`config.virtual_counts`), from the fewest up, stopping at
     the first whose pipeline at nanotron's split, timed with the planner's costs, is no

@@ -292,7 +292,7 @@ def _tokens(setup: TrainingSetup) -> tuple[int, int, int]:
 
 def nanotron_layer_stash(model: ModelSpec, setup: TrainingSetup, recompute: str | None = None) -> dict[str, int]:
     """Bytes one nanotron `LlamaDecoderLayer` saves for backward per microbatch on one TP
-    rank, by tensor ([Note: nanotron's Llama stash])."""
+    rank, by tensor (the activations of [Note: memory terms])."""
     recompute = setup.recompute if recompute is None else recompute
     sb, local, gathered = _tokens(setup)
     h, a, f, t, e = model.hidden, model.heads, model.ffn, setup.tp, setup.act_bytes

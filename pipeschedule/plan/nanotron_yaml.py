@@ -57,7 +57,7 @@ def plan_sections(config: PlanConfig, candidate, *, nanotron_default: bool = Fal
 
 
 def plan_yaml(config: PlanConfig, candidate, *, nanotron_default: bool = False) -> list[str]:
-    """[Note: plan YAML] as lines of YAML (block style, two spaces an indent)."""
+    """The YAML of [Note: plan YAML], as lines (block style, two spaces an indent)."""
     return _lines(plan_sections(config, candidate, nanotron_default=nanotron_default), 0)
 
 

@@ -57,7 +57,7 @@ Kernels take other paths for other strides (a transposed GEMM packs its operands
 differently), so when a same-rank hand-off kept a transposed output's strides and a
 receive did not, gradients differed in the last bits from one placement to another
 (2.8e-17 in a Linear's weight gradient, reported for interleaved at pp 2 and 3; in
-tests/test_runtime_layout.py, pp=1 and zbv at pp=2 against the others). The other
+tests/runtime/test_runtime_layout.py, pp=1 and zbv at pp=2 against the others). The other
 way out, carrying strides in the shape exchange and receiving with `torch.empty_strided`,
 matches the plain model in more cases but not in all: the gradient sent back has the
 layout autograd gives the input's `.grad` (its layout contract), not the one the

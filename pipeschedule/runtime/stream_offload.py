@@ -50,7 +50,7 @@ back). The ledger moves each chunk's bytes to the host when it lands and back wh
 reload is issued, and drops them when the last holder of a reloaded chunk is gone, so
 `high_total` counts what the device holds per chunk (a kept chunk stays counted until
 the FREE). On CPU the copies are made at once, which is what the tests use for
-exactness; the GPU test (tests/test_runtime_offload.py) drives the events.
+exactness; the GPU test (tests/runtime/test_runtime_offload.py) drives the events.
 
 A chunk here is whole storages until it reaches `chunk` bytes, so one large storage is
 one chunk larger than `chunk`; the simulator cuts a stash into equal pieces of at most

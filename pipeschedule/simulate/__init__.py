@@ -1,7 +1,7 @@
 """The simulator: one step of a lowered schedule under a cost model, event by event.
 
 `simulate(schedule, cost)` runs every rank's program with the semantics of rule 4
-(DESIGN.md) and returns a `SimResult`: step time, bubble, per-rank busy time, peak
+(docs/architecture.md) and returns a `SimResult`: step time, bubble, per-rank busy time, peak
 in-flight microbatches, and the live-buffer memory curve of every rank.
 
     cost           CostModel: per-stage times and bytes, message and host-link costs; cost files

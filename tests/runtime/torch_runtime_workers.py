@@ -1,4 +1,4 @@
-"""Per-rank worker of tests/test_torch_csv_runtime.py (spawned processes import it by
+"""Per-rank worker of tests/runtime/test_torch_csv_runtime.py (spawned processes import it by
 name, so it lives in its own module and holds no tests): runs our CSVs in PyTorch's own
 pipeline runtime, `torch.distributed.pipelining.schedules._PipelineScheduleRuntime`."""
 
