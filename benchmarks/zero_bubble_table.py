@@ -1,6 +1,6 @@
 """The zero-bubble and V-shape families side by side under unit costs.
 
-    python -m benchmarks.zero_bubble_table                 # pp=4, m=16 (the README's table)
+    python -m benchmarks.zero_bubble_table                 # pp=4, m=16 (the table of docs/schedules.md)
     python -m benchmarks.zero_bubble_table --pp 8 -m 32
 
 Costs per stage: F = B = W = 1 for split-backward schedules; 1F1B's B is the whole

@@ -1,6 +1,6 @@
-"""The shipped cost files work: every `pipeschedule` command in README.md that names a cost
-file (`--cost`), and every command of examples/README.md, runs as written, from the
-repository's root, and exits 0."""
+"""The shipped cost files work: every `pipeschedule` command in README.md and docs/*.md that
+names a cost file (`--cost`), and every command of examples/README.md, runs as written,
+from the repository's root, and exits 0."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ def shell_commands(path: Path) -> list[str]:
     return [line for line in lines if line.startswith("pipeschedule ")]
 
 
-README_COST_COMMANDS = [c for c in shell_commands(ROOT / "README.md") if "--cost" in c]
+README_COST_COMMANDS = [c for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+                        for c in shell_commands(page) if "--cost" in c]
 EXAMPLE_COMMANDS = shell_commands(ROOT / "examples" / "README.md")
 
 

@@ -389,7 +389,7 @@ DEFERRED = [
 
 @pytest.mark.parametrize("cls, pp, microbatches, rule", DEFERRED)
 def test_pytorch_deferred_receives_are_rejected_for_zero_bubble(cls, pp, microbatches, rule):
-    """README: PyTorch's `defer_pp_recv=True` orders for interleaved zero bubble and ZB-V
+    """docs/pytorch.md: PyTorch's `defer_pp_recv=True` orders for interleaved zero bubble and ZB-V
     send and receive out of order between two ranks; the same schedules without it verify."""
     schedules = _torch_schedules()
     import torch
