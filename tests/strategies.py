@@ -4,7 +4,9 @@ The families and what each takes come from the package's own records
 (`pipeschedule.compiler.families.FAMILIES`), so a family added there is drawn here
 without a second list: split backward (W) and V placement
 come with their families; offload (OFFLOAD / RELOAD, `pipeschedule.compiler.offload.add_offload`)
-is drawn on top of any of them by `schedules`.
+is drawn on top of any of them by `schedules`. Stage graphs other than the chain
+([Note: stage graph] in pipeschedule/compiler/graph.py) are drawn by `stage_graphs`, and
+schedules on them by `graph_schedules`.
 """
 
 from hypothesis import settings, strategies as st
@@ -69,6 +71,35 @@ def schedules(draw, max_pp=16, max_m=64, max_v=4, offload=True):
     stashes added half of the time when `offload`."""
     family, params = draw(schedule_params(max_pp=max_pp, max_m=max_m, max_v=max_v))
     schedule = build(family, params)
+    if offload and draw(st.booleans()):
+        schedule = add_offload(schedule, draw(offload_policies(schedule.pp)))
+    return schedule
+
+
+@st.composite
+def stage_graphs(draw, num_stages, max_producers=3):
+    """Edges of a random stage graph over `num_stages` stages: each stage but 0 consumes
+    1 to `max_producers` earlier stages, and a stage left without a consumer feeds a
+    later one (so skip connections, several consumers and several producers, the chain
+    among them)."""
+    edges = set()
+    for t in range(1, num_stages):
+        producers = draw(st.lists(st.integers(0, t - 1), min_size=1, max_size=min(t, max_producers), unique=True))
+        edges |= {(s, t) for s in producers}
+    for s in range(num_stages - 1):
+        if not any(a == s for a, _ in edges):
+            edges.add((s, draw(st.integers(s + 1, num_stages - 1))))
+    return sorted(edges)
+
+
+@st.composite
+def graph_schedules(draw, max_pp=8, max_m=16, max_v=3, offload=True):
+    """A compiled (lowered, verified) schedule of any family on a random stage graph
+    (`stage_graphs`), with OFFLOAD / RELOAD of stashes added half of the time when
+    `offload`."""
+    family, params = draw(schedule_params(max_pp=max_pp, max_m=max_m, max_v=max_v))
+    stages = params["pp"] * family_virtual(family, params.get("virtual"))
+    schedule = compile_schedule(family, edges=draw(stage_graphs(stages)), **params)
     if offload and draw(st.booleans()):
         schedule = add_offload(schedule, draw(offload_policies(schedule.pp)))
     return schedule

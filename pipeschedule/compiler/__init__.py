@@ -3,6 +3,7 @@
     instr        instructions: the op codes and `Instr`
     program      `Program`: one rank's instructions packed as template ids and microbatches
     ir           schedules, their JSON and text forms (instructions and programs re-exported)
+    graph        the stage graph: which stages consume which stages' outputs (the chain by default)
     families     the `Family` record of every schedule family, and `generate`
     generators/  one module per family: the compute order (F, B, W) of every rank
     timing       when each compute of an order can start (`asap`), under unit or given costs

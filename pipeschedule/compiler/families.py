@@ -22,8 +22,9 @@ from pipeschedule.compiler.generators.interleaved import interleaved_1f1b
 from pipeschedule.compiler.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
 from pipeschedule.compiler.generators.v_shape import v_half, v_min, v_placement, zbv
 from pipeschedule.compiler.generators.zero_bubble import zb_h1
+from pipeschedule.compiler.graph import StageGraph
 from pipeschedule.compiler.timing import stage_times
-from pipeschedule.errors import ParameterError
+from pipeschedule.errors import FormatError, ParameterError
 
 
 def _round_robin(pp: int, virtual: int) -> list[int]:
@@ -105,9 +106,15 @@ def family_virtual(name: str, virtual: int | None = None) -> int:
 
 
 @gc_paused
-def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None, cost=None):
+def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = None, cap=None, cost=None,
+             edges=None):
     """The compute-only schedule of family `name`; raises ParameterError on bad input.
     `virtual` None means the family's default (1; 2 for the V-shape families).
+
+    `edges`: the stage graph, (producer stage, consumer stage) pairs over the pp *
+    virtual stages (None: the chain; [Note: stage graph] in graph.py). Every family's
+    order is valid on any graph of forward edges (the Note says why), so the order is
+    the family's own and the graph is what lowering reads.
 
     `cost`: None (unit costs), a `CostModel`, or one (forward, backward, weight) time
     tuple per stage (B the input-gradient part for a split-backward family). The
@@ -138,7 +145,13 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
         options["cap"] = cap
     if chosen.cost_aware:
         options["cost"] = times
-    return chosen.generator(pp, microbatches, **options)
+    if edges is not None:
+        try:
+            StageGraph.of(pp * virtual, edges)  # checked before any work
+        except FormatError as err:
+            raise ParameterError(f"edges: {err}") from None
+    order = chosen.generator(pp, microbatches, **options)
+    return order if edges is None else order.with_edges(edges)
 
 
 __all__ = ["FAMILIES", "Family", "family", "family_virtual", "generate"]

@@ -6,6 +6,9 @@ Text form of one instruction (PyTorch style, extended so that it round-trips):
     1F3            forward of stage 1, microbatch 3
     1SEND_F3@2     send the output of (1, 3) to rank 2
     1FREE3:stash   release the stash of (1, 3)
+    0SEND_F3@2>2   send the output of (0, 3) to rank 2, for stage 2 (an edge that skips
+                   a stage: [Note: stage graph] in graph.py)
+    2FREE3<0:act_in  release the act_in of (2, 3) that came from stage 0
 
 [Note: buffers] Each (stage, mb) owns up to five buffers:
 
@@ -19,6 +22,21 @@ Text form of one instruction (PyTorch style, extended so that it round-trips):
                                    used by B. Not on the last stage (the loss is there).
     grad_in   gradient of input    produced by B; used by SEND_B. Exists only where the
                                    previous stage runs on another rank.
+
+In a schedule whose stage graph is not the chain ([Note: stage graph] in graph.py),
+act_in and grad_in of a stage exist once per producer, act_out and grad_out once per
+consumer (act_out and grad_in only where the stage at the other end runs on another
+rank), each produced and freed on its own: a buffer of an edge is named by its (stage,
+mb) and `peer_stage`, the stage at the other end. Stage 0's act_in (the data loader's)
+has none.
+
+[Note: peer stage] `peer_stage` is the stage at the other end of the edge a message or
+buffer belongs to: the consumer for SEND_F, RECV_B, act_out and grad_out, the producer
+for RECV_F, SEND_B, act_in and grad_in. None stands for the neighbour (stage + 1, or
+stage - 1), and the checked constructor writes the neighbour as None, so that there is
+one form of each instruction and a chain schedule's instructions are those it always
+had. In the text form it follows the peer rank as `>t` (a later stage) or `<s` (an
+earlier one).
 """
 
 from __future__ import annotations
@@ -63,13 +81,25 @@ COMM_OPS = SEND_OPS | RECV_OPS
 # buffer waits for the RELOAD to land).
 BUF_OPS = frozenset({Op.FREE, Op.OFFLOAD, Op.RELOAD})
 BUFFERS = ("act_in", "act_out", "stash", "grad_out", "grad_in")
+# The side of the edge `peer_stage` lies on ([Note: peer stage]): +1 after the stage, -1 before it.
+_LATER = frozenset({"SEND_F", "RECV_B", "act_out", "grad_out"})
+_EARLIER = frozenset({"RECV_F", "SEND_B", "act_in", "grad_in"})
+
+
+def edge_side(op: Op, buf: str | None) -> int:
+    """+1 where the instruction's peer stage comes after its stage, -1 before, 0 where it
+    names no edge (compute, the stash)."""
+    key = buf if op in BUF_OPS else op.value
+    return 1 if key in _LATER else -1 if key in _EARLIER else 0
 
 
 @dataclass(frozen=True, slots=True)
 class Instr:
     """One instruction of a rank's program.
 
-    `peer` is set exactly for communication ops, `buf` exactly for FREE, OFFLOAD, RELOAD.
+    `peer` is set exactly for communication ops, `buf` exactly for FREE, OFFLOAD, RELOAD;
+    `peer_stage` may be set where the instruction belongs to an edge, and is None for the
+    neighbour stage ([Note: peer stage]).
     """
 
     op: Op
@@ -77,6 +107,7 @@ class Instr:
     mb: int
     peer: int | None = None
     buf: str | None = None
+    peer_stage: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.op, Op):
@@ -100,11 +131,28 @@ class Instr:
                 raise FormatError(f"{self.op.value} needs buf in {', '.join(BUFFERS)}, got {shown(self.buf)}")
         elif self.buf is not None:
             raise FormatError(f"{self.op.value} takes no buf, got buf={shown(self.buf)}")
+        if self.peer_stage is not None:
+            self._check_peer_stage()
+
+    def _check_peer_stage(self) -> None:
+        """[Note: peer stage]: on the right side of the stage; the neighbour becomes None."""
+        side, other = edge_side(self.op, self.buf), self.peer_stage
+        what = f"{self.op.value}" + (f" of {self.buf}" if self.buf is not None else "")
+        if side == 0:
+            raise FormatError(f"{what} belongs to no edge and takes no peer_stage, got peer_stage={shown(other)}")
+        if not is_int(other) or other < 0 or (other - self.stage) * side <= 0:
+            where = "after" if side > 0 else "before"
+            raise FormatError(f"{what} of stage {self.stage} needs a peer_stage {where} it (the stage at the other "
+                              f"end of its edge), got {shown(other)}")
+        if other == self.stage + side:
+            object.__setattr__(self, "peer_stage", None)
 
     def __str__(self) -> str:
         text = f"{self.stage}{self.op.value}{self.mb}"
         if self.peer is not None:
             text += f"@{self.peer}"
+        if self.peer_stage is not None:
+            text += f"{'>' if self.peer_stage > self.stage else '<'}{self.peer_stage}"
         if self.buf is not None:
             text += f":{self.buf}"
         return text
@@ -117,10 +165,16 @@ class Instr:
         match = _TOKEN.match(token.strip())
         if match is None:
             raise FormatError(
-                f"cannot parse instruction {shown(token)}; expected forms like 1F3, 1SEND_F3@2, 1FREE3:stash"
+                f"cannot parse instruction {shown(token)}; expected forms like 1F3, 1SEND_F3@2, 1FREE3:stash, "
+                "0SEND_F3@2>2"
             )
-        stage, op, mb, peer, buf = match.groups()
-        return Instr(Op(op), int(stage), int(mb), int(peer) if peer is not None else None, buf)
+        stage, op, mb, peer, arrow, other, buf = match.groups()
+        instr = Instr(Op(op), int(stage), int(mb), int(peer) if peer is not None else None, buf,
+                      int(other) if other is not None else None)
+        if arrow is not None and (arrow == ">") != (int(other) > int(stage)):
+            raise FormatError(f"{shown(token)}: '{arrow}{other}' says stage {other} is "
+                              f"{'after' if arrow == '>' else 'before'} stage {stage}")
+        return instr
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": self.op.value, "stage": self.stage, "mb": self.mb}
@@ -128,13 +182,15 @@ class Instr:
             out["peer"] = self.peer
         if self.buf is not None:
             out["buf"] = self.buf
+        if self.peer_stage is not None:
+            out["peer_stage"] = self.peer_stage
         return out
 
     @staticmethod
     def from_dict(obj: Any) -> Instr:
         if not isinstance(obj, dict):
             raise FormatError(f"instruction must be an object, got {shown(obj)}")
-        unknown = set(obj) - {"op", "stage", "mb", "peer", "buf"}
+        unknown = set(obj) - {"op", "stage", "mb", "peer", "buf", "peer_stage"}
         if unknown:
             raise FormatError(f"instruction {shown(obj)} has unknown fields {sorted(unknown)}")
         for key in ("op", "stage", "mb"):
@@ -142,13 +198,14 @@ class Instr:
                 raise FormatError(f"instruction {shown(obj)} lacks field {shown(key)}")
         if not isinstance(obj["op"], str):
             raise FormatError(f"instruction op must be a string, got {shown(obj['op'])}")
-        return Instr(obj["op"], obj["stage"], obj["mb"], obj.get("peer"), obj.get("buf"))
+        return Instr(obj["op"], obj["stage"], obj["mb"], obj.get("peer"), obj.get("buf"), obj.get("peer_stage"))
 
 
 class _UncheckedInstr:
-    """`make_instr(op, stage, mb, peer=None, buf=None)`: an `Instr` built without
+    """`make_instr(op, stage, mb, peer=None, buf=None, peer_stage=None)`: an `Instr` built without
     validation, for the compiler's own trusted code paths (about four times faster than
-    the checked constructor; loaders use the checked one).
+    the checked constructor; loaders use the checked one). Its caller writes a neighbour
+    `peer_stage` as None ([Note: peer stage]), as the checked one would.
 
     An object with Instr's very slots, filled by plain attribute stores, that then
     becomes an Instr by `__class__` assignment (which Python allows between classes of
@@ -160,12 +217,13 @@ class _UncheckedInstr:
 
     __slots__ = Instr.__slots__
 
-    def __init__(self, op, stage, mb, peer=None, buf=None) -> None:
+    def __init__(self, op, stage, mb, peer=None, buf=None, peer_stage=None) -> None:
         self.op = op
         self.stage = stage
         self.mb = mb
         self.peer = peer
         self.buf = buf
+        self.peer_stage = peer_stage
         self.__class__ = Instr
 
 
@@ -173,5 +231,5 @@ make_instr = _UncheckedInstr
 
 
 _TOKEN = re.compile(
-    r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?::([a-z_]+))?$"
+    r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?:([<>])([0-9]{1,18}))?(?::([a-z_]+))?$"
 )

@@ -7,7 +7,8 @@ sequence of `Instr` (a tuple, or a `Program`, which stores the same instructions
 [Note: packed programs] in program.py). Stages are numbered globally (0 .. S-1); an
 instruction on rank r always names a stage that rank r runs ("local" stage).
 Communication instructions also name the peer rank. The buffers each (stage, mb) owns
-are in [Note: buffers] (instr.py).
+are in [Note: buffers] (instr.py). A schedule's stage graph (`edges`) says which stage
+consumes which stage's output: the chain unless given ([Note: stage graph] in graph.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pipeschedule.checks import check_schedule_size, is_int, shown
 from pipeschedule.compiler.instr import (
     BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Instr, Op, make_instr,
 )
+from pipeschedule.compiler.graph import StageGraph
 from pipeschedule.compiler.program import Program, Template, check_programs
 from pipeschedule.errors import FormatError
 
@@ -40,10 +42,16 @@ class Schedule:
     verify.py says which rules apply). It is part of the value: written in the JSON and
     text forms (only when true), compared by ==.
 
-    `split_backward` is not given: it is found from the programs on construction (True
-    when some rank runs a W), so it is the same for every equal schedule. Nothing else is
-    ever stored on a schedule: whatever a function needs beyond these fields (the cost
-    a lowering times the order with, say) is one of its arguments.
+    `edges` is the stage graph ([Note: stage graph] in graph.py): (producer stage,
+    consumer stage) pairs, None for the chain. It is stored sorted, as given or as the
+    chain's, so that a chain given explicitly is the same value as the default; the
+    JSON and text forms write it only when it is not the chain.
+
+    `split_backward` and `graph` are not given: `split_backward` is found from the
+    programs on construction (True when some rank runs a W), `graph` from `edges`, so
+    both are the same for every equal schedule. Nothing else is ever stored on a
+    schedule: whatever a function needs beyond these fields (the cost a lowering times
+    the order with, say) is one of its arguments.
     """
 
     name: str
@@ -54,7 +62,9 @@ class Schedule:
     programs: tuple[Sequence[Instr], ...]  # each a tuple of Instr or a Program
     params: Mapping[str, Any] = field(default_factory=dict, hash=False)
     forward_only: bool = False
+    edges: tuple[tuple[int, int], ...] | None = None
     split_backward: bool = field(init=False, repr=False, compare=False)
+    graph: StageGraph = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -92,11 +102,14 @@ class Schedule:
             raise FormatError(f"params must be an object, got {shown(self.params)}")
         if not isinstance(self.forward_only, bool):
             raise FormatError(f"forward_only must be true or false, got {shown(self.forward_only)}")
+        graph = StageGraph.of(self.pp * self.virtual, self.edges)
         # The declared fields, normalised (a frozen dataclass sets them this way).
         object.__setattr__(self, "placement", placement)
         object.__setattr__(self, "programs", programs)
         object.__setattr__(self, "params", dict(self.params))
+        object.__setattr__(self, "edges", graph.edges)
         object.__setattr__(self, "split_backward", split)
+        object.__setattr__(self, "graph", graph)
 
     # -- structure ---------------------------------------------------------------------
 
@@ -108,33 +121,50 @@ class Schedule:
         """The stages rank `rank` runs, in increasing order."""
         return [s for s, r in enumerate(self.placement) if r == rank]
 
+    @property
+    def is_chain(self) -> bool:
+        """Whether the stage graph is the chain (s, s+1) ([Note: stage graph])."""
+        return self.graph.chain
+
+    def remote_consumers(self, stage: int) -> tuple[int, ...]:
+        """The stages that consume stage's output on another rank (one SEND_F each)."""
+        return self.graph.consumers_on_other_ranks(stage, self.placement)
+
+    def remote_producers(self, stage: int) -> tuple[int, ...]:
+        """The stages whose output stage consumes from another rank (one RECV_F each)."""
+        return self.graph.producers_on_other_ranks(stage, self.placement)
+
     def sends_forward(self, stage: int) -> bool:
-        """Whether stage's output travels to another rank (so it has `act_out`)."""
-        return stage + 1 < self.num_stages and self.placement[stage + 1] != self.placement[stage]
+        """Whether some of stage's output travels to another rank (so it has an `act_out`)."""
+        return bool(self.remote_consumers(stage))
 
     def recvs_forward(self, stage: int) -> bool:
-        return stage > 0 and self.placement[stage - 1] != self.placement[stage]
+        return bool(self.remote_producers(stage))
 
     def sends_backward(self, stage: int) -> bool:
-        """Whether stage's input gradient travels to another rank (so it has `grad_in`)."""
+        """Whether some of stage's input gradient travels to another rank (so it has a `grad_in`)."""
         return self.recvs_forward(stage)
 
     def recvs_backward(self, stage: int) -> bool:
         return self.sends_forward(stage)
 
     def buffers(self, stage: int) -> tuple[str, ...]:
-        """The buffers a (stage, mb) owns; see [Note: buffers]. A forward-only schedule
-        has no gradients."""
-        out = ["act_in"]
-        if self.sends_forward(stage):
-            out.append("act_out")
-        out.append("stash")
-        if self.forward_only:
-            return tuple(out)
-        if stage + 1 < self.num_stages:
-            out.append("grad_out")
-        if self.sends_backward(stage):
-            out.append("grad_in")
+        """The kinds of buffer a (stage, mb) owns, each once; see [Note: buffers]. A
+        forward-only schedule has no gradients. `buffer_keys` names each one."""
+        return tuple(dict.fromkeys(buf for buf, _ in self.buffer_keys(stage)))
+
+    def buffer_keys(self, stage: int) -> tuple[tuple[str, int | None], ...]:
+        """Every buffer a (stage, mb) owns as (buf, peer_stage), peer_stage as an
+        instruction writes it ([Note: peer stage]: None for the neighbour, and for stage
+        0's act_in), in the order of [Note: buffers]: act_in per producer, act_out per
+        remote consumer, stash, grad_out per consumer, grad_in per remote producer."""
+        producers, consumers = self.graph.producers[stage], self.graph.consumers[stage]
+        out = [("act_in", edge_end(stage, s)) for s in producers] if producers else [("act_in", None)]
+        out += [("act_out", edge_end(stage, t)) for t in self.remote_consumers(stage)]
+        out.append(("stash", None))
+        if not self.forward_only:
+            out += [("grad_out", edge_end(stage, t)) for t in consumers]
+            out += [("grad_in", edge_end(stage, s)) for s in self.remote_producers(stage)]
         return tuple(out)
 
     def caps(self) -> list[int] | None:
@@ -151,7 +181,14 @@ class Schedule:
     def replace_programs(self, programs: Iterable[Sequence[Instr]]) -> Schedule:
         return Schedule(
             self.name, self.pp, self.virtual, self.microbatches, self.placement,
-            tuple(programs), dict(self.params), self.forward_only,
+            tuple(programs), dict(self.params), self.forward_only, self.edges,
+        )
+
+    def with_edges(self, edges) -> Schedule:
+        """The same programs on the stage graph `edges` (None: the chain)."""
+        return Schedule(
+            self.name, self.pp, self.virtual, self.microbatches, self.placement,
+            self.programs, dict(self.params), self.forward_only, edges,
         )
 
     def _with_trusted_programs(self, programs: tuple[Sequence[Instr], ...]) -> Schedule:
@@ -167,7 +204,8 @@ class Schedule:
         twin.__dict__.update(
             name=self.name, pp=self.pp, virtual=self.virtual, microbatches=self.microbatches,
             placement=self.placement, programs=programs, params=dict(self.params),
-            forward_only=self.forward_only, split_backward=self.split_backward,
+            forward_only=self.forward_only, edges=self.edges, split_backward=self.split_backward,
+            graph=self.graph,
         )
         return twin
 
@@ -183,6 +221,7 @@ class Schedule:
             "params": dict(self.params),
             **({"forward_only": True} if self.forward_only else {}),
             "placement": list(self.placement),
+            **({} if self.is_chain else {"edges": [list(e) for e in self.edges]}),
             "programs": [[i.to_dict() for i in program] for program in self.programs],
         }
 
@@ -208,7 +247,7 @@ class Schedule:
         missing = [k for k in required if k not in obj]
         if missing:
             raise FormatError(f"schedule lacks fields {missing}")
-        unknown = set(obj) - set(required) - {"format", "params", "forward_only"}
+        unknown = set(obj) - set(required) - {"format", "params", "forward_only", "edges"}
         if unknown:
             raise FormatError(f"schedule has unknown fields {sorted(unknown)}")
         if not isinstance(obj["placement"], list):
@@ -221,7 +260,7 @@ class Schedule:
         schedule = Schedule(
             obj["name"], obj["pp"], obj["virtual"], obj["microbatches"], tuple(obj["placement"]),
             tuple(tuple(Instr.from_dict(i) for i in p) for p in obj["programs"]), params,
-            obj.get("forward_only", False),
+            obj.get("forward_only", False), _edges_of(obj.get("edges")),
         )
         schedule.caps()  # validates the cap's shape early
         return schedule
@@ -245,7 +284,8 @@ class Schedule:
             f"microbatches: {self.microbatches}",
             f"placement: {json.dumps(list(self.placement))}",
             f"params: {json.dumps(dict(self.params), sort_keys=True)}",
-        ] + (["forward_only: true"] if self.forward_only else [])
+        ] + (["forward_only: true"] if self.forward_only else []) + (
+            [] if self.is_chain else [f"edges: {json.dumps([list(e) for e in self.edges])}"])
         for r, program in enumerate(self.programs):
             lines.append(f"rank {r}: " + " ".join(str(i) for i in program))
         return "\n".join(lines) + "\n"
@@ -271,7 +311,7 @@ class Schedule:
                 if int(index) in programs:
                     raise FormatError(f"rank {int(index)} has two lines; each rank's program is one line")
                 programs[int(index)] = [Instr.parse(t).to_dict() for t in value.split()]
-            elif key in ("name", "pp", "virtual", "microbatches", "placement", "params", "forward_only"):
+            elif key in ("name", "pp", "virtual", "microbatches", "placement", "params", "forward_only", "edges"):
                 if key in head:
                     raise FormatError(f"{shown(key)} is given twice; each key once")
                 try:
@@ -282,6 +322,21 @@ class Schedule:
                 raise FormatError(f"unknown key {shown(key)} in schedule text")
         head["programs"] = [programs.get(r, []) for r in range(max(programs, default=-1) + 1)]
         return Schedule.from_dict(head)
+
+
+def edge_end(stage: int, other: int) -> int | None:
+    """`other`, the stage at the other end of an edge of `stage`, as an instruction's
+    `peer_stage` writes it: None for a neighbour ([Note: peer stage])."""
+    return None if other == stage + 1 or other == stage - 1 else other
+
+
+def _edges_of(value):
+    """The JSON value of "edges" as Schedule takes it (None when absent: the chain)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise FormatError(f"edges must be a list of [producer stage, consumer stage] pairs, got {shown(value)}")
+    return value
 
 
 def load(path: str) -> Schedule:
@@ -305,5 +360,5 @@ def dump(schedule: Schedule, path: str) -> None:
 
 __all__ = [
     "BUF_OPS", "BUFFERS", "COMM_OPS", "COMPUTE_OPS", "FORMAT", "RECV_OPS", "SEND_OPS", "Instr", "Op", "Program",
-    "Schedule", "Template", "dump", "load", "make_instr",
+    "Schedule", "StageGraph", "Template", "dump", "edge_end", "load", "make_instr",
 ]

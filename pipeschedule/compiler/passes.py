@@ -15,7 +15,7 @@ from bisect import bisect_left
 from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.timing import asap_packed, durations_of, stage_times
-from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Op, Schedule
+from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Op, Schedule, edge_end
 from pipeschedule.compiler.program import Program, Template, Templates, packed
 
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -38,6 +38,13 @@ SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 # waits for the sender.) Between two ranks, receives keep the order of the sends
 # (rule 3): a receive that would come after a later message's receive is moved up to
 # it, and within one gap messages go in the order they were produced.
+#
+# On a stage graph ([Note: stage graph] in graph.py) a compute may send several
+# messages, one per edge to another rank: F(s) one per remote consumer, B(t) one per
+# remote producer. Each is placed as above; nothing in the argument needs one message
+# per compute. A compute's messages keep the order of its edges (increasing stage at the
+# other end) in its sends, in the channel's message order and in every receiving gap,
+# so that the k-th send on a channel still meets the k-th receive.
 
 
 def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
@@ -49,10 +56,11 @@ def add_communication(schedule: Schedule, *, cost=None) -> Schedule:
 
     gaps[r][pc] holds the messages that go right before rank r's pc-th compute (pc ==
     len: after the last one), each as an entry (production time, sender rank, sender pc,
-    template id, mb, the template id of the FREE after a send's run, None for a receive
-    and for every message here, where no FREEs are added). Sorting a gap orders its
-    messages by when they were produced; (time, rank, pc) never ties (a producer sends
-    one message), so the sort never looks further."""
+    the message's place among its producer's, template id, mb, the template id of the
+    FREE after a send's run, None for a receive and for every message here, where no
+    FREEs are added). Sorting a gap orders its messages by when they were produced;
+    (time, rank, pc, place) never ties (a producer's messages have distinct places), so
+    the sort never looks further."""
     lowering = _Lowering(schedule, frees=False)
     gaps = lowering.place(cost)
     return lowering.done(map(lowering.merged, lowering.ids, lowering.mbs, gaps))
@@ -64,7 +72,7 @@ def _timed(schedule: Schedule, cost, columns):
     deadlock) for a cyclic order."""
     times = stage_times(cost, schedule.num_stages)  # None for None: unit costs
     durations = durations_of(schedule.programs, schedule.num_stages, times)
-    starts, stuck = asap_packed(schedule.num_stages, *columns, durations)
+    starts, stuck = asap_packed(schedule.num_stages, *columns, durations, schedule.graph)
     if stuck:
         rank = stuck[0]
         pc = starts[rank].index(None)
@@ -88,7 +96,7 @@ class _Lowering:
         self.order = templates, self.ids, self.mbs = packed(schedule.programs)  # the compute order's columns
         self.table = Templates(templates)
         self.after: list = [()] * len(templates)  # template id -> ids of the FREEs right after it
-        self.send_free: dict[int, int] = {}  # a send's template id -> its FREE's
+        self.send_free: dict[int, int] = {}  # a send's template id -> its FREE's (that of its edge's buffer)
         self.frees = frees
         if frees:
             for k, t in enumerate(templates):
@@ -99,19 +107,34 @@ class _Lowering:
         communication: those go after its run)."""
         schedule, free = self.schedule, self.table.id
         if t.op is F and schedule.forward_only:  # nothing is kept for a backward
-            return free(FREE, t.stage, None, "act_in"), free(FREE, t.stage, None, "stash")
+            return (*self._act_in_frees(t.stage), free(FREE, t.stage, None, "stash"))
         if t.op is B:
-            out = [free(FREE, t.stage, None, "act_in")]
+            out = list(self._act_in_frees(t.stage))
             if not schedule.split_backward:  # else W frees the stash
                 out.append(free(FREE, t.stage, None, "stash"))
-            if t.stage < schedule.num_stages - 1:
-                out.append(free(FREE, t.stage, None, "grad_out"))
+            out += [free(FREE, t.stage, None, "grad_out", edge_end(t.stage, c)) for c in self._consumers(t.stage)]
             return tuple(out)
         if t.op is W:
             return (free(FREE, t.stage, None, "stash"),)
         if t.op is SEND_F or t.op is SEND_B:
-            self.send_free[self.table.id(*t)] = free(FREE, t.stage, None, "act_out" if t.op is SEND_F else "grad_in")
+            self.send_free[self.table.id(*t)] = free(FREE, t.stage, None, "act_out" if t.op is SEND_F else "grad_in",
+                                                     t.peer_stage)
         return ()
+
+    def _act_in_frees(self, stage: int) -> list[int]:
+        """The FREEs of a stage's act_in: one per producer ([Note: buffers]), stage 0's one."""
+        producers = self._producers(stage)
+        return [self.table.id(FREE, stage, None, "act_in", edge_end(stage, p)) for p in producers] or \
+            [self.table.id(FREE, stage, None, "act_in")]
+
+    def _producers(self, stage: int) -> tuple[int, ...]:
+        """The stage's producers, () for a stage past the last (a template no program uses)."""
+        graph = self.schedule.graph
+        return graph.producers[stage] if stage < graph.num_stages else ()
+
+    def _consumers(self, stage: int) -> tuple[int, ...]:
+        graph = self.schedule.graph
+        return graph.consumers[stage] if stage < graph.num_stages else ()
 
     def place(self, cost) -> list:
         """gaps[r][pc] of `add_communication` for the compute order: every message in the
@@ -145,35 +168,42 @@ class _Lowering:
             pc = -1
             for k, mb in zip(self.ids[rank], self.mbs[rank]):
                 pc += 1
-                kind = kinds[k]
-                if kind is None:
+                messages = kinds[k]
+                if messages is None:
                     continue
-                c_rank, c_pcs, cost, send, receive, free, owner = kind
-                if owner != rank:  # a producer on a rank not its stage's (an order verify refuses)
-                    receive = self.table.id(self.table.list[receive].op, self.table.list[receive].stage, rank)
-                c_pc = c_pcs[mb]
-                produced = rank_starts[pc] + cost  # the message exists from its producer's end
-                rank_gaps[pc + 1] = [(produced, rank, pc, send, mb, free)]  # its first entry
-                # due: the consumer rank's first compute that starts no earlier than
-                # min(sender's next, consumer's start); starts on a rank never decrease.
-                c_starts = starts[c_rank]
-                due = c_starts[c_pc]
-                if rank_starts[pc + 1] < due:
-                    due = rank_starts[pc + 1]
-                channel = to[c_rank]
-                if channel is None:
-                    channel = to[c_rank] = channels[rank * pp + c_rank] = ([], [])
-                channel[0].append(bisect_left(c_starts, due, 0, c_pc))
-                channel[1].append((produced, rank, pc, receive, mb, None))
+                for kind in messages:
+                    c_rank, c_pcs, cost, send, receive, free, owner, place = kind
+                    if owner != rank:  # a producer on a rank not its stage's (an order verify refuses)
+                        wanted = self.table.list[receive]
+                        receive = self.table.id(wanted.op, wanted.stage, rank, None, wanted.peer_stage)
+                    c_pc = c_pcs[mb]
+                    produced = rank_starts[pc] + cost  # the message exists from its producer's end
+                    if place:
+                        rank_gaps[pc + 1].append((produced, rank, pc, place, send, mb, free))
+                    else:  # the gap's first entry
+                        rank_gaps[pc + 1] = [(produced, rank, pc, 0, send, mb, free)]
+                    # due: the consumer rank's first compute that starts no earlier than
+                    # min(sender's next, consumer's start); starts on a rank never decrease.
+                    c_starts = starts[c_rank]
+                    due = c_starts[c_pc]
+                    if rank_starts[pc + 1] < due:
+                        due = rank_starts[pc + 1]
+                    channel = to[c_rank]
+                    if channel is None:
+                        channel = to[c_rank] = channels[rank * pp + c_rank] = ([], [])
+                    channel[0].append(bisect_left(c_starts, due, 0, c_pc))
+                    channel[1].append((produced, rank, pc, place, receive, mb, None))
         return channels
 
     def _message_kinds(self, durations) -> list:
-        """Per template of the compute order, the message an instruction of it sends, None
-        for none (not F or B, or the neighbour stage runs on the same rank): (the
-        consumer's rank, the consumer's pc by mb (`_consumer_pcs`), the producer's
-        duration, the send's template id, the receive's (from the rank that runs the
-        producer's stage), the id of the FREE after the send's run (None where the pass
-        adds no FREEs), that rank)."""
+        """Per template of the compute order, the messages an instruction of it sends, in
+        the order of their edges, or None for none (not F or B, or every stage at the
+        other end of its edges runs on the same rank): each (the consumer's rank, the
+        consumer's pc by mb (`_consumer_pcs`), the producer's duration, the send's
+        template id, the receive's (from the rank that runs the producer's stage), the
+        id of the FREE after the send's run (None where the pass adds no FREEs), that
+        rank, its place among the template's messages). The consumer of F(s)'s message
+        to stage t is F(t); of B(t)'s to stage s, B(s)."""
         schedule, table = self.schedule, self.table
         placement = schedule.placement
         kinds: list = []
@@ -182,18 +212,27 @@ class _Lowering:
             if s >= schedule.num_stages:  # a template no program uses (`_timed` refused any other)
                 kinds.append(None)
                 continue
-            if t.op is F and schedule.sends_forward(s):
-                peer, step, cost, ops, buf = placement[s + 1], 1, durations.forward[s], (SEND_F, RECV_F), "act_out"
-            elif t.op is B and schedule.sends_backward(s):
-                peer, step, cost, ops, buf = placement[s - 1], -1, durations.backward[s], (SEND_B, RECV_B), "grad_in"
+            if t.op is F:
+                others, cost, ops, buf, consumer = schedule.remote_consumers(s), durations.forward[s], \
+                    (SEND_F, RECV_F), "act_out", F
+            elif t.op is B:
+                others, cost, ops, buf, consumer = schedule.remote_producers(s), durations.backward[s], \
+                    (SEND_B, RECV_B), "grad_in", B
             else:
+                others = ()
+            if not others:
                 kinds.append(None)
                 continue
-            free = table.id(FREE, s, None, buf) if self.frees else None
-            kinds.append((peer, (F if step == 1 else B, s + step), cost, table.id(ops[0], s, peer),
-                          table.id(ops[1], s + step, placement[s]), free, placement[s]))
-        consumers = self._consumer_pcs({kind[1] for kind in kinds if kind is not None})
-        return [None if kind is None else (kind[0], consumers[kind[1]], *kind[2:]) for kind in kinds]
+            messages = []
+            for place, other in enumerate(others):
+                peer, here, there = placement[other], edge_end(s, other), edge_end(other, s)
+                free = table.id(FREE, s, None, buf, here) if self.frees else None
+                messages.append((peer, (consumer, other), cost, table.id(ops[0], s, peer, None, here),
+                                 table.id(ops[1], other, placement[s], None, there), free, placement[s], place))
+            kinds.append(messages)
+        consumers = self._consumer_pcs({kind[1] for messages in kinds if messages for kind in messages})
+        return [None if messages is None else [(kind[0], consumers[kind[1]], *kind[2:]) for kind in messages]
+                for messages in kinds]
 
     def _consumer_pcs(self, wanted: set) -> dict:
         """For each (op, stage) in `wanted`: the pc of its instruction on its rank by mb."""
@@ -225,12 +264,12 @@ class _Lowering:
                 if len(gap) > 1:
                     gap.sort()
                 for entry in gap:
-                    add_id(entry[3])
-                    add_mb(entry[4])
+                    add_id(entry[4])
+                    add_mb(entry[5])
                 for entry in gap:
-                    if entry[5] is not None:  # a send: its buffer is freed after the run
-                        add_id(entry[5])
-                        add_mb(entry[4])
+                    if entry[6] is not None:  # a send: its buffer is freed after the run
+                        add_id(entry[6])
+                        add_mb(entry[5])
             if pc == n:
                 break
             k, mb = ids[pc], mbs[pc]
@@ -245,7 +284,7 @@ class _Lowering:
         """Rank's compute + communication program as `merged` takes it: the columns (ids,
         mbs) of its other instructions, and the gap before each of them (and after the
         last): the run of communication there (`comm`: the templates of communication),
-        each as a gap entry (program index, 0, 0, template id, mb, FREE id or None) in
+        each as a gap entry (program index, 0, 0, 0, template id, mb, FREE id or None) in
         program order, or None."""
         send_free = self.send_free
         others_ids, others_mbs, gaps = [], [], []
@@ -254,7 +293,7 @@ class _Lowering:
             if k in comm:
                 if gap is None:
                     gap = []
-                gap.append((index, 0, 0, k, mb, send_free.get(k)))
+                gap.append((index, 0, 0, 0, k, mb, send_free.get(k)))
             else:
                 others_ids.append(k)
                 others_mbs.append(mb)
@@ -306,7 +345,21 @@ def forward_only(schedule: Schedule, *, cost=None) -> Schedule:
     premise, an acyclic compute order, holds for any part of an acyclic one."""
     forwards = tuple(tuple(i for i in program if i.op is F) for program in schedule.programs)
     order = Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, schedule.placement,
-                     forwards, dict(schedule.params), forward_only=True)
+                     forwards, dict(schedule.params), forward_only=True, edges=schedule.edges)
+    return lower(order, cost)
+
+
+@gc_paused
+def on_graph(schedule: Schedule, edges, *, cost=None) -> Schedule:
+    """`schedule`'s compute order on the stage graph `edges` (None: the chain), lowered
+    ([Note: stage graph] in graph.py: an order valid on one graph of forward edges is
+    valid on every one). Input: any schedule, compute order or lowered (its messages,
+    FREE, OFFLOAD and RELOAD are dropped and placed anew; add OFFLOAD again with
+    `add_offload`). Output: a lowered schedule, forward-only where the input is.
+    Preserved: each rank's order of F, B and W, the placement, name and params."""
+    computes = tuple(tuple(i for i in program if i.op in COMPUTE_OPS) for program in schedule.programs)
+    order = Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, schedule.placement,
+                     computes, dict(schedule.params), schedule.forward_only, edges)
     return lower(order, cost)
 
 

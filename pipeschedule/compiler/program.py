@@ -26,15 +26,16 @@ from pipeschedule.errors import FormatError, ScheduleError
 
 
 class Template(NamedTuple):
-    """An instruction less its microbatch: `Template(op, stage, peer, buf).instr(mb)`."""
+    """An instruction less its microbatch: `Template(op, stage, peer, buf, peer_stage).instr(mb)`."""
 
     op: Op
     stage: int
     peer: int | None
     buf: str | None
+    peer_stage: int | None = None  # [Note: peer stage] in instr.py
 
     def instr(self, mb: int) -> Instr:
-        return make_instr(self.op, self.stage, mb, self.peer, self.buf)
+        return make_instr(self.op, self.stage, mb, self.peer, self.buf, self.peer_stage)
 
 
 class Program(Sequence):
@@ -120,13 +121,13 @@ def _built(templates, used, ids, mbs) -> tuple[Instr, ...]:
     out = []
     add = out.append
     for k, mb in zip(ids, mbs):
-        op, stage, peer, buf = rows[k]
-        add(make_instr(op, stage, mb, peer, buf))
+        op, stage, peer, buf, other = rows[k]
+        add(make_instr(op, stage, mb, peer, buf, other))
     return tuple(out)
 
 
 class Templates:
-    """A template table being built: `id(op, stage, peer, buf)` numbers each distinct
+    """A template table being built: `id(op, stage, peer, buf, peer_stage)` numbers each distinct
     template in the order first asked for; `program(ids, mbs)` packs columns against the
     table as it stands (`frozen()`), so build every template first."""
 
@@ -138,13 +139,18 @@ class Templates:
         if len(self._index) != len(self.list):
             raise FormatError("a template table holds each template once")
 
-    def id(self, op: Op, stage: int, peer: int | None = None, buf: str | None = None) -> int:
-        key = (op, stage, peer, buf)  # hashes and compares as the Template it stands for
+    def id(self, op: Op, stage: int, peer: int | None = None, buf: str | None = None,
+           peer_stage: int | None = None) -> int:
+        """The id of the template; `peer_stage` as [Note: peer stage] writes it (None for
+        the neighbour), so that an instruction has one template."""
+        key = (op, stage, peer, buf, peer_stage)  # hashes and compares as the Template it stands for
         found = self._index.get(key)
         if found is None:
-            checked = Instr(op, stage, 0, peer, buf)  # an instruction less its mb: checked as one
+            checked = Instr(op, stage, 0, peer, buf, peer_stage)  # an instruction less its mb: checked as one
+            if checked.peer_stage != peer_stage:
+                raise FormatError(f"peer_stage {peer_stage} of {checked} is the neighbour, written None")
             found = self._index[key] = len(self.list)
-            self.list.append(Template(checked.op, stage, peer, buf))
+            self.list.append(Template(checked.op, stage, peer, buf, peer_stage))
             self._frozen = None
         return found
 
@@ -164,7 +170,7 @@ class Templates:
             return [remap[k] for k in program.ids], list(program.mbs)
         index, ids, mbs = self._index, [], []
         for i in program:
-            key = (i.op, i.stage, i.peer, i.buf)
+            key = (i.op, i.stage, i.peer, i.buf, i.peer_stage)
             found = index.get(key)
             ids.append(self.id(*key) if found is None else found)
             mbs.append(i.mb)
@@ -182,7 +188,7 @@ def check_programs(programs: Sequence[Program]) -> None:
         if not isinstance(templates, tuple) or len(set(templates)) != len(templates):
             raise FormatError("a Program's templates must be a tuple holding each template once")
         for t in templates:
-            if type(t) is not Template or Instr(t.op, t.stage, 0, t.peer, t.buf).op is not t.op:
+            if type(t) is not Template or not _checked(t):
                 raise FormatError(f"{shown(t)} is not the template of an instruction (op an Op, as Templates.id "
                                   "makes them)")
     for program in programs:
@@ -194,6 +200,13 @@ def check_programs(programs: Sequence[Program]) -> None:
             raise FormatError(f"a Program's ids must index its {count} templates")
         if mbs and (set(map(type, mbs)) != {int} or min(mbs) < 0):
             raise FormatError("a Program's microbatches must be integers >= 0")
+
+
+def _checked(t: Template) -> bool:
+    """Whether `t` is written as `Templates.id` writes it: checked as an `Instr`, its op an
+    `Op`, a neighbour peer_stage None ([Note: peer stage])."""
+    instr = Instr(t.op, t.stage, 0, t.peer, t.buf, t.peer_stage)
+    return instr.op is t.op and instr.peer_stage == t.peer_stage
 
 
 def check_stages(num_stages: int, templates, ids_by_rank, mbs_by_rank) -> None:

@@ -117,7 +117,7 @@ def unit_stage_times(programs: Sequence[Sequence[Instr]], num_stages: int) -> St
 # sweeps (minutes at pp=100000).
 
 
-def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
+def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None, graph=None):
     """Start time of every compute instruction when each runs as soon as its rank is
     free and its inputs exist, under integer unit costs (`unit_cost(programs)`) unless
     `cost` (`StageTimes`, or an {op: time} dict for every stage) is given
@@ -125,19 +125,23 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None):
     0..num_stages-1.
 
     F(s, mb) waits for F(s-1, mb); B(s, mb) for F(s, mb) and B(s+1, mb); W(s, mb) for
-    B(s, mb). Returns (starts, stuck): starts[r][k] is the start of rank r's k-th
+    B(s, mb). On a stage graph (`graph`, a `StageGraph`; None: the chain), F(t, mb) waits
+    for F(s, mb) of every producer s, and B(s, mb) for B(t, mb) of every consumer t
+    ([Note: stage graph] in graph.py). Returns (starts, stuck): starts[r][k] is the start of rank r's k-th
     instruction (None where it never runs); stuck lists the ranks that cannot finish
     (empty when the compute order is free of dependency cycles).
 
     Linear in the instructions: a rank runs until it needs an end not yet known, then
     waits on that one end and is resumed when it is produced ([Note: asap worklist]).
     """
-    return asap_packed(num_stages, *packed(programs), _per_stage(programs, num_stages, cost))
+    return asap_packed(num_stages, *packed(programs), _per_stage(programs, num_stages, cost), graph)
 
 
-def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations: StageTimes):
+def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations: StageTimes, graph=None):
     """`asap` of a compute order given as `packed` columns ([Note: packed programs]),
-    timed with per-stage `durations`."""
+    timed with per-stage `durations`, on `graph` (None: the chain)."""
+    if graph is not None and not graph.chain:
+        return _asap_graph(num_stages, templates, ids_by_rank, mbs_by_rank, durations, graph)
     F, B = Op.F, Op.B
     check_stages(num_stages, templates, ids_by_rank, mbs_by_rank)
     mbs_by_rank, span = _dense(mbs_by_rank)
@@ -202,6 +206,88 @@ def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations:
     return starts, stuck
 
 
+def _asap_graph(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations: StageTimes, graph):
+    """`asap_packed` on a stage graph that is not the chain: the chain's loop, with F
+    waiting for every producer's F and B for every consumer's B, each wait parked on the
+    first end not yet known ([Note: asap worklist]). tests/compiler/test_graph.py pins it
+    to the chain's loop on chain graphs (`_asap_graph` given the chain)."""
+    F, B = Op.F, Op.B
+    check_stages(num_stages, templates, ids_by_rank, mbs_by_rank)
+    mbs_by_rank, span = _dense(mbs_by_rank)
+    ops = [t.op for t in templates]
+    base = [t.stage * span for t in templates]
+    spend = [(durations.forward if t.op is F else durations.backward if t.op is B else durations.weight)[t.stage]
+             if t.stage < num_stages else None for t in templates]
+    # per template: the key offsets (stage difference * span) of the ends it waits for
+    waits = [tuple((s - t.stage) * span for s in (graph.producers if t.op is F else graph.consumers)[t.stage])
+             if t.stage < num_stages and t.op in (F, B) else () for t in templates]
+    f_end, b_end = [None] * ((num_stages + 1) * span), [None] * ((num_stages + 1) * span)
+    f_parked, b_parked = [None] * len(f_end), [None] * len(b_end)
+    pp = len(ids_by_rank)
+    pcs, free_at = [0] * pp, [0] * pp
+    starts = [[None] * len(ids) for ids in ids_by_rank]
+    worklist = list(range(pp - 1, -1, -1))
+    while worklist:
+        r = worklist.pop()
+        ids, mbs, pc, t_free, rank_starts = ids_by_rank[r], mbs_by_rank[r], pcs[r], free_at[r], starts[r]
+        n = len(ids)
+        while pc < n:
+            k = ids[pc]
+            op, key = ops[k], base[k] + mbs[pc]
+            if op is F:
+                ready = 0
+                for offset in waits[k]:  # F of each producer
+                    end = f_end[key + offset]
+                    if end is None:
+                        _park(f_parked, key + offset, r)
+                        break
+                    if end > ready:
+                        ready = end
+                else:
+                    start = ready if ready > t_free else t_free
+                    t_free = f_end[key] = start + spend[k]
+                    if f_parked[key] is not None:
+                        worklist += f_parked[key]
+                        f_parked[key] = None
+                    rank_starts[pc] = start
+                    pc += 1
+                    continue
+                break
+            if op is B:
+                ready = f_end[key]
+                if ready is None:
+                    _park(f_parked, key, r)
+                    break
+                for offset in waits[k]:  # B of each consumer
+                    end = b_end[key + offset]
+                    if end is None:
+                        _park(b_parked, key + offset, r)
+                        break
+                    if end > ready:
+                        ready = end
+                else:
+                    start = ready if ready > t_free else t_free
+                    t_free = b_end[key] = start + spend[k]
+                    if b_parked[key] is not None:
+                        worklist += b_parked[key]
+                        b_parked[key] = None
+                    rank_starts[pc] = start
+                    pc += 1
+                    continue
+                break
+            ready = b_end[key]
+            if ready is None:
+                _park(b_parked, key, r)
+                break
+            start = ready if ready > t_free else t_free
+            t_free = start + spend[k]
+            rank_starts[pc] = start
+            pc += 1
+        pcs[r], free_at[r] = pc, t_free
+    stuck = [r for r, ids in enumerate(ids_by_rank) if pcs[r] < len(ids)]
+    return starts, stuck
+
+
 def _park(parked: list, key: int, rank: int) -> None:
     """Rank `rank` waits for the end at `key` ([Note: asap worklist])."""
     if parked[key] is None:
@@ -251,9 +337,9 @@ def finish_time(programs: Sequence[Sequence[Instr]], timing, cost: StageTimes | 
     )
 
 
-def stuck_ranks(num_stages: int, programs: Sequence[Sequence[Instr]]) -> list[int]:
+def stuck_ranks(num_stages: int, programs: Sequence[Sequence[Instr]], graph=None) -> list[int]:
     """Ranks that cannot finish when compute order alone is followed (see `asap`)."""
-    return asap(num_stages, programs)[1]
+    return asap(num_stages, programs, graph=graph)[1]
 
 
 __all__ = [

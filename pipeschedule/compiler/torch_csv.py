@@ -330,10 +330,16 @@ def write_csv(schedule: Schedule, *, form: str = "compute_only") -> str:
     also keeps SEND_F, RECV_F, SEND_B, RECV_B, adding them with
     `passes.add_communication` when the schedule holds compute only, and writes each
     stage's `REDUCE_GRAD` after its last backward ([Note: REDUCE_GRAD]). FREE, OFFLOAD
-    and RELOAD are always dropped (PyTorch has no such actions).
+    and RELOAD are always dropped (PyTorch has no such actions). A schedule whose stage
+    graph is not the chain is refused ([Note: stage graph] in graph.py): PyTorch's
+    stages talk to their neighbours only.
     """
     if form not in FORMS:
         raise FormatError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
+    if not schedule.is_chain:  # a cell names a stage and a microbatch, never the stage at the other end
+        raise FormatError(f"PyTorch's CSV has no way to say an edge between stages that are not neighbours; "
+                          f"{schedule.name!r} has the stage graph {[list(e) for e in schedule.edges]} (write it as "
+                          "pipeschedule JSON or text instead)")
     compute_only = all(i.op in COMPUTE_OPS for program in schedule.programs for i in program)
     if form == "compute_comms" and compute_only:
         schedule = passes.add_communication(schedule)

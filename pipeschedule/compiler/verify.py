@@ -8,6 +8,13 @@ which rule is named when one edit breaks several: structure and coverage first (
 instruction where it belongs, once), then data dependencies, matching, deadlock,
 liveness and caps.
 
+On a stage graph that is not the chain ([Note: stage graph] in graph.py), every rule
+reads the graph's edges where it read neighbours: F needs the act_in of each producer,
+B the grad_out of each consumer; each message belongs to one edge (its stage and
+`peer_stage`, [Note: peer stage] in instr.py) and exists once per remote edge and
+microbatch; buffers of edges are named by their stage, microbatch and peer stage. An
+error names the edge where there is one.
+
 [Note: forward-only schedules] A schedule with `forward_only` set (an evaluation step,
 `passes.forward_only`) runs forwards only. Every rule reads it from the schedule, so
 `verify(schedule)` checks it as what it says it is, and equal schedules get equal
@@ -28,8 +35,8 @@ from __future__ import annotations
 from pipeschedule.compiler.gcpause import gc_paused
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.compiler.ir import BUFFERS, Instr, Op, Schedule
-from pipeschedule.compiler.walk import needed_per_microbatch, passes
+from pipeschedule.compiler.ir import BUFFERS, Instr, Op, Schedule, edge_end
+from pipeschedule.compiler.walk import message_edge, needed_per_microbatch, passes
 
 # Plain names for the ops: enum attribute lookups dominate loops over a million steps.
 F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
@@ -125,59 +132,53 @@ def check_coverage(schedule: Schedule) -> None:
 
 
 def check_dependencies(schedule: Schedule) -> None:
-    """F(s, mb) follows its RECV_F (or F(s-1, mb) on the same rank); B(s, mb) follows its
-    RECV_B (or B(s+1, mb) on the same rank); each transfer exists exactly once, between
-    the ranks of the two stages it connects. (That SEND_F follows its F and SEND_B its B
-    is the liveness of act_out and grad_in, checked by check_liveness.) A forward-only
+    """F(s, mb) follows the RECV_F of each producer on another rank (or its F on the same
+    rank); B(s, mb) follows the RECV_B of each consumer on another rank (or its B on the
+    same rank); each transfer exists exactly once per edge between ranks, between the
+    ranks of the two stages it connects. (That SEND_F follows its F and SEND_B its B is
+    the liveness of act_out and grad_in, checked by check_liveness.) A forward-only
     schedule has only the forward half of this ([Note: forward-only schedules])."""
-    S, placement = schedule.num_stages, schedule.placement
-    last = S - 1
-    # For each stage: what its F and its B wait for, and the peer of each transfer.
-    f_needs = [None] + [RECV_F if placement[s - 1] != placement[s] else F for s in range(1, S)]
-    b_needs = [RECV_B if placement[s + 1] != placement[s] else B for s in range(last)] + [None]
+    S, placement, graph = schedule.num_stages, schedule.placement, schedule.graph
+    # For each stage: what its F and its B wait for, as keys without the mb: (op, stage, peer_stage).
+    f_needs = [tuple((RECV_F, t, edge_end(t, s)) if placement[s] != placement[t] else (F, s, None)
+                     for s in graph.producers[t]) for t in range(S)]
+    b_needs = [tuple((RECV_B, s, edge_end(s, t)) if placement[s] != placement[t] else (B, t, None)
+                     for t in graph.consumers[s]) for s in range(S)]
     for rank, program in enumerate(schedule.programs):
-        done: set[tuple[Op, int, int]] = set()
+        done: set[tuple] = set()  # (op, stage, mb, peer_stage)
         add = done.add
         for index, i in enumerate(program):
             op = i.op
             if op is FREE or op is W:
                 continue  # nothing below waits for them (W's place is rule 1's business)
             s, mb = i.stage, i.mb
-            if op is F:
-                need = f_needs[s]
-                if need is not None:
-                    key = (need, s, mb) if need is RECV_F else (F, s - 1, mb)
-                    if key not in done:
+            if op is F or op is B:
+                for need, stage, other in (f_needs if op is F else b_needs)[s]:
+                    if (need, stage, mb, other) not in done:
+                        what = "its input arrives" if op is F else "its output gradient arrives"
+                        edge = "" if other is None else f" {'from' if op is F else 'for'} stage {other}"
                         raise _fail(schedule, "dependency", rank, index,
-                                    f"F(stage {s}, mb {mb}) runs before its input arrives: no {need.value} of (stage "
-                                    f"{key[1]}, mb {mb}) earlier on rank {rank}")
-            elif op is B:
-                need = b_needs[s]
-                if need is not None:
-                    key = (need, s, mb) if need is RECV_B else (B, s + 1, mb)
-                    if key not in done:
-                        raise _fail(schedule, "dependency", rank, index,
-                                    f"B(stage {s}, mb {mb}) runs before its output gradient arrives: no {need.value} "
-                                    f"of (stage {key[1]}, mb {mb}) earlier on rank {rank}")
+                                    f"{op.value}(stage {s}, mb {mb}) runs before {what}: no {need.value} of (stage "
+                                    f"{stage}, mb {mb}){edge} earlier on rank {rank}")
             else:
                 if op is OFFLOAD or op is RELOAD:
                     continue  # moves between device and host: no data dependency, no message
-                other = s + 1 if (op is SEND_F or op is RECV_B) else s - 1
-                if not 0 <= other < S or placement[other] == rank:
-                    raise _fail(schedule, "dependency", rank, index,
-                                f"{op.value} of stage {s} has no remote neighbour stage {other} to talk to")
+                edge, other = message_edge(i)
+                if not 0 <= other < S or edge not in graph.index or placement[other] == rank:
+                    raise _fail(schedule, "dependency", rank, index, _no_edge(schedule, i, edge, other))
                 if i.peer != placement[other]:
                     raise _fail(schedule, "dependency", rank, index,
                                 f"peer is {i.peer}, but stage {other} runs on rank {placement[other]}")
-                key = (op, s, mb)
+                key = (op, s, mb, i.peer_stage)
                 if key in done:
-                    raise _fail(schedule, "dependency", rank, index, f"second {op.value} of (stage {s}, mb {mb})")
+                    raise _fail(schedule, "dependency", rank, index,
+                                f"second {op.value} of (stage {s}, mb {mb}){_edge_text(i)}")
                 # A send before the compute that produces its tensor uses a buffer that
                 # does not exist yet: check_liveness reports it, after check_matching has
                 # had its say on the order of messages.
                 add(key)
                 continue
-            add((op, s, mb))
+            add((op, s, mb, None))
         # Every key in `done` is one this rank needs, each once: its F and B (rule 1 has
         # passed), a receive or send only of a stage that has it (checked above). Each F
         # and B found its receive, so when the counts agree no send is missing either, and
@@ -186,14 +187,33 @@ def check_dependencies(schedule: Schedule) -> None:
         if len(done) == needed_per_microbatch(schedule, stages) * schedule.microbatches:
             continue
         for s in stages:
-            for op, needed in ((SEND_F, schedule.sends_forward(s)),
-                               (SEND_B, schedule.sends_backward(s) and not schedule.forward_only)):
-                if needed:
-                    for mb in range(schedule.microbatches):
-                        if (op, s, mb) not in done:
-                            raise _fail(schedule, "dependency", rank, len(program),
-                                        f"no {op.value} of (stage {s}, mb {mb}): its consumer on another rank never "
-                                        "gets it")
+            sends = [(SEND_F, t) for t in schedule.remote_consumers(s)]
+            if not schedule.forward_only:
+                sends += [(SEND_B, p) for p in schedule.remote_producers(s)]
+            for op, other in sends:
+                for mb in range(schedule.microbatches):
+                    if (op, s, mb, edge_end(s, other)) not in done:
+                        edge = "" if edge_end(s, other) is None else f" for stage {other}"
+                        raise _fail(schedule, "dependency", rank, len(program),
+                                    f"no {op.value} of (stage {s}, mb {mb}){edge}: its consumer on another rank never "
+                                    "gets it")
+
+
+def _edge_text(i: Instr) -> str:
+    """' for stage t' / ' from stage s' where i names an edge to a stage not its neighbour."""
+    if i.peer_stage is None:
+        return ""
+    return f" {'for' if i.peer_stage > i.stage else 'from'} stage {i.peer_stage}"
+
+
+def _no_edge(schedule: Schedule, i: Instr, edge, other: int) -> str:
+    """Why message i has no edge of the stage graph between ranks to travel on."""
+    if i.peer_stage is None and (schedule.is_chain or not 0 <= other < schedule.num_stages):
+        return f"{i.op.value} of stage {i.stage} has no remote neighbour stage {other} to talk to"
+    if edge not in schedule.graph.index:
+        return (f"{i.op.value} of stage {i.stage} travels on edge {edge}, which the stage graph does not have "
+                f"(edges: {[list(e) for e in schedule.edges]})")
+    return f"{i.op.value} of stage {i.stage} travels on edge {edge}, whose two stages both run on rank {i.peer}"
 
 
 # -- rule 3: matching ------------------------------------------------------------------
@@ -207,12 +227,12 @@ def _communication(schedule: Schedule):
     communication instructions in `batches`, which holds each as (rank, start, end);
     and per rank its batches in program order.
 
-    [Note: tensor ints] A tensor is named by the receive that takes it, RECV_F or RECV_B
-    of (stage, mb), as one int: (stage * m + mb) * 2, plus 1 for a gradient. Ints in
-    plain lists, one list per column: rule 3 then compares a channel's two tensor lists
-    at once, and nothing is built per message beyond the ints (260k messages at pp=64,
-    v=2, m=512)."""
-    m = schedule.microbatches
+    [Note: tensor ints] A tensor is named by its edge (s, t) and microbatch, as one int:
+    ((s * S + t) * m + mb) * 2, plus 1 for a gradient (S stages; an edge the graph lacks
+    gets an int too, so that a bad message is still named). Ints in plain lists, one list
+    per column: rule 3 then compares a channel's two tensor lists at once, and nothing is
+    built per message beyond the ints (260k messages at pp=64, v=2, m=512)."""
+    m, S = schedule.microbatches, schedule.num_stages
     sends, recvs = {}, {}
     batches: list[tuple[int, int, int]] = []
     rank_batches: list[list[int]] = []
@@ -229,13 +249,13 @@ def _communication(schedule: Schedule):
                 run_start, batch = index, len(batches)
                 mine.append(batch)
             run_end = index + 1
+            (a, b), _ = message_edge(i)
+            tensor = (((a * S + b) * m + i.mb) << 1) | (op is SEND_B or op is RECV_B)  # [Note: tensor ints]
             if op is SEND_F or op is SEND_B:
-                other = i.stage + 1 if op is SEND_F else i.stage - 1
                 tensors, at = sends.setdefault((rank, i.peer), ([], []))
-                tensors.append((other * m + i.mb) << 1 | (op is SEND_B))  # [Note: tensor ints]
             else:
                 tensors, at = recvs.setdefault((i.peer, rank), ([], []))
-                tensors.append((i.stage * m + i.mb) << 1 | (op is RECV_B))
+            tensors.append(tensor)
             at.append(batch)
         if run_end >= 0:
             batches.append((rank, run_start, run_end))
@@ -262,8 +282,11 @@ def check_matching(schedule: Schedule) -> None:
         k = next((k for k, (sent, wanted) in enumerate(zip(out, into)) if sent != wanted), None)
         if k is not None:
             def name(tensor):
-                stage, mb = divmod(tensor >> 1, m)
-                return f"{'gradient' if tensor & 1 else 'activation'} for (stage {stage}, mb {mb})"
+                edge, mb = divmod(tensor >> 1, m)
+                a, b = divmod(edge, schedule.num_stages)
+                if tensor & 1:  # named by the stage that receives it, as [Note: tensor ints] once did
+                    return f"gradient for (stage {a}, mb {mb})" + ("" if b == a + 1 else f" from stage {b}")
+                return f"activation for (stage {b}, mb {mb})" + ("" if b == a + 1 else f" from stage {a}")
             s_index = _step_of_message(schedule, src, dst, True, k)
             raise _fail(schedule, "matching", dst, _step_of_message(schedule, dst, src, False, k),
                         f"receive #{k} from rank {src} expects the {name(into[k])}, but rank {src}'s send #{k} "
@@ -343,6 +366,8 @@ def check_deadlock(schedule: Schedule) -> None:
 def check_liveness(schedule: Schedule) -> None:
     """Every buffer is produced once, used only while live, and freed exactly once after
     its last use; nothing is live when the program ends ([Note: buffers] in instr.py).
+    A buffer is named by (stage, mb, peer_stage): on a stage graph the buffers of edges
+    are one per edge ([Note: peer stage] in instr.py).
 
     [Note: buffer states] Per rank, one dict per buffer kind maps (stage, mb) to the state
     of that buffer: the step that produced it (or last reloaded it) while it is live on
@@ -368,7 +393,7 @@ def check_liveness(schedule: Schedule) -> None:
     for rank, program in enumerate(schedule.programs):
         buffers = _RankBuffers(schedule, rank)
         for index, i in enumerate(program):
-            _LIVENESS_STEPS[i.op](buffers, index, i, (i.stage, i.mb))
+            _LIVENESS_STEPS[i.op](buffers, index, i, (i.stage, i.mb, i.peer_stage))
         leak = buffers.first_leak()
         if leak is not None:
             raise leak
@@ -376,13 +401,21 @@ def check_liveness(schedule: Schedule) -> None:
 
 # What check_liveness says of a buffer it refuses, by what the instruction does to it.
 _LIVENESS_MESSAGES = {
-    "use": "uses {buf} of (stage {s}, mb {mb}), which is {where}",
-    "free": "frees {buf} of (stage {s}, mb {mb}), which is {freed}{where}",
-    "offload": "offloads {buf} of (stage {s}, mb {mb}), which is {offloaded}{where}",
-    "reload": "reloads {buf} of (stage {s}, mb {mb}), which is {where}; RELOAD needs an OFFLOAD before it",
-    "early": "{send} of (stage {s}, mb {mb}) runs before the {producer} that produces its {buf}",
-    "twice": "{buf} of (stage {s}, mb {mb}) produced a second time",
+    "use": "uses {buf} of (stage {s}, mb {mb}){edge}, which is {where}",
+    "free": "frees {buf} of (stage {s}, mb {mb}){edge}, which is {freed}{where}",
+    "offload": "offloads {buf} of (stage {s}, mb {mb}){edge}, which is {offloaded}{where}",
+    "reload": "reloads {buf} of (stage {s}, mb {mb}){edge}, which is {where}; RELOAD needs an OFFLOAD before it",
+    "early": "{send} of (stage {s}, mb {mb}){edge} runs before the {producer} that produces its {buf}",
+    "twice": "{buf} of (stage {s}, mb {mb}){edge} produced a second time",
 }
+
+
+def buffer_edge(buf: str, stage: int, other: int | None) -> str:
+    """' for stage t' / ' from stage s': the edge of a buffer whose peer_stage is not the
+    neighbour ([Note: peer stage]); '' otherwise."""
+    if other is None:
+        return ""
+    return f" {'for' if other > stage else 'from'} stage {other}"
 
 
 class _RankBuffers:
@@ -407,7 +440,8 @@ class _RankBuffers:
             where = f"on the device (produced or reloaded at step {state})"
         send, producer = ("SEND_F", "F") if buf == "act_out" else ("SEND_B", "B")
         message = _LIVENESS_MESSAGES[what].format(
-            buf=buf, s=key[0], mb=key[1], where=where, send=send, producer=producer,
+            buf=buf, s=key[0], mb=key[1], edge=buffer_edge(buf, key[0], key[2]), where=where, send=send,
+            producer=producer,
             freed="already " if state is not None and host < state < 0 else "",
             offloaded="already " if state is not None and state <= host else "")
         return _fail(self.schedule, "liveness", self.rank, index, message)
@@ -448,42 +482,54 @@ class _RankBuffers:
         if sum(map(len, self.states.values())) <= self.frees:  # every key produced once; each FREE released one
             return None
         host, order = self.host, {"stash": 0, "act_in": 1, "act_out": 2, "grad_in": 3, "grad_out": 4}
-        index, _, s, buf, mb = min(
-            (state if state >= 0 else host - state, order[buf], s, buf, mb)
-            for buf, states_of in self.states.items() for (s, mb), state in states_of.items()
+        index, _, s, _, buf, mb, other = min(
+            (state if state >= 0 else host - state, order[buf], s, -1 if other is None else other, buf, mb, other)
+            for buf, states_of in self.states.items() for (s, mb, other), state in states_of.items()
             if state >= 0 or state <= host
         )
-        where = " on the host" if self.states[buf][s, mb] <= host else ""
+        where = " on the host" if self.states[buf][s, mb, other] <= host else ""
         return _fail(self.schedule, "liveness", self.rank, index,
-                     f"{buf} of (stage {s}, mb {mb}) is never freed{where} (a leak)")
+                     f"{buf} of (stage {s}, mb {mb}){buffer_edge(buf, s, other)} is never freed{where} (a leak)")
 
 
 def _liveness_forward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
-    """F produces its stash, the data loader's act_in on stage 0, its act_out (sent) or
-    the next stage's act_in (a local hand-off); then reads its act_in."""
-    schedule, s = buffers.schedule, key[0]
+    """F produces its stash, the data loader's act_in on stage 0, and for each consumer
+    its act_out (sent) or the consumer's act_in (a local hand-off); then reads its act_in
+    (each producer's)."""
+    schedule, s, mb = buffers.schedule, key[0], key[1]
+    graph, placement = schedule.graph, schedule.placement
     buffers.produce(index, "stash", key)
     if s == 0:
         buffers.produce(index, "act_in", key)
-    if schedule.sends_forward(s):
-        buffers.produce(index, "act_out", key)
-    elif s + 1 < schedule.num_stages:
-        buffers.produce(index, "act_in", (s + 1, key[1]))
-    buffers.use(index, "act_in", key)
+    for t in graph.consumers[s]:
+        if placement[t] != placement[s]:
+            buffers.produce(index, "act_out", (s, mb, edge_end(s, t)))
+        else:
+            buffers.produce(index, "act_in", (t, mb, edge_end(t, s)))
+    for p in graph.producers[s]:
+        buffers.use(index, "act_in", (s, mb, edge_end(s, p)))
+    if s == 0:
+        buffers.use(index, "act_in", key)
 
 
 def _liveness_backward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
-    """B produces its grad_in (sent) or the previous stage's grad_out (a local hand-off);
-    then reads its act_in, stash and grad_out (none on the last stage: the loss is there)."""
-    schedule, s = buffers.schedule, key[0]
-    if schedule.sends_backward(s):
-        buffers.produce(index, "grad_in", key)
-    elif s > 0:
-        buffers.produce(index, "grad_out", (s - 1, key[1]))
-    buffers.use(index, "act_in", key)
+    """B produces for each producer its grad_in (sent) or the producer's grad_out (a local
+    hand-off); then reads its act_in (each producer's), stash and grad_out (each
+    consumer's; none on the last stage: the loss is there)."""
+    schedule, s, mb = buffers.schedule, key[0], key[1]
+    graph, placement = schedule.graph, schedule.placement
+    for p in graph.producers[s]:
+        if placement[p] != placement[s]:
+            buffers.produce(index, "grad_in", (s, mb, edge_end(s, p)))
+        else:
+            buffers.produce(index, "grad_out", (p, mb, edge_end(p, s)))
+    for p in graph.producers[s]:
+        buffers.use(index, "act_in", (s, mb, edge_end(s, p)))
+    if s == 0:
+        buffers.use(index, "act_in", key)
     buffers.use(index, "stash", key)
-    if s + 1 < schedule.num_stages:
-        buffers.use(index, "grad_out", key)
+    for t in graph.consumers[s]:
+        buffers.use(index, "grad_out", (s, mb, edge_end(s, t)))
 
 
 _LIVENESS_STEPS = {

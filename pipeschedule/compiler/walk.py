@@ -14,10 +14,10 @@ True must come back only when every rule would pass.
 
 What the walk checks, and where:
 - once per template of each rank's program, before the walk: its stage runs on that
-  rank (coverage), a message's neighbour stage exists and its peer is another rank
-  (dependency; the walk's count of partners needs it: a partner is another rank, and
-  the rules below would refuse such a message anyway); every microbatch is below m
-  (coverage);
+  rank (coverage), a message's edge is one of the stage graph's, its other stage runs
+  on another rank and its peer is another rank (dependency; the walk's count of
+  partners needs the last: a partner is another rank, and the rules below would refuse
+  such a message anyway); every microbatch is below m (coverage);
 - per instruction, on buffer states (`_Walk`): F, B and W run once each, W after its B
   (coverage); each reads live buffers and makes its own; a send's tensor is live
   (dependency, liveness); a FREE, OFFLOAD or RELOAD finds its buffer in a state that
@@ -29,19 +29,21 @@ What the walk checks, and where:
 - at the end: no rank is parked (deadlock; a message never matched leaves its batch
   parked, so matching's "n sends, m receives" shows here too).
 Checks of the rules left out because, when every check here passes, they cannot fail:
-- a message's peer is its neighbour stage's rank: a tensor is named by its stage, and
-  a rank whose template names a stage it does not run fails; so a message to the
-  wrong rank finds no partner of its tensor there (matching, or a deadlock);
+- a message's peer is the rank of the stage at the other end of its edge: a tensor is
+  named by its edge, whose receive names the receiving stage, and a rank whose template
+  names a stage it does not run fails; so a message to the wrong rank finds no partner
+  of its tensor there (matching, or a deadlock);
 - a second send or receive of one (stage, mb): the counts then want one missing, and
   the tensor it stood for reaches no consumer (an F or B that reads a buffer never
   produced) or no partner (matching, deadlock);
-- liveness "produced a second time": each buffer key has one producer, unique by
-  coverage (F: stash, act_out, local act_in; B: grad_in, local grad_out) or by the
-  above (RECV_F / RECV_B);
-- dependency's "F runs before its input arrives": F's use of act_in needs it produced,
-  by RECV_F of a remote neighbour or by F(s-1) of a local one, which is exactly what
-  dependency asks for (stage 0 needs nothing); likewise B's use of grad_out covers B's
-  input gradient (the last stage needs nothing);
+- liveness "produced a second time": each buffer key (buffer, stage, peer stage, mb)
+  has one producer, unique by coverage (F: stash, act_out, local act_in; B: grad_in,
+  local grad_out) or by the above (RECV_F / RECV_B of an edge between ranks, never one
+  a local hand-off also produces);
+- dependency's "F runs before its input arrives": F's use of each producer's act_in
+  needs it produced, by RECV_F of a remote producer or by F of a local one, which is
+  exactly what dependency asks for (stage 0 needs nothing); likewise B's use of each
+  consumer's grad_out covers B's input gradients (the last stage needs nothing);
 - coverage's "B before its F": B's use of stash needs it produced, and only F(s, mb)
   produces stash (s, mb).
 The counts at a rank's end are the rules' own: each key is one a rule wants, each once,
@@ -56,7 +58,7 @@ schedule is left to the separate rules (False): evaluation schedules are small a
 from __future__ import annotations
 
 from pipeschedule.compiler.instr import BUFFERS, Op
-from pipeschedule.compiler.ir import Schedule
+from pipeschedule.compiler.ir import Schedule, edge_end
 from pipeschedule.compiler.program import Template, packed, used_ids
 from pipeschedule.errors import FormatError
 
@@ -71,13 +73,22 @@ _MESSAGES = {SEND_F: ("act_out", 1, True), RECV_B: ("grad_out", 1, False),
              RECV_F: ("act_in", -1, False), SEND_B: ("grad_in", -1, True)}
 
 
+def message_edge(i) -> tuple[tuple[int, int], int]:
+    """(the edge (producer, consumer) message `i` (an Instr or a Template) travels on, the
+    stage at its other end): its `peer_stage`, or the neighbour ([Note: peer stage])."""
+    step = _MESSAGES[i.op][1]
+    other = i.stage + step if i.peer_stage is None else i.peer_stage
+    return ((i.stage, other) if step == 1 else (other, i.stage)), other
+
+
 def needed_per_microbatch(schedule: Schedule, stages) -> int:
     """How many of F, B and transfers (what check_dependencies records) a rank running
-    `stages` has per microbatch: F and B of each stage, and each stage's messages."""
+    `stages` has per microbatch: F and B of each stage, and each stage's messages (two
+    per edge to another rank, one in a forward-only schedule)."""
+    remote = sum(len(schedule.remote_producers(s)) + len(schedule.remote_consumers(s)) for s in stages)
     if schedule.forward_only:
-        return sum(1 + schedule.recvs_forward(s) + schedule.sends_forward(s) for s in stages)
-    return sum(2 + schedule.recvs_forward(s) + schedule.sends_forward(s) + schedule.sends_backward(s)
-               + schedule.recvs_backward(s) for s in stages)
+        return len(stages) + remote
+    return 2 * len(stages) + 2 * remote
 
 
 def passes(schedule: Schedule) -> bool:
@@ -111,8 +122,8 @@ class _Walk:
     state below 0 (freed, never produced, on the host) is unusable, every one strictly
     between HOST and 0 (freed or never produced) cannot be freed, every one above HOST
     cannot be reloaded, and no check needs to ask for None. They live in one list per
-    buffer and stage, indexed by mb (a stage's keys belong to one rank, so ranks never
-    share an entry)."""
+    buffer, stage and peer stage (`state`), indexed by mb (a stage's keys belong to one
+    rank, so ranks never share an entry)."""
 
     def __init__(self, schedule: Schedule, caps) -> None:
         self.schedule = schedule
@@ -123,8 +134,8 @@ class _Walk:
         for s, r in enumerate(schedule.placement):
             self.stages[r].append(s)
         longest = max(map(len, self.ids))
-        never, self.host = -(longest + 1), -(longest + 2)
-        self.states = {buf: [[never] * m for _ in range(S)] for buf in BUFFERS}  # [buf][stage][mb]
+        self.never, self.host = -(longest + 1), -(longest + 2)
+        self.states: dict = {buf: {} for buf in BUFFERS}  # [buf][stage, peer_stage] -> the states by mb
         self.done = {op: [[False] * m for _ in range(S)] for op in (F, B, W)}
         self.channels: dict[tuple[int, int], tuple[list, list]] = {}  # (src, dst) -> tensors sent, received
         self.owner, self.act, self.arg = [], [], []
@@ -145,32 +156,39 @@ class _Walk:
                       for ids, mbs, at, cap in zip(self.ids, self.mbs, self.at, self.caps)]
         self.shared = self.act, self.arg, self.steps, self.host, self.waiting, self.stack
 
+    def state(self, buf: str, stage: int, other: int | None) -> list:
+        """The states by mb of buffer `buf` of `stage` and peer stage `other` ([Note: peer
+        stage]), made on first use."""
+        found = self.states[buf].get((stage, other))
+        if found is None:
+            found = self.states[buf][stage, other] = [self.never] * self.schedule.microbatches
+        return found
+
     def _template(self, t: Template) -> tuple:
         """(the rank where instructions of `t` may run, or -1 for none; what they do;
         with which tables)."""
-        schedule, states, done = self.schedule, self.states, self.done
+        schedule, done = self.schedule, self.done
         S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
         s = t.stage
         if s >= S:
             return -1, None, None
         owner = placement[s]
         if t.op is FREE or t.op is OFFLOAD or t.op is RELOAD:
-            return owner, _BUFFER_ACTS[t.op], states[t.buf][s]
+            return owner, _BUFFER_ACTS[t.op], self.state(t.buf, s, t.peer_stage)
         if t.op is F or t.op is B or t.op is W:
-            makes, uses = _buffers(schedule, t.op, s, states)
+            makes, uses = _buffers(schedule, t.op, s, self.state)
             return owner, _COMPUTE, (done[t.op][s], makes, uses, done[B][s] if t.op is W else None)
-        buf, step, sending = _MESSAGES[t.op]
-        other = s + step
-        if not 0 <= other < S or t.peer == owner:
-            # no neighbour stage that way; or a message to its own rank, which the rules
-            # refuse anyway (it waits on itself) but which would break the count of
+        buf, _, sending = _MESSAGES[t.op]
+        edge, other = message_edge(t)
+        if not 0 <= other < S or edge not in schedule.graph.index or placement[other] == owner or t.peer == owner:
+            # no such edge, or none between ranks; or a message to its own rank, which the
+            # rules refuse anyway (it waits on itself) but which would break the count of
             # partners `advance` keeps per parked rank: a partner is another rank
             return -1, None, None
-        named = other if sending else s  # [Note: tensor ints]: a tensor is named by its receive
         sent, received = self.channels.setdefault((owner, t.peer) if sending else (t.peer, owner), ([], []))
         mine, theirs = (sent, received) if sending else (received, sent)
-        tensor = (named * m) << 1 | (t.op is SEND_B or t.op is RECV_B)
-        return owner, _SEND if sending else _RECV, (states[buf][s], mine, theirs, tensor, t.peer)
+        tensor = (((edge[0] * S + edge[1]) * m) << 1) | (t.op is SEND_B or t.op is RECV_B)  # [Note: tensor ints]
+        return owner, _SEND if sending else _RECV, (self.state(buf, s, t.peer_stage), mine, theirs, tensor, t.peer)
 
     def _steps(self, capped: bool) -> list[int]:
         """Per template, what an instruction of it adds to its rank's in-flight count
@@ -279,16 +297,20 @@ class _Walk:
         return made == frees  # liveness: a leak
 
 
-def _buffers(schedule: Schedule, op: Op, s: int, states: dict) -> tuple[tuple, tuple]:
+def _buffers(schedule: Schedule, op: Op, s: int, state) -> tuple[tuple, tuple]:
     """What F, B or W of stage s does to buffers ([Note: buffers] in instr.py): the
-    states of the buffers it makes (a neighbour stage's, for a hand-off on its rank),
-    and of those it then reads."""
-    S, placement = schedule.num_stages, schedule.placement
-    act_in, act_out, stash, grad_out, grad_in = (states[buf] for buf in BUFFERS)
+    states of the buffers it makes (another stage's, for a hand-off on its rank), and of
+    those it then reads. `state(buf, stage, peer_stage)`: `_Walk.state`."""
+    graph, placement = schedule.graph, schedule.placement
+    producers, consumers, rank = graph.producers[s], graph.consumers[s], placement[s]
+    inputs = tuple(state("act_in", s, edge_end(s, p)) for p in producers) or (state("act_in", s, None),)
     if op is F:
-        onward = () if s == S - 1 else (act_out[s],) if placement[s + 1] != placement[s] else (act_in[s + 1],)
-        return (stash[s],) + ((act_in[s],) if s == 0 else ()) + onward, (act_in[s],)
+        onward = tuple(state("act_out", s, edge_end(s, t)) if placement[t] != rank else
+                       state("act_in", t, edge_end(t, s)) for t in consumers)
+        return (state("stash", s, None),) + (inputs if s == 0 else ()) + onward, inputs
     if op is B:
-        makes = () if s == 0 else (grad_in[s],) if placement[s - 1] != placement[s] else (grad_out[s - 1],)
-        return makes, ((act_in[s], stash[s], grad_out[s]) if s < S - 1 else (act_in[s], stash[s]))
-    return (), (stash[s],)
+        makes = tuple(state("grad_in", s, edge_end(s, p)) if placement[p] != rank else
+                      state("grad_out", p, edge_end(p, s)) for p in producers)
+        return makes, inputs + (state("stash", s, None),) + tuple(state("grad_out", s, edge_end(s, t))
+                                                                   for t in consumers)
+    return (), (state("stash", s, None),)

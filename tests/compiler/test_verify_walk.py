@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeschedule import Instr, Op, Schedule, ScheduleError, compile_schedule
+from pipeschedule.compiler.instr import edge_side
 from pipeschedule.compiler.ir import BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS
 from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 from pipeschedule.compiler.passes import forward_only
 
-from strategies import FAMILY_NAMES, examples, schedules
+from strategies import FAMILY_NAMES, examples, graph_schedules, schedules
 
 checks = sys.modules["pipeschedule.compiler.verify"]  # the module (`pipeschedule.compiler.verify` is also the function)
 walk = sys.modules["pipeschedule.compiler.walk"]
@@ -40,7 +41,20 @@ def instructions(draw, schedule):
     mb = draw(st.integers(0, schedule.microbatches))
     peer = draw(st.integers(0, schedule.pp)) if op in COMM_OPS else None
     buf = draw(st.sampled_from(BUFFERS)) if op in BUF_OPS else None
-    return Instr(op, stage, mb, peer, buf)
+    return Instr(op, stage, mb, peer, buf, draw(peer_stages(op, buf, stage, schedule)))
+
+
+@st.composite
+def peer_stages(draw, op, buf, stage, schedule):
+    """A peer stage for an instruction of (op, buf) at `stage`, on the side its edge lies
+    ([Note: peer stage]); None always on a chain schedule and where it names no edge, and
+    half of the time otherwise."""
+    side = edge_side(op, buf)
+    if schedule.is_chain or side == 0 or draw(st.booleans()):
+        return None
+    if side > 0:
+        return draw(st.integers(stage + 1, schedule.num_stages + 1))
+    return draw(st.integers(0, stage - 1)) if stage > 0 else None
 
 
 # Random edits, and edits aimed at one check each: "reorder" puts an instruction right
@@ -62,11 +76,11 @@ def op_class(op):
 
 
 @st.composite
-def mutants(draw):
+def mutants(draw, graphs=False):
     """A schedule of any family (with offload half of the time, forward-only a quarter
-    of the time) with 1 to 3 edits of its programs, and a cap lowered on a sixth of
-    them (rule 6)."""
-    schedule = draw(schedules(max_pp=5, max_m=6, max_v=3))
+    of the time; on a random stage graph with `graphs`) with 1 to 3 edits of its
+    programs, and a cap lowered on a sixth of them (rule 6)."""
+    schedule = draw(graph_schedules(max_pp=5, max_m=6, max_v=3) if graphs else schedules(max_pp=5, max_m=6, max_v=3))
     if draw(st.integers(0, 3)) == 0:
         schedule = forward_only(schedule)
     params = dict(schedule.params)
@@ -130,14 +144,16 @@ def mutants(draw):
         elif kind == "repeer":
             i = program[k]
             if i.peer is not None:
-                program[k] = Instr(i.op, i.stage, i.mb, draw(st.integers(0, schedule.pp)), None)
+                program[k] = Instr(i.op, i.stage, i.mb, draw(st.integers(0, schedule.pp)), None, i.peer_stage)
         else:  # retarget: the same op on a neighbouring stage or microbatch
             i = program[k]
             stage = max(0, i.stage + draw(st.sampled_from((-1, 0, 1))))
             mb = max(0, i.mb + draw(st.sampled_from((-1, 0, 1))))
-            program[k] = Instr(i.op, stage, mb, i.peer, i.buf)
+            other = i.peer_stage if i.peer_stage is None or (i.peer_stage - stage) * (i.peer_stage - i.stage) > 0 \
+                else None
+            program[k] = Instr(i.op, stage, mb, i.peer, i.buf, other)
     return Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, schedule.placement,
-                    tuple(map(tuple, programs)), params, schedule.forward_only)
+                    tuple(map(tuple, programs)), params, schedule.forward_only, schedule.edges)
 
 
 def first_error(schedule):
@@ -173,6 +189,19 @@ def test_the_walk_agrees_with_the_rules(schedule):
 @settings(max_examples=examples(100), deadline=None)
 @given(schedules(max_pp=6, max_m=8))
 def test_valid_schedules_pass_the_walk(schedule):
+    assert agree(schedule) is None
+    assert walk.passes(schedule) is True
+
+
+@settings(max_examples=examples(400), deadline=None)
+@given(mutants(graphs=True))
+def test_the_walk_agrees_with_the_rules_on_stage_graphs(schedule):
+    agree(schedule)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(graph_schedules(max_pp=6, max_m=8))
+def test_valid_schedules_on_stage_graphs_pass_the_walk(schedule):
     assert agree(schedule) is None
     assert walk.passes(schedule) is True
 
