@@ -24,6 +24,12 @@ produces it (memory is allocated before it is written) until its FREE:
   (the data loader's input) and act_in of s+1 when s+1 runs on the same rank;
 - B(s) produces grad_in (when the gradient leaves the rank) and grad_out of s-1 when
   s-1 runs on the same rank;
+- on a stage graph ([Note: stage graph] in compiler/graph.py) the buffers of edges are
+  one per edge: F(s) produces an act_out per consumer on another rank and the act_in of
+  each consumer on its rank, B(t) a grad_in per producer on another rank and the
+  grad_out of each producer on its rank; each holds its stage's bytes of its kind (the
+  cost's figures are per stage, so every edge of a stage counts the same), and each
+  message carries the bytes of its sender's act_out or grad_in, as on a chain;
 - RECV_F / RECV_B produce act_in / grad_out when their batch is posted (a receive
   buffer exists before the message lands).
 - In a schedule with W and a cost with `weight_stash`, B(s) resizes its stash at its
@@ -120,7 +126,7 @@ from typing import Iterator, NamedTuple, Sequence
 from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.simulate.hostlink import HostLink
-from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule, edge_end
 from pipeschedule.compiler.program import Template, check_stages, packed, used_ids
 
 MOVE_OPS = frozenset({Op.OFFLOAD, Op.RELOAD})
@@ -419,12 +425,28 @@ class _Run:
     def __init__(self, schedule: Schedule, cost, general: bool = False) -> None:
         self.schedule, pp, stages, placement = schedule, schedule.pp, schedule.num_stages, schedule.placement
         act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
-        local = [s + 1 < stages and placement[s + 1] == placement[s] for s in range(stages)]  # s -> s+1 on one rank
-        # Bytes that appear at the start of F(s) and B(s): [Note: when bytes count].
-        self.f_alloc = [(act_in[s] if s == 0 else 0) + stash[s] + (act_out[s] if schedule.sends_forward(s) else 0)
-                        + (act_in[s + 1] if local[s] else 0) for s in range(stages)]
-        self.b_alloc = [(grad_in[s] if schedule.sends_backward(s) else 0) + (grad_out[s - 1] if s > 0 and local[s - 1]
-                        else 0) for s in range(stages)]
+        graph = schedule.graph
+        # Bytes that appear at the start of F(s) and B(s): [Note: when bytes count]. On
+        # the chain, sums of one term each, so exactly the chain's own figures.
+        self.f_alloc, self.b_alloc = [], []
+        for s in range(stages):
+            remote_out = len(schedule.remote_consumers(s))
+            local_out = [t for t in graph.consumers[s] if placement[t] == placement[s]]
+            self.f_alloc.append((act_in[s] if s == 0 else 0) + stash[s] + (act_out[s] * remote_out if remote_out else 0)
+                                + (sum(act_in[t] for t in local_out) if local_out else 0))
+            remote_in = len(schedule.remote_producers(s))
+            local_in = [p for p in graph.producers[s] if placement[p] == placement[s]]
+            self.b_alloc.append((grad_in[s] * remote_in if remote_in else 0)
+                                + (sum(grad_out[p] for p in local_in) if local_in else 0))
+        # The edge buffers (buf, peer stage) F and B of each stage read, for the host link's
+        # wait on their RELOAD (the others are `HostLink.ready`'s own): none on the chain.
+        self.edge_reads = {op: [() for _ in range(stages)] for op in ("F", "B", "W")}
+        if not graph.chain:
+            for s in range(stages):
+                inputs = tuple(("act_in", edge_end(s, p)) for p in graph.producers[s] if edge_end(s, p) is not None)
+                self.edge_reads["F"][s] = inputs
+                self.edge_reads["B"][s] = inputs + tuple(("grad_out", edge_end(s, t)) for t in graph.consumers[s]
+                                                         if edge_end(s, t) is not None)
         self.stash = stash
         self.free_bytes = dict(cost.buffer_bytes)
         self.b_shrink = None  # per stage: bytes a B releases at its end, < 0 for growth ([Note: when bytes count])
@@ -618,7 +640,7 @@ class _Run:
             if a == _FREE:
                 if moved:  # some buffer is off the device: [Note: host link]
                     tpl = templates[k]
-                    live, released = link.free((tpl.buf, tpl.stage, mbs[pc]), nbytes[k], t, live)
+                    live, released = link.free(_moved_key(tpl, mbs[pc]), nbytes[k], t, live)
                     live -= released
                     mem_t.append(t)
                     mem_v.append(live)
@@ -653,7 +675,7 @@ class _Run:
                 continue
             else:  # asynchronous copies: [Note: host link]
                 tpl = templates[k]
-                key = (tpl.buf, tpl.stage, mbs[pc])
+                key = _moved_key(tpl, mbs[pc])
                 if a == _OFFLOAD:
                     live, rank_ends[pc] = link.offload(key, nbytes[k], t, live)
                 else:
@@ -674,7 +696,7 @@ class _Run:
         if stream and op is F:
             grow -= self.stash[s]  # its pieces count as they are produced
         if link.moved:
-            ready = link.ready(op.value, s, mb, t)
+            ready = link.ready(op.value, s, mb, t, self.edge_reads[op.value][s])
             if ready != t:
                 link.waited[pc] = t = ready
             live = link.drain(t, live)
@@ -723,8 +745,8 @@ class _Run:
                 j = len(mine)
                 if moved:  # a reloaded buffer is read once it lands
                     tpl = self.templates[k]
-                    mine.append(link.ready_buffer(("act_out" if tpl.op is SEND_F else "grad_in", tpl.stage, mbs[pc]),
-                                                  post))
+                    buf = "act_out" if tpl.op is SEND_F else "grad_in"
+                    mine.append(link.ready_buffer(_moved_key(tpl, mbs[pc], buf), post))
                 else:
                     mine.append(post)
                 rank_ends[pc] = post  # sends do not hold the sender up ([Note: simulated semantics])
@@ -782,6 +804,14 @@ class _Run:
                 raise ScheduleError(
                     f"rule matching: rank {src}'s send #{k} to rank {dst} ({instr}, step {pc}) is never received",
                     rule="matching", rank=src, index=pc, instr=instr, mb=instr.mb)
+
+
+def _moved_key(tpl: Template, mb: int, buf: str | None = None) -> tuple:
+    """The host link's key of the buffer `buf` (the template's own by default) of the
+    template's stage and `mb`: (buf, stage, mb), and the peer stage after them for a
+    buffer of an edge that is not the neighbour's ([Note: peer stage] in instr.py)."""
+    buf = tpl.buf if buf is None else buf
+    return (buf, tpl.stage, mb) if tpl.peer_stage is None else (buf, tpl.stage, mb, tpl.peer_stage)
 
 
 def _deadlock(schedule: Schedule, stuck, pcs, parked) -> ScheduleError:

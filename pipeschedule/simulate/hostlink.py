@@ -42,7 +42,8 @@ class HostLink:
         self.chunk, self.window = chunk, window  # streamed offload: bytes per piece, pieces reloaded ahead
         self.out_free = self.in_free = 0  # when the device->host / host->device queue is next idle
         self.pending: list = []  # heap of (completion time, seq, entry) of copies not yet landed
-        self.moved: dict = {}  # (buf, stage, mb) -> [state, time, bytes, cancelled] (+ [pieces, next] if streamed)
+        # (buf, stage, mb[, peer stage]) -> [state, time, bytes, cancelled] (+ [pieces, next] if streamed)
+        self.moved: dict = {}
         self.host = self.peak_host = 0
         self.seq = 0
         self.mem_t, self.mem_v = mem_t, mem_v  # the rank's device memory curve
@@ -135,12 +136,15 @@ class HostLink:
             self.host -= entry[2]
         return live, (0 if state is HOST else nbytes)
 
-    def ready(self, op, stage, mb, t):
+    def ready(self, op, stage, mb, t, edges=()):
         """When compute `op` of (stage, mb) may start: not before any RELOAD of a buffer
-        it reads has landed (of a streamed stash, the piece it consumes first)."""
+        it reads has landed (of a streamed stash, the piece it consumes first). `edges`:
+        the (buf, peer stage) of the buffers of edges it reads besides those of `USES`
+        (keyed (buf, stage, mb, peer stage) here)."""
         moved = self.moved
-        for buf in USES[op]:
-            entry = moved.get((buf, stage, mb))
+        keys = [(buf, stage, mb) for buf in USES[op]] + [(buf, stage, mb, other) for buf, other in edges]
+        for key in keys:
+            entry = moved.get(key)
             if entry is None:
                 continue
             if entry[0] is RELOADING:  # streamed: not before the first piece it consumes
