@@ -53,21 +53,23 @@ class ScheduleSummary:
     offload: tuple[int, ...]  # OFFLOAD instructions per rank
     programs: tuple[str, ...]  # digest of each rank's program
     digest: str
-    shapes: str = "{}"  # the executor's `shapes=`, JSON: stage -> TensorMeta.encode(), keys sorted
+    shapes: str = "{}"  # the executor's `shapes=`, JSON: boundary -> TensorMeta.encode(), keys sorted
+    edges: str = ""  # the stage graph, JSON, where it is not the chain ([Note: stage graph])
 
     @staticmethod
     def of(schedule: Schedule, shapes=None) -> ScheduleSummary:
         """`shapes`: the boundary shapes the executor was given (`shapes=`), or None."""
         params = json.dumps(dict(schedule.params), sort_keys=True, default=str)
-        given = json.dumps({str(s): meta.encode() for s, meta in sorted((shapes or {}).items())})
+        given = json.dumps({_boundary_text(s): meta.encode() for s, meta in sorted((shapes or {}).items())})
+        edges = "" if schedule.is_chain else json.dumps([list(e) for e in schedule.edges])
         head = json.dumps([schedule.name, schedule.pp, schedule.virtual, schedule.microbatches,
-                           list(schedule.placement), params] + ([given] if shapes else []))
+                           list(schedule.placement), params] + ([given] if shapes else []) + ([edges] if edges else []))
         texts = [" ".join(map(str, program)) for program in schedule.programs]
         digest = hashlib.sha256("\n".join([head, *texts]).encode()).hexdigest()
         return ScheduleSummary(
             schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, tuple(schedule.placement), params,
             tuple(sum(1 for i in program if i.op is Op.OFFLOAD) for program in schedule.programs),
-            tuple(hashlib.sha256(text.encode()).hexdigest()[:SHORT] for text in texts), digest, given,
+            tuple(hashlib.sha256(text.encode()).hexdigest()[:SHORT] for text in texts), digest, given, edges,
         )
 
     def encode(self) -> str:
@@ -82,7 +84,8 @@ class ScheduleSummary:
 
     def describe(self) -> str:
         offload = "none" if not any(self.offload) else list(self.offload)
-        return (f"{self.name} pp={self.pp} virtual={self.virtual} m={self.m} placement={list(self.placement)} "
+        edges = f" edges={self.edges}" if self.edges else ""
+        return (f"{self.name} pp={self.pp} virtual={self.virtual} m={self.m} placement={list(self.placement)}{edges} "
                 f"params={self.params} offload={offload} (digest {self.digest[:SHORT]})")
 
     def differences(self, other: ScheduleSummary) -> list[tuple[str, str]]:
@@ -95,6 +98,8 @@ class ScheduleSummary:
         mine, theirs = json.loads(self.params), json.loads(other.params)
         out += [(f"params.{key}", f"params.{key} ({mine.get(key, 'unset')} vs {theirs.get(key, 'unset')})")
                 for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
+        if self.edges != other.edges:
+            out.append(("edges", f"the stage graph ({self.edges or 'the chain'} vs {other.edges or 'the chain'})"))
         if self.shapes != other.shapes:
             out.append(("shapes", f"the boundary shapes given (shapes= {self.shapes} vs {other.shapes})"))
         if self.offload != other.offload:
@@ -166,6 +171,11 @@ class Agreement(Pending):
                      "they are built on a transport)")
         ranks = tuple(r for group in others.values() for r in group)
         return "\n  ".join(lines), tuple(fields), ranks
+
+
+def _boundary_text(boundary) -> str:
+    """A `shapes=` key as text: the producing stage, or the edge "s-t" on a stage graph."""
+    return f"{boundary[0]}-{boundary[1]}" if isinstance(boundary, tuple) else str(boundary)
 
 
 def _ranks(ranks: list[int]) -> str:

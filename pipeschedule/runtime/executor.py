@@ -20,11 +20,23 @@
   gradient becomes grad_out of s; no message is sent. Either way it is handed on as a
   received tensor would be: contiguous, at the start of its storage
   ([Note: contiguous boundaries]).
+- Stage graphs ([Note: stage graph] in compiler/graph.py): on a graph that is not the
+  chain, a stage's forward takes {producer stage: tensor} (stage 0: the data-loader
+  input) and returns {consumer stage: tensor} ([Note: stages protocol]); each tensor
+  travels on its own edge, as a message or a local hand-off, with its own act_out,
+  act_in, grad_out and grad_in ([Note: buffers]); B back-propagates from every output
+  that requires grad with its consumer's gradient, and hands each producer the
+  gradient of its input (zeros where none reached it).
 - Output release: at FREE act_out (after its send completed) the output's storage is
   released by replacing its `.data` with an empty tensor, as Megatron's
   `deallocate_output_tensor` does; the tensor object and its grad_fn stay in the stash
   for B, so a stage never holds its outputs until backward. Outputs that are views, or
-  that are the act_in itself, are only dropped, not emptied.
+  that are the act_in itself, are only dropped, not emptied. On a stage graph one
+  output may be computed from another (h to one consumer, a Linear of h to another),
+  and autograd then holds the first as an input of the second, so emptying it would
+  break B: outputs are emptied there only where the stages say that none is used by
+  anything else they compute (`separate_outputs`, [Note: stages protocol]); otherwise
+  they go with the stash.
 - Stash bytes: F measures what autograd saves with the ledger's saved-tensor hooks
   ([Note: what the ledger counts]) on the first F of each stage and input signature
   (`measure_stash="first"`: again each step, or only when the stage's `Stages.state`
@@ -86,11 +98,11 @@ from torch.autograd.variable import Variable
 
 from pipeschedule.checks import check_int, is_int, is_number, shown
 from pipeschedule.errors import ParameterError
-from pipeschedule.compiler.ir import COMM_OPS, Instr, Op, Schedule
+from pipeschedule.compiler.ir import COMM_OPS, Instr, Op, Schedule, edge_end
 from pipeschedule.compiler.passes import is_lowered
 from pipeschedule.compiler.program import instructions
 from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
-from pipeschedule.runtime.buffers import BufferTable, Stash
+from pipeschedule.runtime.buffers import BufferTable, Stash, buffer_key
 from pipeschedule.runtime.driver import RemoteOutput, StepTimes, describe_batch, run_blocking
 from pipeschedule.errors import RuntimeScheduleError, ScheduleMismatchError
 from pipeschedule.compiler.offload import streamed_stashes
@@ -146,6 +158,11 @@ class Executor:
                                  f"first (pipeschedule.lower, or compile_schedule, which lowers and verifies)")
         _check_timeout(timeout)
         check_int("history", history, minimum=0)
+        if isinstance(stages, ModuleStages) and not schedule.is_chain:
+            raise ParameterError(f"ModuleStages runs chain schedules; {schedule.name!r} has the stage graph "
+                                 f"{[list(e) for e in schedule.edges]}: give Stages whose forward takes "
+                                 "{producer stage: tensor} and returns {consumer stage: tensor} "
+                                 "([Note: stages protocol])")
         if isinstance(stages, ModuleStages) and len(stages.chunks) != schedule.num_stages:
             raise ParameterError(f"ModuleStages has {len(stages.chunks)} chunks for the {schedule.num_stages} stages "
                                  f"of {schedule.name!r} (one per global stage, None for those other ranks run): its "
@@ -162,16 +179,19 @@ class Executor:
         self.device = torch.device(device)
         self.timeout = timeout
         self.last_stage = schedule.num_stages - 1
+        self.graph, self.chain = schedule.graph, schedule.is_chain
+        self._separate_outputs = getattr(stages, "separate_outputs", False) is True  # [Note: stages protocol]
         self.ledger = Ledger()
         self.buffers = BufferTable(self.ledger)
         self.times = StepTimes()
         self.steps = 0  # completed steps
         self._agreed = self._agreeing = False  # every rank runs this schedule ([Note: schedule agreement])
         if shapes is not None and not (isinstance(shapes, Mapping) and all(
-                is_int(s) and 0 <= s < schedule.num_stages - 1 and isinstance(meta, TensorMeta)
-                for s, meta in shapes.items())):
-            raise ParameterError(f"shapes= maps a stage whose output crosses a boundary (0..{schedule.num_stages - 2}) "
-                                 f"to its TensorMeta, got {shown(shapes)}")
+                (is_int(s) and 0 <= s < schedule.num_stages - 1 if schedule.is_chain else s in schedule.graph.index)
+                and isinstance(meta, TensorMeta) for s, meta in shapes.items())):
+            what = (f"a stage whose output crosses a boundary (0..{schedule.num_stages - 2})" if schedule.is_chain
+                    else f"an edge (producer, consumer) of the stage graph {[list(e) for e in schedule.edges]}")
+            raise ParameterError(f"shapes= maps {what} to its TensorMeta, got {shown(shapes)}")
         self.shapes = Shapes(transport, shapes)
         self._history: deque[tuple[int, Instr]] = deque(maxlen=history)
         self._stash_bytes: dict[tuple, int] = {}  # (stage, state, input signature) -> stash bytes
@@ -297,12 +317,16 @@ class Executor:
     def _exchange(self, batch: list[tuple[int, Instr]]):
         """Posts one batch of communication and waits for all of it ([Note: executor semantics])."""
         self._waiting = batch
-        now, later = self._split_unknown(batch)
-        posted = [self._post(now)] if now else []
-        for stage in sorted({i.stage - 1 for _, i in later if i.op is Op.RECV_F and i.stage - 1 not in self.shapes}):
-            yield from self.shapes.learn(stage)
-        if later:
-            posted.append(self._post(later))
+        posted, waiting = [], batch
+        while waiting:  # the first step: receives wait for their shapes ([Note: first-use metadata])
+            now, waiting = self._split_unknown(waiting)
+            if now:
+                posted.append(self._post(now))
+            if waiting:  # each peer's first waiting message is a receive whose shape is unknown
+                firsts = {}
+                for _, i in waiting:
+                    firsts.setdefault(i.peer, self._boundary(i))
+                yield from self.shapes.learn(*firsts.values())
         for pending, _ in posted:
             if not pending.ready():
                 yield pending
@@ -311,7 +335,7 @@ class Executor:
             _finish(pending, {op.peer for op in ops})
             for op in ops:
                 if op.instr.op is Op.RECV_F:
-                    op.tensor.requires_grad_(self.shapes[op.instr.stage - 1].requires_grad)
+                    op.tensor.requires_grad_(self.shapes[self._boundary(op.instr)].requires_grad)
         self.times.transport_s += time.perf_counter() - start
         self._waiting = None
 
@@ -333,7 +357,7 @@ class Executor:
         channel delivers in order), waits ([Note: first-use metadata])."""
         now, later, waiting_peers = [], [], set()
         for pc, instr in batch:
-            if instr.op is Op.RECV_F and instr.stage - 1 not in self.shapes:
+            if instr.op is Op.RECV_F and self._boundary(instr) not in self.shapes:
                 waiting_peers.add(instr.peer)
             is_recv = instr.op is Op.RECV_F or instr.op is Op.RECV_B
             (later if is_recv and instr.peer in waiting_peers else now).append((pc, instr))
@@ -417,14 +441,28 @@ class Executor:
         return signature_of((x, target))
 
     def _load_input(self, i: Instr):
+        """F's act_in: the data loader's on stage 0, else the received or handed-over
+        tensor, or on a stage graph {producer stage: tensor} ([Note: stages protocol])."""
         if i.stage == 0:
             x = self._inputs[i.mb]
             self.buffers.add(("act_in", 0, i.mb), x, nbytes(x))
             return x
-        return self.buffers.need("act_in", i)
+        if self.chain:
+            return self.buffers.need("act_in", i)
+        return {p: self.buffers.need("act_in", i, edge_end(i.stage, p)) for p in self.graph.producers[i.stage]}
+
+    def _boundary(self, i: Instr):
+        """The boundary message i carries, as `Shapes` names it: the producing stage on a
+        chain, the edge (producer, consumer) on any other graph."""
+        step = 1 if i.op is Op.SEND_F or i.op is Op.RECV_B else -1
+        other = i.stage + step if i.peer_stage is None else i.peer_stage
+        producer, consumer = (i.stage, other) if step > 0 else (other, i.stage)
+        return producer if self.chain else (producer, consumer)
 
     def _emit_output(self, i: Instr, y, x) -> tuple[torch.Tensor, TensorMeta | None]:
         s, mb = i.stage, i.mb
+        if not self.chain and s != self.last_stage:
+            return self._emit_outputs(i, y, x)
         if not isinstance(y, torch.Tensor):
             raise RuntimeScheduleError(f"stage {s} forward returned {type(y).__name__}; a stage returns one tensor")
         if s == self.last_stage:
@@ -450,7 +488,40 @@ class Executor:
         self.buffers.add(("act_out", s, mb), sent, sent.nbytes)
         return y, meta
 
+    def _emit_outputs(self, i: Instr, y, x) -> tuple[tuple, dict]:
+        """`_emit_output` on a stage graph: one tensor per consumer stage, each handed over
+        or put in its act_out as a chain's output is. Returns the stash's root, ((consumer,
+        output), ...), and the meta of each output that leaves the rank, by consumer."""
+        s, mb = i.stage, i.mb
+        consumers = self.graph.consumers[s]
+        if not isinstance(y, dict) or set(y) != set(consumers) or not all(
+                isinstance(t, torch.Tensor) for t in y.values()):
+            got = {k: type(v).__name__ for k, v in y.items()} if isinstance(y, dict) else type(y).__name__
+            raise RuntimeScheduleError(f"stage {s} forward returned {got}; on the stage graph {list(self.graph.edges)} "
+                                       f"it returns one tensor per consumer stage, {{stage: tensor}} for stages "
+                                       f"{list(consumers)}")
+        metas, copied = {}, []
+        for t in consumers:
+            y_t = y[t]
+            if self.schedule.placement[t] == self.rank:  # local hand-off ([Note: contiguous boundaries])
+                self.buffers.add(buffer_key("act_in", t, mb, edge_end(t, s)),
+                                 _handed(y_t.detach()).requires_grad_(y_t.requires_grad), y_t.nbytes)
+                continue
+            meta = metas[t] = self.shapes.publish((s, t), y_t)
+            sent = y_t
+            if self.pool is not None and y_t.numel() > 0:  # [Note: buffer pool]
+                sent = self.pool.take("act_out", meta if meta.matches(y_t) else TensorMeta.of(y_t))
+                sent.copy_(y_t.detach())
+                copied.append(y_t)
+            self.buffers.add(buffer_key("act_out", s, mb, edge_end(s, t)), sent, sent.nbytes)
+        if self._separate_outputs:  # after every copy: an output may go to two stages
+            for y_t in {id(y_t): y_t for y_t in copied}.values():
+                _release(y_t, x)
+        return tuple((t, y[t]) for t in consumers), metas
+
     def _backward(self, i: Instr) -> None:
+        if not self.chain:
+            return self._backward_on_graph(i)
         s, mb = i.stage, i.mb
         stash, x = self.buffers.need("stash", i), self.buffers.need("act_in", i)
         grad = None if s == self.last_stage else self.buffers.need("grad_out", i)
@@ -472,6 +543,46 @@ class Executor:
             elif self.pool is not None and grad_in.numel() > 0:  # [Note: buffer pool]
                 grad_in = self.pool.take("grad_in", self.shapes[s - 1]).copy_(grad_in)
             self.buffers.add(("grad_out", s - 1, mb) if local else ("grad_in", s, mb), grad_in, grad_in.nbytes)
+
+    def _backward_on_graph(self, i: Instr) -> None:
+        """`_backward` on a stage graph: from every output that requires grad, with its
+        consumer's gradient (the loss on the last stage), then each producer's input
+        gradient (zeros where none reached it) handed over or put in its grad_in."""
+        s, mb = i.stage, i.mb
+        stash, x = self.buffers.need("stash", i), self._load_held_inputs(i)
+        if s == self.last_stage:
+            roots, grads = ((stash.root,), (None,)) if stash.root.requires_grad else ((), ())
+        else:
+            pairs = [(y_t, self.buffers.need("grad_out", i, edge_end(s, t))) for t, y_t in stash.root]
+            roots, grads = tuple(y for y, _ in pairs if y.requires_grad), tuple(g for y, g in pairs if y.requires_grad)
+        if self.offloads:
+            self.offloader.ready(("stash", s, mb), str(i))
+        start = self._clock()
+        if roots and grads[0] is None:
+            _backward_from(roots[0], None)
+        elif roots:
+            Variable._execution_engine.run_backward(roots, grads, False, False, (), True, True)  # see _backward_from
+        self.times.compute_s += self._clock() - start
+        if stash.weights is not None:
+            self.buffers.resize(("stash", s, mb), stash.weights.held_bytes(self._persistent_storages(s)))
+        if s == 0:
+            return
+        for p in self.graph.producers[s]:
+            x_p = x[p]
+            grad_in = x_p.grad if x_p.grad is not None else torch.zeros_like(x_p)  # zeros, not silence
+            x_p.grad = None
+            if self.schedule.placement[p] == self.rank:
+                self.buffers.add(buffer_key("grad_out", p, mb, edge_end(p, s)), _handed(grad_in), grad_in.nbytes)
+                continue
+            if self.pool is not None and grad_in.numel() > 0:  # [Note: buffer pool]
+                grad_in = self.pool.take("grad_in", self.shapes[(p, s)]).copy_(grad_in)
+            self.buffers.add(buffer_key("grad_in", s, mb, edge_end(s, p)), grad_in, grad_in.nbytes)
+
+    def _load_held_inputs(self, i: Instr):
+        """B's act_in: as `_load_input` gives it to F, from the buffers (held since F)."""
+        if i.stage == 0:
+            return self.buffers.need("act_in", i)
+        return {p: self.buffers.need("act_in", i, edge_end(i.stage, p)) for p in self.graph.producers[i.stage]}
 
     def _weight(self, i: Instr) -> None:
         """W: the weight gradients B deferred ([Note: split backward]); the stash is
@@ -503,25 +614,32 @@ class Executor:
 
     def _free(self, i: Instr) -> None:
         s, mb = i.stage, i.mb
-        value = self.buffers.drop((i.buf, s, mb))
+        value = self.buffers.drop(buffer_key(i.buf, s, mb, i.peer_stage))
         if i.buf == "stash":
             self.offloader.forget(("stash", s, mb))
             if self.pool is not None:
                 self.pool.stash_freed(s, mb)
-        elif self.pool is not None and (i.buf, s) in self._pooled and self.pool.owns(value):
+        elif self.pool is not None and (i.buf, s, i.peer_stage) in self._pooled and self.pool.owns(value):
             # autograd may read a received buffer until its stash goes ([Note: buffer pool])
             held = i.buf in ("act_in", "grad_out") and ("stash", s, mb) in self.buffers.held
             self.pool.give(value, after_stash=(s, mb) if held else None)
-        elif i.buf == "act_out":
-            _release(value, self.buffers.held.get(("act_in", s, mb)))  # the sent output
+        elif i.buf == "act_out" and (self.chain or self._separate_outputs):
+            held = self.buffers.held
+            inputs = held.get(("act_in", s, mb)) if self.chain else [
+                held.get(buffer_key("act_in", s, mb, edge_end(s, p))) for p in self.graph.producers[s]]
+            _release(value, inputs)  # the sent output
 
     @staticmethod
-    def _boundaries(schedule: Schedule) -> frozenset[tuple[str, int]]:
-        """Every (buf, stage) that is a boundary buffer, which the pool serves ([Note:
-        buffer pool]): what a stage receives or sends."""
-        kinds = {"act_in": schedule.recvs_forward, "grad_out": schedule.recvs_backward,
-                 "act_out": schedule.sends_forward, "grad_in": schedule.sends_backward}
-        return frozenset((buf, s) for buf, crosses in kinds.items() for s in range(schedule.num_stages) if crosses(s))
+    def _boundaries(schedule: Schedule) -> frozenset[tuple[str, int, int | None]]:
+        """Every (buf, stage, peer stage) that is a boundary buffer, which the pool serves
+        ([Note: buffer pool]): what a stage receives or sends, per edge between ranks."""
+        out = set()
+        for s in range(schedule.num_stages):
+            for t in schedule.remote_consumers(s):
+                out |= {("act_out", s, edge_end(s, t)), ("grad_out", s, edge_end(s, t))}
+            for p in schedule.remote_producers(s):
+                out |= {("act_in", s, edge_end(s, p)), ("grad_in", s, edge_end(s, p))}
+        return frozenset(out)
 
     # -- host offload ([Note: host offload]) ---------------------------------------------
 
@@ -545,21 +663,26 @@ class Executor:
     # -- communication: each handler returns the message its instruction posts -----------
 
     def _send_f(self, i: Instr) -> P2P:
-        y = self.buffers.need("act_out", i)
-        Shapes.check(i, y, self.shapes[i.stage], f"stage {i.stage + 1}")
+        y = self.buffers.need("act_out", i, i.peer_stage)
+        consumer = i.stage + 1 if i.peer_stage is None else i.peer_stage
+        Shapes.check(i, y, self.shapes[self._boundary(i)], f"stage {consumer}")
         return P2P(True, i.peer, y.detach().contiguous(), i)  # the P2P keeps a copy alive until sent
 
     def _recv_f(self, i: Instr) -> P2P:
-        return P2P(False, i.peer, self._allocate(("act_in", i.stage, i.mb), self.shapes[i.stage - 1]), i)
+        key = buffer_key("act_in", i.stage, i.mb, i.peer_stage)
+        return P2P(False, i.peer, self._allocate(key, self.shapes[self._boundary(i)]), i)
 
     def _send_b(self, i: Instr) -> P2P:
-        grad = self.buffers.need("grad_in", i)
-        Shapes.check(i, grad, self.shapes[i.stage - 1], f"stage {i.stage - 1}")
+        grad = self.buffers.need("grad_in", i, i.peer_stage)
+        producer = i.stage - 1 if i.peer_stage is None else i.peer_stage
+        Shapes.check(i, grad, self.shapes[self._boundary(i)], f"stage {producer}")
         return P2P(True, i.peer, grad.contiguous(), i)
 
     def _recv_b(self, i: Instr) -> P2P:
-        return P2P(False, i.peer,
-                   self._allocate(("grad_out", i.stage, i.mb), self.buffers.need("stash", i).out_meta), i)
+        meta = self.buffers.need("stash", i).out_meta
+        if not self.chain:  # one per consumer on another rank
+            meta = meta[i.stage + 1 if i.peer_stage is None else i.peer_stage]
+        return P2P(False, i.peer, self._allocate(buffer_key("grad_out", i.stage, i.mb, i.peer_stage), meta), i)
 
     def _allocate(self, key: tuple[str, int, int], meta: TensorMeta) -> torch.Tensor:
         if self.pool is not None and math.prod(meta.shape) > 0:
@@ -668,8 +791,10 @@ def _handed(tensor: torch.Tensor) -> torch.Tensor:
 
 def _release(output: torch.Tensor, act_in) -> None:
     """Releases a stage output's storage by replacing its `.data`
-    ([Note: executor semantics]); views and an output that is the act_in itself are left alone."""
-    if output._base is None and output is not act_in:
+    ([Note: executor semantics]); views and an output that is the act_in itself (or, on a
+    stage graph, one of the act_ins, given as a dict or list) are left alone."""
+    inputs = act_in.values() if isinstance(act_in, dict) else act_in if isinstance(act_in, list) else (act_in,)
+    if output._base is None and not any(output is x for x in inputs):
         output.data = torch.empty(0, dtype=output.dtype, device=output.device)
 
 

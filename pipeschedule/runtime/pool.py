@@ -18,6 +18,9 @@ output gradients B kept, and those can be these very storages).
 
 How many of each kind a rank ever needs is known before running: `capacity` walks the
 program with exactly these rules and returns the peak number of each kind live at once.
+On a stage graph ([Note: stage graph] in compiler/graph.py) they are per edge between
+ranks: F of a stage makes one act_out per consumer on another rank, B one grad_in per
+producer on another rank.
 Buffers are allocated lazily, per (kind, shape, dtype), the first time no free one
 fits, so the number of allocations is bounded by the schedule's peak live counts (for
 1F1B: independent of the number of microbatches) and is reached in the first step;
@@ -55,6 +58,8 @@ def capacity(schedule: Schedule, rank: int) -> dict[str, int]:
         live[kind] += 1
         peak[kind] = max(peak[kind], live[kind])
 
+    sends = [len(schedule.remote_consumers(s)) for s in range(schedule.num_stages)]
+    gradients = [len(schedule.remote_producers(s)) for s in range(schedule.num_stages)]
     for i in schedule.programs[rank]:
         key = (i.stage, i.mb)
         if i.op is Op.RECV_F:
@@ -63,16 +68,17 @@ def capacity(schedule: Schedule, rank: int) -> dict[str, int]:
             add("grad_out")
         elif i.op is Op.F:
             stashes.add(key)
-            if schedule.sends_forward(i.stage):
+            for _ in range(sends[i.stage]):
                 add("act_out")
-        elif i.op is Op.B and schedule.sends_backward(i.stage):
-            add("grad_in")
+        elif i.op is Op.B:
+            for _ in range(gradients[i.stage]):
+                add("grad_in")
         elif i.op is Op.FREE:
             if i.buf == "stash":
                 stashes.discard(key)
                 for kind in parked.pop(key, ()):
                     live[kind] -= 1
-            elif i.buf in ("act_in", "grad_out") and _received(schedule, i.buf, i.stage):
+            elif i.buf in ("act_in", "grad_out") and received(schedule, i.buf, i.stage, i.peer_stage):
                 if key in stashes:
                     parked[key].append(i.buf)
                 else:
@@ -82,10 +88,15 @@ def capacity(schedule: Schedule, rank: int) -> dict[str, int]:
     return peak
 
 
-def _received(schedule: Schedule, buf: str, stage: int) -> bool:
-    """Whether (buf, stage) arrives by message (so it is pooled), not by local hand-off
-    or the data loader."""
-    return schedule.recvs_forward(stage) if buf == "act_in" else schedule.recvs_backward(stage)
+def received(schedule: Schedule, buf: str, stage: int, other: int | None) -> bool:
+    """Whether act_in or grad_out of `stage` on the edge to peer stage `other` (as an
+    instruction writes it: None for the neighbour, or stage 0's data) arrives by message
+    (so it is pooled), not by local hand-off or the data loader."""
+    step = -1 if buf == "act_in" else 1
+    peer = stage + step if other is None else other
+    edge = (peer, stage) if step < 0 else (stage, peer)
+    placement = schedule.placement
+    return edge in schedule.graph.index and placement[peer] != placement[stage]
 
 
 class BufferPool:

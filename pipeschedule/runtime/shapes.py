@@ -7,12 +7,22 @@ the transport's store, not the point-to-point channel, so the order in which mes
 match is never disturbed) and the receiver looks them up once. Until a shape is known,
 the receiver posts the rest of its batch at once: all its sends, and each peer's
 receives that come before the first unknown one from that peer; the unknown receive and
-the later ones from the same peer (the channel delivers in order) are posted as a
-second batch when the shape arrives. Whatever the sender needs from this rank before
-its F is thus posted, and the sender runs that F before it can send the tensor, so a
-schedule that completes under rule 4 also completes here. Only the first step pays
-this (two posts instead of one, one store lookup per stage); `shapes=` removes it.
+the later ones from the same peer (the channel delivers in order) wait, and as soon as
+the shape of any peer's first waiting receive arrives, that peer's receives up to its
+next unknown one are posted, until none waits. So each receive is posted no later than
+its send: the sender runs the F that publishes the shape before it can send the
+tensor, and every earlier message of the channel was sent (its shape published) before
+it. A batch therefore completes once all its partners are posted, as rule 4 has it,
+and a schedule that completes under rule 4 also completes here. (Waiting for every
+unknown shape before posting any of them could hang: on a stage graph one batch may
+receive from one peer the outputs of two stages, the second of which the peer computes
+only after this batch's first receive has met its send.) Only the first step pays
+this (a few posts instead of one, one store lookup per boundary); `shapes=` removes it.
 Every later microbatch must have the same shapes: each send is checked (`check`).
+
+A boundary is named by its producing stage on a chain, and by its edge (producer stage,
+consumer stage) on any other stage graph ([Note: stage graph] in compiler/graph.py),
+where a stage sends a tensor of its own to each consumer.
 """
 
 from __future__ import annotations
@@ -57,48 +67,70 @@ def describe(tensor: torch.Tensor) -> str:
     return str(TensorMeta.of(tensor))
 
 
+def boundary_name(boundary) -> str:
+    """A boundary in words: "stage 2's output", "stage 0's output for stage 2"."""
+    if isinstance(boundary, tuple):
+        return f"stage {boundary[0]}'s output for stage {boundary[1]}"
+    return f"stage {boundary}'s output"
+
+
+def _store_name(boundary) -> str:
+    return f"{boundary[0]}-{boundary[1]}" if isinstance(boundary, tuple) else str(boundary)
+
+
 class _Published(Pending):
-    def __init__(self, transport: Transport, key: str, stage: int):
-        self.transport, self.key, self.value = transport, key, None
-        self.what = f"the shape of stage {stage}'s output, which its rank publishes at its first F of that stage"
+    """Ready once the shape of any of `boundaries` is published; `values` holds each
+    one found, by boundary."""
+
+    def __init__(self, transport: Transport, keys: dict):
+        self.transport, self.keys, self.values = transport, keys, {}
+        names = " or ".join(boundary_name(b) for b in keys)
+        self.what = f"the shape of {names}, which its rank publishes at its first F of that stage"
 
     def ready(self) -> bool:
-        self.value = self.value or self.transport.lookup(self.key)
-        return self.value is not None
+        for boundary, key in self.keys.items():
+            if boundary not in self.values:
+                value = self.transport.lookup(key)
+                if value is not None:
+                    self.values[boundary] = value
+        return bool(self.values)
 
 
 class Shapes:
-    """The `TensorMeta` of each stage output this rank sends or receives, by producing
-    stage ([Note: first-use metadata]). One per executor: its keys live under a
-    namespace the transport hands out in creation order."""
+    """The `TensorMeta` of each boundary tensor this rank sends or receives, by boundary:
+    its producing stage, or its edge on a stage graph ([Note: first-use metadata]). One
+    per executor: its keys live under a namespace the transport hands out in creation
+    order."""
 
-    def __init__(self, transport: Transport, given: Mapping[int, TensorMeta] | None = None):
+    def __init__(self, transport: Transport, given: Mapping | None = None):
         self.transport = transport
-        self.given: dict[int, TensorMeta] = dict(given or {})  # `shapes=`, which ranks compare at the first step
-        self.known: dict[int, TensorMeta] = dict(self.given)
+        self.given: dict = dict(given or {})  # `shapes=`, which ranks compare at the first step
+        self.known: dict = dict(self.given)
         self.namespace = transport.namespace()
 
-    def __contains__(self, stage: int) -> bool:
-        return stage in self.known
+    def __contains__(self, boundary) -> bool:
+        return boundary in self.known
 
-    def __getitem__(self, stage: int) -> TensorMeta:
-        return self.known[stage]
+    def __getitem__(self, boundary) -> TensorMeta:
+        return self.known[boundary]
 
-    def publish(self, stage: int, output: torch.Tensor) -> TensorMeta:
+    def publish(self, boundary, output: torch.Tensor) -> TensorMeta:
         """At F of a stage whose output leaves the rank: the first one sets the shape.
-        Returns the stage's meta."""
-        meta = self.known.get(stage)
+        Returns the boundary's meta."""
+        meta = self.known.get(boundary)
         if meta is None:
-            meta = self.known[stage] = TensorMeta.of(output)
-            self.transport.publish(f"{self.namespace}meta/{stage}", meta.encode())
+            meta = self.known[boundary] = TensorMeta.of(output)
+            self.transport.publish(f"{self.namespace}meta/{_store_name(boundary)}", meta.encode())
         return meta
 
-    def learn(self, stage: int):
-        """Generator: yields a `Pending` until stage's output shape is published, then records it."""
-        published = _Published(self.transport, f"{self.namespace}meta/{stage}", stage)
+    def learn(self, *boundaries):
+        """Generator: yields a `Pending` until the shape of at least one of `boundaries` is
+        published, then records each one that is."""
+        published = _Published(self.transport, {b: f"{self.namespace}meta/{_store_name(b)}" for b in boundaries})
         if not published.ready():
             yield published
-        self.known[stage] = TensorMeta.decode(published.value)
+        for boundary, value in published.values.items():
+            self.known[boundary] = TensorMeta.decode(value)
 
     @staticmethod
     def check(instr, tensor: torch.Tensor, expected: TensorMeta | None, receiver: str) -> None:

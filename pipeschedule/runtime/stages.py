@@ -14,6 +14,15 @@ autograd; a stage only computes. For each F it calls
 - `target` is the caller's target for microbatch `mb` on the last stage, None elsewhere.
 - `output` is one tensor on every stage but the last, where it is the scalar loss of
   the microbatch (unscaled: the executor divides it by the number of microbatches).
+- On a schedule whose stage graph is not the chain ([Note: stage graph] in
+  compiler/graph.py), every stage but 0 takes `act_in` as {producer stage: tensor},
+  one tensor per edge into it (each as above: detached, requiring grad as the sender's
+  did), and every stage but the last returns {consumer stage: tensor}, one tensor per
+  edge out of it (the same tensor may go to several consumers). `ModuleStages` runs
+  chains only. Stages whose outputs are used by nothing else they compute (each a
+  fresh tensor, as a packed boundary is) say so with `separate_outputs = True`: the
+  executor then empties each output once it is sent, as on a chain ([Note: executor
+  semantics]); otherwise it keeps them until their stash is freed.
 
 At B the executor back-propagates from the output with the received output gradient
 (from loss / m on the last stage) through ordinary autograd, so gradients accumulate in
