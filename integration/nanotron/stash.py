@@ -69,6 +69,7 @@ class StashMeter:
         self.released: dict[int, int] = {}  # mb -> clock when its last stash storage went
         self.outputs: list[_Output] = []
         self.finished_at: int | None = None
+        self._quiet = False  # inside a call `recording` does not count
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> StashMeter:
@@ -76,7 +77,17 @@ class StashMeter:
 
     @contextlib.contextmanager
     def recording(self):
-        """Open around one forward call (one microbatch)."""
+        """Open around one forward call (one microbatch). A call with grad disabled saves
+        nothing for backward and is no microbatch's training forward (an evaluation, or
+        the engine's masked call that finds the model's block graph, [Note: block graph]):
+        it is not counted, nor are the tensors it hands to other ranks."""
+        if not torch.is_grad_enabled():
+            self._quiet = True
+            try:
+                yield
+            finally:
+                self._quiet = False
+            return
         self.mb += 1
         self._tick()
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -106,6 +117,8 @@ class StashMeter:
 
     def track_stage_output(self, tensor: torch.Tensor, name: str = "") -> None:
         """Note a tensor this rank hands to another rank (by `name`, its input key there)."""
+        if self._quiet:
+            return
         record = _Output(self.mb, name, tensor.untyped_storage().nbytes(), tensor.requires_grad)
         self.outputs.append(record)
         weakref.finalize(tensor, self._output_freed, record)

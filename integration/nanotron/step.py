@@ -2,10 +2,20 @@
 
 `Runner` holds what the steps of one (pp group, m, train|eval) share: the compiled
 schedule, the runtime's `Executor` over the engine's transport, the boundary layouts
-([Note: packed boundary]) and, per model, its blocks and their stages ([Note: model
-layout]). Each F is one model call that runs one stage ([Note: one chunk per model
-call] in stage_call); around each B and W the gradients go where nanotron's optimizer
-paths expect them ([Note: gradient sync] in grad_sync).
+([Note: packed boundary]) and, per model, its blocks, their stages ([Note: model
+layout]) and its block graph ([Note: block graph] in block_graph). Each F is one model
+call that runs one stage ([Note: one chunk per model call] in stage_call); around each
+B and W the gradients go where nanotron's optimizer paths expect them ([Note: gradient
+sync] in grad_sync).
+
+[Note: the schedule's graph] The engine compiles its schedule for (pp, m) on the chain
+before it sees the model. At the first step on a model the runner finds the model's
+block graph (one masked call per rank, on the first microbatch); where the stage graph
+it gives is not the schedule's, it moves the schedule onto it (`on_graph`: the same
+compute order, messages and FREEs placed anew on the graph's edges, the engine's
+OFFLOAD added again, verified) and builds a new executor for it (which compares the
+schedule across ranks at its first step, [Note: schedule agreement]). A chain model
+keeps the schedule it was compiled with, and its executor.
 """
 
 from __future__ import annotations
@@ -25,11 +35,16 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E40
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
 
 from integration.nanotron import grad_sync  # noqa: E402
+from integration.nanotron.block_graph import BlockGraph, find_block_graph  # noqa: E402
 from integration.nanotron.boundary import Layout  # noqa: E402
 from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
 from integration.nanotron.grad_sync import GradFolder, GradientSync, SharedGrads  # noqa: E402
-from integration.nanotron.stage_call import StageCall, consumer_tracking, one_stage  # noqa: E402
+from integration.nanotron.stage_call import StageCall, block_tracking, one_stage, pack_edge  # noqa: E402
 from pipeschedule.compiler.ir import Instr, Op, Schedule  # noqa: E402
+from pipeschedule.compiler.offload import add_offload  # noqa: E402
+from pipeschedule.compiler.passes import on_graph  # noqa: E402
+from pipeschedule.compiler.verify import verify  # noqa: E402
+from pipeschedule.errors import FormatError  # noqa: E402
 from pipeschedule.runtime import DistTransport, Executor, RemoteOutput  # noqa: E402
 from pipeschedule.runtime.ledger import signature_of  # noqa: E402
 from pipeschedule.runtime.stages import module_state  # noqa: E402
@@ -53,20 +68,29 @@ class Runner:
     """The executor of one (pg, m, train|eval) and what its steps share."""
 
     def __init__(self, engine, schedule: Schedule, transport: DistTransport, device: torch.device):
-        self.engine, self.schedule, self.transport = engine, schedule, transport
+        self.engine, self.transport, self.device = engine, transport, device
         self.rank = transport.rank
-        self.layouts: dict[int, Layout] = {}  # producing stage -> boundary layout
+        self.layouts: dict[tuple[int, int], Layout] = {}  # edge -> boundary layout
         self.stages = ModelStages(self)
-        self.executor = NanotronExecutor(schedule, self.rank, self.stages, transport, device=device,
-                                         offload_chunk=engine.spec.offload_chunk)
-        backwards = [i for i in self.executor.program if i.op is Op.B]
-        self.last_backward = backwards[-1] if backwards else None
+        self._use(schedule)
         # [Note: gradient sync]: DDP syncs inside the last B only when that B is the last
         # touch of every parameter of the rank.
         self.sync_in_backward = schedule.virtual == 1 and not schedule.split_backward
-        self._models: dict[int, tuple] = {}  # id(model) -> (model, blocks, stage_of)
+        self._models: dict[int, tuple] = {}  # id(model) -> (model, blocks, stage_of, block graph)
         # (id(model), id(accumulator)) -> the model, the accumulator, and their SharedGrads and GradFolder
         self._grads: dict[tuple[int, int], tuple] = {}
+        self._graphs_found = 0  # masked calls made, which name their reports in the store
+
+    def _use(self, schedule: Schedule) -> None:
+        """Runs `schedule` from now on, with a new executor ([Note: the schedule's graph];
+        the old one's `exact_times` carries over)."""
+        exact = getattr(getattr(self, "executor", None), "exact_times", False)
+        self.schedule = self.stages.schedule = schedule
+        self.executor = NanotronExecutor(schedule, self.rank, self.stages, self.transport, device=self.device,
+                                         offload_chunk=self.engine.spec.offload_chunk)
+        self.executor.exact_times = exact
+        backwards = [i for i in self.executor.program if i.op is Op.B]
+        self.last_backward = backwards[-1] if backwards else None
 
     def step(self, model, batch, grad_accumulator) -> list[dict]:
         inner = unwrap(model)
@@ -79,13 +103,14 @@ class Runner:
                 "([Note: parameters shared by stages of one rank])"
             )
         self.stages.begin(model, blocks, stage_of, batch)
+        self._on_graph_of(inner, blocks, stage_of)
         shared, folder = self._gradients(inner, grad_accumulator) if train else (None, None)
         ddp = model if isinstance(model, DistributedDataParallel) else None
         sync = GradientSync(ddp, grad_accumulator if train else None, sync_in_backward=self.sync_in_backward,
                             last_backward=self.last_backward, shared=shared, folder=folder)
         self.executor.begin(sync)
         try:
-            with consumer_tracking(blocks, stage_of), sync.step_context():
+            with block_tracking(blocks), sync.step_context():
                 outputs = self.executor.step([None] * self.schedule.microbatches)  # data: ModelStages
         finally:
             self.stages.end()
@@ -106,8 +131,38 @@ class Runner:
             stages = self.engine.model_stages(inner, blocks, self.schedule.pp)
             stage_of = {id(block): s for block, s in zip(blocks, stages)}
             self.engine.prepare_model(inner, blocks, stage_of, self.rank)
-            found = self._models[id(inner)] = (inner, blocks, stage_of)
+            found = self._models[id(inner)] = (inner, blocks, stage_of, None)
         return found[1], found[2]
+
+    def _on_graph_of(self, inner, blocks, stage_of) -> None:
+        """At the first step on a model: its block graph, and the schedule moved onto its
+        stage graph where that is not the schedule's ([Note: the schedule's graph])."""
+        model, _, _, graph = self._models[id(inner)]
+        if graph is None:
+            block_stage = [stage_of[id(b)] for b in blocks]
+            self._graphs_found += 1
+            mode = "eval" if self.schedule.forward_only else "train"
+            key = f"blockgraph/{self.schedule.microbatches}-{mode}/{self._graphs_found}"
+            graph = find_block_graph(inner, blocks, block_stage, self.schedule.placement, self.stages.peek(0),
+                                     self.rank, self.transport, key)
+            self._models[id(inner)] = (model, blocks, stage_of, graph)
+        self.stages.graph = graph
+        edges = graph.edges
+        if tuple(map(tuple, edges)) != self.schedule.edges:
+            self._use(self._moved(edges))
+
+    def _moved(self, edges) -> Schedule:
+        """The schedule on the stage graph `edges`, with the engine's OFFLOAD, verified."""
+        try:
+            schedule = on_graph(self.schedule, edges)
+        except FormatError as err:  # a graph the compiler refuses: a stage nothing feeds, say
+            raise EngineRuntimeError(f"the model's blocks give the stage graph {[list(e) for e in edges]}, which "
+                                     f"cannot be pipelined: {err}") from None
+        policy = self.engine.spec.offload_policy()
+        if policy is not None and not schedule.forward_only:
+            schedule = add_offload(schedule, policy)
+        verify(schedule)
+        return schedule
 
     def _gradients(self, inner, accumulator) -> tuple[SharedGrads | None, GradFolder | None]:
         """The SharedGrads and GradFolder of (model, accumulator), made once ([Note:
@@ -128,17 +183,20 @@ class ModelStages:
     """The runtime's `Stages` ([Note: stages protocol]) over a nanotron model: F(stage, mb)
     is one model call on microbatch mb ([Note: one chunk per model call])."""
 
+    separate_outputs = True  # each edge's output is a packed tensor of its own ([Note: stages protocol])
+
     def __init__(self, runner: Runner):
         self.runner = runner
-        self.schedule = runner.schedule
-        self.local = [s for s, r in enumerate(self.schedule.placement) if r == runner.rank]
+        self.schedule: Schedule | None = None  # set by the runner (`Runner._use`)
+        self.graph: BlockGraph | None = None  # the model's, set by the runner at each step
 
     def begin(self, model, blocks, stage_of, batch) -> None:
         self.model, self.blocks, self.stage_of = model, blocks, stage_of
         self.batch = iter(batch)
         self.cached: dict[int, dict] = {}
         self.fetched = 0
-        self.calls_left = dict.fromkeys(range(self.schedule.microbatches), len(self.local))
+        local = [s for s, r in enumerate(self.schedule.placement) if r == self.runner.rank]
+        self.calls_left = dict.fromkeys(range(self.schedule.microbatches), len(local))
 
     def end(self) -> None:
         self.cached.clear()
@@ -165,15 +223,21 @@ class ModelStages:
             del self.cached[mb]
         return found
 
-    def forward(self, stage: int, mb: int, act_in: Any, target: Any) -> torch.Tensor:
-        schedule, rank = self.schedule, self.runner.rank
+    def forward(self, stage: int, mb: int, act_in: Any, target: Any):
+        """F(stage, mb): one model call; returns the loss on the last stage, else the packed
+        output of each edge out of the stage (one tensor on a chain, {consumer stage:
+        tensor} on any other graph: [Note: stages protocol])."""
+        schedule, graph = self.schedule, self.schedule.graph
         micro_batch = self.micro_batch(mb)
-        layout = self._layout(stage - 1) if stage > 0 else None
-        sender = None if stage == 0 else (-1 if schedule.placement[stage - 1] == rank
-                                          else schedule.placement[stage - 1])
-        call = StageCall(stage, mb, self.stage_of, sender_rank=sender,
-                         act_in=act_in if stage > 0 else None, layout=layout)
-        with one_stage(self.blocks, self.stage_of, call, rank):
+        if stage == 0:
+            received = {}
+        elif schedule.is_chain:
+            received = {(stage - 1, stage): act_in}
+        else:
+            received = {(p, stage): act_in[p] for p in graph.producers[stage]}
+        inputs = {edge: (tensor, self._layout(edge)) for edge, tensor in received.items()}
+        call = StageCall(stage, mb, self.graph, inputs)
+        with one_stage(self.blocks, self.stage_of, call, self.runner.rank):
             output = self.model(**micro_batch)
         sends = call.finish_forward()
         if stage == schedule.num_stages - 1:
@@ -181,23 +245,29 @@ class ModelStages:
             if not isinstance(loss, torch.Tensor):
                 raise EngineRuntimeError(f"the last stage {stage} returned {loss!r}, not the loss")
             return loss
-        if not sends:
-            raise EngineRuntimeError(f"stage {stage}, microbatch {mb}: no block of stage {stage + 1} received anything")
-        if stage not in self.runner.layouts:
-            self.runner.layouts[stage] = Layout.of(sends)
-            self.runner.transport.publish(f"layout/{stage}", self.runner.layouts[stage].encode())
-        return self.runner.layouts[stage].pack(sends)
+        packed = {t: self._pack((stage, t), sends.get(t, {})) for t in graph.consumers[stage]}
+        return packed[stage + 1] if schedule.is_chain else packed
 
-    def _layout(self, stage: int) -> Layout:
-        if stage not in self.runner.layouts:  # published by the sender before it sent (see forward)
+    def _pack(self, edge, sends: dict) -> torch.Tensor:
+        """An edge's packed output; the first one publishes the edge's layout."""
+        known = self.runner.layouts.get(edge)
+        tensor, layout = pack_edge(edge, sends, self.graph.edge_keys(edge), known)
+        if known is None:
+            self.runner.layouts[edge] = layout
+            self.runner.transport.publish(_layout_key(edge), layout.encode())
+        return tensor
+
+    def _layout(self, edge) -> Layout:
+        if edge not in self.runner.layouts:  # published by the sender before it sent (see forward)
             deadline = time.monotonic() + LAYOUT_WAIT_S
-            while (text := self.runner.transport.lookup(f"layout/{stage}")) is None:
+            while (text := self.runner.transport.lookup(_layout_key(edge))) is None:
                 if time.monotonic() > deadline:
                     raise EngineRuntimeError(
-                        f"the layout of stage {stage}'s output was not published within {LAYOUT_WAIT_S:.0f} s")
+                        f"the layout of stage {edge[0]}'s output for stage {edge[1]} was not published within "
+                        f"{LAYOUT_WAIT_S:.0f} s")
                 time.sleep(0.001)
-            self.runner.layouts[stage] = Layout.decode(text)
-        return self.runner.layouts[stage]
+            self.runner.layouts[edge] = Layout.decode(text)
+        return self.runner.layouts[edge]
 
     def parameters(self, stage: int):
         return itertools.chain.from_iterable(
@@ -234,6 +304,11 @@ class NanotronExecutor(Executor):
     def _weight(self, i: Instr) -> None:
         with self._sync.around(i, i.stage):  # never the sync point ([Note: gradient sync])
             super()._weight(i)
+
+
+def _layout_key(edge) -> str:
+    """The store key of an edge's boundary layout ([Note: packed boundary])."""
+    return f"layout/{edge[0]}-{edge[1]}"
 
 
 __all__ = ["ModelStages", "NanotronExecutor", "Runner", "pipeline_blocks", "unwrap"]
