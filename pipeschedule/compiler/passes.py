@@ -168,11 +168,11 @@ class _Lowering:
             pc = -1
             for k, mb in zip(self.ids[rank], self.mbs[rank]):
                 pc += 1
-                messages = kinds[k]
-                if messages is None:
+                kind = kinds[k]
+                if kind is None:
                     continue
-                for kind in messages:
-                    c_rank, c_pcs, cost, send, receive, free, owner, place = kind
+                while True:  # each message of the producer, in the order of its edges
+                    c_rank, c_pcs, cost, send, receive, free, owner, place, more = kind
                     if owner != rank:  # a producer on a rank not its stage's (an order verify refuses)
                         wanted = self.table.list[receive]
                         receive = self.table.id(wanted.op, wanted.stage, rank, None, wanted.peer_stage)
@@ -193,6 +193,9 @@ class _Lowering:
                         channel = to[c_rank] = channels[rank * pp + c_rank] = ([], [])
                     channel[0].append(bisect_left(c_starts, due, 0, c_pc))
                     channel[1].append((produced, rank, pc, place, receive, mb, None))
+                    if more is None:
+                        break
+                    kind = more
         return channels
 
     def _message_kinds(self, durations) -> list:
@@ -202,8 +205,10 @@ class _Lowering:
         consumer's pc by mb (`_consumer_pcs`), the producer's duration, the send's
         template id, the receive's (from the rank that runs the producer's stage), the
         id of the FREE after the send's run (None where the pass adds no FREEs), that
-        rank, its place among the template's messages). The consumer of F(s)'s message
-        to stage t is F(t); of B(t)'s to stage s, B(s)."""
+        rank, its place among the template's messages, the template's next message or
+        None): a template's messages as a chain of tuples, so that the common case, one
+        message, costs the loop in `_send_and_due` no list. The consumer of F(s)'s
+        message to stage t is F(t); of B(t)'s to stage s, B(s)."""
         schedule, table = self.schedule, self.table
         placement = schedule.placement
         kinds: list = []
@@ -231,8 +236,13 @@ class _Lowering:
                                  table.id(ops[1], other, placement[s], None, there), free, placement[s], place))
             kinds.append(messages)
         consumers = self._consumer_pcs({kind[1] for messages in kinds if messages for kind in messages})
-        return [None if messages is None else [(kind[0], consumers[kind[1]], *kind[2:]) for kind in messages]
-                for messages in kinds]
+        out = []
+        for messages in kinds:  # each as a chain of its messages: (..., place, the next one or None)
+            chained = None
+            for kind in reversed(messages or ()):
+                chained = (kind[0], consumers[kind[1]], *kind[2:], chained)
+            out.append(chained)
+        return out
 
     def _consumer_pcs(self, wanted: set) -> dict:
         """For each (op, stage) in `wanted`: the pc of its instruction on its rank by mb."""

@@ -310,3 +310,19 @@ def test_any_free_moved_before_a_use_of_its_buffer_is_refused(schedule, data):
             and (i.op not in (Op.SEND_F, Op.SEND_B) or i.peer_stage == free.peer_stage)]
     program.insert(uses[-1], free)
     refused(edited(schedule, rank, program), {"liveness"})
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(graph_schedules(max_pp=5, max_m=5, offload=False), st.data())
+def test_any_two_receives_from_one_rank_swapped_in_their_batch_break_matching(schedule, data):
+    """Two receives side by side (one batch) from the same rank, of different tensors:
+    swapped, the k-th receive meets the other's send (rule 3), and nothing else changes."""
+    pairs = [(r, k) for r, p in enumerate(schedule.programs) for k in range(len(p) - 1)
+             if p[k].op in (Op.RECV_F, Op.RECV_B) and p[k + 1].op in (Op.RECV_F, Op.RECV_B)
+             and p[k].peer == p[k + 1].peer and p[k] != p[k + 1]]
+    if not pairs:
+        return
+    rank, k = data.draw(st.sampled_from(pairs))
+    program = list(schedule.programs[rank])
+    program[k], program[k + 1] = program[k + 1], program[k]
+    refused(edited(schedule, rank, program), {"matching"})
