@@ -69,7 +69,7 @@ class BufferTable:
     def need(self, buf: str, i: Instr, other: int | None = None):
         """The buffer `buf` of i's (stage, mb) (of the edge to peer stage `other`, as
         `buffer_key` takes it), which instruction i uses."""
-        key = buffer_key(buf, i.stage, i.mb, other)
+        key = (buf, i.stage, i.mb) if other is None else (buf, i.stage, i.mb, other)  # `buffer_key`, inlined
         try:
             return self.held[key]
         except KeyError:

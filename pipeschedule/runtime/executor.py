@@ -180,6 +180,8 @@ class Executor:
         self.timeout = timeout
         self.last_stage = schedule.num_stages - 1
         self.graph, self.chain = schedule.graph, schedule.is_chain
+        # per pc, the boundary a message carries (`_boundary`), None for other instructions
+        self._boundary_at = [self._boundary(i) if i.op in COMM_OPS else None for i in self.program]
         self._separate_outputs = getattr(stages, "separate_outputs", False) is True  # [Note: stages protocol]
         self.ledger = Ledger()
         self.buffers = BufferTable(self.ledger)
@@ -324,18 +326,18 @@ class Executor:
                 posted.append(self._post(now))
             if waiting:  # each peer's first waiting message is a receive whose shape is unknown
                 firsts = {}
-                for _, i in waiting:
-                    firsts.setdefault(i.peer, self._boundary(i))
+                for pc, i in waiting:
+                    firsts.setdefault(i.peer, self._boundary_at[pc])
                 yield from self.shapes.learn(*firsts.values())
-        for pending, _ in posted:
+        for pending, _, _ in posted:
             if not pending.ready():
                 yield pending
         start = time.perf_counter()
-        for pending, ops in posted:
+        for pending, ops, pcs in posted:
             _finish(pending, {op.peer for op in ops})
-            for op in ops:
+            for op, pc in zip(ops, pcs):
                 if op.instr.op is Op.RECV_F:
-                    op.tensor.requires_grad_(self.shapes[self._boundary(op.instr)].requires_grad)
+                    op.tensor.requires_grad_(self.shapes[self._boundary_at[pc]].requires_grad)
         self.times.transport_s += time.perf_counter() - start
         self._waiting = None
 
@@ -357,22 +359,24 @@ class Executor:
         channel delivers in order), waits ([Note: first-use metadata])."""
         now, later, waiting_peers = [], [], set()
         for pc, instr in batch:
-            if instr.op is Op.RECV_F and self._boundary(instr) not in self.shapes:
+            if instr.op is Op.RECV_F and self._boundary_at[pc] not in self.shapes:
                 waiting_peers.add(instr.peer)
             is_recv = instr.op is Op.RECV_F or instr.op is Op.RECV_B
             (later if is_recv and instr.peer in waiting_peers else now).append((pc, instr))
         return now, later
 
     def _post(self, batch):
-        ops = []
+        """Posts `batch`'s messages as one; returns (the Pending, the P2Ps, their pcs)."""
+        ops, pcs = [], []
         for pc, instr in batch:
             self._pc = pc
             ops.append(self._handler(instr)(instr))
+            pcs.append(pc)
             self._ran(pc, instr)
         start = time.perf_counter()
         pending = self.transport.post(ops)
         self.times.transport_s += time.perf_counter() - start
-        return pending, ops
+        return pending, ops, pcs
 
     def _outputs(self) -> list:
         """m dicts {"loss": loss / m, detached} on the rank of the last stage; elsewhere m
@@ -613,13 +617,13 @@ class Executor:
             _LOG.info("pipeschedule rank %d: %s", self.rank, report.describe())
 
     def _free(self, i: Instr) -> None:
-        s, mb = i.stage, i.mb
-        value = self.buffers.drop(buffer_key(i.buf, s, mb, i.peer_stage))
+        s, mb, other = i.stage, i.mb, i.peer_stage
+        value = self.buffers.drop((i.buf, s, mb) if other is None else (i.buf, s, mb, other))  # `buffer_key`
         if i.buf == "stash":
             self.offloader.forget(("stash", s, mb))
             if self.pool is not None:
                 self.pool.stash_freed(s, mb)
-        elif self.pool is not None and (i.buf, s, i.peer_stage) in self._pooled and self.pool.owns(value):
+        elif self.pool is not None and (i.buf, s, other) in self._pooled and self.pool.owns(value):
             # autograd may read a received buffer until its stash goes ([Note: buffer pool])
             held = i.buf in ("act_in", "grad_out") and ("stash", s, mb) in self.buffers.held
             self.pool.give(value, after_stash=(s, mb) if held else None)
@@ -664,25 +668,30 @@ class Executor:
 
     def _send_f(self, i: Instr) -> P2P:
         y = self.buffers.need("act_out", i, i.peer_stage)
-        consumer = i.stage + 1 if i.peer_stage is None else i.peer_stage
-        Shapes.check(i, y, self.shapes[self._boundary(i)], f"stage {consumer}")
+        meta = self.shapes[self._boundary_at[self._pc]]
+        if not meta.matches(y):
+            Shapes.check(i, y, meta, f"stage {i.stage + 1 if i.peer_stage is None else i.peer_stage}")
         return P2P(True, i.peer, y.detach().contiguous(), i)  # the P2P keeps a copy alive until sent
 
     def _recv_f(self, i: Instr) -> P2P:
-        key = buffer_key("act_in", i.stage, i.mb, i.peer_stage)
-        return P2P(False, i.peer, self._allocate(key, self.shapes[self._boundary(i)]), i)
+        s, mb, other = i.stage, i.mb, i.peer_stage
+        key = ("act_in", s, mb) if other is None else ("act_in", s, mb, other)  # `buffer_key`
+        return P2P(False, i.peer, self._allocate(key, self.shapes[self._boundary_at[self._pc]]), i)
 
     def _send_b(self, i: Instr) -> P2P:
         grad = self.buffers.need("grad_in", i, i.peer_stage)
-        producer = i.stage - 1 if i.peer_stage is None else i.peer_stage
-        Shapes.check(i, grad, self.shapes[self._boundary(i)], f"stage {producer}")
+        meta = self.shapes[self._boundary_at[self._pc]]
+        if not meta.matches(grad):
+            Shapes.check(i, grad, meta, f"stage {i.stage - 1 if i.peer_stage is None else i.peer_stage}")
         return P2P(True, i.peer, grad.contiguous(), i)
 
     def _recv_b(self, i: Instr) -> P2P:
+        s, mb, other = i.stage, i.mb, i.peer_stage
         meta = self.buffers.need("stash", i).out_meta
         if not self.chain:  # one per consumer on another rank
-            meta = meta[i.stage + 1 if i.peer_stage is None else i.peer_stage]
-        return P2P(False, i.peer, self._allocate(buffer_key("grad_out", i.stage, i.mb, i.peer_stage), meta), i)
+            meta = meta[s + 1 if other is None else other]
+        key = ("grad_out", s, mb) if other is None else ("grad_out", s, mb, other)  # `buffer_key`
+        return P2P(False, i.peer, self._allocate(key, meta), i)
 
     def _allocate(self, key: tuple[str, int, int], meta: TensorMeta) -> torch.Tensor:
         if self.pool is not None and math.prod(meta.shape) > 0:
