@@ -154,6 +154,7 @@ def make_trainer(config_file: str, record: bool = False, *, stash_meter: bool = 
             peaks = StepPeaks()
             phases = {"allocated_at_start": torch.cuda.memory_allocated() if cuda else None}
             engine = self.pipeline_engine
+            wrapped = engine.__dict__.get("train_batch_iter")  # a wrapper of the caller's, kept after the step
             engine.train_batch_iter = _phase_peak(engine.train_batch_iter, phases, peaks)
             start = time.perf_counter()
             try:
@@ -162,7 +163,10 @@ def make_trainer(config_file: str, record: bool = False, *, stash_meter: bool = 
                     if cuda:
                         torch.cuda.synchronize()
             finally:
-                del engine.train_batch_iter  # the class's method again
+                if wrapped is None:
+                    del engine.train_batch_iter  # the class's method again
+                else:
+                    engine.train_batch_iter = wrapped
             seconds = time.perf_counter() - start
             if record:
                 self.records.append({
