@@ -124,7 +124,7 @@ def test_a_v_model_on_the_right_ranks_without_costs_asks_for_a_split():
     divide: the refusal asks for split= (which then runs it)."""
     blocks = alternating(4)
     found = [0, 0, 1, 1, 1, 1, 0, 0, 0]
-    with pytest.raises(LayoutError, match=r"^pp_engine 'zbv': .* Give a split in pp_engine, e\.g\. split=1/1/1/1$"):
+    with pytest.raises(LayoutError, match=r"^pp_engine 'zbv': .* Give pp_engine: zbv:split=1/1/1/1$"):
         model_stages(found, blocks, [0] * 9, placement=[0, 1, 1, 0], split=None, engine="zbv")
     assert model_stages(found, blocks, [0] * 9, placement=[0, 1, 1, 0], split=(1, 1, 1, 1), engine="zbv") == [
         0, 0, 1, 1, 2, 2, 3, 3, 3]
