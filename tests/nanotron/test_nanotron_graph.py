@@ -70,11 +70,13 @@ def test_the_diamond_evaluates_with_the_forward_half(diamond):
 def test_engines_whose_layout_cannot_hold_the_diamond_refuse_it_in_one_line(diamond):
     """Interleaved and V shapes run two stages on each rank; the diamond puts one pair of
     blocks on each rank, which their layouts cannot hold (as nanotron's own tests place
-    blocks themselves)."""
+    blocks themselves). The refusal names the engine, the ranks its stages run on, and
+    what the model it was given has, in one line."""
     for engine in set(DIAMOND_ENGINES) - set(ONE_STAGE_PER_RANK):
         for ranks in diamond:
             error = ranks[engine]["error"]
-            assert error.startswith("LayoutError: ") and "without any block" in error and "\n" not in error, engine
+            assert error.startswith(f"LayoutError: pp_engine {engine!r} runs 8 stages on ranks "), error
+            assert "but the model it was given has" in error and "\n" not in error, error
 
 
 # -- random graphs of blocks --------------------------------------------------------------
