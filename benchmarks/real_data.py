@@ -90,7 +90,11 @@ def run(data: Path, sizes: dict, steps: int, work: Path) -> dict:
                 peaks[rec["pp_rank"]] = max(peaks[rec["pp_rank"]], step.get("peak_allocated_pipeline") or 0)
         loss_rank = next(r for r in records if r["steps"][0]["loss"] is not None)
         block = [line for line in (result.stdout + result.stderr).splitlines() if "pipeschedule:" in line]
+        stages = sorted((r for r in records if r["dp_rank"] == r["tp_rank"] == 0), key=lambda r: r["pp_rank"])
+        by_step = {key: [[s.get(key) for s in rec["steps"]] for rec in stages]
+                   for key in ("peak_allocated_pipeline", "allocated_at_start", "allocated_after_pipeline")}
         out[engine] = {"losses": [s["loss"] for s in loss_rank["steps"]], "peak_allocated_pipeline": peaks,
+                       "by_step": by_step,
                        "block_ranks": records[0]["block_ranks"], "first_step": records[0].get("first_step"),
                        "log_tail": (result.stdout + result.stderr).splitlines()[-12:], "block": block[:40]}
         print(f"{engine}: losses {' '.join(f'{x:.3f}' for x in out[engine]['losses'])}; pipeline peaks "
