@@ -22,7 +22,7 @@ tests' and benchmarks' helpers live in benchmarks/llama/):
     initial_weights  Llama's initial weights by parameter name, whatever the layout
     checkpoint    optimizer state by parameter name: resuming under another layout
     engine        PipescheduleEngine, the one PipelineEngine of every family; build_engine
-    step          one step of it (Runner, ModelStages, NanotronExecutor); stage_call: one
+    step          one step of it (Runner, ModelStages; the runtime's Executor with its hooks); stage_call: one
                   stage per model call; boundary: the packed boundary tensors
     layout        where each block goes; the first-step check of the built model
     layout_fix    the fix a layout refusal suggests, one that is accepted when applied

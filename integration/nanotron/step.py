@@ -40,13 +40,12 @@ from integration.nanotron.boundary import Layout  # noqa: E402
 from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
 from integration.nanotron.grad_sync import GradFolder, GradientSync, SharedGrads  # noqa: E402
 from integration.nanotron.stage_call import StageCall, block_tracking, one_stage, pack_edge  # noqa: E402
-from pipeschedule.compiler.ir import Instr, Op, Schedule  # noqa: E402
+from pipeschedule.compiler.ir import Op, Schedule  # noqa: E402
 from pipeschedule.compiler.offload import add_offload  # noqa: E402
 from pipeschedule.compiler.passes import on_graph  # noqa: E402
 from pipeschedule.compiler.verify import verify  # noqa: E402
 from pipeschedule.errors import FormatError  # noqa: E402
 from pipeschedule.runtime import DistTransport, Executor, RemoteOutput  # noqa: E402
-from pipeschedule.runtime.ledger import signature_of  # noqa: E402
 from pipeschedule.runtime.stages import module_state  # noqa: E402
 
 LAYOUT_WAIT_S = 60.0  # how long a receiving rank waits for its sender's boundary layout
@@ -86,8 +85,11 @@ class Runner:
         the old one's `exact_times` carries over)."""
         exact = getattr(getattr(self, "executor", None), "exact_times", False)
         self.schedule = self.stages.schedule = schedule
-        self.executor = NanotronExecutor(schedule, self.rank, self.stages, self.transport, device=self.device,
-                                         offload_chunk=self.engine.spec.offload_chunk)
+        # The stages read the data loader's microbatch themselves (the executor is given None
+        # inputs): its tensors' shapes join the signature of the stash measurement.
+        self.executor = Executor(schedule, self.rank, self.stages, self.transport, device=self.device,
+                                 offload_chunk=self.engine.spec.offload_chunk,
+                                 side_inputs=lambda i: self.stages.peek(i.mb))
         self.executor.exact_times = exact
         backwards = [i for i in self.executor.program if i.op is Op.B]
         self.last_backward = backwards[-1] if backwards else None
@@ -108,13 +110,14 @@ class Runner:
         ddp = model if isinstance(model, DistributedDataParallel) else None
         sync = GradientSync(ddp, grad_accumulator if train else None, sync_in_backward=self.sync_in_backward,
                             last_backward=self.last_backward, shared=shared, folder=folder)
-        self.executor.begin(sync)
+        # [Note: executor hooks]: each B and W inside the gradient paths ([Note: gradient sync])
+        self.executor.around_gradients = lambda i: sync.around(i, i.stage)
         try:
             with block_tracking(blocks), sync.step_context():
                 outputs = self.executor.step([None] * self.schedule.microbatches)  # data: ModelStages
         finally:
             self.stages.end()
-            self.executor.end()
+            self.executor.around_gradients = None
         if train:
             sync.after_step()
             grad_sync.leave_pending(inner, shared)
@@ -278,37 +281,9 @@ class ModelStages:
         return module_state(b for b in self.blocks if self.stage_of[id(b)] == stage)
 
 
-class NanotronExecutor(Executor):
-    """The runtime's Executor with nanotron's gradient paths around B and W
-    ([Note: gradient sync]).
-
-    TODO(runtime): a public hook around B and W (a context and an after-callback) would
-    replace these overrides of `Executor._backward` and `_weight`.
-    """
-
-    def begin(self, sync: GradientSync) -> None:
-        self._sync = sync
-
-    def end(self) -> None:
-        self._sync = None
-
-    def _input_signature(self, i: Instr, x, target):
-        """The stages read the data loader's microbatch themselves (the executor is given
-        None inputs), so its tensors' shapes join the signature of the stash measurement."""
-        return signature_of((x, target, self.stages.peek(i.mb)))
-
-    def _backward(self, i: Instr) -> None:
-        with self._sync.around(i, i.stage):
-            super()._backward(i)
-
-    def _weight(self, i: Instr) -> None:
-        with self._sync.around(i, i.stage):  # never the sync point ([Note: gradient sync])
-            super()._weight(i)
-
-
 def _layout_key(edge) -> str:
     """The store key of an edge's boundary layout ([Note: packed boundary])."""
     return f"layout/{edge[0]}-{edge[1]}"
 
 
-__all__ = ["ModelStages", "NanotronExecutor", "Runner", "pipeline_blocks", "unwrap"]
+__all__ = ["ModelStages", "Runner", "pipeline_blocks", "unwrap"]

@@ -80,6 +80,20 @@ pp computes the same bits whatever layouts the stages return: those of the singl
 process model whose stage outputs are made contiguous before the next stage reads them,
 which is the model itself when they already are (nanotron's packed boundaries are). An
 output that is already contiguous is handed on as it is, at no cost.
+
+[Note: executor hooks] Two public hooks let a caller add what its stages need without
+subclassing the executor (both None by default; given to the constructor or set as
+attributes between steps):
+
+- `around_gradients(instr)` returns a context manager entered around every B and W the
+  program runs (not around F, messages, FREE, OFFLOAD or RELOAD): where gradients go
+  during that instruction. The nanotron adapter enters DDP's sync or no-sync, its fp32
+  accumulator's no_sync, and the folding of shared and accumulated gradients there
+  ([Note: gradient sync] in integration/nanotron/grad_sync).
+- `side_inputs(instr)` returns what an F's stage reads besides its act_in and target (the
+  adapter's stages read the data loader's microbatch themselves); it joins the input
+  signature by which a measured stash is reused ([Note: what the ledger counts]), so
+  two microbatches of different shapes are measured apart.
 """
 
 from __future__ import annotations
@@ -91,7 +105,7 @@ import os
 import time
 import traceback
 from collections import deque
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Mapping, Sequence
 
 import torch
 from torch.autograd.variable import Variable
@@ -116,6 +130,7 @@ from pipeschedule.runtime.transport import P2P, Pending, Transport
 
 _LOG = logging.getLogger("pipeschedule.runtime")
 MEASURE_STASH = ("first", "every")
+GRADIENT_OPS = frozenset((Op.B, Op.W))  # the instructions `around_gradients` wraps
 STASH_SIZES_KEPT = 256  # measured stash sizes kept across steps, at most (then measured afresh)
 
 
@@ -139,6 +154,10 @@ class Executor:
     memory in chunks of this size while F saves it, and back `reload_window` chunks ahead
     while B consumes it ([Note: streamed offload] in stream_offload). None (the default):
     each moves whole at its OFFLOAD and RELOAD ([Note: host offload]).
+
+    Two hooks for a caller whose stages need more than the executor knows (the nanotron
+    adapter's gradient paths, [Note: gradient sync] in integration/nanotron/grad_sync),
+    given to the constructor or set as attributes between steps ([Note: executor hooks]).
     """
 
     def __init__(
@@ -146,7 +165,12 @@ class Executor:
         device: str | torch.device = "cpu", timeout: float = 300.0,
         shapes: Mapping[int, TensorMeta] | None = None, history: int = 6, pool: bool = True,
         measure_stash: str = "first", offload_chunk: int | None = None, reload_window: int = 2,
+        around_gradients: Callable[[Instr], ContextManager] | None = None,
+        side_inputs: Callable[[Instr], Any] | None = None,
     ):
+        for name, hook in (("around_gradients", around_gradients), ("side_inputs", side_inputs)):
+            if hook is not None and not callable(hook):
+                raise ParameterError(f"{name}={shown(hook)}: give a function of the instruction, or None")
         if measure_stash not in MEASURE_STASH:
             raise ParameterError(f"measure_stash={measure_stash!r}: accepted values are "
                                  f"{', '.join(map(repr, MEASURE_STASH))}")
@@ -173,6 +197,8 @@ class Executor:
                 f"new process group and transport, or a new job ([Note: no retry on a failed group] in transport)",
                 rank=rank)
         self.measure_stash = measure_stash
+        self.around_gradients = around_gradients  # [Note: executor hooks]
+        self.side_inputs = side_inputs
         self.exact_times = False  # StepTimes' compute times: synchronise around each F, B, W (slower)
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = instructions(schedule.programs[rank])
@@ -243,7 +269,7 @@ class Executor:
                 self._pc = pc
                 if self.offloads:
                     self.offloader.poll()
-                self._handler(instr)(instr)
+                self._execute(instr)
                 self._ran(pc, instr)
             if batch:
                 yield from self._exchange(batch)
@@ -310,6 +336,16 @@ class Executor:
                 f"{', '.join(op.value for op in self._dispatch)}"
             )
         return handler
+
+    def _execute(self, instr: Instr) -> None:
+        """Runs one compute or memory instruction; B and W inside `around_gradients(instr)`
+        where one is set ([Note: executor hooks])."""
+        handler = self._handler(instr)
+        if instr.op in GRADIENT_OPS and self.around_gradients is not None:
+            with self.around_gradients(instr):
+                handler(instr)
+        else:
+            handler(instr)
 
     def _ran(self, pc: int, instr: Instr) -> None:
         self.ledger.record(pc, instr)
@@ -441,8 +477,11 @@ class Executor:
 
     def _input_signature(self, i: Instr, x, target):
         """What F(i)'s saved tensors may depend on besides the values
-        ([Note: what the ledger counts]); a subclass whose stages read other inputs adds them."""
-        return signature_of((x, target))
+        ([Note: what the ledger counts]), with `side_inputs(i)` where stages read other
+        inputs ([Note: executor hooks])."""
+        if self.side_inputs is None:
+            return signature_of((x, target))
+        return signature_of((x, target, self.side_inputs(i)))
 
     def _load_input(self, i: Instr):
         """F's act_in: the data loader's on stage 0, else the received or handed-over

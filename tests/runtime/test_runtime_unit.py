@@ -4,6 +4,7 @@ stash accounting, metadata, outputs and error paths."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
@@ -306,3 +307,64 @@ def test_a_stage_error_names_the_model_code_that_raised():
     expected = r"IndexError: the model's own bug \(raised at .*test_runtime_unit\.py:\d+ in _broken_loss\)"
     with pytest.raises(RuntimeScheduleError, match=expected):
         pipeline.step(*make_data(2, 2))
+
+
+def test_around_gradients_wraps_every_b_and_w_and_nothing_else():
+    """[Note: executor hooks]: every B and W of the program, in program order, runs inside
+    the caller's context, and every parameter gradient is computed inside one of them."""
+    schedule = lower(generate("zb_h1", pp=2, microbatches=2))  # split backward: B and W
+    entered: list[list[Instr]] = [[], []]
+    inside: list[Instr | None] = [None]
+    grads_at: list[Instr | None] = []  # for each parameter gradient computed, the B or W around it
+
+    def around(rank):
+        @contextlib.contextmanager
+        def context(instr):
+            entered[rank].append(instr)
+            inside[0] = instr
+            try:
+                yield
+            finally:
+                inside[0] = None
+        return context
+
+    chunks = make_chunks(2)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.register_hook(lambda g: grads_at.append(inside[0]))
+    world = InProcessWorld(2)
+    executors = [Executor(schedule, r, ModuleStages(chunks, loss_fn), world.transport(r), around_gradients=around(r))
+                 for r in range(2)]
+    run_in_process(executors, *make_data(2, 2))
+    for rank in range(2):
+        expected = [i for i in schedule.programs[rank] if i.op in (Op.B, Op.W)]
+        assert entered[rank] == expected and {i.op for i in expected} == {Op.B, Op.W}
+    assert grads_at and None not in grads_at  # every weight gradient computed inside a B or W
+    executors[0].around_gradients = None  # set between steps: the next step runs without it
+    executors[1].around_gradients = None
+    entered[0].clear()
+    run_in_process(executors, *make_data(2, 2))
+    assert entered[0] == []
+
+
+def test_side_inputs_join_the_stash_signature():
+    """[Note: executor hooks]: an F whose side input has a new shape is measured afresh;
+    without side inputs, microbatches of one shape are measured once per stage."""
+    schedule = lower(generate("1f1b", pp=2, microbatches=3))
+    plain, _ = _pipeline(schedule)
+    plain.step(*make_data(2, 3))
+    assert [e.times.measured for e in plain.executors] == [1, 1]
+    sides = {mb: torch.zeros(mb + 1) for mb in range(3)}  # one shape per microbatch
+    seen = []
+    side, _ = _pipeline(schedule, side_inputs=lambda i: seen.append(i) or sides[i.mb])
+    side.step(*make_data(2, 3))
+    assert [e.times.measured for e in side.executors] == [3, 3]
+    assert sorted((i.stage, i.mb) for i in seen) == [(s, mb) for s in range(2) for mb in range(3)]
+
+
+def test_hooks_that_are_not_functions_are_refused():
+    schedule = lower(generate("1f1b", pp=2, microbatches=1))
+    world = InProcessWorld(2)
+    for name in ("around_gradients", "side_inputs"):
+        with pytest.raises(ParameterError, match=f"{name}=3: give a function of the instruction, or None"):
+            Executor(schedule, 0, ModuleStages(make_chunks(2), loss_fn), world.transport(0), **{name: 3})
