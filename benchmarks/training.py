@@ -34,16 +34,13 @@ from pathlib import Path
 
 import torch
 
-from integration.nanotron._compat import import_nanotron
-
-import_nanotron()
-
-from integration.nanotron import split as splits  # noqa: E402
-from benchmarks.common import CONTEXT_BYTES, FIT_SHARE, rotated  # noqa: E402
-from benchmarks.llama.model import ModelConfig  # noqa: E402
-from integration.nanotron.registry import NANOTRON_ENGINES  # noqa: E402
-from pipeschedule.compiler.families import FAMILIES  # noqa: E402
-from pipeschedule.errors import LaunchError  # noqa: E402
+import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
+from integration.nanotron import split as splits
+from benchmarks.common import CONTEXT_BYTES, FIT_SHARE, rotated
+from benchmarks.llama.model import ModelConfig
+from integration.nanotron.registry import NANOTRON_ENGINES
+from pipeschedule.compiler.families import FAMILIES
+from pipeschedule.errors import LaunchError
 
 # The multi-GPU benchmark's model (about 3.6B parameters, Llama-3.2-3B's shape, seq 4096):
 # calibrated on one GPU by benchmarks.gpu, run on four by benchmarks.multi_gpu.

@@ -41,18 +41,15 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from integration.nanotron._compat import import_nanotron
+import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
+import nanotron.distributed as nanotron_dist
+from nanotron.models.base import NanotronModel
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock
+from nanotron.parallel.pipeline_parallel.p2p import P2P
 
-import_nanotron()
-
-import nanotron.distributed as nanotron_dist  # noqa: E402
-from nanotron.models.base import NanotronModel  # noqa: E402
-from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
-from nanotron.parallel.pipeline_parallel.p2p import P2P  # noqa: E402
-
-from integration.nanotron import split as splits  # noqa: E402
-from pipeschedule.checks import check_int  # noqa: E402
-from pipeschedule.compiler.generators.common import round_robin  # noqa: E402
+from integration.nanotron import split as splits
+from pipeschedule.checks import check_int
+from pipeschedule.compiler.generators.common import round_robin
 
 
 @dataclass(frozen=True)

@@ -45,21 +45,18 @@ from collections.abc import Sequence
 
 import torch
 
-from integration.nanotron._compat import import_nanotron
+import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
+import nanotron.distributed as nanotron_dist
 
-import_nanotron()
-
-import nanotron.distributed as nanotron_dist  # noqa: E402
-
-from benchmarks.llama.memory import TERMS, predict_ranks  # noqa: E402
-from benchmarks.llama.model import ModelConfig, build_llama, llama_block_ranks  # noqa: E402
-from benchmarks.llama.reference import clear_shared_state, for_rank, microbatch  # noqa: E402
-from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context  # noqa: E402
-from integration.nanotron.engine import build_engine  # noqa: E402
-from integration.nanotron.engine_spec import parse_engine  # noqa: E402
-from pipeschedule.compiler.ir import Schedule  # noqa: E402
-from pipeschedule.plan.memory import ModelSpec, TrainingSetup  # noqa: E402
-from pipeschedule.runtime.launch import spawn  # noqa: E402
+from benchmarks.llama.memory import TERMS, predict_ranks
+from benchmarks.llama.model import ModelConfig, build_llama, llama_block_ranks
+from benchmarks.llama.reference import clear_shared_state, for_rank, microbatch
+from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
+from integration.nanotron.engine import build_engine
+from integration.nanotron.engine_spec import parse_engine
+from pipeschedule.compiler.ir import Schedule
+from pipeschedule.plan.memory import ModelSpec, TrainingSetup
+from pipeschedule.runtime.launch import spawn
 
 # the working set and the step peak are predicted only: CPU has no allocator peak
 MEASURED_TERMS = tuple(t for t in TERMS if t not in ("working set (transient)", "step peak"))

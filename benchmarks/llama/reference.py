@@ -34,26 +34,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-from integration.nanotron._compat import import_nanotron
-
-import_nanotron()
-
-import nanotron.distributed as nanotron_dist  # noqa: E402
-from nanotron.models.base import build_model  # noqa: E402
-from nanotron.parallel.pipeline_parallel.engine import (  # noqa: E402
+import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
+import nanotron.distributed as nanotron_dist
+from nanotron.models.base import build_model
+from nanotron.parallel.pipeline_parallel.engine import (
     AllForwardAllBackwardPipelineEngine,
     OneForwardOneBackwardPipelineEngine,
 )
-from nanotron.parallel.pipeline_parallel.state import PipelineBatchState, PipelineTrainBatchState  # noqa: E402
-from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from nanotron.parallel.pipeline_parallel.state import PipelineBatchState, PipelineTrainBatchState
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
+from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.llama.model import ModelConfig, PipelinedLlama, block_seed, build_llama, llama_block_ranks  # noqa: E402
-from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context  # noqa: E402
-from integration.nanotron.engine import build_engine  # noqa: E402
-from integration.nanotron.engine_spec import parse_engine  # noqa: E402
-from integration.nanotron.stash import StashMeter  # noqa: E402
-from pipeschedule.runtime.launch import spawn  # noqa: E402
+from benchmarks.llama.model import ModelConfig, PipelinedLlama, block_seed, build_llama, llama_block_ranks
+from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
+from integration.nanotron.engine import build_engine
+from integration.nanotron.engine_spec import parse_engine
+from integration.nanotron.stash import StashMeter
+from pipeschedule.runtime.launch import spawn
 
 # -- data ------------------------------------------------------------------------------
 

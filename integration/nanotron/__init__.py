@@ -1,24 +1,23 @@
 """pipeschedule's nanotron adapter.
 
 Importing this package (i) repairs the nanotron 0.4 wheel's import cycle if present
-(`_compat`), (ii) teaches nanotron's config loader and saver the pipeschedule engine
-names (`config.register()`), and (iii) hooks nanotron's model construction and
-initialisation, tied gradient sync and checkpoint loading (`hooks.install()`), so a
-launch script needs one extra line, before any other nanotron import:
+(`patches.import_cycle`), then (ii) installs every patch of nanotron's code
+(`patching.install()`, [Note: nanotron patches]): nanotron's config loader and saver
+taught the pipeschedule engine names, and its model construction and initialisation,
+tied gradient sync and checkpoint loading hooked. A launch script needs one extra line,
+before any other nanotron import:
 
     import integration.nanotron  # noqa: F401
 
 Modules (everything here is what a user imports; the project's own Llama and the
 tests' and benchmarks' helpers live in benchmarks/llama/):
 
-    _compat       import_nanotron(): the one import-time repair of nanotron 0.4
+    patches/      every patch of nanotron's (and, over gloo, torch's) code, one module per
+                  concern ([Note: nanotron patches])
+    patching      install() / uninstall() / describe(): all of them, in one explicit call
     errors        the adapter's errors, in pipeschedule's one hierarchy
     engine_spec   EngineSpec, parse_engine(): the pp_engine value syntax
     registry      pp_engine name -> schedule family and parameters, from the family records
-    config        register() / unregister(): nanotron's pp_engine loader and saver
-    hooks         install(): nanotron's build_model, tied-gradient sync,
-                  ParallelismArgs taught pp_engine, optimizer and schedule loading
-                  ([Note: nanotron hooks])
     initial_weights  Llama's initial weights by parameter name, whatever the layout
     checkpoint    optimizer state by parameter name: resuming under another layout
     engine        PipescheduleEngine, the one PipelineEngine of every family; build_engine
@@ -29,7 +28,7 @@ tests' and benchmarks' helpers live in benchmarks/llama/):
     grad_sync     DDP, fp32 accumulation, parameters shared by stages of one rank
     recompute     layer recompute
     split         layer splits: explicit, nanotron's default
-    gloo          nanotron's trainer over gloo; cpu: nanotron's ParallelContext and P2P
+    gloo          use_gloo(): nanotron's trainer over gloo; cpu: nanotron's ParallelContext and P2P
                   on CPU (and staged through host memory on a shared GPU)
     check         `pipeschedule check CONFIG`: a config checked before launch (the launcher's
                   first step too)
@@ -43,14 +42,14 @@ tests' and benchmarks' helpers live in benchmarks/llama/):
     flash_attn_standin  a pure-torch flash-attn where the package is missing
 """
 
-from integration.nanotron._compat import import_nanotron
-from integration.nanotron.config import register, unregister
+from integration.nanotron.patches.import_cycle import import_nanotron
 
+# nanotron 0.4's wheel imports only once repaired, so the repair runs before any module of
+# the adapter imports nanotron; the rest of the adapter then imports nanotron normally.
 import_nanotron()
-register()
 
-from integration.nanotron import hooks  # noqa: E402  (needs the repaired nanotron)
+from integration.nanotron import patching  # noqa: E402  (the adapter's one E402: after the repair above)
 
-hooks.install()
+patching.install()
 
-__all__ = ["hooks", "import_nanotron", "register", "unregister"]
+__all__ = ["import_nanotron", "patching"]

@@ -45,14 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from integration.nanotron._compat import import_nanotron
+from nanotron.parallel.pipeline_parallel.state import PipelineBatchState
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-import_nanotron()
-
-from nanotron.parallel.pipeline_parallel.state import PipelineBatchState  # noqa: E402
-from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
-
-from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
+from integration.nanotron.errors import EngineRuntimeError
 
 REPORT_WAIT_S = 60.0  # how long a rank waits for the other ranks' reports of their blocks' inputs
 

@@ -28,7 +28,7 @@ checkpoint's tp size (dp size under ZeRO-1, expert-parallel size) and optimizer 
 this run's and a rank's own file does not hold exactly its parameters; the pp size may
 differ. Elsewhere nanotron's `load_optimizer` runs unchanged (its own path for a tp size
 change, which pipeschedule has not tried with a layout change). The hook that routes
-nanotron's calls here is in hooks.py ([Note: nanotron hooks]).
+nanotron's calls here is in patches/trainer.py ([Note: nanotron hooks]).
 """
 
 from __future__ import annotations
@@ -41,18 +41,14 @@ from pathlib import Path
 
 import torch
 
-from integration.nanotron._compat import import_nanotron
+from nanotron import distributed as dist
+from nanotron import logging as nanotron_logging
+from nanotron.logging import log_rank
+from nanotron.optim.named_optimizer import NamedOptimizer
+from nanotron.optim.zero import ZeroDistributedOptimizer
+from nanotron.sanity_checks import check_optim_state_in_sync
 
-import_nanotron()
-
-from nanotron import distributed as dist  # noqa: E402
-from nanotron import logging as nanotron_logging  # noqa: E402
-from nanotron.logging import log_rank  # noqa: E402
-from nanotron.optim.named_optimizer import NamedOptimizer  # noqa: E402
-from nanotron.optim.zero import ZeroDistributedOptimizer  # noqa: E402
-from nanotron.sanity_checks import check_optim_state_in_sync  # noqa: E402
-
-from integration.nanotron.errors import UnsupportedConfigError  # noqa: E402
+from integration.nanotron.errors import UnsupportedConfigError
 
 logger = nanotron_logging.get_logger(__name__)
 

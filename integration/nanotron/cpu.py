@@ -50,14 +50,11 @@ import threading
 import torch
 import torch.distributed as torch_dist
 
-from integration.nanotron._compat import import_nanotron
 from integration.nanotron.errors import EngineRuntimeError, ParameterError
 
-import_nanotron()
-
-import nanotron.distributed as nanotron_dist  # noqa: E402
-from nanotron.parallel.context import ParallelContext  # noqa: E402
-from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous  # noqa: E402
+import nanotron.distributed as nanotron_dist
+from nanotron.parallel.context import ParallelContext
+from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous
 
 HOST = torch.device("cpu")  # where every tensor handed to gloo lives
 

@@ -46,12 +46,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from integration.nanotron._compat import import_nanotron
 from integration.nanotron.errors import DataError
 
-import_nanotron()
-
-from nanotron.config import PretrainDatasetsArgs  # noqa: E402
+from nanotron.config import PretrainDatasetsArgs
 
 PACKAGES = ("datasets", "transformers")  # the `data` extra (pyproject.toml); `tokenizers` comes with transformers
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet", ".txt", ".arrow")

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engines and hooks)
+import integration.nanotron  # noqa: F401  (first: repairs nanotron 0.4's import, installs the patches)
 from integration.nanotron import train
 from integration.nanotron.example import TrainerConfig
 from integration.nanotron.stash import StashMeter, microbatches_worth

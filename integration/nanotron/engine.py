@@ -20,7 +20,7 @@ Use: name the engine in nanotron's YAML (`parallelism.pp_engine: capped_1f1b:cap
 [Note: pp_engine syntax] in engine_spec) and start nanotron's trainer through
 `python -m integration.nanotron.train --config-file CONFIG`, or import
 `integration.nanotron` first in your own launch script. nanotron then builds the model
-with the engine's split and placement ([Note: build hook] in hooks.py) and its trainer
+with the engine's split and placement ([Note: build hook] in patches/trainer.py) and its trainer
 calls `train_batch_iter` as it does for its own engines.
 
 At its first step on a model the engine checks that the model is laid out as it runs
@@ -50,27 +50,23 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from integration.nanotron._compat import import_nanotron
+from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
 
-import_nanotron()
-
-from nanotron.parallel.pipeline_parallel.engine import PipelineEngine  # noqa: E402
-
-from integration.nanotron import hooks  # noqa: E402
-from integration.nanotron.engine_spec import EngineSpec, parse_engine  # noqa: E402
-from integration.nanotron.errors import EngineRuntimeError, ParameterError  # noqa: E402
-from integration.nanotron.layout import ModelLayout, engine_layout, layer_mask, model_stages  # noqa: E402
-from integration.nanotron.recompute import apply_recompute  # noqa: E402
-from integration.nanotron.registry import AUTO_ENGINE, ENGINES  # noqa: E402
-from integration.nanotron.step import Runner, pipeline_blocks, unwrap  # noqa: E402
-from pipeschedule import compile_schedule  # noqa: E402
-from pipeschedule.compiler.families import FAMILIES  # noqa: E402
-from pipeschedule.plan.auto import Measured, choose  # noqa: E402
-from pipeschedule.compiler.ir import Schedule  # noqa: E402
-from pipeschedule.compiler.offload import add_offload  # noqa: E402
-from pipeschedule.compiler.passes import forward_only  # noqa: E402
-from pipeschedule.runtime import DistTransport, HostStagedTransport  # noqa: E402
-from pipeschedule.compiler.verify import verify  # noqa: E402
+from integration.nanotron.patches import trainer as trainer_patches
+from integration.nanotron.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.errors import EngineRuntimeError, ParameterError
+from integration.nanotron.layout import ModelLayout, engine_layout, layer_mask, model_stages
+from integration.nanotron.recompute import apply_recompute
+from integration.nanotron.registry import AUTO_ENGINE, ENGINES
+from integration.nanotron.step import Runner, pipeline_blocks, unwrap
+from pipeschedule import compile_schedule
+from pipeschedule.compiler.families import FAMILIES
+from pipeschedule.plan.auto import Measured, choose
+from pipeschedule.compiler.ir import Schedule
+from pipeschedule.compiler.offload import add_offload
+from pipeschedule.compiler.passes import forward_only
+from pipeschedule.runtime import DistTransport, HostStagedTransport
+from pipeschedule.compiler.verify import verify
 
 _LOG = logging.getLogger("pipeschedule.nanotron")
 _engines_built: dict[tuple[int, ...], itertools.count] = {}  # pp group -> engine counter (store prefixes)
@@ -165,7 +161,7 @@ class PipescheduleEngine(PipelineEngine):
         self.check(pp=pp)
         return model_stages([b.rank for b in blocks], [b.module_builder for b in blocks], _block_costs(model, blocks),
                             placement=self.placement(pp), split=self.spec.split, engine=self.spec.to_string(),
-                            hook=hooks.describe())
+                            hook=trainer_patches.BUILD.describe())
 
     def prepare_model(self, model, blocks, stage_of: dict[int, int], rank: int) -> None:
         """Once per model, at its first step: layer recompute as `recompute=` says."""

@@ -6,7 +6,7 @@ launcher can print it as one line on every rank and stop.
 
 from __future__ import annotations
 
-from integration.nanotron._compat import AdapterImportError
+from integration.nanotron.patches.import_cycle import AdapterImportError
 from pipeschedule.errors import ParameterError, PipescheduleError
 
 
@@ -37,9 +37,14 @@ class DataError(PipescheduleError, ValueError):
     few samples for the steps asked (integration/nanotron/data.py)."""
 
 
+class PatchError(AdapterImportError):
+    """A patch of nanotron's code cannot apply to the installed nanotron: the message names
+    the patch, the version and what differs ([Note: nanotron patches])."""
+
+
 class EngineRuntimeError(PipescheduleError, RuntimeError):
     """The model or data did something during a step the engine cannot follow."""
 
 
 __all__ = ["AdapterImportError", "ConfigError", "DataError", "EngineRuntimeError", "LayoutError", "ParameterError",
-           "PipescheduleError", "StandInError", "StandInUnsupported", "UnsupportedConfigError"]
+           "PatchError", "PipescheduleError", "StandInError", "StandInUnsupported", "UnsupportedConfigError"]

@@ -4,8 +4,8 @@
 rank. Neither holds on this project's two test machines: the CPU machine has no GPU,
 and the benchmark machine has one H200 that four pipeline ranks share (NCCL refuses two
 ranks of a communicator on one device). `use_gloo()` prepares a process so that
-nanotron's unchanged trainer, model, optimizer and engines run over gloo. What it changes,
-each for a reason found in nanotron 0.4's code:
+nanotron's unchanged trainer, model, optimizer and engines run over gloo. What it changes
+(items 2 to 5 are patches, in patches/gloo.py), each for a reason found in nanotron 0.4's code:
 
 1. torch.distributed is initialised with gloo from torchrun's environment before the
    trainer does it (nanotron's `initialize_torch_distributed` raises without CUDA and
@@ -47,47 +47,10 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
-from integration.nanotron._compat import import_nanotron
+from integration.nanotron import patching
 from integration.nanotron.errors import UnsupportedConfigError
-
-import_nanotron()
-
-import nanotron.distributed as nanotron_dist  # noqa: E402
-from nanotron.parallel.context import ParallelContext  # noqa: E402
-
-from integration.nanotron.cpu import CpuP2P, HostStagedP2P  # noqa: E402
-
-_active: dict[str, object] = {}
-
-
-class CudaToCpu(TorchFunctionMode):
-    """Every CUDA device argument of a torch function becomes the CPU
-    ([Note: nanotron over gloo], item 4)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        device = kwargs.get("device")
-        if device is not None and _is_cuda(device):
-            kwargs = {**kwargs, "device": "cpu"}
-        if func in _MOVES and args:
-            if func is torch.Tensor.cuda:
-                return args[0]
-            if len(args) > 1 and _is_cuda(args[1]):
-                args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
-
-
-_MOVES = (torch.Tensor.to, torch.Tensor.cuda)
-
-
-def _is_cuda(device) -> bool:
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    if isinstance(device, str):
-        return device.split(":")[0] == "cuda"
-    return False
+from integration.nanotron.patches.gloo import CudaToCpu
 
 
 def use_gloo(*, timeout_s: float = 600.0) -> str:
@@ -95,26 +58,9 @@ def use_gloo(*, timeout_s: float = 600.0) -> str:
     returns "cuda" (ranks share the GPU) or "cpu". Idempotent; call it before building
     the trainer, after `flash_attn_standin.install()` and before nanotron's Llama is
     first imported (it rebinds the P2P class nanotron's Llama builds)."""
-    if "device" in _active:
-        return _active["device"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     _init_process_group(timeout_s)
-    ParallelContext.set_device = _set_device
-    for name in COLLECTIVES:
-        setattr(nanotron_dist, name, _without_grad(getattr(nanotron_dist, name)))
-    import nanotron.models.llama as nanotron_llama
-
-    nanotron_llama.P2P = _gloo_p2p
-    if device == "cpu":
-        nanotron_llama.RotaryEmbedding.init_rotary_embeddings = _init_rotary_on_cpu
-        mode = CudaToCpu()
-        mode.__enter__()  # for the life of the process
-        _active["mode"] = mode
-        for name, result in (("synchronize", None), ("reset_peak_memory_stats", None), ("set_device", None),
-                             ("current_device", 0)):
-            setattr(torch.cuda, name, _returning(name, result))
-    _active["device"] = device
-    return device
+    patching.install(gloo=True)
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _init_process_group(timeout_s: float) -> None:
@@ -129,64 +75,6 @@ def _init_process_group(timeout_s: float) -> None:
             f"the environment lacks {', '.join(missing)}: start the processes with torchrun "
             "(e.g. torchrun --nproc-per-node 4 -m integration.nanotron.train --config-file CONFIG)")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-
-
-COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
-               "reduce_scatter_tensor", "reduce")
-
-
-def _without_grad(collective):
-    """A collective of nanotron's namespace run under `torch.no_grad`
-    ([Note: nanotron over gloo], item 5); applied once."""
-    if getattr(collective, "__pipeschedule_no_grad__", False):
-        return collective
-
-    def run(*args, **kwargs):
-        with torch.no_grad():
-            return collective(*args, **kwargs)
-
-    run.__pipeschedule_no_grad__ = True
-    run.__name__ = run.__qualname__ = collective.__name__
-    run.__wrapped__ = collective
-    return run
-
-
-def _set_device(self) -> None:
-    """`ParallelContext.set_device` for ranks sharing the GPUs of a machine, or none."""
-    if torch.cuda.is_available():
-        local_rank = int(os.getenv("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-
-
-def _gloo_p2p(pg, device=None):
-    """The P2P nanotron's Llama builds, for a gloo pipeline group ([Note: nanotron over gloo], item 3)."""
-    if torch.cuda.is_available():
-        return HostStagedP2P(pg, device=torch.device("cuda", torch.cuda.current_device()))
-    return CpuP2P(pg, device="cpu")
-
-
-def _init_rotary_on_cpu(self) -> None:
-    """nanotron's `RotaryEmbedding.init_rotary_embeddings` asserts its table is on CUDA;
-    this builds the same table on the CPU: row t holds (cos, sin) of t * theta^(-2i/dim)
-    for i < dim/2, in fp32, as a non-persistent buffer `freqs_cis` of shape (end, dim/2, 2)."""
-    if self._initialized_buffer:
-        return
-    inverse = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float)[: self.dim // 2] / self.dim))
-    angles = torch.outer(torch.arange(self.end), inverse).float()
-    table = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
-    self.register_buffer("freqs_cis", table.contiguous(), persistent=False)
-    self._initialized_buffer = True
-
-
-def _returning(name: str, result):
-    """A stand-in for `torch.cuda.<name>` on a CPU build (one function object per name:
-    torch's compiler keys its rules by function)."""
-
-    def stand_in(*args, **kwargs):
-        return result
-
-    stand_in.__name__ = stand_in.__qualname__ = name
-    return stand_in
 
 
 __all__ = ["CudaToCpu", "use_gloo"]

@@ -68,7 +68,7 @@ accumulates where nanotron would (`.grad`, or the accumulator's fp32 buffer); ea
 stage into its own tensor (B and W of that stage see it as `.grad`). The partial sums are
 added after the data-parallel sync, where nanotron adds tied gradients: under DDP at the
 end of the step (the sync is complete there), otherwise from nanotron's
-`sync_tied_weights_gradients` (hooks.py), which the trainer calls after its own
+`sync_tied_weights_gradients` (patches/trainer.py), which the trainer calls after its own
 data-parallel sync; the extra tensors are averaged over the data-parallel group first,
 where the trainer's own sync does not reach them.
 """
@@ -83,13 +83,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.parallel import DistributedDataParallel
 
-from integration.nanotron._compat import import_nanotron
+from nanotron.parallel.data_parallel.utils import ddp_trigger_sync_in_bwd
 
-import_nanotron()
-
-from nanotron.parallel.data_parallel.utils import ddp_trigger_sync_in_bwd  # noqa: E402
-
-from integration.nanotron.errors import ParameterError  # noqa: E402
+from integration.nanotron.errors import ParameterError
 
 
 class GradFolder:

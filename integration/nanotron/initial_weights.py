@@ -34,7 +34,7 @@ averages the parameters over dp and over each tie group, as before; equal values
 to themselves exactly over two ranks (x + x is exact), and to the same value whatever the
 layout over more.
 
-Applied by the build hook ([Note: build hook] in hooks.py) to every model whose
+Applied by the build hook ([Note: build hook] in patches/trainer.py) to every model whose
 `init_model_randomly` is nanotron's Llama's, under nanotron's engines too: a run launched
 with `import integration.nanotron` starts from these weights whatever `pp_engine` says.
 """

@@ -4,7 +4,7 @@
 parallel_context, dtype)`: no `target_pp_ranks`, so every block goes to a rank by
 nanotron's cost split over pp ranks ([Note: nanotron's split] in pipeschedule/plan/partition.py). What a
 `pp_engine` says of the layout must therefore be applied inside `build_model`
-(`integration.nanotron.hooks`), and checked by the engine when it first sees the
+(`integration.nanotron.patches.trainer`), and checked by the engine when it first sees the
 model (`check_model`), since a user's script may still build it some other way.
 
 The layout of an engine for a model with blocks b_0 .. b_{n-1} (forward order, as

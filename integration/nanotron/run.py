@@ -5,7 +5,7 @@
 [Note: a script's nanotron imports] A launch script selects pipeschedule's engines with
 one line, `import integration.nanotron`, which must come before its first nanotron
 import: the nanotron 0.4 wheel cannot import `nanotron.logging` or `nanotron.config`
-(and so its trainer) on its own ([Note: nanotron 0.4 import cycle] in _compat.py), and
+(and so its trainer) on its own ([Note: nanotron 0.4 import cycle] in patches/import_cycle.py), and
 a script that imports one of them first stops inside nanotron, with nanotron's
 `ImportError: cannot import name ... from partially initialized module`, before any of
 pipeschedule's code has run. This runner needs no line in the script at all: it imports
@@ -22,7 +22,7 @@ import os
 import runpy
 import sys
 
-import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engines and hooks)
+import integration.nanotron  # noqa: F401  (first: repairs nanotron 0.4's import, installs the patches)
 from integration.nanotron.train import BACKENDS, prepare
 
 USAGE = "usage: python -m integration.nanotron.run [--backend {auto,nccl,gloo}] SCRIPT [SCRIPT'S ARGUMENTS ...]"

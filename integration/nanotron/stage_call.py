@@ -49,17 +49,13 @@ import contextlib
 
 import torch
 
-from integration.nanotron._compat import import_nanotron
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock
+from nanotron.parallel.pipeline_parallel.state import PipelineBatchState
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-import_nanotron()  # the nanotron 0.4 repair runs first, so the imports below stay after it (E402)
-
-from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
-from nanotron.parallel.pipeline_parallel.state import PipelineBatchState  # noqa: E402
-from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
-
-from integration.nanotron.block_graph import BlockGraph, code_block, masked_ranks  # noqa: E402
-from integration.nanotron.boundary import Layout  # noqa: E402
-from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
+from integration.nanotron.block_graph import BlockGraph, code_block, masked_ranks
+from integration.nanotron.boundary import Layout
+from integration.nanotron.errors import EngineRuntimeError
 
 
 class StageCall(PipelineBatchState):

@@ -27,26 +27,22 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from integration.nanotron._compat import import_nanotron
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-import_nanotron()
-
-from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
-from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
-
-from integration.nanotron import grad_sync  # noqa: E402
-from integration.nanotron.block_graph import BlockGraph, find_block_graph  # noqa: E402
-from integration.nanotron.boundary import Layout  # noqa: E402
-from integration.nanotron.errors import EngineRuntimeError  # noqa: E402
-from integration.nanotron.grad_sync import GradFolder, GradientSync, SharedGrads  # noqa: E402
-from integration.nanotron.stage_call import StageCall, block_tracking, one_stage, pack_edge  # noqa: E402
-from pipeschedule.compiler.ir import Op, Schedule  # noqa: E402
-from pipeschedule.compiler.offload import add_offload  # noqa: E402
-from pipeschedule.compiler.passes import on_graph  # noqa: E402
-from pipeschedule.compiler.verify import verify  # noqa: E402
-from pipeschedule.errors import FormatError  # noqa: E402
-from pipeschedule.runtime import DistTransport, Executor, RemoteOutput  # noqa: E402
-from pipeschedule.runtime.stages import module_state  # noqa: E402
+from integration.nanotron import grad_sync
+from integration.nanotron.block_graph import BlockGraph, find_block_graph
+from integration.nanotron.boundary import Layout
+from integration.nanotron.errors import EngineRuntimeError
+from integration.nanotron.grad_sync import GradFolder, GradientSync, SharedGrads
+from integration.nanotron.stage_call import StageCall, block_tracking, one_stage, pack_edge
+from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.compiler.offload import add_offload
+from pipeschedule.compiler.passes import on_graph
+from pipeschedule.compiler.verify import verify
+from pipeschedule.errors import FormatError
+from pipeschedule.runtime import DistTransport, Executor, RemoteOutput
+from pipeschedule.runtime.stages import module_state
 
 LAYOUT_WAIT_S = 60.0  # how long a receiving rank waits for its sender's boundary layout
 

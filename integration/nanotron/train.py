@@ -62,7 +62,7 @@ import sys
 import time
 import traceback
 
-import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engines and hooks)
+import integration.nanotron  # noqa: F401  (first: repairs nanotron 0.4's import, installs the patches)
 import torch
 from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer

@@ -25,18 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from integration.nanotron._compat import import_nanotron
+import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock
+from nanotron.parallel.pipeline_parallel.engine import AllForwardAllBackwardPipelineEngine
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-import_nanotron()
-
-from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
-from nanotron.parallel.pipeline_parallel.engine import AllForwardAllBackwardPipelineEngine  # noqa: E402
-from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
-
-from benchmarks.llama.reference import clear_shared_state  # noqa: E402
-from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context  # noqa: E402
-from integration.nanotron.engine import build_engine  # noqa: E402
-from pipeschedule.runtime.launch import spawn  # noqa: E402
+from benchmarks.llama.reference import clear_shared_state
+from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
+from integration.nanotron.engine import build_engine
+from pipeschedule.runtime.launch import spawn
 
 WIDTH = 6
 BATCH = 3

@@ -25,16 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from integration.nanotron._compat import import_nanotron
+import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock
+from nanotron.parallel.pipeline_parallel.engine import AllForwardAllBackwardPipelineEngine
+from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-import_nanotron()
-
-from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
-from nanotron.parallel.pipeline_parallel.engine import AllForwardAllBackwardPipelineEngine  # noqa: E402
-from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer  # noqa: E402
-
-from integration.nanotron.cpu import CpuP2P  # noqa: E402
-from integration.nanotron.engine import build_engine  # noqa: E402
+from integration.nanotron.cpu import CpuP2P
+from integration.nanotron.engine import build_engine
 
 BATCH = 3
 WIDTH = 10  # the diamond's

@@ -31,32 +31,29 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from integration.nanotron._compat import import_nanotron
-
-import_nanotron()
-
-import nanotron.distributed as nanotron_dist  # noqa: E402
-from nanotron.config import ParallelismArgs  # noqa: E402
-from nanotron.optim import ZeroDistributedOptimizer  # noqa: E402
-from nanotron.optim.gradient_accumulator import (  # noqa: E402
+import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
+import nanotron.distributed as nanotron_dist
+from nanotron.config import ParallelismArgs
+from nanotron.optim import ZeroDistributedOptimizer
+from nanotron.optim.gradient_accumulator import (
     FP32GradBucketManager,
     FP32GradientAccumulator,
     get_fp32_accum_hook,
 )
-from nanotron.optim.named_optimizer import NamedOptimizer  # noqa: E402
-from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator  # noqa: E402
-from nanotron.parallel.parameters import NanotronParameter  # noqa: E402
-from nanotron.parallel.pipeline_parallel.block import PipelineBlock  # noqa: E402
-from nanotron.parallel.tied_parameters import sync_tied_weights_gradients, tie_parameters  # noqa: E402
-from nanotron.parallel.utils import initial_sync  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from nanotron.optim.named_optimizer import NamedOptimizer
+from nanotron.optim.optimizer_from_gradient_accumulator import OptimizerFromGradientAccumulator
+from nanotron.parallel.parameters import NanotronParameter
+from nanotron.parallel.pipeline_parallel.block import PipelineBlock
+from nanotron.parallel.tied_parameters import sync_tied_weights_gradients, tie_parameters
+from nanotron.parallel.utils import initial_sync
+from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.llama.reference import clear_shared_state  # noqa: E402
-from block_chains import NanotronChain, NanotronNoGrad  # noqa: E402
-from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context  # noqa: E402
-from integration.nanotron.gloo import CudaToCpu  # noqa: E402
-from integration.nanotron.registry import NANOTRON_ENGINES  # noqa: E402
-from pipeschedule.runtime.launch import spawn  # noqa: E402
+from benchmarks.llama.reference import clear_shared_state
+from block_chains import NanotronChain, NanotronNoGrad
+from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
+from integration.nanotron.gloo import CudaToCpu
+from integration.nanotron.registry import NANOTRON_ENGINES
+from pipeschedule.runtime.launch import spawn
 
 MODELS = {"chain": NanotronChain, "no_grad": NanotronNoGrad}
 SEQUENTIAL = "sequential"  # every block on pp rank 0, one microbatch after another: the tests' reference

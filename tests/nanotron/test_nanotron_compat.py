@@ -1,4 +1,4 @@
-"""The import-time repair of the nanotron 0.4 wheel (integration/nanotron/_compat.py).
+"""The import-time repair of the nanotron 0.4 wheel (integration/nanotron/patches/import_cycle.py).
 
 Each case runs in a fresh interpreter: the repair is about the *first* import.
 """
@@ -24,12 +24,12 @@ def python(code: str, *, path_first: str | None = None) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=120)
 
 
-# Load _compat.py by path: importing integration.nanotron would already apply the repair
-# (and its register() needs a real nanotron.config).
+# Load import_cycle.py by path: importing integration.nanotron would already apply the repair
+# (and its patches need a real nanotron.config).
 LOAD_COMPAT = f"""
 import importlib.util
 _spec = importlib.util.spec_from_file_location(
-    "compat", {os.path.join(ROOT, "integration", "nanotron", "_compat.py")!r}
+    "compat", {os.path.join(ROOT, "integration", "nanotron", "patches", "import_cycle.py")!r}
 )
 compat = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compat)
@@ -51,7 +51,7 @@ def test_the_wheel_does_not_import_as_shipped():
 
 def test_repair_makes_every_entry_point_import():
     out = python("""
-        from integration.nanotron._compat import import_nanotron, needs_logging_repair
+        from integration.nanotron.patches.import_cycle import import_nanotron, needs_logging_repair
         import_nanotron()
         import sys
         import nanotron.logging, nanotron.config, nanotron.config.config as real

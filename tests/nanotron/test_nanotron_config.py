@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import integration.nanotron  # noqa: F401  (registers the engines, as a launch script would)
-from integration.nanotron import config as engine_config
+from integration.nanotron import patching
+from integration.nanotron.patches import engine_names
 from integration.nanotron.engine_spec import EngineSpec, parse_engine
 from integration.nanotron.errors import ConfigError
 from integration.nanotron.registry import ENGINES
@@ -243,32 +244,35 @@ def parse_and_build(value):
     return sys.modules["nanotron.config.config"].cast_str_to_pipeline_engine(value)
 
 
-# -- register() ---------------------------------------------------------------------------
+# -- the engine-name patches ---------------------------------------------------------------
 
 
 def bindings():
     return {
-        (module, attr): getattr(sys.modules[module], attr)
-        for module in engine_config.BINDING_MODULES
-        for attr in engine_config.HOMES
-        if hasattr(sys.modules[module], attr)
+        (name, attr): getattr(module, attr)
+        for name, module in list(sys.modules.items()) if module is not None and name.startswith("nanotron")
+        for attr in ("cast_str_to_pipeline_engine", "cast_pipeline_engine_to_str", "get_config_from_dict")
+        if attr in vars(module)
     }
 
 
-def test_register_is_idempotent_and_reversible(tmp_path):
+def test_the_patches_are_idempotent_and_reversible(tmp_path):
     before = bindings()
-    assert engine_config.is_registered()
-    engine_config.register()
+    assert all(patch.state == "on" for patch in engine_names.PATCHES)
+    assert set(before.values()) == {engine_names.cast_str_to_pipeline_engine, engine_names.cast_pipeline_engine_to_str,
+                                    engine_names.get_config_from_dict}
+    patching.install()
     assert bindings() == before
     try:
-        engine_config.unregister()
-        assert not engine_config.is_registered()
+        patching.uninstall()
+        assert all(patch.state == "off" for patch in engine_names.PATCHES)
+        assert not set(bindings().values()) & set(before.values())
         with pytest.raises(ValueError, match="pp_engine should be a string selected in"):
             parse_and_build("capped_1f1b")  # nanotron's own message
         with pytest.raises(Exception, match="can not match \"pipeline_engine\" to any data class field"):
             get_config_from_file(write_key(tmp_path / "key.yaml", pipeline_engine="1f1b"))  # dacite's own
     finally:
-        engine_config.register()
+        patching.install()
     assert bindings() == before
 
 

@@ -1,4 +1,4 @@
-"""The one place where a broken nanotron release is repaired at import time.
+"""The repair of the nanotron 0.4 wheel's import cycle, before nanotron is first imported.
 
 [Note: nanotron 0.4 import cycle] The PyPI wheel nanotron==0.4 does not import as
 shipped. `nanotron/logging.py` (a module there; a package upstream) runs
@@ -20,25 +20,17 @@ The repair, without touching any installed file:
    `nanotron.logging`), and rebind `nanotron.logging.LoggingArgs` (and the annotation
    that captured the placeholder) to the real class.
 
-[Note: nanotron 0.4 with NumPy 2] nanotron writes a checkpoint's tensor metadata with
-`str()` of its slice bounds and shapes, which are NumPy integers where they were computed
-with NumPy; under NumPy 2 `str(np.int64(64))` is "np.int64(64)", which nanotron's own
-loader cannot parse back (`int("np.int64(64)")`), so a checkpoint nanotron 0.4 saves
-cannot be loaded (resuming, `init_method: {path: ...}`). `TensorMetadata.to_str_dict`
-is wrapped to write plain integers, as under NumPy 1; a checkpoint already written with
-NumPy's spelling still needs to be saved again.
-
 It is applied only when the installed `nanotron.logging` is the cyclic 0.4 module:
 `nanotron.__version__ == "0.4"` *and* `nanotron/logging.py` is a plain module whose
 source contains the import above. GitHub main also says version 0.4 but ships
 `nanotron/logging/` as a package without the cycle, so there `import_nanotron()` only
 imports nanotron. Call it before anything else imports nanotron; importing
-`integration.nanotron` does.
+`integration.nanotron` does, first of all. This module imports nothing of nanotron or of
+the adapter (a test loads it by path, in a fresh interpreter).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -48,13 +40,15 @@ from pipeschedule.errors import PipescheduleError
 
 
 class AdapterImportError(PipescheduleError, ImportError):
-    """Something the adapter imports cannot be set up: nanotron's repair, the flash-attn
-    stand-in, an engine's class path. (Defined here, the first module the adapter loads,
-    which imports nothing of the adapter; `integration.nanotron.errors` re-exports it.)"""
+    """Something the adapter imports cannot be set up: nanotron's repair, a patch, the
+    flash-attn stand-in, an engine's class path. (Defined here, the first module the adapter
+    loads, which imports nothing of the adapter; `integration.nanotron.errors` re-exports it.)"""
+
 
 BROKEN_VERSION = "0.4"
 CYCLIC_IMPORT = "from nanotron.config.config import LoggingArgs"
 _STAND_IN = "nanotron.config.config"
+_repaired: list[bool] = []  # [True] once this process repaired the cycle
 
 
 class _LoggingArgsStandIn:
@@ -94,36 +88,13 @@ def import_nanotron() -> types.ModuleType:
     """
     if needs_logging_repair():
         _repair_logging_cycle()
-    nanotron = importlib.import_module("nanotron")
-    _repair_metadata_integers()
-    return nanotron
+        _repaired.append(True)
+    return importlib.import_module("nanotron")
 
 
-def _repair_metadata_integers() -> None:
-    """[Note: nanotron 0.4 with NumPy 2]: checkpoint metadata written with plain ints."""
-    try:
-        metadata = importlib.import_module("nanotron.serialize.metadata")
-        parameters = importlib.import_module("nanotron.parallel.parameters")
-    except ImportError:
-        return  # a nanotron without this module: nothing to repair
-    original = getattr(metadata.TensorMetadata, "to_str_dict", None)
-    if original is None or hasattr(original, "__pipeschedule_original__"):
-        return
-
-    def plain(bound):
-        return None if bound is None else int(bound)
-
-    def plain_slices(slices):
-        return tuple(slice(plain(s.start), plain(s.stop), plain(s.step)) for s in slices)
-
-    def to_str_dict(self):
-        pairs = tuple(parameters.SlicesPair(plain_slices(p.local_slices), plain_slices(p.global_slices))
-                      for p in self.local_global_slices_pairs)
-        return original(dataclasses.replace(self, local_global_slices_pairs=pairs,
-                                            unsharded_shape=tuple(int(n) for n in self.unsharded_shape)))
-
-    to_str_dict.__pipeschedule_original__ = original
-    metadata.TensorMetadata.to_str_dict = to_str_dict
+def was_repaired() -> bool:
+    """True when `import_nanotron()` repaired the cycle in this process."""
+    return bool(_repaired)
 
 
 def _repair_logging_cycle() -> None:
@@ -133,7 +104,8 @@ def _repair_logging_cycle() -> None:
             f"cannot repair nanotron {BROKEN_VERSION}'s import cycle: {_STAND_IN} is already in sys.modules "
             "but nanotron.logging is not; import integration.nanotron before anything imports nanotron"
         )
-    stand_in = types.ModuleType(_STAND_IN, "stand-in while nanotron.logging imports (integration.nanotron._compat)")
+    stand_in = types.ModuleType(_STAND_IN, "stand-in while nanotron.logging imports "
+                                           "(integration.nanotron.patches.import_cycle)")
     stand_in.LoggingArgs = _LoggingArgsStandIn
     sys.modules[_STAND_IN] = stand_in
     try:

@@ -1,12 +1,12 @@
-"""Where pipeschedule hooks into nanotron's own code, all in one place.
+"""nanotron's trainer path: model construction, gradient sync and checkpoint loading.
 
 [Note: nanotron hooks] Five nanotron functions are rebound by name (nanotron's
-pp_engine loader and saver and its config reader are `config.register()`'s). `install()`
-applies them; `import integration.nanotron` calls it, so a launch script gets them by
-importing that package before nanotron's trainer (which binds the names when first
-imported); `python -m integration.nanotron.train` does. Each is version-guarded: it is
-applied only when nanotron's function has the signature it was written against (nanotron
-0.4 and GitHub main as of 2026-12), and `describe()` says what is and is not installed.
+pp_engine loader and saver and its config reader are engine_names.py's), each a patch
+([Note: nanotron patches]). `patching.install()` applies them; `import integration.nanotron`
+calls it, so a launch script gets them by importing that package before nanotron's
+trainer (which binds the names when first imported); `python -m integration.nanotron.train`
+does. Each is guarded by the signature it was written against (nanotron 0.4 and GitHub
+main as of 2026-12): another refuses with a PatchError naming it.
 
 1. `build_model` ([Note: build hook]).
 2. `sync_tied_weights_gradients`: first completes the gradients of parameters shared by
@@ -47,47 +47,25 @@ The hook's `build_model`:
   weights.
 
 If the hook is not installed, the engine's first-step check ([Note: model layout])
-refuses a model that is not laid out as it runs, quoting `describe()`.
+refuses a model that is not laid out as it runs, quoting `BUILD.describe()`.
 """
 
 from __future__ import annotations
 
-import inspect
-import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
-from integration.nanotron._compat import import_nanotron
+import nanotron.config.parallelism_config as nanotron_parallelism
+import nanotron.models.base as nanotron_base
+import nanotron.parallel.tied_parameters as nanotron_tied
+import nanotron.serialize.optimizer as nanotron_serialize_optimizer
 
-import_nanotron()
-
-import nanotron.config.parallelism_config as nanotron_parallelism  # noqa: E402
-import nanotron.models.base as nanotron_base  # noqa: E402
-import nanotron.parallel.tied_parameters as nanotron_tied  # noqa: E402
-import nanotron.serialize.optimizer as nanotron_serialize_optimizer  # noqa: E402
-
-from integration.nanotron import checkpoint, grad_sync, initial_weights  # noqa: E402
-from integration.nanotron.errors import LayoutError  # noqa: E402
+from integration.nanotron import checkpoint, grad_sync, initial_weights
+from integration.nanotron.errors import LayoutError
+from integration.nanotron.patches.base import rebind
 
 _CUDA = torch.device("cuda")  # build_model's default device, as in nanotron's signature
-
-
-@dataclass(frozen=True)
-class Hook:
-    """One nanotron function rebound by name: where it is defined, the modules that bind
-    it, the parameters it must have, and our replacement."""
-
-    name: str
-    home: object  # the module (or class) defining it
-    binders: tuple[str, ...]  # modules that import it by name (rebound when loaded)
-    parameters: tuple[str, ...]
-    replacement: object
-
-    def original(self):
-        current = getattr(self.home, self.name)
-        return getattr(current, "__pipeschedule_original__", current)
 
 
 def build_model(model_builder, parallel_context, dtype: torch.dtype, target_pp_ranks=None,
@@ -98,7 +76,7 @@ def build_model(model_builder, parallel_context, dtype: torch.dtype, target_pp_r
     initial_weights.attach(model)
     engine = getattr(getattr(model, "parallel_config", None), "pp_engine", None)
     if not callable(getattr(engine, "model_layout", None)):
-        return _BUILD.original()(model_builder=lambda: model, parallel_context=parallel_context, dtype=dtype,
+        return BUILD.original()(model_builder=lambda: model, parallel_context=parallel_context, dtype=dtype,
                                  target_pp_ranks=target_pp_ranks, device=device)
     pp = parallel_context.pp_pg.size()
     layout = engine.model_layout(model, pp)
@@ -121,7 +99,7 @@ def sync_tied_weights_gradients(module, parallel_context, grad_accumulator):
     """nanotron's tied-gradient sync, after completing the gradients of parameters shared
     by two stages of one rank ([Note: parameters shared by stages of one rank])."""
     grad_sync.finish_pending(module, parallel_context.dp_pg)
-    return _TIED.original()(module=module, parallel_context=parallel_context, grad_accumulator=grad_accumulator)
+    return TIED.original()(module=module, parallel_context=parallel_context, grad_accumulator=grad_accumulator)
 
 
 def load_optimizer(optimizer, parallel_context, root_folder, map_location=None, param_shard_metadata=None,
@@ -130,7 +108,7 @@ def load_optimizer(optimizer, parallel_context, root_folder, map_location=None, 
     was saved under another layout ([Note: checkpoints across layouts]); the same arguments."""
     if checkpoint.load_optimizer_by_name(optimizer, parallel_context, root_folder):
         return None
-    return _LOAD_OPTIMIZER.original()(optimizer=optimizer, parallel_context=parallel_context, root_folder=root_folder,
+    return LOAD_OPTIMIZER.original()(optimizer=optimizer, parallel_context=parallel_context, root_folder=root_folder,
                                       map_location=map_location, param_shard_metadata=param_shard_metadata,
                                       model=model)
 
@@ -138,7 +116,7 @@ def load_optimizer(optimizer, parallel_context, root_folder, map_location=None, 
 def load_lr_scheduler(lr_scheduler, root_folder):
     """nanotron's `load_lr_scheduler`, then the optimizer's learning rates set to the loaded
     schedule's last ones, as an uninterrupted run has them ([Note: nanotron hooks], item 5)."""
-    result = _LOAD_LR.original()(lr_scheduler=lr_scheduler, root_folder=root_folder)
+    result = LOAD_LR.original()(lr_scheduler=lr_scheduler, root_folder=root_folder)
     for group, rate in zip(lr_scheduler.optimizer.param_groups, lr_scheduler.get_last_lr(), strict=True):
         group["lr"] = rate
     return result
@@ -148,60 +126,26 @@ def parallelism_post_init(self) -> None:
     """`ParallelismArgs.__post_init__`, which also converts a mapping-form `pp_engine`."""
     if isinstance(self.pp_engine, Mapping):
         self.pp_engine = nanotron_parallelism.cast_str_to_pipeline_engine(self.pp_engine)
-    _POST_INIT.original()(self)
+    POST_INIT.original()(self)
 
 
-_BUILD = Hook("build_model", nanotron_base, ("nanotron.models.base", "nanotron.models", "nanotron.trainer"),
-              ("model_builder", "parallel_context", "dtype", "target_pp_ranks", "device"), build_model)
-_TIED = Hook("sync_tied_weights_gradients", nanotron_tied, ("nanotron.parallel.tied_parameters", "nanotron.trainer"),
-             ("module", "parallel_context", "grad_accumulator"), sync_tied_weights_gradients)
-_POST_INIT = Hook("__post_init__", nanotron_parallelism.ParallelismArgs, (), ("self",), parallelism_post_init)
-_LOAD_OPTIMIZER = Hook("load_optimizer", nanotron_serialize_optimizer, ("nanotron.serialize", "nanotron.trainer"),
-                       ("optimizer", "parallel_context", "root_folder", "map_location", "param_shard_metadata",
-                        "model"), load_optimizer)
-_LOAD_LR = Hook("load_lr_scheduler", nanotron_serialize_optimizer, ("nanotron.serialize", "nanotron.trainer"),
-                ("lr_scheduler", "root_folder"), load_lr_scheduler)
-HOOKS = (_BUILD, _TIED, _POST_INIT, _LOAD_OPTIMIZER, _LOAD_LR)
+BUILD = rebind(nanotron_base, "build_model", build_model, binders=("nanotron.models", "nanotron.trainer"),
+               parameters=("model_builder", "parallel_context", "dtype", "target_pp_ranks", "device"),
+               why="blocks built on the ranks of the engine's layout; initial weights by name ([Note: build hook])")
+TIED = rebind(nanotron_tied, "sync_tied_weights_gradients", sync_tied_weights_gradients, binders=("nanotron.trainer",),
+              parameters=("module", "parallel_context", "grad_accumulator"),
+              why="gradients of parameters shared by two stages of one rank completed first")
+POST_INIT = rebind(nanotron_parallelism.ParallelismArgs, "__post_init__", parallelism_post_init, parameters=("self",),
+                   why="a pp_engine given from Python as a mapping becomes the engine")
+LOAD_OPTIMIZER = rebind(nanotron_serialize_optimizer, "load_optimizer", load_optimizer,
+                        binders=("nanotron.serialize", "nanotron.trainer"),
+                        parameters=("optimizer", "parallel_context", "root_folder", "map_location",
+                                    "param_shard_metadata", "model"),
+                        why="optimizer state by parameter name from a checkpoint of another layout")
+LOAD_LR = rebind(nanotron_serialize_optimizer, "load_lr_scheduler", load_lr_scheduler,
+                 binders=("nanotron.serialize", "nanotron.trainer"), parameters=("lr_scheduler", "root_folder"),
+                 why="a resumed run's first step at the loaded schedule's rate, not its step-0 rate")
+PATCHES = (BUILD, TIED, POST_INIT, LOAD_OPTIMIZER, LOAD_LR)
 
-for _hook in HOOKS:
-    _hook.replacement.__pipeschedule_original__ = _hook.original()
-
-_status: dict[str, str] = {hook.name: "not installed: import integration.nanotron first" for hook in HOOKS}
-
-
-def install() -> dict[str, str]:
-    """Apply every hook whose nanotron function has the expected signature (idempotent);
-    returns each hook's status (`describe()`)."""
-    for hook in HOOKS:
-        original = hook.original()
-        parameters = tuple(inspect.signature(original).parameters)
-        if parameters != hook.parameters:
-            _status[hook.name] = (f"not installed: nanotron's {hook.name} takes {parameters}, pipeschedule's hook "
-                                  f"was written for {hook.parameters}")
-            continue
-        setattr(hook.home, hook.name, hook.replacement)
-        for name in hook.binders:
-            module = sys.modules.get(name)
-            if module is not None and getattr(module, hook.name, None) is original:
-                setattr(module, hook.name, hook.replacement)
-        _status[hook.name] = "installed"
-    return dict(_status)
-
-
-def uninstall() -> None:
-    """Give nanotron its own functions back everywhere they were rebound."""
-    for hook in HOOKS:
-        original = hook.original()
-        for target in (hook.home, *(sys.modules.get(name) for name in hook.binders)):
-            if target is not None and getattr(target, hook.name, None) is hook.replacement:
-                setattr(target, hook.name, original)
-        _status[hook.name] = "uninstalled"
-
-
-def describe() -> str:
-    """One phrase per hook: installed or why not."""
-    return "; ".join(f"nanotron's {name} hook: {status}" for name, status in _status.items())
-
-
-__all__ = ["HOOKS", "build_model", "describe", "install", "load_lr_scheduler", "load_optimizer",
-           "parallelism_post_init", "sync_tied_weights_gradients", "uninstall"]
+__all__ = ["BUILD", "LOAD_LR", "LOAD_OPTIMIZER", "PATCHES", "POST_INIT", "TIED", "build_model", "load_lr_scheduler",
+           "load_optimizer", "parallelism_post_init", "sync_tied_weights_gradients"]

@@ -1,0 +1,140 @@
+"""nanotron's trainer over gloo: the patches `use_gloo()` installs ([Note: nanotron over gloo]
+in gloo.py, items 2 to 5; [Note: nanotron patches]).
+
+`patching.install(gloo=True)` applies them after torch.distributed is up; the CPU-only
+ones (the rotary table, four `torch.cuda` functions, the `CudaToCpu` mode) only where
+torch has no GPU. nanotron's Llama is imported when they apply (it rebinds the P2P class
+that Llama builds), so after `flash_attn_standin.install()`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nanotron.distributed as nanotron_dist
+import torch
+from nanotron.parallel.context import ParallelContext
+from torch.overrides import TorchFunctionMode
+
+from integration.nanotron.cpu import CpuP2P, HostStagedP2P
+from integration.nanotron.patches.base import Patch, rebind
+
+class CudaToCpu(TorchFunctionMode):
+    """Every CUDA device argument of a torch function becomes the CPU
+    ([Note: nanotron over gloo], item 4)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func in _MOVES and args:
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if len(args) > 1 and _is_cuda(args[1]):
+                args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+_MOVES = (torch.Tensor.to, torch.Tensor.cuda)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False
+
+
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "broadcast", "all_gather", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "reduce")
+
+
+def _without_grad(name: str):
+    """nanotron's collective `name` run under `torch.no_grad` ([Note: nanotron over gloo],
+    item 5); the original is the patch's."""
+
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return run.__pipeschedule_original__(*args, **kwargs)
+
+    run.__name__ = run.__qualname__ = name
+    return run
+
+
+def _set_device(self) -> None:
+    """`ParallelContext.set_device` for ranks sharing the GPUs of a machine, or none."""
+    if torch.cuda.is_available():
+        local_rank = int(os.getenv("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+
+def _gloo_p2p(pg, device=None):
+    """The P2P nanotron's Llama builds, for a gloo pipeline group ([Note: nanotron over gloo], item 3)."""
+    if torch.cuda.is_available():
+        return HostStagedP2P(pg, device=torch.device("cuda", torch.cuda.current_device()))
+    return CpuP2P(pg, device="cpu")
+
+
+def _init_rotary_on_cpu(self) -> None:
+    """nanotron's `RotaryEmbedding.init_rotary_embeddings` asserts its table is on CUDA;
+    this builds the same table on the CPU: row t holds (cos, sin) of t * theta^(-2i/dim)
+    for i < dim/2, in fp32, as a non-persistent buffer `freqs_cis` of shape (end, dim/2, 2)."""
+    if self._initialized_buffer:
+        return
+    inverse = 1.0 / (self.theta ** (torch.arange(0, self.dim, 2, dtype=torch.float)[: self.dim // 2] / self.dim))
+    angles = torch.outer(torch.arange(self.end), inverse).float()
+    table = torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+    self.register_buffer("freqs_cis", table.contiguous(), persistent=False)
+    self._initialized_buffer = True
+
+
+def _returning(name: str, result):
+    """A stand-in for `torch.cuda.<name>` on a CPU build (one function object per name:
+    torch's compiler keys its rules by function)."""
+
+    def stand_in(*args, **kwargs):
+        return result
+
+    stand_in.__name__ = stand_in.__qualname__ = name
+    return stand_in
+
+
+def _on_cpu() -> bool:
+    return not torch.cuda.is_available()
+
+
+_mode: list[CudaToCpu] = []
+
+
+def _enter_mode() -> None:
+    mode = CudaToCpu()
+    mode.__enter__()  # for the life of the process, or until uninstalled
+    _mode.append(mode)
+
+
+def _exit_mode() -> None:
+    _mode.pop().__exit__(None, None, None)
+
+
+SET_DEVICE = rebind(ParallelContext, "set_device", _set_device, parameters=("self",),
+                    why="ranks share the machine's GPUs (LOCAL_RANK % device_count), or none on a CPU")
+NO_GRAD_COLLECTIVES = tuple(
+    rebind(nanotron_dist, name, _without_grad(name), why="gloo refuses an in-place collective on a leaf that "
+           "requires grad: nanotron's collectives run under torch.no_grad")
+    for name in COLLECTIVES)
+LLAMA_P2P = rebind("nanotron.models.llama", "P2P", _gloo_p2p,
+                   why="nanotron's Llama builds CpuP2P (CPU) or HostStagedP2P (a shared GPU) for its gloo pipe group")
+ROTARY_ON_CPU = rebind("nanotron.models.llama:RotaryEmbedding", "init_rotary_embeddings", _init_rotary_on_cpu,
+                       parameters=("self",), needed=_on_cpu, why="the rotary table built on the CPU")
+CUDA_STAND_INS = tuple(
+    rebind(torch.cuda, name, _returning(name, result), needed=_on_cpu,
+           why=f"torch.cuda.{name} a no-op on a CPU build of torch")
+    for name, result in (("synchronize", None), ("reset_peak_memory_stats", None), ("set_device", None),
+                         ("current_device", 0)))
+CUDA_TO_CPU = Patch("torch function mode CudaToCpu", "every device='cuda' of a torch function becomes the CPU",
+                    check=lambda: None, apply=_enter_mode, undo=_exit_mode, needed=_on_cpu)
+PATCHES = (SET_DEVICE, *NO_GRAD_COLLECTIVES, LLAMA_P2P, ROTARY_ON_CPU, CUDA_TO_CPU, *CUDA_STAND_INS)
+
+__all__ = ["COLLECTIVES", "CUDA_TO_CPU", "CudaToCpu", "PATCHES"]
