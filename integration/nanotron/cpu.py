@@ -43,6 +43,7 @@ RANK and WORLD_SIZE: `_init_parallel_groups` reads both from `os.environ`.
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import threading
@@ -50,11 +51,12 @@ import threading
 import torch
 import torch.distributed as torch_dist
 
-from integration.nanotron.errors import EngineRuntimeError, ParameterError
-
 import nanotron.distributed as nanotron_dist
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous
+
+from integration.nanotron.errors import EngineRuntimeError, ParameterError, PatchError
+from integration.nanotron.patches.base import nanotron_version
 
 HOST = torch.device("cpu")  # where every tensor handed to gloo lives
 
@@ -73,6 +75,7 @@ def cpu_parallel_context(*, tp: int = 1, pp: int = 1, dp: int = 1, expert: int =
     for key, value in (("RANK", torch_dist.get_rank()), ("WORLD_SIZE", world_size)):
         if os.environ.get(key) != str(value):
             raise EngineRuntimeError(f"nanotron's group setup reads {key} from the environment: set {key}={value}")
+    _check_parallel_context()
     context = ParallelContext.__new__(ParallelContext)
     # What ParallelContext.__init__ sets, minus set_device() and the NCCL assert.
     context.tensor_parallel_size = tp
@@ -83,6 +86,21 @@ def cpu_parallel_context(*, tp: int = 1, pp: int = 1, dp: int = 1, expert: int =
     context.world_pg = torch_dist.new_group(ranks=list(range(world_size)), backend=torch_dist.get_backend())
     context._init_parallel_groups()
     return context
+
+
+CONTEXT_INIT = ("self", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                "expert_parallel_size", "backend")  # ParallelContext.__init__ as checked (0.4 and GitHub main)
+
+
+def _check_parallel_context() -> None:
+    """`cpu_parallel_context` repeats what `ParallelContext.__init__` sets and calls its
+    private `_init_parallel_groups` ([Note: nanotron on CPU], item 1): refused where
+    nanotron's class is not the one it was written for."""
+    found = tuple(inspect.signature(ParallelContext.__init__).parameters)
+    if found != CONTEXT_INIT or not callable(getattr(ParallelContext, "_init_parallel_groups", None)):
+        raise PatchError(
+            f"cpu_parallel_context cannot build nanotron {nanotron_version()}'s ParallelContext: its __init__ takes "
+            f"{found} (written for {CONTEXT_INIT}, with _init_parallel_groups), as in nanotron 0.4 and GitHub main")
 
 
 class CpuP2P(P2P):

@@ -90,3 +90,19 @@ def test_the_gloo_patches_install_and_uninstall():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_cpu_context_refuses_a_parallel_context_it_was_not_written_for(monkeypatch):
+    from nanotron.parallel.context import ParallelContext
+
+    from integration.nanotron import cpu
+
+    cpu._check_parallel_context()  # nanotron's own class: accepted
+
+    def other_init(self, sizes, backend="nccl"):
+        pass
+
+    monkeypatch.setattr(ParallelContext, "__init__", other_init)
+    with pytest.raises(PatchError, match=r"cpu_parallel_context cannot build nanotron .*'s ParallelContext: its "
+                                         r"__init__ takes \('self', 'sizes', 'backend'\)"):
+        cpu._check_parallel_context()
