@@ -51,12 +51,12 @@ import threading
 import torch
 import torch.distributed as torch_dist
 
+import nanotron
 import nanotron.distributed as nanotron_dist
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous
 
 from integration.nanotron.errors import EngineRuntimeError, ParameterError, PatchError
-from integration.nanotron.patches.base import nanotron_version
 
 HOST = torch.device("cpu")  # where every tensor handed to gloo lives
 
@@ -99,7 +99,7 @@ def _check_parallel_context() -> None:
     found = tuple(inspect.signature(ParallelContext.__init__).parameters)
     if found != CONTEXT_INIT or not callable(getattr(ParallelContext, "_init_parallel_groups", None)):
         raise PatchError(
-            f"cpu_parallel_context cannot build nanotron {nanotron_version()}'s ParallelContext: its __init__ takes "
+            f"cpu_parallel_context cannot build nanotron {nanotron.__version__}'s ParallelContext: its __init__ takes "
             f"{found} (written for {CONTEXT_INIT}, with _init_parallel_groups), as in nanotron 0.4 and GitHub main")
 
 

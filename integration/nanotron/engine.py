@@ -50,9 +50,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+import nanotron.models.base as nanotron_base
 from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
 
-from integration.nanotron.patches import trainer as trainer_patches
 from integration.nanotron.engine_spec import EngineSpec, parse_engine
 from integration.nanotron.errors import EngineRuntimeError, ParameterError
 from integration.nanotron.layout import ModelLayout, engine_layout, layer_mask, model_stages
@@ -161,7 +161,7 @@ class PipescheduleEngine(PipelineEngine):
         self.check(pp=pp)
         return model_stages([b.rank for b in blocks], [b.module_builder for b in blocks], _block_costs(model, blocks),
                             placement=self.placement(pp), split=self.spec.split, engine=self.spec.to_string(),
-                            hook=trainer_patches.BUILD.describe())
+                            hook=_build_hook())
 
     def prepare_model(self, model, blocks, stage_of: dict[int, int], rank: int) -> None:
         """Once per model, at its first step: layer recompute as `recompute=` says."""
@@ -370,6 +370,15 @@ def _host_bandwidth(device: torch.device, stash_bytes: float) -> float:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return size / max(best, 1e-9)
+
+
+def _build_hook() -> str:
+    """Whether nanotron's `build_model` is pipeschedule's ([Note: build hook] in
+    patches/trainer.py), for the layout refusal."""
+    if hasattr(nanotron_base.build_model, "__pipeschedule_original__"):
+        return "nanotron's build_model is pipeschedule's"
+    return ("nanotron's build_model is not pipeschedule's: import integration.nanotron before nanotron's trainer "
+            "(integration.nanotron.patching.describe() says what is installed)")
 
 
 def _block_costs(model, blocks) -> list[int]:

@@ -6,8 +6,13 @@ launcher can print it as one line on every rank and stop.
 
 from __future__ import annotations
 
-from integration.nanotron.patches.import_cycle import AdapterImportError
 from pipeschedule.errors import ParameterError, PipescheduleError
+
+
+class AdapterImportError(PipescheduleError, ImportError):
+    """Something the adapter imports cannot be set up: a patch of nanotron, the flash-attn
+    stand-in, an engine's class path. (nanotron 0.4's import-cycle repair, which runs before
+    any of the adapter, raises its own `ImportCycleError`, in patches/import_cycle.py.)"""
 
 
 class LayoutError(PipescheduleError, ValueError):

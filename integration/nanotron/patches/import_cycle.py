@@ -39,10 +39,9 @@ import types
 from pipeschedule.errors import PipescheduleError
 
 
-class AdapterImportError(PipescheduleError, ImportError):
-    """Something the adapter imports cannot be set up: nanotron's repair, a patch, the
-    flash-attn stand-in, an engine's class path. (Defined here, the first module the adapter
-    loads, which imports nothing of the adapter; `integration.nanotron.errors` re-exports it.)"""
+class ImportCycleError(PipescheduleError, ImportError):
+    """nanotron 0.4's import cycle cannot be repaired: something imported part of nanotron
+    first. (Defined here: this module imports nothing of the adapter.)"""
 
 
 BROKEN_VERSION = "0.4"
@@ -100,7 +99,7 @@ def was_repaired() -> bool:
 def _repair_logging_cycle() -> None:
     """Steps 1-3 of [Note: nanotron 0.4 import cycle]."""
     if _STAND_IN in sys.modules:
-        raise AdapterImportError(
+        raise ImportCycleError(
             f"cannot repair nanotron {BROKEN_VERSION}'s import cycle: {_STAND_IN} is already in sys.modules "
             "but nanotron.logging is not; import integration.nanotron before anything imports nanotron"
         )
