@@ -136,6 +136,12 @@ def render(report: dict) -> str:
     fall = ref["peak_allocated_pipeline"][0] - capped["peak_allocated_pipeline"][0]
     expected = pred["1f1b"][0] - pred["capped_1f1b:cap=2"][0]
     gaps = [abs(a - b) for a, b in zip(ref["losses"], capped["losses"])]
+    lines += ["", f"Step by step (steps {WARMUP + 1}-{report['steps']}), the spread of each stage's pipeline peak, "
+              "largest minus smallest (a peak that grows with the steps shows here):", ""]
+    for engine, result in runs.items():
+        rows = result.get("by_step", {}).get("peak_allocated_pipeline") or []
+        spreads = [max(r[WARMUP:]) - min(r[WARMUP:]) for r in rows if len(r) > WARMUP]
+        lines.append(f"- `{engine}`: " + " / ".join(f"{s / 2**20:.1f}" for s in spreads) + " MiB")
     lines += ["", f"Stage 0 falls by {fall / GiB:.2f} GiB under cap 2; the memory model predicts "
               f"{expected / GiB:.2f} GiB ({fall / expected:.3f} of it).", "",
               "| step | " + " | ".join(f"`{e}`" for e in runs) + " |", "|---|" + "---|" * len(runs)]
