@@ -76,8 +76,8 @@ def _rank_main(config_path: str, out_path: str, microbatches: list[int], warmup:
     )
 
     from integration.nanotron import train
-    from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.engine import build_engine
+    from integration.nanotron.pipeline.engine_spec import parse_engine
+    from integration.nanotron.pipeline.engine import build_engine
 
     train.prepare("auto")
     trainer = train.make_trainer(config_path)

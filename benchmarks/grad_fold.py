@@ -7,7 +7,7 @@ parameter-heavy configuration (issue 32).
 nanotron's `FP32GradientAccumulator.backward` folds every bf16 gradient into fp32 after a
 microbatch's whole backward, so at its end the stage holds all of them (2 bytes per
 parameter); pipeschedule's engines fold each gradient as autograd produces it ([Note:
-gradient folding] in integration/nanotron/grad_sync.py). With parameters dominating (hidden
+gradient folding] in integration/nanotron/pipeline/grad_sync.py). With parameters dominating (hidden
 4096, ffn 14336, 12 layers, a sequence of 32 tokens by default, 4 microbatches) the stash is
 small and the stage's peak is set by where the gradients live. Each run is the users' launch (nanotron's
 `DistributedTrainer` from a YAML, bf16, fp32 gradient accumulation, AdamW), four ranks sharing

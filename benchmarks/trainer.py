@@ -11,7 +11,7 @@ boundaries staged through pinned host memory ([Note: nanotron over gloo]).
 
 Engines: nanotron's `1f1b`, `capped_1f1b:cap=2`, `interleaved_1f1b:virtual=2`, `zb_h1`,
 all on the same synthetic data and from the same initial weights (drawn by parameter
-name, [Note: same initial weights] in integration/nanotron/initial_weights.py), so losses
+name, [Note: same initial weights] in integration/nanotron/patches/initial_weights.py), so losses
 are comparable step by step. The engines run in `ROUNDS` alternating rounds (A B C D A B C D),
 so a slow stretch of the shared machine does not fall on one engine only; step time is
 the median over the measured steps (after `WARMUP`) of every round, per-stage peak

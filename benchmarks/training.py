@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 
 import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
-from integration.nanotron import split as splits
+from integration.nanotron.pipeline import split as splits
 from benchmarks.common import CONTEXT_BYTES, FIT_SHARE, rotated
 from benchmarks.llama.model import ModelConfig
-from integration.nanotron.registry import NANOTRON_ENGINES
+from integration.nanotron.pipeline.registry import NANOTRON_ENGINES
 from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.errors import LaunchError
 
@@ -86,8 +86,8 @@ def model_split(cfg: ModelConfig, stages: int) -> tuple[int, ...]:
 
 def compiled(case: Case, pp: int):
     """The lowered schedule the case's engine runs (nanotron's own: the same family's)."""
-    from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.engine import build_engine
+    from integration.nanotron.pipeline.engine_spec import parse_engine
+    from integration.nanotron.pipeline.engine import build_engine
     from pipeschedule import compile_schedule
 
     if case.nanotron_own:
@@ -156,8 +156,8 @@ def _build_engine(case: Case):
         )
 
         return {"1f1b": OneForwardOneBackwardPipelineEngine, "afab": AllForwardAllBackwardPipelineEngine}[case.engine]()
-    from integration.nanotron.engine_spec import parse_engine
-    from integration.nanotron.engine import build_engine
+    from integration.nanotron.pipeline.engine_spec import parse_engine
+    from integration.nanotron.pipeline.engine import build_engine
 
     return build_engine(parse_engine(case.engine))
 
@@ -235,7 +235,7 @@ def worker(rank: int, world_size: int, store, mode: str, cfg: ModelConfig, case_
     GPU, else CPU), 'multi' (rank r on cuda:r)."""
     import nanotron.distributed as nanotron_dist
 
-    from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context, host_staged_p2p
+    from integration.nanotron.patches.cpu import cpu_p2p, cpu_parallel_context, host_staged_p2p
 
     if torch.cuda.is_available():
         device = torch.device("cuda", rank if mode == "multi" else 0)

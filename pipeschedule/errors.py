@@ -5,7 +5,7 @@ command line can catch exactly these and print one line, fuzz tests can assert t
 nothing else escapes a loader, and a launcher can stop every rank on one. The compiler's
 and the planner's (`ParameterError`, `FormatError`, `ArgumentError`, `ScheduleError`)
 and the runtime's (`RuntimeScheduleError`, `ScheduleMismatchError`, `LaunchError`) are
-here; the nanotron adapter adds its own subclasses (integration/nanotron/errors.py).
+here; the nanotron adapter adds its own subclasses (integration/nanotron/pipeline/errors.py).
 
     PipescheduleError
       ParameterError (ValueError)     a parameter out of range

@@ -69,7 +69,7 @@ state: 16 bytes per layer with the flash kernel (measured on an H200, torch 2.11
 every other term agreed to the byte), `attention_rng_bytes`. The memory-efficient kernel
 pads the logsumexp's sequence axis to a multiple of 32 (`attention_lse_pad`; not measured).
 
-Boundaries ([Note: packed boundary] in integration/nanotron/boundary.py): a stage sends
+Boundaries ([Note: packed boundary] in integration/nanotron/pipeline/boundary.py): a stage sends
 one packed tensor of the act dtype: the hidden states (s*b*h*e) and, when the next
 stage starts with a decoder layer, the bool sequence mask as raw bytes rounded up to
 whole elements. Received gradients and sent input gradients have the same size. Stage

@@ -23,7 +23,7 @@ the weights of a block do not depend on pp, split, device or which rank builds i
 pp=1 model and a pp=4 model are identical parameter by parameter.
 
 Building: `build_llama(cfg, p2p, block_ranks)` calls each block's
-`build_and_set_rank(rank)`; `block_ranks` comes from `integration.nanotron.split`
+`build_and_set_rank(rank)`; `block_ranks` comes from `integration.nanotron.pipeline.split`
 (`llama_block_ranks` wraps the usual cases). nanotron's own `build_model` also works on
 this model (it exposes `get_block_compute_costs`), which is how the split arithmetic is
 checked against nanotron's.
@@ -47,7 +47,7 @@ from nanotron.models.base import NanotronModel
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.pipeline_parallel.p2p import P2P
 
-from integration.nanotron import split as splits
+from integration.nanotron.pipeline import split as splits
 from pipeschedule.checks import check_int
 from pipeschedule.compiler.generators.common import round_robin
 

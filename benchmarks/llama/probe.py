@@ -51,9 +51,9 @@ import nanotron.distributed as nanotron_dist
 from benchmarks.llama.memory import TERMS, predict_ranks
 from benchmarks.llama.model import ModelConfig, build_llama, llama_block_ranks
 from benchmarks.llama.reference import clear_shared_state, for_rank, microbatch
-from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
-from integration.nanotron.engine import build_engine
-from integration.nanotron.engine_spec import parse_engine
+from integration.nanotron.patches.cpu import cpu_p2p, cpu_parallel_context
+from integration.nanotron.pipeline.engine import build_engine
+from integration.nanotron.pipeline.engine_spec import parse_engine
 from pipeschedule.compiler.ir import Schedule
 from pipeschedule.plan.memory import ModelSpec, TrainingSetup
 from pipeschedule.runtime.launch import spawn

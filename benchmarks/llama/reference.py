@@ -46,9 +46,9 @@ from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.llama.model import ModelConfig, PipelinedLlama, block_seed, build_llama, llama_block_ranks
-from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
-from integration.nanotron.engine import build_engine
-from integration.nanotron.engine_spec import parse_engine
+from integration.nanotron.patches.cpu import cpu_p2p, cpu_parallel_context
+from integration.nanotron.pipeline.engine import build_engine
+from integration.nanotron.pipeline.engine_spec import parse_engine
 from integration.nanotron.stash import StashMeter
 from pipeschedule.runtime.launch import spawn
 

@@ -10,34 +10,29 @@ before any other nanotron import:
     import integration.nanotron  # noqa: F401
 
 Modules (everything here is what a user imports; the project's own Llama and the
-tests' and benchmarks' helpers live in benchmarks/llama/):
+tests' and benchmarks' helpers live in benchmarks/llama/). The top level holds the launch
+tools; the engine and the patches have a folder each:
 
+    pipeline/     the engine: PipescheduleEngine (pipeline/engine.py), the pp_engine syntax
+                  (engine_spec, registry), one step (step, stage_call, boundary, block_graph),
+                  layouts (layout, layout_fix, split), grad_sync, recompute, and the adapter's
+                  errors (pipeline/errors.py); it imports nothing else of the adapter
     patches/      every patch of nanotron's (and, over gloo, torch's) code, one module per
-                  concern ([Note: nanotron patches])
-    patching      install() / uninstall() / describe(): all of them, in one explicit call
-    errors        the adapter's errors, in pipeschedule's one hierarchy
-    engine_spec   EngineSpec, parse_engine(): the pp_engine value syntax
-    registry      pp_engine name -> schedule family and parameters, from the family records
-    initial_weights  Llama's initial weights by parameter name, whatever the layout
-    checkpoint    optimizer state by parameter name: resuming under another layout
-    engine        PipescheduleEngine, the one PipelineEngine of every family; build_engine
-    step          one step of it (Runner, ModelStages; the runtime's Executor with its hooks); stage_call: one
-                  stage per model call; boundary: the packed boundary tensors
-    layout        where each block goes; the first-step check of the built model
-    layout_fix    the fix a layout refusal suggests, one that is accepted when applied
-    grad_sync     DDP, fp32 accumulation, parameters shared by stages of one rank
-    recompute     layer recompute
-    split         layer splits: explicit, nanotron's default
-    gloo          use_gloo(): nanotron's trainer over gloo; cpu: nanotron's ParallelContext and P2P
-                  on CPU (and staged through host memory on a shared GPU)
+                  concern ([Note: nanotron patches]); patches/patching.py: install() /
+                  uninstall() / describe(), all of them in one explicit call; what they call:
+                  initial_weights (Llama's initial weights by parameter name, whatever the
+                  layout), checkpoint (optimizer state by parameter name: resuming under
+                  another layout), cpu (nanotron's ParallelContext and P2P on CPU, and staged
+                  through host memory on a shared GPU)
+    train         `python -m integration.nanotron.train`: nanotron's trainer from a YAML
     check         `pipeschedule check CONFIG`: a config checked before launch (the launcher's
                   first step too)
-    train         `python -m integration.nanotron.train`: nanotron's trainer from a YAML
-    data          real text through nanotron's data path, checked before the trainer is built
-    progress      the block logged after the first step: engine, schedule, stash per rank
     run           `python -m integration.nanotron.run SCRIPT`: your own launch script, unchanged
     example       `python -m integration.nanotron.example`: a YAML to start from
     demo          `pipeschedule demo`'s training part
+    data          real text through nanotron's data path, checked before the trainer is built
+    progress      the block logged after the first step: engine, schedule, stash per rank
+    gloo          use_gloo(): nanotron's trainer over gloo (the patches of patches/gloo.py)
     stash         saved-for-backward memory meter (saved_tensors_hooks), used by the demo
     flash_attn_standin  a pure-torch flash-attn where the package is missing
 """
@@ -48,7 +43,7 @@ from integration.nanotron.patches.import_cycle import import_nanotron
 # the adapter imports nanotron; the rest of the adapter then imports nanotron normally.
 import_nanotron()
 
-from integration.nanotron import patching  # noqa: E402  (the adapter's one E402: after the repair above)
+from integration.nanotron.patches import patching  # noqa: E402  (the adapter's one E402: after the repair above)
 
 patching.install()
 

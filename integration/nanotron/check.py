@@ -15,7 +15,7 @@ at the first that would fail, with one line naming the value and the fix:
                    it out (`PipescheduleEngine.layout`, what nanotron's build_model is hooked
                    to apply; nanotron's own cost split under its own engines): a split that
                    does not fit the model, a stage or rank left without a block, with the
-                   fix that is accepted ([Note: a fix that is accepted] in layout_fix.py)
+                   fix that is accepted ([Note: a fix that is accepted] in pipeline/layout_fix.py)
     4. schedule    the engine's schedule for (pp, m) compiled and verified against every
                    rule, as the engine compiles it at its first step (with its OFFLOAD /
                    RELOAD where it offloads)
@@ -41,12 +41,12 @@ from dataclasses import dataclass, replace
 
 from nanotron.config import get_config_from_file  # (nanotron repaired and our names registered by the package)
 
-from integration.nanotron.engine import PipescheduleEngine
-from integration.nanotron.errors import LayoutError, ParameterError, PipescheduleError
-from integration.nanotron.layout import ModelLayout, layer_mask
-from integration.nanotron.layout_fix import LayoutFix, fitting_split
+from integration.nanotron.pipeline.engine import PipescheduleEngine
+from integration.nanotron.pipeline.errors import LayoutError, ParameterError, PipescheduleError
+from integration.nanotron.pipeline.layout import ModelLayout, layer_mask
+from integration.nanotron.pipeline.layout_fix import LayoutFix, fitting_split
 from integration.nanotron.progress import EngineView, NANOTRON_FAMILIES, recomputed_layers
-from integration.nanotron.split import nanotron_block_stages
+from integration.nanotron.pipeline.split import nanotron_block_stages
 from pipeschedule import compile_schedule
 from pipeschedule.cli import plan as plan_cli
 from pipeschedule.plan.candidate import Candidate

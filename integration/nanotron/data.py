@@ -46,7 +46,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from integration.nanotron.errors import DataError
+from integration.nanotron.pipeline.errors import DataError
 
 from nanotron.config import PretrainDatasetsArgs
 

@@ -5,7 +5,7 @@ pp=4 over 4 gloo processes ([Note: nanotron over gloo]).
 Both runs are `integration.nanotron.train` on the same config but for `pp_engine`
 (`integration.nanotron.example`: 8 decoder layers, AdamW, 8 microbatches per step,
 synthetic data), 3 optimizer steps each, both from the same initial weights (drawn by
-parameter name: [Note: same initial weights] in initial_weights.py). Printed per step:
+parameter name: [Note: same initial weights] in patches/initial_weights.py). Printed per step:
 the loss under each engine (equal, bit for bit), then the peak of what each stage kept
 for backward in the first step, in microbatches' worth (the stash meter,
 `integration.nanotron.stash`): nanotron's 1F1B holds pp - r microbatches on stage r

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 import yaml
 
-from integration.nanotron.errors import ParameterError
+from integration.nanotron.pipeline.errors import ParameterError
 from pipeschedule.checks import check_int
 
 

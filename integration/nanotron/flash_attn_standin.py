@@ -85,7 +85,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from integration.nanotron.errors import AdapterImportError, StandInError, StandInUnsupported
+from integration.nanotron.pipeline.errors import AdapterImportError, StandInError, StandInUnsupported
 
 API_VERSION = "2.5.0"  # the flash-attn API copied; see [Note: flash-attn stand-in]
 MARK = "__pipeschedule_flash_attn_standin__"  # set on every module install() registers

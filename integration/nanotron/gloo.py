@@ -14,7 +14,7 @@ nanotron's unchanged trainer, model, optimizer and engines run over gloo. What i
    GPU, `LOCAL_RANK % device_count`, on a GPU machine; nothing on a CPU one.
 3. The pipeline P2P that nanotron's Llama builds (`P2P(pp_pg, device="cuda")`) becomes
    `CpuP2P` on CPU or `HostStagedP2P` on a shared GPU ([Note: nanotron on CPU],
-   [Note: host-staged P2P] in cpu.py): gloo sends are rendezvous (nanotron's own 1F1B
+   [Note: host-staged P2P] in patches/cpu.py): gloo sends are rendezvous (nanotron's own 1F1B
    deadlocks on them) and carry no CUDA tensors. pipeschedule's engines do not use it;
    nanotron's own engines, run for comparison, do.
 4. CPU only: nanotron creates tensors on `"cuda"` in about fifteen places on the
@@ -48,8 +48,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from integration.nanotron import patching
-from integration.nanotron.errors import UnsupportedConfigError
+from integration.nanotron.patches import patching
+from integration.nanotron.pipeline.errors import UnsupportedConfigError
 from integration.nanotron.patches.gloo import CudaToCpu
 
 

@@ -30,10 +30,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from integration.nanotron import flash_attn_standin
-from integration.nanotron.engine import AutoEngine, PipescheduleEngine, _block_costs
-from integration.nanotron.layout import layer_mask
-from integration.nanotron.step import pipeline_blocks
+from integration.nanotron.pipeline.engine import AutoEngine, PipescheduleEngine, _block_costs
+from integration.nanotron.pipeline.layout import layer_mask
+from integration.nanotron.pipeline.step import pipeline_blocks
 from pipeschedule import compile_schedule
 from pipeschedule.errors import PipescheduleError
 from pipeschedule.plan.memory import ModelSpec, TrainingSetup, stage_footprints, weight_stash_bytes
@@ -89,9 +88,11 @@ def view_of(engine, model, pp: int, microbatches: int) -> EngineView:
                       tuple(layers))
 
 
-def predicted_stash(view: EngineView, config, model_config) -> tuple[tuple[float, ...], tuple[int, ...]] | str:
+def predicted_stash(view: EngineView, config, model_config, *,
+                    attention: str) -> tuple[tuple[float, ...], tuple[int, ...]] | str:
     """(stash bytes, microbatches in flight) per rank at the schedule's peak, from the
-    memory model; or why there is no prediction."""
+    memory model; or why there is no prediction. `attention` is the memory model's
+    attention kind of this run ("flash-attn" or "sdpa-standin", which the launcher knows)."""
     if view.family is None:
         return f"no schedule model for {view.name}"
     if not all(hasattr(model_config, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads")):
@@ -102,7 +103,7 @@ def predicted_stash(view: EngineView, config, model_config) -> tuple[tuple[float
                           kv_heads=model_config.num_key_value_heads or model_config.num_attention_heads,
                           ffn=model_config.intermediate_size, vocab=model_config.vocab_size,
                           tied_embeddings=bool(getattr(model_config, "tie_word_embeddings", False)))
-        setup = _setup(config, view)
+        setup = _setup(config, view, attention)
         recomputed = recomputed_layers(view)
         footprints = stage_footprints(model, setup, view.layers, recomputed)
         schedule = view.schedule()
@@ -116,7 +117,7 @@ def predicted_stash(view: EngineView, config, model_config) -> tuple[tuple[float
         return f"the memory model does not cover this run: {err}"
 
 
-def _setup(config, view: EngineView) -> TrainingSetup:
+def _setup(config, view: EngineView, attention: str) -> TrainingSetup:
     parallelism, optimizer = config.parallelism, config.optimizer
     itemsize = config.model.dtype.itemsize
     mode = getattr(parallelism.tp_mode, "name", str(parallelism.tp_mode))
@@ -126,7 +127,7 @@ def _setup(config, view: EngineView) -> TrainingSetup:
         sequence_parallel=mode == "REDUCE_SCATTER", param_bytes=itemsize, act_bytes=itemsize,
         fp32_grad_accum=bool(optimizer.accumulate_grad_in_fp32),
         tp_async=bool(parallelism.tp_linear_async_communication),
-        attention="sdpa-standin" if flash_attn_standin.is_installed() else "flash-attn")
+        attention=attention)
 
 
 def recomputed_layers(view: EngineView) -> tuple[int, ...] | None:

@@ -68,9 +68,9 @@ from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 from integration.nanotron import data, flash_attn_standin, progress
 from integration.nanotron.check import preflight, read_config
-from integration.nanotron.errors import DataError, PipescheduleError
+from integration.nanotron.pipeline.errors import DataError, PipescheduleError
 from integration.nanotron.gloo import use_gloo
-from integration.nanotron.step import pipeline_blocks
+from integration.nanotron.pipeline.step import pipeline_blocks
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -218,7 +218,8 @@ def _report_first_step(trainer, view, stash, allocated) -> dict:
                              stash, allocated)
     measured = [None] * context.world_pg.size()
     torch.distributed.all_gather_object(measured, mine, group=context.world_pg)
-    predicted = progress.predicted_stash(view, trainer.config, trainer.model_config)
+    attention = "sdpa-standin" if flash_attn_standin.is_installed() else "flash-attn"
+    predicted = progress.predicted_stash(view, trainer.config, trainer.model_config, attention=attention)
     _log_rank0(trainer, progress.block(view, predicted, measured, step=trainer.iteration_step))
     ranks = sorted((m for m in measured if m.dp_rank == 0 and m.tp_rank == 0), key=lambda m: m.pp_rank)
     return {"engine": view.name, "family": view.family, "microbatches": view.microbatches,

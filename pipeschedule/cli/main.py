@@ -91,7 +91,7 @@ def _schedule_args(parser: argparse.ArgumentParser, *, name_required: bool = Tru
 
 def cli_family(name: str):
     """The family NAME means: a family's name, or its pp_engine name (`ps_1f1b`, and the
-    names they share), as nanotron's YAML writes it (integration/nanotron/registry.py)."""
+    names they share), as nanotron's YAML writes it (integration/nanotron/pipeline/registry.py)."""
     by_engine = {f.engine: f for f in FAMILIES.values()}
     return by_engine[name] if name not in FAMILIES and name in by_engine else family(name)
 
@@ -114,7 +114,7 @@ def _build(args, cost=None):
     if missing:
         raise ParameterError(f"{' and '.join(missing)} required to build schedule {shown(args.name)}")
     if chosen.takes_virtual and args.virtual is None:
-        # as pp_engine requires virtual=V of it (integration/nanotron/registry.py): without a
+        # as pp_engine requires virtual=V of it (integration/nanotron/pipeline/registry.py): without a
         # count it would be one chunk per rank, 1F1B under another name
         raise ParameterError(f"{chosen.name} needs --virtual V, the model chunks per rank (as pp_engine's "
                              f"{chosen.engine}:virtual=V); --virtual 1 is 1F1B's order")

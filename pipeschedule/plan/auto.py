@@ -1,5 +1,5 @@
 """What `pp_engine: auto` picks once its first step has measured the model ([Note: auto
-engine] in integration/nanotron/engine.py). Pure arithmetic: no torch.
+engine] in integration/nanotron/pipeline/engine.py). Pure arithmetic: no torch.
 
 [Note: auto choice] The layout is fixed when nanotron builds the model (nanotron's split,
 one stage per rank), so auto chooses among the schedules that run on it: 1F1B and

@@ -75,7 +75,7 @@ class Candidate:
 
     def engine(self, nanotron_default: bool = False) -> str:
         """The `parallelism.pp_engine` value our nanotron integration reads (see
-        integration/nanotron/engine_spec.py): nanotron's own engine when it is nanotron's
+        integration/nanotron/pipeline/engine_spec.py): nanotron's own engine when it is nanotron's
         default, else pipeschedule's with virtual, cap and split inside the value."""
         if (nanotron_default or self.nanotron_engine) and self.recompute == "none" and not self.recomputed:
             return "1f1b"

@@ -14,7 +14,7 @@ the setup itself recomputes nothing.
 
 [Note: offload lever] The engine's `offload=RANKS[,stream=MiB]` moves every stash of the
 listed ranks to host memory after its F and back before its B (fraction 1, lead 1,
-integration/nanotron/engine_spec.py). For a row that does not fit, the ranks that
+integration/nanotron/pipeline/engine_spec.py). For a row that does not fit, the ranks that
 overflow are offloaded, once with stashes moved whole and once streamed in chunks of
 STREAM_MIB; the device peak of saved activations is the simulator's with the OFFLOAD /
 RELOAD instructions in place (streamed: at least one stash, [Note: streamed offload floor]

@@ -52,7 +52,7 @@ models (files under nanotron/ in the installed package):
                                                   pipeschedule's engines, before it is
                                                   folded into fp32 the moment autograd has
                                                   it ([Note: gradient folding] in
-                                                  integration/nanotron/grad_sync.py): one
+                                                  integration/nanotron/pipeline/grad_sync.py): one
                                                   at a time, the largest counted
                                                   (`largest_param`: nanotron's Llama fuses
                                                   q,k,v and gate,up, models/llama.py)
@@ -343,7 +343,7 @@ def weight_stash_head(model: ModelSpec, setup: TrainingSetup) -> int:
 
 def weight_stash_bytes(model: ModelSpec, setup: TrainingSetup, layers: int, *, last: bool, recomputed: int = 0) -> int:
     """A stage's W stash: its layers' (none when recomputed: a rerun layer computes its
-    weight gradients at B, integration/nanotron/recompute.py) and the LM head's."""
+    weight gradients at B, integration/nanotron/pipeline/recompute.py) and the LM head's."""
     kept = 0 if setup.recompute == "full" else (layers - min(recomputed, layers)) * weight_stash_layer(model, setup)
     return kept + (weight_stash_head(model, setup) if last else 0)
 

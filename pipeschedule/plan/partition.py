@@ -17,7 +17,7 @@ the head on stage 3), and k moves at most one stage per block. Blocks of cost 0 
 the last costly block stay on its stage; if that block crosses T_k with k < S - 1, they
 move to stage k + 1, alone. With a heavy LM head or few layers, trailing stages can stay
 empty (pp=4, 3 layers, vocab 4096: every block on stages 0 and 1), and then a rank holds
-no parameters at all (integration/nanotron/split.py: `nanotron_output_pp_rank`).
+no parameters at all (integration/nanotron/pipeline/split.py: `nanotron_output_pp_rank`).
 
 [Note: exact split search] The simulated step time of a split is a max over the paths of
 a fixed graph ([Note: critical path bound]), so every simulated split hands back its

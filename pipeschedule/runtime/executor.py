@@ -89,7 +89,7 @@ attributes between steps):
   program runs (not around F, messages, FREE, OFFLOAD or RELOAD): where gradients go
   during that instruction. The nanotron adapter enters DDP's sync or no-sync, its fp32
   accumulator's no_sync, and the folding of shared and accumulated gradients there
-  ([Note: gradient sync] in integration/nanotron/grad_sync).
+  ([Note: gradient sync] in integration/nanotron/pipeline/grad_sync.py).
 - `side_inputs(instr)` returns what an F's stage reads besides its act_in and target (the
   adapter's stages read the data loader's microbatch themselves); it joins the input
   signature by which a measured stash is reused ([Note: what the ledger counts]), so
@@ -156,7 +156,7 @@ class Executor:
     each moves whole at its OFFLOAD and RELOAD ([Note: host offload]).
 
     Two hooks for a caller whose stages need more than the executor knows (the nanotron
-    adapter's gradient paths, [Note: gradient sync] in integration/nanotron/grad_sync),
+    adapter's gradient paths, [Note: gradient sync] in integration/nanotron/pipeline/grad_sync.py),
     given to the constructor or set as attributes between steps ([Note: executor hooks]).
     """
 

@@ -44,7 +44,7 @@ and its output gradient; `held_bytes` counts their storages (parameters and the 
 Activation checkpointing inside a deferred stage must run its forward, both times, under
 `not_deferring()` (its recomputation runs at B, outside the mode, and must save what the
 first run saved): its linears then compute their weight gradients at B. Layer recompute
-does (integration/nanotron/recompute.py). Their uses are still noted, so a deferred linear
+does (integration/nanotron/pipeline/recompute.py). Their uses are still noted, so a deferred linear
 sharing a weight with them computes at B too, as a tied weight does.
 """
 

@@ -5,7 +5,7 @@ family's pp_engine name (`ps_1f1b`); `interleaved_1f1b` needs a chunk count on b
 sides. The schedule `pipeschedule compile` writes is the one nanotron's adapter compiles
 from the same values in either YAML form, and the planner's pp_engine values are what
 the adapter parses and writes back ([Note: list syntax] in pipeschedule/checks.py,
-[Note: pp_engine syntax] in integration/nanotron/engine_spec.py).
+[Note: pp_engine syntax] in integration/nanotron/pipeline/engine_spec.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import integration.nanotron  # noqa: F401  (the adapter, as a launch script imports it)
-from integration.nanotron.engine import build_engine
-from integration.nanotron.engine_spec import parse_engine
+from integration.nanotron.pipeline.engine import build_engine
+from integration.nanotron.pipeline.engine_spec import parse_engine
 from pipeschedule.checks import parse_int_list
 from pipeschedule.cli import main
 from pipeschedule.cli.main import parse_cap

@@ -31,8 +31,8 @@ from nanotron.parallel.pipeline_parallel.engine import AllForwardAllBackwardPipe
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
 from benchmarks.llama.reference import clear_shared_state
-from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
-from integration.nanotron.engine import build_engine
+from integration.nanotron.patches.cpu import cpu_p2p, cpu_parallel_context
+from integration.nanotron.pipeline.engine import build_engine
 from pipeschedule.runtime.launch import spawn
 
 WIDTH = 6

@@ -1,5 +1,5 @@
 """Models of nanotron `PipelineBlock`s whose blocks form a graph ([Note: block graph] in
-integration/nanotron/block_graph.py), and the workers `launch.spawn` runs them with (they
+integration/nanotron/pipeline/block_graph.py), and the workers `launch.spawn` runs them with (they
 must live in an importable module). Holds no tests itself.
 
 `diamond_worker` ports, in our own words, what nanotron's `test_pipeline_engine_diamond`
@@ -30,8 +30,8 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.pipeline_parallel.engine import AllForwardAllBackwardPipelineEngine
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-from integration.nanotron.cpu import CpuP2P
-from integration.nanotron.engine import build_engine
+from integration.nanotron.patches.cpu import CpuP2P
+from integration.nanotron.pipeline.engine import build_engine
 
 BATCH = 3
 WIDTH = 10  # the diamond's

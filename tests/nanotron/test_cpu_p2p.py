@@ -1,5 +1,5 @@
 """nanotron's point-to-point layer and parallel context on CPU with gloo
-(integration/nanotron/cpu.py), on ranks of the one launcher."""
+(integration/nanotron/patches/cpu.py), on ranks of the one launcher."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.spawn
 
 def cross_sends(rank, world_size, store):
     """Both ranks send first, then receive: a deadlock with nanotron's own P2P on gloo."""
-    from integration.nanotron.cpu import cpu_p2p, cpu_parallel_context
+    from integration.nanotron.patches.cpu import cpu_p2p, cpu_parallel_context
 
     context = cpu_parallel_context(pp=2)
     p2p = cpu_p2p(context.pp_pg)
@@ -28,7 +28,7 @@ def cross_sends(rank, world_size, store):
 
 
 def group_layout(rank, world_size, store):
-    from integration.nanotron.cpu import cpu_parallel_context
+    from integration.nanotron.patches.cpu import cpu_parallel_context
 
     context = cpu_parallel_context(pp=2, dp=2)
     return (dist.get_process_group_ranks(context.pp_pg), dist.get_process_group_ranks(context.dp_pg),

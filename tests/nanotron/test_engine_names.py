@@ -9,8 +9,8 @@ import string
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
-from integration.nanotron.engine_spec import parse_engine
-from integration.nanotron.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES
+from integration.nanotron.pipeline.engine_spec import parse_engine
+from integration.nanotron.pipeline.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES
 from pipeschedule.errors import ParameterError
 from strategies import examples
 

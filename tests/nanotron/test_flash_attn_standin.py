@@ -623,8 +623,8 @@ def test_install_leaves_a_real_flash_attn_alone_unless_forced(tmp_path):
 def cpu_p2p_in(llama_module):
     """nanotron's LlamaModel builds `P2P(pp_pg, device=torch.device("cuda"))`
     (nanotron/models/llama.py:672), whose metadata buffers fail on a CPU-only torch:
-    build it on CPU, over gloo (integration.nanotron.cpu)."""
-    from integration.nanotron.cpu import cpu_p2p
+    build it on CPU, over gloo (integration.nanotron.patches.cpu)."""
+    from integration.nanotron.patches.cpu import cpu_p2p
 
     original = llama_module.P2P
     llama_module.P2P = lambda pg, device: cpu_p2p(pg)
@@ -696,7 +696,7 @@ def _llama_checks() -> dict:
     from nanotron.config import LlamaConfig
     from nanotron.models.base import build_model
 
-    from integration.nanotron.cpu import cpu_parallel_context
+    from integration.nanotron.patches.cpu import cpu_parallel_context
 
     context = cpu_parallel_context(tp=1, pp=1, dp=1)
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -4,7 +4,7 @@ what `train_batch_iter` returns under data parallelism (issue 34).
 nanotron's own 1F1B folds gradients into the fp32 accumulator after each microbatch's
 whole backward, so every parameter of the stage holds its bf16 gradient at once;
 pipeschedule's engines fold each one as autograd produces it ([Note: gradient folding]
-in integration/nanotron/grad_sync.py). A probe hook on every parameter, registered before
+in integration/nanotron/pipeline/grad_sync.py). A probe hook on every parameter, registered before
 the engines', records the bf16 `.grad` bytes alive each time a gradient arrives; the
 memory model's terms (`transient_per_param`, `largest_param` in pipeschedule/plan/memory.py)
 must equal those maxima on every rank, from the model's sizes and the run's layer split
@@ -57,7 +57,7 @@ def _child(rank: int, world: int, store, paths: list[str]) -> list[dict]:
     import nanotron.distributed as dist
 
     from integration.nanotron import train
-    from integration.nanotron.step import pipeline_blocks
+    from integration.nanotron.pipeline.step import pipeline_blocks
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     train.prepare("gloo")

@@ -1,4 +1,4 @@
-"""`HostStagedP2P` (integration/nanotron/cpu.py, [Note: host-staged P2P]) on real gloo ranks.
+"""`HostStagedP2P` (integration/nanotron/patches/cpu.py, [Note: host-staged P2P]) on real gloo ranks.
 
 On this CPU machine its device is "cpu", so staging is a plain copy; where CUDA is
 present the unit test also runs with both ranks on cuda:0, as the one-GPU benchmarks do.
@@ -39,7 +39,7 @@ def layout(tensor: torch.Tensor) -> dict:
 def exchange(rank, world_size, store, device):
     """Both ranks send every tensor twice, then receive each once with nanotron's own
     receive (`CpuP2P`'s is nanotron's) and once with `HostStagedP2P`'s."""
-    from integration.nanotron.cpu import CpuP2P, HostStagedP2P, cpu_parallel_context
+    from integration.nanotron.patches.cpu import CpuP2P, HostStagedP2P, cpu_parallel_context
 
     if device == "cuda":
         device = torch.device("cuda", 0)  # both ranks share the GPU
@@ -83,7 +83,7 @@ def train_both(rank, world_size, store, m):
     import nanotron.distributed as nanotron_dist
     from nanotron.parallel.pipeline_parallel.engine import OneForwardOneBackwardPipelineEngine
 
-    from integration.nanotron.cpu import HostStagedP2P, cpu_p2p, cpu_parallel_context
+    from integration.nanotron.patches.cpu import HostStagedP2P, cpu_p2p, cpu_parallel_context
     from benchmarks.llama.reference import clear_shared_state, for_rank, microbatch
     from benchmarks.llama.model import build_llama, llama_block_ranks
 

@@ -1,4 +1,4 @@
-"""Initial weights by parameter name ([Note: same initial weights] in integration/nanotron/initial_weights.py).
+"""Initial weights by parameter name ([Note: same initial weights] in integration/nanotron/patches/initial_weights.py).
 
 The spawned job builds nanotron's own trainer (no training) from YAML files that differ
 only in the engine, the layout, tp, dp and tied embeddings, and compares the full
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron)
-from integration.nanotron import initial_weights
-from integration.nanotron.errors import UnsupportedConfigError
+from integration.nanotron.patches import initial_weights
+from integration.nanotron.pipeline.errors import UnsupportedConfigError
 from nanotron.parallel.parameters import NanotronParameter, SlicesPair
 from trainer_jobs import TrainerConfig, initial_all
 

@@ -1,5 +1,5 @@
 """Refusals that suggest a fix suggest one that is accepted ([Note: a fix that is accepted]
-in integration/nanotron/layout_fix.py): over engines, pp, virtual, layer counts and given
+in integration/nanotron/pipeline/layout_fix.py): over engines, pp, virtual, layer counts and given
 splits, every `pp_engine: VALUE [with parallelism.pp: P]` a layout refusal prints is read
 back from the message, applied, and laid out and compiled by the engine without a
 refusal."""
@@ -13,9 +13,9 @@ from hypothesis import assume, given, settings, strategies as st
 
 import integration.nanotron  # noqa: F401  (registers the engines, as a launch script would)
 from integration.nanotron.check import engine_layout
-from integration.nanotron.errors import LayoutError
-from integration.nanotron.layout_fix import even_split, fitting_split
-from integration.nanotron.registry import NANOTRON_ENGINES
+from integration.nanotron.pipeline.errors import LayoutError
+from integration.nanotron.pipeline.layout_fix import even_split, fitting_split
+from integration.nanotron.pipeline.registry import NANOTRON_ENGINES
 from nanotron.config.models_config import LlamaConfig
 from nanotron.config.utils_config import cast_str_to_pipeline_engine
 from pipeschedule.compiler.families import FAMILIES

@@ -1,4 +1,4 @@
-"""`pp_engine: auto` in nanotron's trainer ([Note: auto engine] in integration/nanotron/engine.py):
+"""`pp_engine: auto` in nanotron's trainer ([Note: auto engine] in integration/nanotron/pipeline/engine.py):
 the first step runs capped 1F1B with cap 1 and measures; then the chosen engine runs. On CPU
 the budget is unbounded, so it chooses 1F1B: losses and parameters bitwise those of
 nanotron's 1F1B, and the stash goes from one microbatch (step 1) to 1F1B's (step 2)."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from integration.nanotron.engine import AutoEngine, build_engine
-from integration.nanotron.engine_spec import parse_engine
+from integration.nanotron.pipeline.engine import AutoEngine, build_engine
+from integration.nanotron.pipeline.engine_spec import parse_engine
 from pipeschedule.errors import ParameterError
 
 from trainer_jobs import TrainerConfig, train_all
@@ -69,7 +69,7 @@ def test_the_choice_is_logged_through_nanotrons_handler():
     import io
     import logging
 
-    from integration.nanotron.engine import _LOG, warn_lines
+    from integration.nanotron.pipeline.engine import _LOG, warn_lines
     from nanotron.logging import NewLineStreamHandler
 
     stream = io.StringIO()

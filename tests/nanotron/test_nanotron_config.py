@@ -17,11 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import integration.nanotron  # noqa: F401  (registers the engines, as a launch script would)
-from integration.nanotron import patching
+from integration.nanotron.patches import patching
 from integration.nanotron.patches import engine_names
-from integration.nanotron.engine_spec import EngineSpec, parse_engine
-from integration.nanotron.errors import ConfigError
-from integration.nanotron.registry import ENGINES
+from integration.nanotron.pipeline.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.pipeline.errors import ConfigError
+from integration.nanotron.pipeline.registry import ENGINES
 from nanotron.config import get_config_from_file
 from nanotron.config.parallelism_config import ParallelismArgs
 from nanotron.parallel.pipeline_parallel.engine import (
@@ -317,7 +317,7 @@ def test_auto_saves_as_auto(tmp_path, value):
     """A saved config (and the config.yaml nanotron writes into each checkpoint) keeps the
     user's `auto`: it wrote the engine auto runs first (capped_1f1b:cap=1), so a resumed run
     ran cap 1 for good."""
-    from integration.nanotron.engine import AutoEngine
+    from integration.nanotron.pipeline.engine import AutoEngine
 
     loaded, reloaded, saved = round_trip(tmp_path, value, raw_line=f"pp_engine: {value}")
     assert yaml.safe_load(saved)["parallelism"]["pp_engine"] == parse_engine(value).to_string()

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron)
 from integration.nanotron import data
-from integration.nanotron.errors import DataError
+from integration.nanotron.pipeline.errors import DataError
 from integration.nanotron.example import TrainerConfig
 from pipeschedule.runtime.launch import spawn
 from text_corpus import samples_from, write_corpus, write_tokenizer

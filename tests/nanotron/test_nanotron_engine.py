@@ -1,4 +1,4 @@
-"""pipeschedule's nanotron engines (integration/nanotron/engine.py) against nanotron's own.
+"""pipeschedule's nanotron engines (integration/nanotron/pipeline/engine.py) against nanotron's own.
 
 Every group is spawned once (gloo, CPU) and performs all its runs in turn, each on a
 freshly built model with the same weights and data ([Note: deterministic init]).
@@ -15,8 +15,8 @@ import torch
 import yaml
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
-from integration.nanotron.engine import PipescheduleEngine, build_engine
-from integration.nanotron.engine_spec import EngineSpec
+from integration.nanotron.pipeline.engine import PipescheduleEngine, build_engine
+from integration.nanotron.pipeline.engine_spec import EngineSpec
 from benchmarks.llama.reference import Job, Run, run_nanotron
 from benchmarks.llama.model import ModelConfig
 from integration.nanotron.stash import microbatches_worth
@@ -181,7 +181,7 @@ def test_forward_only_keeps_the_forward_half():
 
 
 def test_boundary_packing_round_trips_bit_for_bit():
-    from integration.nanotron.boundary import Layout
+    from integration.nanotron.pipeline.boundary import Layout
 
     hidden = torch.randn(2, 3, 4, requires_grad=True) * 1
     mask = torch.rand(2, 3) > 0.5

@@ -1,5 +1,5 @@
 """Models whose blocks form a graph, not a chain ([Note: block graph] in
-integration/nanotron/block_graph.py), trained by our engines against nanotron's AFAB on
+integration/nanotron/pipeline/block_graph.py), trained by our engines against nanotron's AFAB on
 CPU over gloo: nanotron's diamond (our port, graph_models.Diamond) under every engine
 whose layout holds it, and random graphs of blocks under every engine, each laid out for
 that engine's placement.

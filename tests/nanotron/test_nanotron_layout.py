@@ -1,5 +1,5 @@
 """Where an engine puts the blocks of a model that is not a Llama ([Note: model layout] in
-integration/nanotron/layout.py), and what it says of a model laid out by someone else.
+integration/nanotron/pipeline/layout.py), and what it says of a model laid out by someone else.
 
 nanotron's own pipeline tests build models of alternating blocks (a linear, then an
 activation, per rank; then a loss) and place them themselves with `build_and_set_rank`.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from integration.nanotron.errors import LayoutError
-from integration.nanotron.layout import engine_layout, model_stages
+from integration.nanotron.pipeline.errors import LayoutError
+from integration.nanotron.pipeline.layout import engine_layout, model_stages
 from strategies import examples
 
 LINEAR = "linear"  # the one module builder shared by several blocks: the decoder layers

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from integration.nanotron import split as splits
+from integration.nanotron.pipeline import split as splits
 from benchmarks.llama.model import DecoderLayer, Loss, ModelConfig, TokenEmbedding, block_seed, rotary
 from pipeschedule.compiler.generators.common import round_robin
 from pipeschedule.errors import ParameterError

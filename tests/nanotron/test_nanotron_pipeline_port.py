@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
-from integration.nanotron.registry import ENGINES
+from integration.nanotron.pipeline.registry import ENGINES
 from pipeline_port import SEQUENTIAL, Job, Run, TiedJob, TiedRun, engine_of, run_pipelines, run_tied
 
 OPTIONS = ("recompute=full", "offload=0")  # each also drawn on top of one engine of each shape
@@ -158,8 +158,9 @@ def test_two_stages_per_rank_engines_refuse_nanotrons_placement_in_one_line(pp):
             line = error.strip().splitlines()[-1]
             placement = engine_of(engine, pp).placement(pp)
             assert len(placement) == 2 * pp
-            assert line.startswith(f"integration.nanotron.errors.LayoutError: pp_engine {engine!r} runs {2 * pp} "
-                                   f"stages on ranks {placement} and expects its blocks to visit ranks"), line
+            assert line.startswith("integration.nanotron.pipeline.errors.LayoutError: "
+                                   f"pp_engine {engine!r} runs {2 * pp} stages on ranks {placement} "
+                                   "and expects its blocks to visit ranks"), line
             layers = PLACED_BY_TEST[model].layers(pp)
             if layers is not None:
                 assert f"but the model it was given has decoder layers per run of blocks " \

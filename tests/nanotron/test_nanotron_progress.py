@@ -16,6 +16,7 @@ from integration.nanotron.progress import EngineView, Measured
 from pipeschedule.plan.memory import ModelSpec, TrainingSetup, stage_footprints
 
 PP, M = 4, 8
+ATTENTION = "sdpa-standin" if flash_attn_standin.is_installed() else "flash-attn"  # as the launcher says
 
 
 @pytest.fixture
@@ -40,28 +41,29 @@ def view(family: str, *, ours: bool = True, cap=None, layers=(2, 2, 2, 2)) -> En
 ])
 def test_the_prediction_is_the_schedules_in_flight_times_each_stages_stash(config, family, ours, cap, inflight):
     engine = view(family, ours=ours, cap=cap)
-    stash, got = progress.predicted_stash(engine, config, config.model.model_config)
+    stash, got = progress.predicted_stash(engine, config, config.model.model_config, attention=ATTENTION)
     assert got == inflight
     m = config.model.model_config
     model = ModelSpec("nanotron", layers=8, hidden=m.hidden_size, heads=m.num_attention_heads,
                       kv_heads=m.num_key_value_heads, ffn=m.intermediate_size, vocab=m.vocab_size)
     setup = TrainingSetup(seq=config.tokens.sequence_length, micro_batch=config.tokens.micro_batch_size,
                           sequence_parallel=False, param_bytes=4, act_bytes=4, fp32_grad_accum=False,
-                          attention="sdpa-standin" if flash_attn_standin.is_installed() else "flash-attn")
+                          attention=ATTENTION)
     per_mb = [fp.stash_bytes for fp in stage_footprints(model, setup, engine.layers)]
     assert list(stash) == [n * b for n, b in zip(inflight, per_mb)]  # one stage a rank: in flight x its stash
 
 
 def test_a_model_the_memory_model_does_not_cover_gets_a_reason(config):
-    reason = progress.predicted_stash(view("1f1b", ours=False), config, object())
+    reason = progress.predicted_stash(view("1f1b", ours=False), config, object(), attention=ATTENTION)
     assert reason == "the memory model covers Llama-style models, not object"
     unknown = dataclasses.replace(view("1f1b", ours=False), family=None, name="MyEngine")
-    assert progress.predicted_stash(unknown, config, config.model.model_config) == "no schedule model for MyEngine"
+    reason = progress.predicted_stash(unknown, config, config.model.model_config, attention=ATTENTION)
+    assert reason == "no schedule model for MyEngine"
 
 
 def test_the_block_has_a_row_per_rank_and_says_what_is_missing(config):
     engine = view("capped_1f1b", cap=2)
-    predicted = progress.predicted_stash(engine, config, config.model.model_config)
+    predicted = progress.predicted_stash(engine, config, config.model.model_config, attention=ATTENTION)
     measured = [Measured(r, 0, 0, 1024.0 * (r + 1), None) for r in range(PP - 1)]  # rank 3 did not report
     lines = progress.block(engine, predicted, measured, step=1).splitlines()
     assert all(line.startswith(progress.PREFIX) for line in lines) and len(lines) == 4 + PP

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.llama.reference import Job, Run, run_nanotron
 from benchmarks.llama.model import ModelConfig, count_parameters
-from integration.nanotron.split import nanotron_block_stages, nanotron_output_pp_rank
+from integration.nanotron.pipeline.split import nanotron_block_stages, nanotron_output_pp_rank
 from integration.nanotron.stash import microbatches_worth
 
 pytestmark = pytest.mark.spawn

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
-from integration.nanotron.engine import PipescheduleEngine, build_engine
-from integration.nanotron.engine_spec import EngineSpec
+from integration.nanotron.pipeline.engine import PipescheduleEngine, build_engine
+from integration.nanotron.pipeline.engine_spec import EngineSpec
 from benchmarks.llama.reference import Job, Run, run_nanotron
 from benchmarks.llama.model import ModelConfig
 from pipeschedule.errors import ParameterError

@@ -13,8 +13,8 @@ import pytest
 import integration.nanotron  # noqa: F401  (first: repairs nanotron 0.4's import, installs the patches)
 import nanotron
 import nanotron.models.base as nanotron_base
-from integration.nanotron import patching
-from integration.nanotron.errors import PatchError
+from integration.nanotron.patches import patching
+from integration.nanotron.pipeline.errors import PatchError
 from integration.nanotron.patches import trainer
 from integration.nanotron.patches.base import rebind
 
@@ -69,7 +69,8 @@ def test_the_gloo_patches_install_and_uninstall():
     code = textwrap.dedent("""
         import torch
         import integration.nanotron
-        from integration.nanotron import flash_attn_standin, patching
+        from integration.nanotron import flash_attn_standin
+        from integration.nanotron.patches import patching
         flash_attn_standin.install()
         import nanotron.distributed as nanotron_dist
         from nanotron.parallel.context import ParallelContext
@@ -95,7 +96,7 @@ def test_the_gloo_patches_install_and_uninstall():
 def test_the_cpu_context_refuses_a_parallel_context_it_was_not_written_for(monkeypatch):
     from nanotron.parallel.context import ParallelContext
 
-    from integration.nanotron import cpu
+    from integration.nanotron.patches import cpu
 
     cpu._check_parallel_context()  # nanotron's own class: accepted
 

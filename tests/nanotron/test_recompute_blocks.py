@@ -1,5 +1,5 @@
 """`recompute=` on any PipelineBlock nanotron accepts ([Note: layer recompute] in
-integration/nanotron/recompute.py).
+integration/nanotron/pipeline/recompute.py).
 
 In one process (a one-rank gloo group, real PipelineBlocks): a property over chains of
 every kind of block (block_chains.KINDS): recomputed blocks give bitwise the values,
@@ -27,9 +27,9 @@ import integration.nanotron  # noqa: F401  (first: repairs nanotron)
 from nanotron.parallel.pipeline_parallel.p2p import P2P
 
 from block_chains import KINDS, BlockChain, Job, NanotronChain, Run, initial_state, loss_of, run_engines
-from integration.nanotron.errors import EngineRuntimeError, LayoutError
-from integration.nanotron.layout import layer_mask
-from integration.nanotron.recompute import apply_recompute, is_recomputed, recomputed
+from integration.nanotron.pipeline.errors import EngineRuntimeError, LayoutError
+from integration.nanotron.pipeline.layout import layer_mask
+from integration.nanotron.pipeline.recompute import apply_recompute, is_recomputed, recomputed
 from pipeschedule.runtime.ledger import saved_storages
 from pipeschedule.runtime.split_backward import WeightGrads
 from strategies import examples

@@ -1,5 +1,5 @@
 """A checkpoint saved under one engine, resumed under another whose layout differs
-([Note: checkpoints across layouts] in integration/nanotron/checkpoint.py).
+([Note: checkpoints across layouts] in integration/nanotron/patches/checkpoint.py).
 
 Each job trains, in one process group, nanotron's trainer from YAML files: once
 uninterrupted for 6 steps under nanotron's `1f1b`, then in three legs of 2 steps, each
@@ -20,8 +20,8 @@ import functools
 import pytest
 import torch
 
-from integration.nanotron import checkpoint
-from integration.nanotron.errors import UnsupportedConfigError
+from integration.nanotron.patches import checkpoint
+from integration.nanotron.pipeline.errors import UnsupportedConfigError
 from trainer_jobs import TrainerConfig, checkpoints_path, resume_states, train_all
 
 LAYOUTS = ("1f1b", "interleaved_1f1b:virtual=2", "zbv")

@@ -25,7 +25,7 @@ def train_all(configs: list[TrainerConfig], tmp_path, *, timeout: float = 300.0)
 
     Every config starts from its own random initialisation: whatever the engine and
     layout, the same weights for the same seed ([Note: same initial weights] in
-    integration/nanotron/initial_weights.py), so no initial state is passed between them."""
+    integration/nanotron/patches/initial_weights.py), so no initial state is passed between them."""
     worlds = {c.world for c in configs}
     if len(worlds) != 1:
         raise ValueError(f"one job runs one world size, got {sorted(worlds)}")
@@ -75,7 +75,8 @@ def initial_all(configs: list[TrainerConfig], tmp_path, *, block_numel: int | No
 
 
 def _initial_child(rank: int, world: int, store, paths: list[str], block_numel: int | None) -> list[dict]:
-    from integration.nanotron import initial_weights, train
+    from integration.nanotron import train
+    from integration.nanotron.patches import initial_weights
 
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     train.prepare("gloo")

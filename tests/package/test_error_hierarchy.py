@@ -82,4 +82,5 @@ def test_the_nanotron_adapter_raises_only_pipeschedule_errors():
             if (isinstance(raised, type) and issubclass(raised, BaseException)
                     and not issubclass(raised, PipescheduleError)):
                 found.append(f"{path.relative_to(PACKAGE.parent)}:{line}: raise {name}")
-    assert not found, "raise a PipescheduleError subclass (integration/nanotron/errors.py):\n" + "\n".join(found)
+    assert not found, ("raise a PipescheduleError subclass (integration/nanotron/pipeline/errors.py):\n"
+                       + "\n".join(found))

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import integration.nanotron  # noqa: F401  (nanotron's loader taught our pp_engine values, as a launcher does)
-from integration.nanotron.engine_spec import parse_engine
+from integration.nanotron.pipeline.engine_spec import parse_engine
 from integration.nanotron.example import TrainerConfig
 from nanotron.config import get_config_from_file
 from pipeschedule.cli import main

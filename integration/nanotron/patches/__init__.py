@@ -1,5 +1,5 @@
 """Every change pipeschedule makes to nanotron's (and, over gloo, torch's) own code, one
-module per concern; `integration.nanotron.patching` applies them.
+module per concern; `integration.nanotron.patches.patching` applies them.
 
 [Note: nanotron patches] Each patch is a `Patch` (base.py): what it replaces, the guard
 that the thing replaced is still the one it was written for (a signature or an

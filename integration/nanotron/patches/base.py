@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from integration.nanotron.errors import PatchError
+from integration.nanotron.pipeline.errors import PatchError
 
 CHECKED = ("0.4 (PyPI wheel)", "GitHub main (2026-12)")  # the nanotron versions every patch was checked against
 EVERY_NANOTRON_MODULE = "every loaded nanotron module"  # `binders` value: rebind wherever the original is bound

@@ -45,9 +45,9 @@ import nanotron.config.config as nanotron_config
 import nanotron.config.utils_config as nanotron_utils_config
 from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
 
-from integration.nanotron.engine import build_engine
-from integration.nanotron.engine_spec import EngineSpec, parse_engine
-from integration.nanotron.errors import ConfigError
+from integration.nanotron.pipeline.engine import build_engine
+from integration.nanotron.pipeline.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.pipeline.errors import ConfigError
 from integration.nanotron.patches.base import EVERY_NANOTRON_MODULE, rebind
 
 DESIGN_KEY = "pipeline_engine"  # accepted in `parallelism:` for nanotron's `pp_engine`

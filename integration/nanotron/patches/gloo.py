@@ -1,5 +1,5 @@
 """nanotron's trainer over gloo: the patches `use_gloo()` installs ([Note: nanotron over gloo]
-in gloo.py, items 2 to 5; [Note: nanotron patches]).
+in integration/nanotron/gloo.py, items 2 to 5; [Note: nanotron patches]).
 
 `patching.install(gloo=True)` applies them after torch.distributed is up; the CPU-only
 ones (the rotary table, four `torch.cuda` functions, the `CudaToCpu` mode) only where
@@ -16,7 +16,7 @@ import torch
 from nanotron.parallel.context import ParallelContext
 from torch.overrides import TorchFunctionMode
 
-from integration.nanotron.cpu import CpuP2P, HostStagedP2P
+from integration.nanotron.patches.cpu import CpuP2P, HostStagedP2P
 from integration.nanotron.patches.base import Patch, rebind
 
 class CudaToCpu(TorchFunctionMode):

@@ -28,7 +28,7 @@ main as of 2026-12): another refuses with a PatchError naming it.
 [Note: build hook] nanotron's trainer builds its model in `DistributedTrainer._init_model`
 with `build_model(model_builder=..., parallel_context=..., dtype=...)`, never passing
 `target_pp_ranks`, so what `pp_engine` says of the split (`split=`) and of the placement
-(interleaved `virtual=`, the V shapes) would be lost ([Note: model layout] in layout.py).
+(interleaved `virtual=`, the V shapes) would be lost ([Note: model layout] in pipeline/layout.py).
 The hook's `build_model`:
 
 - builds the model object (`model_builder()`) and reads its engine from
@@ -61,8 +61,9 @@ import nanotron.models.base as nanotron_base
 import nanotron.parallel.tied_parameters as nanotron_tied
 import nanotron.serialize.optimizer as nanotron_serialize_optimizer
 
-from integration.nanotron import checkpoint, grad_sync, initial_weights
-from integration.nanotron.errors import LayoutError
+from integration.nanotron.patches import checkpoint, initial_weights
+from integration.nanotron.pipeline import grad_sync
+from integration.nanotron.pipeline.errors import LayoutError
 from integration.nanotron.patches.base import rebind
 
 _CUDA = torch.device("cuda")  # build_model's default device, as in nanotron's signature

@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from integration.nanotron.errors import LayoutError
-from integration.nanotron.layout_fix import even_split, layout_fix
-from integration.nanotron.split import nanotron_block_stages
+from integration.nanotron.pipeline.errors import LayoutError
+from integration.nanotron.pipeline.layout_fix import even_split, layout_fix
+from integration.nanotron.pipeline.split import nanotron_block_stages
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,12 @@ from torch.nn.parallel import DistributedDataParallel
 from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-from integration.nanotron import grad_sync
-from integration.nanotron.block_graph import BlockGraph, find_block_graph
-from integration.nanotron.boundary import Layout
-from integration.nanotron.errors import EngineRuntimeError
-from integration.nanotron.grad_sync import GradFolder, GradientSync, SharedGrads
-from integration.nanotron.stage_call import StageCall, block_tracking, one_stage, pack_edge
+from integration.nanotron.pipeline import grad_sync
+from integration.nanotron.pipeline.block_graph import BlockGraph, find_block_graph
+from integration.nanotron.pipeline.boundary import Layout
+from integration.nanotron.pipeline.errors import EngineRuntimeError
+from integration.nanotron.pipeline.grad_sync import GradFolder, GradientSync, SharedGrads
+from integration.nanotron.pipeline.stage_call import StageCall, block_tracking, one_stage, pack_edge
 from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.compiler.offload import add_offload
 from pipeschedule.compiler.passes import on_graph

@@ -38,7 +38,7 @@ its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:
              and recomputes its forward in B), `N` (the first N decoder layers of every
              stage) or `N0/N1/...` (per stage), or `selective` (nanotron's own
              recomputation of the attention core, `CoreAttention.checkpoint_attention`);
-             integration/nanotron/recompute.py
+             integration/nanotron/pipeline/recompute.py
     offload  ranks (`0` or `0/1`) whose stashes all go to host memory between their F
              and their B (`pipeschedule.compiler.offload.add_offload`, fraction 1; stashes whose
              wait is at most `lead` computes stay)
@@ -58,7 +58,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from integration.nanotron.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES, accepted_summary
+from integration.nanotron.pipeline.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES, accepted_summary
 from pipeschedule.checks import LIST_SEPARATORS, MAX_DIGITS, MAX_LAYERS, TooManyDigits, is_int, parse_int, shown
 from pipeschedule.compiler.families import family_virtual
 from pipeschedule.compiler.offload import OffloadPolicy

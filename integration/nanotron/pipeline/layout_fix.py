@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from integration.nanotron.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.pipeline.engine_spec import EngineSpec, parse_engine
 from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.errors import PipescheduleError
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from integration.nanotron.errors import EngineRuntimeError
+from integration.nanotron.pipeline.errors import EngineRuntimeError
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ import nanotron.distributed as nanotron_dist
 from nanotron.parallel.context import ParallelContext
 from nanotron.parallel.pipeline_parallel.p2p import P2P, P2PTensorMetaData, view_as_contiguous
 
-from integration.nanotron.errors import EngineRuntimeError, ParameterError, PatchError
+from integration.nanotron.pipeline.errors import EngineRuntimeError, ParameterError, PatchError
 
 HOST = torch.device("cpu")  # where every tensor handed to gloo lives
 

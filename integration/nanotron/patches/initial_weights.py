@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from integration.nanotron.errors import UnsupportedConfigError
+from integration.nanotron.pipeline.errors import UnsupportedConfigError
 
 BLOCK_NUMEL = 1 << 22  # values per seeded block, at least one row (16 MiB of fp32)
 

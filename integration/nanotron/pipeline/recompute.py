@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from integration.nanotron.errors import EngineRuntimeError, LayoutError
+from integration.nanotron.pipeline.errors import EngineRuntimeError, LayoutError
 from pipeschedule.runtime.split_backward import not_deferring
 
 _WRAPPED = "__pipeschedule_recompute__"

@@ -85,7 +85,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from nanotron.parallel.data_parallel.utils import ddp_trigger_sync_in_bwd
 
-from integration.nanotron.errors import ParameterError
+from integration.nanotron.pipeline.errors import ParameterError
 
 
 class GradFolder:

@@ -38,7 +38,7 @@ class EngineEntry:
 # Every pipeschedule engine also takes these: host offload of stashes
 # ([Note: pp_engine syntax] in engine_spec.py) ...
 OFFLOAD_PARAMS = ("offload", "lead", "stream")
-# ... and layer recompute (integration/nanotron/recompute.py).
+# ... and layer recompute (integration/nanotron/pipeline/recompute.py).
 COMMON_PARAMS = ("recompute",) + OFFLOAD_PARAMS
 
 

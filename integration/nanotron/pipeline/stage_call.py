@@ -53,9 +53,9 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.pipeline_parallel.state import PipelineBatchState
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-from integration.nanotron.block_graph import BlockGraph, code_block, masked_ranks
-from integration.nanotron.boundary import Layout
-from integration.nanotron.errors import EngineRuntimeError
+from integration.nanotron.pipeline.block_graph import BlockGraph, code_block, masked_ranks
+from integration.nanotron.pipeline.boundary import Layout
+from integration.nanotron.pipeline.errors import EngineRuntimeError
 
 
 class StageCall(PipelineBatchState):

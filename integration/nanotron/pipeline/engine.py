@@ -53,12 +53,12 @@ import torch.distributed as dist
 import nanotron.models.base as nanotron_base
 from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
 
-from integration.nanotron.engine_spec import EngineSpec, parse_engine
-from integration.nanotron.errors import EngineRuntimeError, ParameterError
-from integration.nanotron.layout import ModelLayout, engine_layout, layer_mask, model_stages
-from integration.nanotron.recompute import apply_recompute
-from integration.nanotron.registry import AUTO_ENGINE, ENGINES
-from integration.nanotron.step import Runner, pipeline_blocks, unwrap
+from integration.nanotron.pipeline.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.pipeline.errors import EngineRuntimeError, ParameterError
+from integration.nanotron.pipeline.layout import ModelLayout, engine_layout, layer_mask, model_stages
+from integration.nanotron.pipeline.recompute import apply_recompute
+from integration.nanotron.pipeline.registry import AUTO_ENGINE, ENGINES
+from integration.nanotron.pipeline.step import Runner, pipeline_blocks, unwrap
 from pipeschedule import compile_schedule
 from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.plan.auto import Measured, choose
@@ -378,7 +378,7 @@ def _build_hook() -> str:
     if hasattr(nanotron_base.build_model, "__pipeschedule_original__"):
         return "nanotron's build_model is pipeschedule's"
     return ("nanotron's build_model is not pipeschedule's: import integration.nanotron before nanotron's trainer "
-            "(integration.nanotron.patching.describe() says what is installed)")
+            "(integration.nanotron.patches.patching.describe() says what is installed)")
 
 
 def _block_costs(model, blocks) -> list[int]:

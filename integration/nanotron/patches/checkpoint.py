@@ -48,7 +48,7 @@ from nanotron.optim.named_optimizer import NamedOptimizer
 from nanotron.optim.zero import ZeroDistributedOptimizer
 from nanotron.sanity_checks import check_optim_state_in_sync
 
-from integration.nanotron.errors import UnsupportedConfigError
+from integration.nanotron.pipeline.errors import UnsupportedConfigError
 
 logger = nanotron_logging.get_logger(__name__)
 

@@ -48,7 +48,7 @@ import torch
 from nanotron.parallel.pipeline_parallel.state import PipelineBatchState
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
-from integration.nanotron.errors import EngineRuntimeError
+from integration.nanotron.pipeline.errors import EngineRuntimeError
 
 REPORT_WAIT_S = 60.0  # how long a rank waits for the other ranks' reports of their blocks' inputs
 
