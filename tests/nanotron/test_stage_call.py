@@ -4,7 +4,7 @@ alive after each, under nanotron's 1F1B and under every family of ours.
 A microbatch's call state (`StageCall`) is held by nanotron's receive node in the stage's
 autograd graph until B; a tensor of the forward kept on it closed a cycle through
 autograd's C++ nodes that Python's collector cannot free ([Note: no cycle through
-autograd] in integration/nanotron/stage_call.py). On the last stage that kept every
+autograd] in integration/nanotron/pipeline/stage_call.py). On the last stage that kept every
 microbatch's fp32 logits, step after step. Here each rank counts, after every step and a
 full collection, the `StageCall` objects alive and the bytes of every tensor storage alive.
 """
@@ -28,7 +28,7 @@ STEPS = 4
 
 def _alive() -> tuple[int, int]:
     """(StageCall objects, bytes of the distinct tensor storages) alive after a full collection."""
-    from integration.nanotron.stage_call import StageCall
+    from integration.nanotron.pipeline.stage_call import StageCall
 
     gc.collect()
     calls, storages = 0, {}
