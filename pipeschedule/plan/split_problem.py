@@ -6,7 +6,7 @@ when no split fits. `partition.optimal_split` searches over it (split_search.py)
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -307,20 +307,48 @@ def least_overflow(ev: Evaluator):
         cap, row, k = ev.cap[ev.rank_of[s]], best[s], ev.inflight[s]
         extra_static, extra_stash = p.stage_static[s], p.stage_stash[s]
         starts = [j for j in range(s, L + 1) if row[j] != math.inf]
+        floor = list(accumulate((row[j] for j in reversed(starts)), min))[::-1]  # least row[j] from index i on
         for e in range(s + 1, L - (S - s - 1) + 1):
-            # value of ending stage s at e after stage s-1 ended at j: ev.stage_bytes term for term
-            values = [max(row[j], (static[e] - static[j]) + extra_static + k * ((stash[e] - stash[j]) + extra_stash)
-                          - cap) for j in starts if j < e]
-            if values:
-                i = min(range(len(values)), key=values.__getitem__)  # the first j of least value
-                if values[i] < best[s + 1][e]:
-                    best[s + 1][e], back[s + 1][e] = values[i], starts[i]
+            value, i = _least_end(row, starts, floor, bisect_left(starts, e), lambda j: (
+                # the bytes of stage s over layers j..e-1, less its rank's budget: ev.stage_bytes term for term
+                (static[e] - static[j]) + extra_static + k * ((stash[e] - stash[j]) + extra_stash) - cap))
+            if i is not None and value < best[s + 1][e]:
+                best[s + 1][e], back[s + 1][e] = value, starts[i]
     split, e = [], L
     for s in range(S, 0, -1):
         j = back[s][e]
         split.append(e - j)
         e = j
     return worst_rank(ev, tuple(reversed(split)))
+
+
+def _least_end(row, starts, floor, n: int, over):
+    """(least value, its first index i < n) of max(row[starts[i]], over(starts[i])), or
+    (inf, None) where every value is inf: the scan of `least_overflow`, from where the two
+    cross outwards. Exact, because `over` never grows with j (layer bytes are never
+    negative, so the prefix sums and every rounded step after them are monotone) and
+    `floor[i]` is the least row from index i on: leftwards each value is at least
+    over(j), rightwards at least floor[i], so the scan stops once either passes the best
+    found (where a tie cannot move the answer to an earlier index)."""
+    lo, hi = 0, n  # the first index where the row's floor reaches over(j): both are monotone
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if floor[mid] >= over(starts[mid]) else (mid + 1, hi)
+    least, found = math.inf, None
+    for i in range(min(lo, n - 1), n):
+        if floor[i] >= least:
+            break
+        value = max(row[starts[i]], over(starts[i]))
+        if value < least:
+            least, found = value, i
+    for i in range(min(lo, n - 1) - 1, -1, -1):
+        cost = over(starts[i])
+        if cost > least:
+            break
+        value = max(row[starts[i]], cost)
+        if value <= least:  # a tie: the earlier index, as a scan from the left keeps
+            least, found = value, i
+    return least, found
 
 
 def worst_rank(ev: Evaluator, split: tuple):
