@@ -23,7 +23,7 @@ from pipeschedule.compiler.instr import (
     BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Instr, Op, make_instr,
 )
 from pipeschedule.compiler.graph import StageGraph
-from pipeschedule.compiler.program import Program, Template, check_programs
+from pipeschedule.compiler.program import Program, Template, check_programs, packed
 from pipeschedule.errors import FormatError
 
 FORMAT = "pipeschedule/1"
@@ -230,8 +230,7 @@ class Schedule:
             # One instruction per line keeps files diffable without being huge.
             head = {k: v for k, v in self.to_dict().items() if k != "programs"}
             lines = [json.dumps(head)[:-1] + ', "programs": [']
-            for r, program in enumerate(self.programs):
-                body = ",\n    ".join(json.dumps(i.to_dict()) for i in program)
+            for r, body in enumerate(_written(self.programs, lambda i: json.dumps(i.to_dict()), ",\n    ")):
                 lines.append("  [\n    " + body + "\n  ]" + ("," if r + 1 < self.pp else ""))
             lines.append("]}")
             return "\n".join(lines) + "\n"
@@ -286,8 +285,8 @@ class Schedule:
             f"params: {json.dumps(dict(self.params), sort_keys=True)}",
         ] + (["forward_only: true"] if self.forward_only else []) + (
             [] if self.is_chain else [f"edges: {json.dumps([list(e) for e in self.edges])}"])
-        for r, program in enumerate(self.programs):
-            lines.append(f"rank {r}: " + " ".join(str(i) for i in program))
+        for r, body in enumerate(_written(self.programs, str, " ")):
+            lines.append(f"rank {r}: " + body)
         return "\n".join(lines) + "\n"
 
     @staticmethod
@@ -322,6 +321,27 @@ class Schedule:
                 raise FormatError(f"unknown key {shown(key)} in schedule text")
         head["programs"] = [programs.get(r, []) for r in range(max(programs, default=-1) + 1)]
         return Schedule.from_dict(head)
+
+
+# An mb no schedule reaches (past MAX_DIGITS digits' worth of stages and peers too), put
+# where the mb goes and replaced: what each template's text is cut at.
+_MB_MARK = 987654321987654321987
+
+
+def _written(programs, text, sep: str) -> list[str]:
+    """Each program's instructions as `text(instr)` gives them, joined by `sep`, written
+    once per template ([Note: packed programs]) and per instruction only the mb filled
+    in: `text` of an instruction is its template's text around the decimal mb (which is
+    how `Instr.to_dict` with `json.dumps`, and `str`, write it)."""
+    templates, ids_by_rank, mbs_by_rank = packed(programs)
+    used = set().union(*map(set, ids_by_rank)) if ids_by_rank else set()
+    forms = {}
+    for k in used:
+        head, mark, tail = text(templates[k].instr(_MB_MARK)).partition(str(_MB_MARK))
+        forms[k] = (head.replace("%", "%%") + "%d" + tail.replace("%", "%%")) if mark else None
+    if any(form is None for form in forms.values()):  # a text that does not write the mb as decimal digits
+        return [sep.join(text(i) for i in program) for program in programs]
+    return [sep.join([forms[k] % mb for k, mb in zip(ids, mbs)]) for ids, mbs in zip(ids_by_rank, mbs_by_rank)]
 
 
 def edge_end(stage: int, other: int) -> int | None:
