@@ -23,7 +23,7 @@ from pipeschedule.compiler.instr import (
     BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Instr, Op, make_instr,
 )
 from pipeschedule.compiler.graph import StageGraph
-from pipeschedule.compiler.program import Program, Template, check_programs, packed
+from pipeschedule.compiler.program import Program, Template, Templates, check_programs, packed
 from pipeschedule.errors import FormatError
 
 FORMAT = "pipeschedule/1"
@@ -258,7 +258,7 @@ class Schedule:
             raise FormatError(f"params must be an object, got {shown(params)}")
         schedule = Schedule(
             obj["name"], obj["pp"], obj["virtual"], obj["microbatches"], tuple(obj["placement"]),
-            tuple(tuple(Instr.from_dict(i) for i in p) for p in obj["programs"]), params,
+            _read_programs(obj["programs"]), params,
             obj.get("forward_only", False), _edges_of(obj.get("edges")),
         )
         schedule.caps()  # validates the cap's shape early
@@ -342,6 +342,37 @@ def _written(programs, text, sep: str) -> list[str]:
     if any(form is None for form in forms.values()):  # a text that does not write the mb as decimal digits
         return [sep.join(text(i) for i in program) for program in programs]
     return [sep.join([forms[k] % mb for k, mb in zip(ids, mbs)]) for ids, mbs in zip(ids_by_rank, mbs_by_rank)]
+
+
+_FIELDS = frozenset({"op", "stage", "mb", "peer", "buf", "peer_stage"})
+
+
+def _read_programs(programs: list) -> tuple[Program, ...]:
+    """The JSON form's programs (lists of instruction objects) as `Program`s of one table
+    ([Note: packed programs]). Each instruction is read as `Instr.from_dict` reads it, and
+    refused with its message, once per template: an object whose fields but its mb are
+    those of one read before (the same values of the same types, no other field) and
+    whose mb is an integer >= 0 takes that one's template without being read again."""
+    table, known, columns = Templates(), {}, []
+    for program in programs:
+        ids, mbs = [], []
+        for obj in program:
+            try:
+                peer, peer_stage = obj.get("peer"), obj.get("peer_stage")
+                key = (obj["op"], obj["stage"], peer, obj.get("buf"), peer_stage, type(obj["stage"]), type(peer),
+                       type(peer_stage))
+                found, mb = known.get(key), obj["mb"]
+            except (AttributeError, KeyError, TypeError):  # not an object, a field missing, a value unhashable
+                key = found = None
+            if found is None or type(mb) is not int or mb < 0 or not obj.keys() <= _FIELDS:
+                instr = Instr.from_dict(obj)
+                found, mb = table.id(instr.op, instr.stage, instr.peer, instr.buf, instr.peer_stage), instr.mb
+                if key is not None:
+                    known[key] = found
+            ids.append(found)
+            mbs.append(mb)
+        columns.append((ids, mbs))
+    return tuple(table.program(ids, mbs) for ids, mbs in columns)
 
 
 def edge_end(stage: int, other: int) -> int | None:

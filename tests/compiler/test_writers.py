@@ -52,3 +52,40 @@ def test_writers_write_as_instruction_by_instruction(make, as_tuples):
     assert schedule.to_text().splitlines()[-schedule.pp:] == text_lines_by_instruction(schedule)
     assert Schedule.from_json(schedule.to_json()) == schedule
     assert Schedule.from_text(schedule.to_text()) == schedule
+
+
+# -- the reader: one `Instr.from_dict` per template ------------------------------------------
+
+def read_by_instruction(obj: dict) -> tuple[tuple, ...]:
+    from pipeschedule.compiler.instr import Instr
+
+    return tuple(tuple(Instr.from_dict(i) for i in program) for program in obj["programs"])
+
+
+@pytest.mark.parametrize("make", SCHEDULES)
+def test_the_reader_reads_as_instruction_by_instruction(make):
+    schedule = make()
+    obj = json.loads(schedule.to_json())
+    loaded = Schedule.from_dict(obj)
+    assert loaded.programs == read_by_instruction(obj)
+    assert loaded == schedule
+
+
+@pytest.mark.parametrize("change", [
+    {"mb": -1}, {"mb": "3"}, {"mb": True}, {"mb": 2.0}, {"mb": None}, {"stage": True}, {"stage": 0.0},
+    {"peer": [1]}, {"peer": True}, {"extra": 1}, {"buf": "stash"}, {"op": "X"}, {"peer_stage": 3},
+])
+def test_a_bad_later_instruction_of_a_known_template_is_refused_as_before(change):
+    """The last instruction of rank 1 repeats a template read earlier, but for `change`:
+    the message is the one `Instr.from_dict` gives it."""
+    from pipeschedule.compiler.instr import Instr
+    from pipeschedule.errors import FormatError
+
+    obj = json.loads(compile_schedule("1f1b", pp=2, microbatches=3).to_json())
+    bad = dict(obj["programs"][1][0]) | change
+    obj["programs"][1].append(bad)
+    with pytest.raises(FormatError) as expected:
+        Instr.from_dict(bad)
+    with pytest.raises(FormatError) as got:
+        Schedule.from_dict(obj)
+    assert str(got.value) == str(expected.value)
