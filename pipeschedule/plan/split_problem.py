@@ -309,9 +309,11 @@ def least_overflow(ev: Evaluator):
         starts = [j for j in range(s, L + 1) if row[j] != math.inf]
         floor = list(accumulate((row[j] for j in reversed(starts)), min))[::-1]  # least row[j] from index i on
         for e in range(s + 1, L - (S - s - 1) + 1):
-            value, i = _least_end(row, starts, floor, bisect_left(starts, e), lambda j: (
+            def over(j, e=e, cap=cap, k=k, extra_static=extra_static, extra_stash=extra_stash):
                 # the bytes of stage s over layers j..e-1, less its rank's budget: ev.stage_bytes term for term
-                (static[e] - static[j]) + extra_static + k * ((stash[e] - stash[j]) + extra_stash) - cap))
+                return (static[e] - static[j]) + extra_static + k * ((stash[e] - stash[j]) + extra_stash) - cap
+
+            value, i = _least_end(row, starts, floor, bisect_left(starts, e), over)
             if i is not None and value < best[s + 1][e]:
                 best[s + 1][e], back[s + 1][e] = value, starts[i]
     split, e = [], L
