@@ -4,18 +4,21 @@ Python (`is_int`, `is_number`, `is_finite`, `check_int`, `check_number`), number
 pipeschedule accepts ([Note: size limits]), and `shown`, a bad value cut to a readable
 length for messages.
 
-[Note: size limits] Work and memory grow with the (stage, microbatch) pairs of a schedule
-(about 11 lowered instructions each; compile, verify and simulate at the largest size
-below took 16 to 22 s and 0.7 GB on the 2-core development machine), the planner's with
-its candidates times their size and with the layers it splits times the stages (`plan`
-for a 70B model at pp=16, m=64 and 256 layers took 28 s there; 1024 layers at pp=16,
-125 s; m=256 at pp=16, 62 s). Every entry point checks
-here, before it allocates or loops: the command line (its parsers, `parse_int` and
-`parse_number`), `generate` and `compile_schedule` (`check_common`), the loaders
-(`Schedule`, the CSV reader), the planner (`PlanConfig`, `ModelSpec`, `TrainingSetup`),
-the streamed offload (`CostModel`) and the offload search (`choose_offload`: ranks x
-leads x 8 simulations; pp=64, m=64 took 142 s, pp=32, m=48 37 s, so it has a bound of its own). A refusal
-names the limit and the arithmetic.
+[Note: size limits] Every limit here is chosen so that any input it accepts finishes
+within 10 s on a 2-core machine, measured command by command at the largest accepted
+input by `python -m benchmarks.limits` (benchmarks/results/limits.md). Work and memory
+grow with the (stage, microbatch) pairs of a schedule (about 11 lowered instructions each;
+at 2**18 pairs compile, verify and simulate took 14 to 57 s, a Chrome trace the most),
+and, beyond that, with its stages alone (templates, tracks and messages per stage: 1F1B
+at pp=32768, m=1 took 7 s to compile), so stages have a bound of their own; a PNG draws
+every rank (MAX_PNG_RANKS). The planner's work grows with its candidates times their size
+and with the layers it splits times the stages, times the data-parallel sizes it compares.
+Every entry point checks here, before it allocates or loops: the command line (its
+parsers, `parse_int` and `parse_number`), `generate` and `compile_schedule`
+(`check_common`), the loaders (`Schedule`, the CSV reader), the planner (`PlanConfig`,
+`ModelSpec`, `TrainingSetup`), the streamed offload (`CostModel`), the offload search
+(`choose_offload`: ranks x leads x 8 simulations, so it has a bound of its own) and the
+PNG writers. A refusal is one line naming the value, the limit and the arithmetic.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from numbers import Real
 
 from pipeschedule.errors import ArgumentError, ParameterError
 
-MAX_STAGE_MICROBATCHES = 2**18  # pp * virtual * microbatches of one schedule
+MAX_STAGE_MICROBATCHES = 2**15  # pp * virtual * microbatches of one schedule
+MAX_STAGES = 2**14  # pp * virtual of one schedule
+MAX_PNG_RANKS = 256  # ranks one PNG draws (a row each)
 MAX_PLAN_STAGE_MICROBATCHES = 2**10  # pp * microbatches of a plan (it simulates ~50 candidates)
 MAX_PLAN_LAYER_STAGES = 2**12  # layers * pp of a plan (its split search)
 MAX_LAYERS = 1024  # decoder layers of a model
@@ -34,7 +39,7 @@ MAX_DIMENSION = 2**31  # any other size of a model or a setup: hidden, heads, vo
 MAX_SEARCH_NODES = 10**5  # the planner's search nodes per optimal split (5x the default; 10^6 took 1-2 min)
 MAX_PLAN_DPS = 16  # data-parallel sizes one `plan` compares: each is a lever search of its own (up to a minute)
 MAX_STREAM_PIECES = 4096  # pieces a streamed stash is cut into
-MAX_OFFLOAD_SEARCH = 2**21  # (stage, microbatch) pairs simulated in all by one offload search (`choose_offload`)
+MAX_OFFLOAD_SEARCH = 2**18  # (stage, microbatch) pairs simulated in all by one offload search (`choose_offload`)
 MAX_DIGITS = 18  # digits of an integer typed as text
 MAX_SHOWN = 60  # characters of a bad value repeated in a message
 
@@ -85,9 +90,13 @@ def shown(value) -> str:
 
 
 def check_schedule_size(pp: int, virtual: int, microbatches: int, error=ParameterError) -> None:
-    """Refuses a schedule of more than MAX_STAGE_MICROBATCHES (stage, microbatch) pairs;
-    the counts are integers >= 1 (checked by the caller)."""
-    total = pp * virtual * microbatches
+    """Refuses a schedule of more than MAX_STAGES stages or MAX_STAGE_MICROBATCHES
+    (stage, microbatch) pairs; the counts are integers >= 1 (checked by the caller)."""
+    stages = pp * virtual
+    if stages > MAX_STAGES:
+        raise error(f"pp * virtual = {_num(pp)} * {_num(virtual)} = {_num(stages)} stages; at most {MAX_STAGES} "
+                    f"are accepted")
+    total = stages * microbatches
     if total > MAX_STAGE_MICROBATCHES:
         raise error(
             f"pp * virtual * microbatches = {_num(pp)} * {_num(virtual)} * {_num(microbatches)} = {_num(total)} "
@@ -120,8 +129,15 @@ def check_offload_search(ranks: int, leads: int, pairs: int) -> None:
         raise ParameterError(
             f"offload auto: {ranks} ranks * {leads} leads * 8 fractions = {ranks * leads * 8} simulations of "
             f"{_num(pairs)} (stage, microbatch) pairs = {_num(total)}; at most {MAX_OFFLOAD_SEARCH} are accepted "
-            f"(some 30 s on two cores): give ranks= (fewer ranks), fraction= (one simulation), or fewer microbatches"
+            f"(some 5 s on two cores): give ranks= (fewer ranks), fraction= (one simulation), or fewer microbatches"
         )
+
+
+def check_png_ranks(ranks: int, error=ParameterError) -> None:
+    """Refuses a PNG of more than MAX_PNG_RANKS ranks (one row each)."""
+    if ranks > MAX_PNG_RANKS:
+        raise error(f"--png draws one row per rank: pp = {_num(ranks)}; at most {MAX_PNG_RANKS} are accepted "
+                    f"(--trace writes a Chrome trace of any size)")
 
 
 def check_at_most(name: str, value: int, limit: int, error=ParameterError) -> None:

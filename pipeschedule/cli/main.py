@@ -36,7 +36,9 @@ from importlib import metadata
 from typing import Callable
 
 from pipeschedule import compile_schedule
-from pipeschedule.checks import MAX_SHOWN, check_number, int_arg, number_arg, parse_int_list, path_arg, shown
+from pipeschedule.checks import (
+    MAX_SHOWN, check_number, check_png_ranks, int_arg, number_arg, parse_int_list, path_arg, shown,
+)
 from pipeschedule.cli.demo import run_demo
 from pipeschedule.compiler.families import FAMILIES, family
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, load
@@ -259,6 +261,8 @@ def _schedule_for(args):
 
 def cmd_simulate(args) -> int:
     schedule = _schedule_for(args)
+    if args.png:
+        check_png_ranks(schedule.pp)  # before the simulation
     warn_unfilled(schedule)
     cost = _with_host_link(args, load_cost(args.cost, schedule) if args.cost else CostModel.default(schedule))
     choice = None

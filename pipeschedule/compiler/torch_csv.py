@@ -68,7 +68,7 @@ from collections.abc import Iterable
 from pipeschedule.compiler import passes
 from pipeschedule.errors import FormatError
 from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Schedule
-from pipeschedule.checks import MAX_STAGE_MICROBATCHES, check_at_most, check_schedule_size
+from pipeschedule.checks import MAX_STAGES, check_at_most, check_schedule_size
 
 FORMS = ("compute_only", "compute_comms")
 
@@ -186,7 +186,7 @@ def _infer_placement(cells: Iterable[_Cell], pp: int) -> tuple[int, ...]:
     if not owner:
         raise FormatError("the CSV holds no compute action (F, B, I or W)")
     num_stages = max(owner) + 1
-    check_at_most("stages (1 + the largest stage of a compute cell)", num_stages, MAX_STAGE_MICROBATCHES,
+    check_at_most("stages (1 + the largest stage of a compute cell)", num_stages, MAX_STAGES,
                   FormatError)  # [Note: size limits], before looping over them
     missing = [s for s in range(num_stages) if s not in owner]
     if missing:

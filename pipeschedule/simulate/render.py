@@ -10,7 +10,7 @@ import heapq
 import math
 from typing import Any
 
-from pipeschedule.checks import shown
+from pipeschedule.checks import check_png_ranks, shown
 from pipeschedule.errors import PipescheduleError
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, SEND_OPS, Schedule
 from pipeschedule.simulate import SimResult
@@ -200,6 +200,7 @@ OP_COLORS = {Op.F: "#4c72b0", Op.B: "#dd8452", Op.W: "#55a868"}
 def png(schedule: Schedule, result: SimResult, path) -> None:
     """Write a PNG: the timeline (one bar row per rank, microbatch labels where they fit)
     above the live buffer bytes of every rank. Needs matplotlib."""
+    check_png_ranks(schedule.pp)  # [Note: size limits]
     pp, step = schedule.pp, float(result.step_time) or 1.0
     blocks = _compute_blocks(schedule, result)
     fig = new_figure(figsize=(12, 2.5 + 0.45 * min(pp, 40)), dpi=100)

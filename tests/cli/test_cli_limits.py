@@ -75,16 +75,22 @@ def files(tmp_path):
     return tmp_path
 
 
-LIMIT = "at most 262144 are accepted"
+LIMIT = "at most 32768 are accepted"
+STAGES = "at most 16384 are accepted"
 
 
 @pytest.mark.parametrize("argv, fragments", [
     (["simulate", "1f1b", "--pp", "2", "-m", "1000000000"], ["2 * 1 * 1000000000", LIMIT]),
     (["simulate", "1f1b", "--pp", "2", "-m", "10000000000"], ["2 * 1 * 10000000000", LIMIT]),
-    (["compile", "1f1b", "--pp", "100000", "-m", "3", "--json", "x.json"], ["100000 * 1 * 3", LIMIT]),
+    (["compile", "1f1b", "--pp", "100000", "-m", "3", "--json", "x.json"],
+     ["pp * virtual = 100000 * 1 = 100000", STAGES]),
+    (["compile", "1f1b", "--pp", "16385", "-m", "1", "--json", "x.json"], ["16385 * 1 = 16385 stages", STAGES]),
+    (["compile", "1f1b", "--pp", "4", "-m", "8193", "--json", "x.json"], ["4 * 1 * 8193 = 32772", LIMIT]),
+    (["simulate", "1f1b", "--pp", "257", "-m", "1", "--png", "x.png"], ["pp = 257", "at most 256"]),
     (["compile", "interleaved_1f1b", "--pp", "4", "--virtual", "100000000", "-m", "1", "--json", "x.json"],
-     ["4 * 100000000 * 1", LIMIT]),
-    (["show", "zbv", "--pp", "65536", "-m", "4"], ["65536 * 2 * 4", LIMIT]),  # a V runs 2 stages per rank
+     ["4 * 100000000 = 400000000 stages", STAGES]),
+    (["show", "zbv", "--pp", "65536", "-m", "4"], ["65536 * 2 = 131072 stages", STAGES]),
+    (["show", "zbv", "--pp", "4096", "-m", "5"], ["4096 * 2 * 5", LIMIT]),  # a V runs 2 stages per rank
     (["simulate", "1f1b", "--pp", "2", "-m", "99999999999999999999"], ["--microbatches has 20 digits", "at most 18"]),
     (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "100000"],
      ["pp * microbatches = 4 * 100000", "at most 1024"]),
@@ -117,7 +123,7 @@ LIMIT = "at most 262144 are accepted"
     (["plan", "--model-file", "long.json", "--pp", "4", "--microbatches", "8"], ["long.json", "4300 digits"]),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--cost", "longcost.json"], ["longcost.json", "4300 digits"]),
     (["verify", "far_mb.csv"], ["1 * 1 * 1000000000000", LIMIT]),
-    (["verify", "far_stage.csv"], ["1000000000000", "at most 262144"]),
+    (["verify", "far_stage.csv"], ["1000000000000", "at most 16384"]),
     (["verify", "big.json"], ["2 * 1 * 1000000000", LIMIT]),
     (["simulate", "1f1b", "--pp", "4", "-m", "8", "--cost", "bigint.json"], ["'forward'", "finite", "400 digits"]),
     (["compile", "1f1b", "--pp", "4", "-m", "8", "--cost", "bigint.json", "--json", "x.json"], ["'forward'"]),
@@ -125,7 +131,7 @@ LIMIT = "at most 262144 are accepted"
     (["simulate", "1f1b", "--pp", "4", "-m", "8", "--cost", "bigband.json"], ["'bandwidth'", "400 digits"]),
     (["simulate", "1f1b", "--pp", "4", "-m", "8", "--cost", "hugetimes.json", "--json"], ["too large", "overflow"]),
     (["simulate", "1f1b", "--pp", "64", "-m", "64", "--offload", "auto"],
-     ["64 ranks * 5 leads * 8 fractions = 2560 simulations of 4096", "at most 2097152", "ranks="]),
+     ["64 ranks * 5 leads * 8 fractions = 2560 simulations of 4096", "at most 262144", "ranks="]),
     (["compile", "1f1b", "--pp", "64", "-m", "64", "--offload", "auto", "--json", "x.json"],
      ["offload auto: 64 ranks"]),
     (["simulate", "zbv", "--schedule", "one.json"], ["--schedule 'one.json'", "NAME would be ignored"]),
@@ -196,8 +202,8 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
 
 
 def test_many_ranks_compile_quickly(files):
-    """1F1B at pp=20000: asap used to sweep every rank once per rank (minutes)."""
-    code, err = run_cli(["compile", "1f1b", "--pp", "20000", "-m", "1", "--json", "x.json"], files, timeout=60)
+    """1F1B at pp=16384 (MAX_STAGES): asap used to sweep every rank once per rank (minutes)."""
+    code, err = run_cli(["compile", "1f1b", "--pp", "16384", "-m", "1", "--json", "x.json"], files, timeout=60)
     assert code == 0, err
 
 
