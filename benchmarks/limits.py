@@ -1,0 +1,302 @@
+"""Size limits against time: every command at the largest input it accepts, run as a user
+runs it (`python -m pipeschedule.cli ...`, one subprocess each), timed against the 10 s
+that any accepted input must finish in ([Note: size limits] in pipeschedule/checks.py).
+
+    python -m benchmarks.limits            # every case, writes results/limits.{json,md}
+    python -m benchmarks.limits --quick    # the cases under 2 s at small sizes, nothing written
+    python -m benchmarks.limits --only compile
+
+The sizes come from the limits themselves (`pipeschedule.checks`), so a changed limit is
+measured by the next run: "worst accepted" is the largest pp (stages), the largest
+microbatch count, and the families, outputs and searches that cost the most per
+(stage, microbatch) pair. Each accepted case must exit 0; beside it, the input one past
+the limit must be refused (exit 2) in one line naming the value. Files that `verify`,
+`simulate --schedule` read are written by an untimed `compile` first.
+
+Wall time is what the limit is about; CPU time (the child's user + system) is shown
+beside it because the development machine's 2 cores are shared with other work, which
+stretches wall time but not CPU time (the load average is recorded with each case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from benchmarks.common import git_commit, machine, write_results
+from pipeschedule.compiler.offload_spec import DEFAULT_LEADS
+from pipeschedule.checks import (
+    MAX_OFFLOAD_SEARCH,
+    MAX_PLAN_DPS,
+    MAX_PLAN_LAYER_STAGES,
+    MAX_PLAN_STAGE_MICROBATCHES,
+    MAX_PNG_RANKS,
+    MAX_SEARCH_NODES,
+    MAX_STAGE_MICROBATCHES,
+    MAX_STAGES,
+)
+
+LIMIT_S = 10.0
+TIMEOUT_S = 300.0  # a case past it is reported as over (its time ">= TIMEOUT_S")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+P = MAX_STAGE_MICROBATCHES  # (stage, microbatch) pairs of one schedule
+S = MAX_STAGES  # stages (pp * virtual) of one schedule
+
+
+@dataclass
+class Case:
+    """One command line (`argv` after `pipeschedule`), with `setup` run first untimed, and
+    `refused`: the same command one past a limit, which must exit 2 in one line."""
+
+    command: str
+    what: str
+    argv: list[str]
+    setup: list[list[str]] = field(default_factory=list)
+    refused: list[str] | None = None
+    prepare: Callable[[], None] | None = None  # writes an input file, untimed
+    accepted: tuple[int, ...] = (0,)  # exit codes of a run that did its work (plan: 1 when nothing fits)
+    timeout: float | None = None  # seconds before the case is stopped (None: --timeout)
+
+
+def cases(tmp: str, quick: bool = False) -> list[Case]:
+    p, s = (2**12, 2**10) if quick else (P, S)
+    f = lambda name: os.path.join(tmp, name)  # noqa: E731
+    big = ["zbv", "--pp", "64", "-m", str(p // 128)]  # the split-backward V: the most instructions per pair
+    out = [
+        Case("compile", f"1f1b pp={s} (most stages), m={p // s}, JSON",
+             ["compile", "1f1b", "--pp", str(s), "-m", str(p // s), "--json", f("a.json")],
+             refused=["compile", "1f1b", "--pp", str(S + 1), "-m", "1", "--json", f("r.json")]),
+        Case("compile", f"1f1b pp=4, m={p // 4} (most microbatches), JSON",
+             ["compile", "1f1b", "--pp", "4", "-m", str(p // 4), "--json", f("b.json")],
+             refused=["compile", "1f1b", "--pp", "4", "-m", str(P // 4 + 1), "--json", f("r.json")]),
+        Case("compile", f"capped_1f1b pp=64, m={p // 64}, cap 2, text",
+             ["compile", "capped_1f1b", "--pp", "64", "-m", str(p // 64), "--cap", "2", "--text", f("c.txt")]),
+        Case("compile", f"interleaved_1f1b pp=16, virtual=8, m={p // 128}, JSON",
+             ["compile", "interleaved_1f1b", "--pp", "16", "--virtual", "8", "-m", str(p // 128),
+              "--json", f("i.json")]),
+        Case("compile", f"zb_h1 pp=128, m={p // 128}, JSON",
+             ["compile", "zb_h1", "--pp", "128", "-m", str(p // 128), "--json", f("h.json")]),
+        Case("compile", f"zbv pp=64 (128 stages), m={p // 128}, JSON + text + CSV",
+             ["compile", *big, "--json", f("v.json"), "--text", f("v.txt"), "--csv", f("v.csv")]),
+        Case("compile", f"v_min pp={s // 2} (most stages), m={p // s}, JSON",
+             ["compile", "v_min", "--pp", str(s // 2), "-m", str(p // s), "--json", f("vm.json")]),
+        Case("compile", f"zbv pp=64, m={p // 128}, --cost examples/cost_uniform.json",
+             ["compile", *big, "--cost", os.path.join(REPO, "examples", "cost_uniform.json"), "--json", f("vc.json")]),
+    ]
+    # the offload search simulates ranks x leads x 8 schedules (pp * m pairs each, the 5
+    # default leads): the most microbatches it accepts at pp=8, and the most ranks at m=1
+    leads = len(DEFAULT_LEADS)
+    per_pp = lambda pp: MAX_OFFLOAD_SEARCH // (pp * leads * 8 * pp)  # noqa: E731
+    pp_many = max(pp for pp in range(1, 1024) if per_pp(pp) >= 1)
+    for pp, m in ((8, min(p // 8, per_pp(8))), (pp_many, 1)):
+        out.append(Case("compile", f"1f1b pp={pp}, m={m}, --offload auto (the offload search's most pairs)",
+                        ["compile", "1f1b", "--pp", str(pp), "-m", str(m), "--offload", "auto", "--json", f("o.json")],
+                        refused=["compile", "1f1b", "--pp", str(pp), "-m", str(per_pp(pp) + 1), "--offload", "auto",
+                                 "--json", f("r.json")] if pp == 8 else None))
+    out += [
+        Case("verify", f"JSON of zbv pp=64, m={p // 128}", ["verify", f("vv.json")],
+             setup=[["compile", *big, "--json", f("vv.json")]]),
+        Case("verify", f"text of zbv pp=64, m={p // 128}", ["verify", f("vv.txt")],
+             setup=[["compile", *big, "--text", f("vv.txt")]]),
+        Case("verify", f"CSV of zbv pp=64, m={p // 128}", ["verify", f("vv.csv")],
+             setup=[["compile", *big, "--csv", f("vv.csv")]]),
+        Case("verify", f"JSON of 1f1b pp={s}, m={p // s}", ["verify", f("va.json")],
+             setup=[["compile", "1f1b", "--pp", str(s), "-m", str(p // s), "--json", f("va.json")]]),
+        Case("simulate", f"zbv pp=64, m={p // 128}, --json --trace",
+             ["simulate", *big, "--json", "--trace", f("t.json")]),
+        Case("simulate", f"1f1b pp={s}, m={p // s}, --trace",
+             ["simulate", "1f1b", "--pp", str(s), "-m", str(p // s), "--trace", f("ta.json")]),
+        Case("simulate", f"--schedule zbv pp=64, m={p // 128} (JSON file)", ["simulate", "--schedule", f("vs.json")],
+             setup=[["compile", *big, "--json", f("vs.json")]]),
+        Case("simulate", f"1f1b pp={MAX_PNG_RANKS} (most ranks drawn), m={p // MAX_PNG_RANKS}, --png",
+             ["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS), "-m", str(p // MAX_PNG_RANKS), "--png", f("a.png")],
+             refused=["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS + 1), "-m", "1", "--png", f("r.png")]),
+        Case("simulate", f"zbv pp=64, m={p // 128}, --png", ["simulate", *big, "--png", f("v.png")]),
+        Case("show", f"zbv pp=64, m={p // 128}", ["show", *big]),
+        Case("show", f"1f1b pp={s}, m={p // s}", ["show", "1f1b", "--pp", str(s), "-m", str(p // s)]),
+        Case("demo", "(fixed input; trains on CPU where torch and nanotron are installed)", ["demo"]),
+    ]
+    layers = min(1024, MAX_PLAN_LAYER_STAGES // 16)
+    dps = ",".join(str(2**k) for k in range(MAX_PLAN_DPS))
+    out += [
+        Case("plan", f"llama3-70b, pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, {layers} layers",
+             ["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches", str(MAX_PLAN_STAGE_MICROBATCHES // 16),
+              "--layers", str(layers)], accepted=(0, 1),
+             refused=["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches",
+                      str(MAX_PLAN_STAGE_MICROBATCHES // 16 + 1), "--layers", str(layers)]),
+        Case("plan", f"llama3-70b, pp=4, m={MAX_PLAN_STAGE_MICROBATCHES // 4}, "
+                     f"{min(1024, MAX_PLAN_LAYER_STAGES // 4)} layers",
+             ["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", str(MAX_PLAN_STAGE_MICROBATCHES // 4),
+              "--layers", str(min(1024, MAX_PLAN_LAYER_STAGES // 4))], accepted=(0, 1)),
+        Case("plan", f"llama3-70b, pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, {layers} layers, "
+                     f"{MAX_PLAN_DPS} dp sizes, --virtual 16, --node-limit {MAX_SEARCH_NODES}, --tables all",
+             ["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches", str(MAX_PLAN_STAGE_MICROBATCHES // 16),
+              "--layers", str(layers), "--dp", dps, "--virtual", "16", "--node-limit", str(MAX_SEARCH_NODES),
+              "--tables", "all"], accepted=(0, 1), timeout=120),
+    ]
+    out.append(Case("plan", f"llama3-8b (fits: the split search runs), pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, "
+                            f"{layers} layers",
+                    ["plan", "--model", "llama3-8b", "--pp", "16", "--microbatches",
+                     str(MAX_PLAN_STAGE_MICROBATCHES // 16), "--layers", str(layers)], accepted=(0, 1)))
+    out.append(Case("plan", "llama3-8b (fits), pp=8, m=32, 128 layers",
+                    ["plan", "--model", "llama3-8b", "--pp", "8", "--microbatches", "32", "--layers", "128"],
+                    accepted=(0, 1)))
+    if _nanotron():
+        m = p // 16
+        out.append(Case("check", f"nanotron YAML, pp=16, m={m}, 16 layers, capped_1f1b:cap=2",
+                        ["check", f("big.yaml")], prepare=lambda: _yaml(f("big.yaml"), 16, m, 16, "capped_1f1b:cap=2")))
+        out.append(Case("check", "nanotron YAML, pp=16, m=64, 256 layers, engine auto (runs the planner)",
+                        ["check", f("auto.yaml")], prepare=lambda: _yaml(f("auto.yaml"), 16, 64, 256, "auto")))
+    return out
+
+
+def _nanotron() -> bool:
+    try:
+        import integration.nanotron.example  # noqa: F401, PLC0415  (torch and nanotron: the check cases only)
+    except ImportError:
+        return False
+    return True
+
+
+def _yaml(path: str, pp: int, microbatches: int, layers: int, engine: str) -> None:
+    """A nanotron YAML of Llama3-8B's sizes (arithmetic only: `check` allocates nothing)."""
+    from integration.nanotron.example import TrainerConfig  # noqa: PLC0415
+
+    config = TrainerConfig(pp=pp, layers=layers, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256,
+                           seq=8192, micro_batch_size=1, microbatches=microbatches, dtype="bfloat16",
+                           fp32_accumulation=True, engine=engine)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(config.yaml(os.path.join(os.path.dirname(path), "checkpoints")))
+
+
+def run(argv: list[str], timeout: float = TIMEOUT_S) -> dict:
+    """One `pipeschedule` command as a subprocess: exit code, wall and CPU seconds, the
+    last line of stderr."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "pipeschedule.cli", *argv], cwd=REPO, capture_output=True,
+                              text=True, timeout=timeout)
+        code, err = done.returncode, done.stderr
+    except subprocess.TimeoutExpired as expired:
+        code, err = None, (expired.stderr or b"").decode(errors="replace") if isinstance(expired.stderr, bytes) \
+            else (expired.stderr or "")
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    lines = [line for line in err.splitlines() if line.strip()]
+    return {"exit": code, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "stderr_lines": len(lines),
+            "last_line": lines[-1] if lines else "", "load_1m": round(os.getloadavg()[0], 2)}
+
+
+def measure(case: Case, timeout: float) -> dict:
+    if case.prepare is not None:
+        case.prepare()
+    for argv in case.setup:
+        done = run(argv, timeout)
+        if done["exit"] != 0:
+            return {"command": case.command, "input": case.what, "setup_failed": done}
+    row = {"command": case.command, "input": case.what, "argv": case.argv, "accepted_exits": list(case.accepted)} \
+        | run(case.argv, case.timeout or timeout)
+    row["ok"] = row["exit"] in case.accepted and row["wall_s"] <= LIMIT_S
+    if case.refused is not None:
+        refusal = run(case.refused, timeout)
+        refusal["one_line"] = refusal["exit"] == 2 and refusal["stderr_lines"] == 1
+        row["refused"] = {"argv": case.refused} | refusal
+        row["ok"] = row["ok"] and refusal["one_line"]
+    return row
+
+
+def verdict(row: dict) -> str:
+    if "setup_failed" in row:
+        return "setup failed"
+    if row["exit"] is None:
+        return "over (timed out)"
+    if row["exit"] not in row["accepted_exits"]:
+        return f"failed (exit {row['exit']})"
+    if row.get("refused") and not row["refused"]["one_line"]:
+        return "not refused in one line"
+    return "ok" if row["wall_s"] <= LIMIT_S else "over"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| command | input | wall s | CPU s | limit s | load 1m | verdict |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['command']} | {row['input']} | {row.get('wall_s', '-')} | {row.get('cpu_s', '-')} | "
+                     f"{LIMIT_S:g} | {row.get('load_1m', '-')} | {verdict(row)} |")
+    return "\n".join(lines)
+
+
+def refusals(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        if row.get("refused"):
+            r = row["refused"]
+            lines.append(f"- `pipeschedule {' '.join(r['argv'][:-2] if r['argv'][-2].startswith('--') else r['argv'])}`"
+                         f" -> exit {r['exit']} in {r['wall_s']} s: `{r['last_line']}`")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, nothing written")
+    parser.add_argument("--only", default=None, help="only the cases of this command")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases(tmp, args.quick):
+            if args.only and case.command != args.only:
+                continue
+            row = measure(case, args.timeout)
+            rows.append(row)
+            print(f"{row['command']:9} {row.get('wall_s', '-'):>7} s wall {row.get('cpu_s', '-'):>7} s CPU  "
+                  f"{verdict(row):24} {row['input']}", flush=True)
+    print()
+    print(table(rows))
+    if args.quick or args.only:
+        return 0 if all(verdict(r) == "ok" for r in rows) or args.quick else 1
+    info = machine()
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(), "machine": info, "nproc": os.cpu_count(), "limit_s": LIMIT_S,
+        "limits": {"MAX_STAGE_MICROBATCHES": P, "MAX_STAGES": S, "MAX_PNG_RANKS": MAX_PNG_RANKS,
+                   "MAX_PLAN_STAGE_MICROBATCHES": MAX_PLAN_STAGE_MICROBATCHES,
+                   "MAX_PLAN_LAYER_STAGES": MAX_PLAN_LAYER_STAGES, "MAX_PLAN_DPS": MAX_PLAN_DPS,
+                   "MAX_SEARCH_NODES": MAX_SEARCH_NODES, "MAX_OFFLOAD_SEARCH": MAX_OFFLOAD_SEARCH},
+        "rows": rows,
+    }
+    markdown = "\n".join([
+        "# Size limits against time",
+        "",
+        f"`python -m benchmarks.limits`, {report['date']}, commit {report['commit']}.",
+        f"Machine: {info['cpu_count']} cores (`nproc`), {info['cpu_model']}, Python {info['python']}, "
+        f"torch {info['torch']}.",
+        "The 2 cores were shared with other sessions' work while this ran (the load average is in each row): "
+        "wall time is stretched by it, CPU time (the child's user + system) much less.",
+        "Every command runs as a subprocess at the largest input its limits accept (pipeschedule/checks.py, "
+        "[Note: size limits]); each must finish within the limit.",
+        "",
+        table(rows),
+        "",
+        "One past each limit, refused in one line (exit 2):",
+        "",
+        refusals(rows),
+        "",
+    ])
+    for path in write_results("limits", report, markdown):
+        print(f"wrote {path}")
+    return 0 if all(verdict(r) == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
