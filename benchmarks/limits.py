@@ -42,6 +42,7 @@ from pipeschedule.checks import (
     MAX_SEARCH_NODES,
     MAX_STAGE_MICROBATCHES,
     MAX_STAGES,
+    MAX_TIMELINE_CELLS,
 )
 
 LIMIT_S = 10.0
@@ -122,7 +123,11 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
              refused=["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS + 1), "-m", "1", "--png", f("r.png")]),
         Case("simulate", f"zbv pp=64, m={p // 128}, --png", ["simulate", *big, "--png", f("v.png")]),
         Case("show", f"zbv pp=64, m={p // 128}", ["show", *big]),
-        Case("show", f"1f1b pp={s}, m={p // s}", ["show", "1f1b", "--pp", str(s), "-m", str(p // s)]),
+        Case("show", f"1f1b pp={s}, m={p // s}, --width {MAX_TIMELINE_CELLS // s} (the most cells)",
+             ["show", "1f1b", "--pp", str(s), "-m", str(p // s), "--width", str(MAX_TIMELINE_CELLS // s)],
+             refused=["show", "1f1b", "--pp", str(S), "-m", str(P // S)]),
+        Case("show", "1f1b pp=1700, m=16 (about the most cells at full scale)",
+             ["show", "1f1b", "--pp", "1700", "-m", "16"]),
         Case("demo", "(fixed input; trains on CPU where torch and nanotron are installed)", ["demo"]),
     ]
     layers = min(1024, MAX_PLAN_LAYER_STAGES // 16)
@@ -270,6 +275,7 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "machine": info, "nproc": os.cpu_count(), "limit_s": LIMIT_S,
         "limits": {"MAX_STAGE_MICROBATCHES": P, "MAX_STAGES": S, "MAX_PNG_RANKS": MAX_PNG_RANKS,
+                   "MAX_TIMELINE_CELLS": MAX_TIMELINE_CELLS,
                    "MAX_PLAN_STAGE_MICROBATCHES": MAX_PLAN_STAGE_MICROBATCHES,
                    "MAX_PLAN_LAYER_STAGES": MAX_PLAN_LAYER_STAGES, "MAX_PLAN_DPS": MAX_PLAN_DPS,
                    "MAX_SEARCH_NODES": MAX_SEARCH_NODES, "MAX_OFFLOAD_SEARCH": MAX_OFFLOAD_SEARCH},

@@ -10,8 +10,11 @@ input by `python -m benchmarks.limits` (benchmarks/results/limits.md). Work and 
 grow with the (stage, microbatch) pairs of a schedule (about 11 lowered instructions each;
 at 2**18 pairs compile, verify and simulate took 14 to 57 s, a Chrome trace the most),
 and, beyond that, with its stages alone (templates, tracks and messages per stage: 1F1B
-at pp=32768, m=1 took 7 s to compile), so stages have a bound of their own; a PNG draws
-every rank (MAX_PNG_RANKS). The planner's work grows with its candidates times their size
+at pp=32768, m=1 took 7 s to compile; v_min at 2**14 stages 8 s, its Chrome trace 9 s of
+CPU), so stages have a bound of their own; a PNG draws every rank (MAX_PNG_RANKS), and an
+ASCII timeline (`show`) ranks x cells of time, which grows as pp**2 (1F1B at pp=16384, 35 s
+of CPU for a 1.6 GB text), so it is bounded by its size (MAX_TIMELINE_CELLS; --width
+narrows it). The planner's work grows with its candidates times their size
 and with the layers it splits times the stages, times the data-parallel sizes it compares.
 Every entry point checks here, before it allocates or loops: the command line (its
 parsers, `parse_int` and `parse_number`), `generate` and `compile_schedule`
@@ -30,8 +33,9 @@ from numbers import Real
 from pipeschedule.errors import ArgumentError, ParameterError
 
 MAX_STAGE_MICROBATCHES = 2**15  # pp * virtual * microbatches of one schedule
-MAX_STAGES = 2**14  # pp * virtual of one schedule
+MAX_STAGES = 2**13  # pp * virtual of one schedule
 MAX_PNG_RANKS = 256  # ranks one PNG draws (a row each)
+MAX_TIMELINE_CELLS = 2**25  # characters of one ASCII timeline (`show`): ranks x cells of time
 MAX_PLAN_STAGE_MICROBATCHES = 2**10  # pp * microbatches of a plan (it simulates ~50 candidates)
 MAX_PLAN_LAYER_STAGES = 2**12  # layers * pp of a plan (its split search)
 MAX_LAYERS = 1024  # decoder layers of a model
@@ -138,6 +142,15 @@ def check_png_ranks(ranks: int, error=ParameterError) -> None:
     if ranks > MAX_PNG_RANKS:
         raise error(f"--png draws one row per rank: pp = {_num(ranks)}; at most {MAX_PNG_RANKS} are accepted "
                     f"(--trace writes a Chrome trace of any size)")
+
+
+def check_timeline_cells(ranks: int, cells: int, error=ParameterError) -> None:
+    """Refuses an ASCII timeline of more than MAX_TIMELINE_CELLS characters (ranks rows
+    of `cells` cells)."""
+    if ranks * cells > MAX_TIMELINE_CELLS:
+        raise error(f"the timeline would be {_num(ranks)} ranks x {_num(cells)} cells = {_num(ranks * cells)} "
+                    f"characters; at most {MAX_TIMELINE_CELLS} are accepted: give a width (--width) of at most "
+                    f"{max(1, MAX_TIMELINE_CELLS // ranks)}")
 
 
 def check_at_most(name: str, value: int, limit: int, error=ParameterError) -> None:

@@ -298,9 +298,10 @@ def _summary(schedule, result) -> str:
 
 def cmd_show(args) -> int:
     schedule = _schedule_for(args)
-    warn_unfilled(schedule)
     result = simulate(schedule, CostModel.default(schedule))
-    print(ascii_timeline(schedule, result, width=args.width))
+    timeline = ascii_timeline(schedule, result, width=args.width)  # a refusal of its size comes alone
+    warn_unfilled(schedule)
+    print(timeline)
     return 0
 
 

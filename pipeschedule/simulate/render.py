@@ -10,7 +10,7 @@ import heapq
 import math
 from typing import Any
 
-from pipeschedule.checks import check_png_ranks, shown
+from pipeschedule.checks import check_png_ranks, check_timeline_cells, shown
 from pipeschedule.errors import PipescheduleError
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, SEND_OPS, Schedule
 from pipeschedule.simulate import SimResult
@@ -57,6 +57,7 @@ def ascii_timeline(schedule: Schedule, result: SimResult, *, width: int | None =
     if width is not None and step > 0:
         scale = min(scale, max(1, width - len(f"rank {schedule.pp - 1} ||")) / step)
     cells = max(1, math.ceil(step * scale - 1e-9))
+    check_timeline_cells(schedule.pp, cells)  # [Note: size limits]
     shortest = min((end - start for rank in blocks for start, end, _, _ in rank), default=step)
     summary = shortest * scale < 1
     draw = _summary_row if summary else _label_row

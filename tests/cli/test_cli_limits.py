@@ -76,7 +76,7 @@ def files(tmp_path):
 
 
 LIMIT = "at most 32768 are accepted"
-STAGES = "at most 16384 are accepted"
+STAGES = "at most 8192 are accepted"
 
 
 @pytest.mark.parametrize("argv, fragments", [
@@ -84,7 +84,9 @@ STAGES = "at most 16384 are accepted"
     (["simulate", "1f1b", "--pp", "2", "-m", "10000000000"], ["2 * 1 * 10000000000", LIMIT]),
     (["compile", "1f1b", "--pp", "100000", "-m", "3", "--json", "x.json"],
      ["pp * virtual = 100000 * 1 = 100000", STAGES]),
-    (["compile", "1f1b", "--pp", "16385", "-m", "1", "--json", "x.json"], ["16385 * 1 = 16385 stages", STAGES]),
+    (["compile", "1f1b", "--pp", "8193", "-m", "1", "--json", "x.json"], ["8193 * 1 = 8193 stages", STAGES]),
+    (["compile", "v_min", "--pp", "4097", "-m", "1", "--json", "x.json"], ["4097 * 2 = 8194 stages", STAGES]),
+    (["show", "1f1b", "--pp", "8192", "-m", "4"], ["8192 ranks x 49170 cells", "at most 33554432", "--width", "4096"]),
     (["compile", "1f1b", "--pp", "4", "-m", "8193", "--json", "x.json"], ["4 * 1 * 8193 = 32772", LIMIT]),
     (["simulate", "1f1b", "--pp", "257", "-m", "1", "--png", "x.png"], ["pp = 257", "at most 256"]),
     (["compile", "interleaved_1f1b", "--pp", "4", "--virtual", "100000000", "-m", "1", "--json", "x.json"],
@@ -123,7 +125,7 @@ STAGES = "at most 16384 are accepted"
     (["plan", "--model-file", "long.json", "--pp", "4", "--microbatches", "8"], ["long.json", "4300 digits"]),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--cost", "longcost.json"], ["longcost.json", "4300 digits"]),
     (["verify", "far_mb.csv"], ["1 * 1 * 1000000000000", LIMIT]),
-    (["verify", "far_stage.csv"], ["1000000000000", "at most 16384"]),
+    (["verify", "far_stage.csv"], ["1000000000000", "at most 8192"]),
     (["verify", "big.json"], ["2 * 1 * 1000000000", LIMIT]),
     (["simulate", "1f1b", "--pp", "4", "-m", "8", "--cost", "bigint.json"], ["'forward'", "finite", "400 digits"]),
     (["compile", "1f1b", "--pp", "4", "-m", "8", "--cost", "bigint.json", "--json", "x.json"], ["'forward'"]),
@@ -202,8 +204,8 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
 
 
 def test_many_ranks_compile_quickly(files):
-    """1F1B at pp=16384 (MAX_STAGES): asap used to sweep every rank once per rank (minutes)."""
-    code, err = run_cli(["compile", "1f1b", "--pp", "16384", "-m", "1", "--json", "x.json"], files, timeout=60)
+    """1F1B at pp=8192 (MAX_STAGES): asap used to sweep every rank once per rank (minutes)."""
+    code, err = run_cli(["compile", "1f1b", "--pp", "8192", "-m", "1", "--json", "x.json"], files, timeout=60)
     assert code == 0, err
 
 
