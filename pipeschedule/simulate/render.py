@@ -89,16 +89,19 @@ def _label_row(blocks, scale: float, cells: int) -> str:
 def _summary_row(blocks, scale: float, cells: int) -> str:
     """Each cell: '.' when idle most of its time, else the op doing at least 3/4 of its
     compute (F, B or W), else 'x' (a mix, as in the steady state of 1F1B)."""
-    busy = [dict.fromkeys("FBW", 0.0) for _ in range(cells)]
+    busy: dict[int, dict[str, float]] = {}  # the cells some block touches (a rank idles through most at large pp)
     for start, end, instr, _ in blocks:
         lo, hi = float(start) * scale, float(end) * scale
         for cell in range(int(lo), min(cells, math.ceil(hi))):
-            busy[cell][instr.op.value] += min(hi, cell + 1) - max(lo, cell)
-    row = []
-    for cover in busy:
+            cover = busy.get(cell)
+            if cover is None:
+                cover = busy[cell] = dict.fromkeys("FBW", 0.0)
+            cover[instr.op.value] += min(hi, cell + 1) - max(lo, cell)
+    row = ["."] * cells
+    for cell, cover in busy.items():
         total = sum(cover.values())
         op = max(cover, key=cover.get)
-        row.append("." if total < 0.5 else op if cover[op] >= 0.75 * total else "x")
+        row[cell] = "." if total < 0.5 else op if cover[op] >= 0.75 * total else "x"
     return "".join(row)
 
 

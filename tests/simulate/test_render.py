@@ -1,11 +1,13 @@
 """ASCII timeline, Chrome trace and PNG of a simulated schedule."""
 
 import json
+import math
 import re
 import sys
 
 import pytest
 
+from pipeschedule import compile_schedule
 from pipeschedule.errors import PipescheduleError
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS
@@ -169,3 +171,35 @@ def test_png_unwritable_path(tmp_path):
     schedule, result = simulated("1f1b", pp=2, m=2)
     with pytest.raises(PipescheduleError, match="cannot write PNG"):
         png(schedule, result, tmp_path / "no" / "such" / "dir.png")
+
+
+def _summary_row_cell_by_cell(blocks, scale, cells):
+    """The summary row as it was drawn before it skipped idle cells: every cell's cover."""
+    busy = [dict.fromkeys("FBW", 0.0) for _ in range(cells)]
+    for start, end, instr, _ in blocks:
+        lo, hi = float(start) * scale, float(end) * scale
+        for cell in range(int(lo), min(cells, math.ceil(hi))):
+            busy[cell][instr.op.value] += min(hi, cell + 1) - max(lo, cell)
+    row = []
+    for cover in busy:
+        total = sum(cover.values())
+        op = max(cover, key=cover.get)
+        row.append("." if total < 0.5 else op if cover[op] >= 0.75 * total else "x")
+    return "".join(row)
+
+
+@pytest.mark.parametrize("name, kwargs, width", [
+    ("zbv", dict(pp=8, microbatches=64), 50),
+    ("1f1b", dict(pp=64, microbatches=2), 40),  # mostly idle: the cells skipped
+    ("interleaved_1f1b", dict(pp=4, microbatches=16, virtual=2), 30),
+    ("zb_h1", dict(pp=4, microbatches=32), 37),
+])
+def test_the_summary_row_draws_as_cell_by_cell(monkeypatch, name, kwargs, width):
+    from pipeschedule.simulate import render
+
+    schedule = compile_schedule(name, **kwargs)
+    result = simulate(schedule, CostModel.default(schedule))
+    drawn = render.ascii_timeline(schedule, result, width=width)
+    assert "cells too short for labels" in drawn
+    monkeypatch.setattr(render, "_summary_row", _summary_row_cell_by_cell)
+    assert drawn == render.ascii_timeline(schedule, result, width=width)
