@@ -126,8 +126,10 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
         Case("show", f"1f1b pp={s}, m={p // s}, --width {MAX_TIMELINE_CELLS // s} (the most cells)",
              ["show", "1f1b", "--pp", str(s), "-m", str(p // s), "--width", str(MAX_TIMELINE_CELLS // s)],
              refused=["show", "1f1b", "--pp", str(S), "-m", str(P // S)]),
-        Case("show", "1f1b pp=1700, m=16 (about the most cells at full scale)",
-             ["show", "1f1b", "--pp", "1700", "-m", "16"]),
+        Case("show", "1f1b pp=700, m=8 (near the most cells at full scale)",
+             ["show", "1f1b", "--pp", "700", "-m", "8"]),
+        Case("show", f"1f1b pp=4, m={p // 4}, --width {MAX_TIMELINE_CELLS // 4 // 64} (every cell busy)",
+             ["show", "1f1b", "--pp", "4", "-m", str(p // 4), "--width", str(MAX_TIMELINE_CELLS // 4 // 64)]),
         Case("demo", "(fixed input; trains on CPU where torch and nanotron are installed)", ["demo"]),
     ]
     layers = min(1024, MAX_PLAN_LAYER_STAGES // 16)

@@ -13,9 +13,13 @@ and, beyond that, with its stages alone (templates, tracks and messages per stag
 at pp=32768, m=1 took 7 s to compile; v_min at 2**14 stages 8 s, its Chrome trace 9 s of
 CPU), so stages have a bound of their own; a PNG draws every rank (MAX_PNG_RANKS), and an
 ASCII timeline (`show`) ranks x cells of time, which grows as pp**2 (1F1B at pp=16384, 35 s
-of CPU for a 1.6 GB text), so it is bounded by its size (MAX_TIMELINE_CELLS; --width
-narrows it). The planner's work grows with its candidates times their size
-and with the layers it splits times the stages, times the data-parallel sizes it compares.
+of CPU for a 1.6 GB text), so it is bounded by its size
+(MAX_TIMELINE_CELLS; --width narrows it; a cell of a summary row costs about 1 us).
+The planner's work grows with its candidates times their size
+and with the layers it splits times the stages, times the data-parallel sizes it compares;
+its limits (MAX_PLAN_*, MAX_SEARCH_NODES) do not meet the 10 s yet: at pp=16, 64
+microbatches, 256 layers of a model that fits, one plan took 16 s of CPU (its split
+search), and 16 dp sizes with --virtual 16 and 10**5 search nodes ran past 2 minutes.
 Every entry point checks here, before it allocates or loops: the command line (its
 parsers, `parse_int` and `parse_number`), `generate` and `compile_schedule`
 (`check_common`), the loaders (`Schedule`, the CSV reader), the planner (`PlanConfig`,
@@ -35,7 +39,7 @@ from pipeschedule.errors import ArgumentError, ParameterError
 MAX_STAGE_MICROBATCHES = 2**15  # pp * virtual * microbatches of one schedule
 MAX_STAGES = 2**13  # pp * virtual of one schedule
 MAX_PNG_RANKS = 256  # ranks one PNG draws (a row each)
-MAX_TIMELINE_CELLS = 2**25  # characters of one ASCII timeline (`show`): ranks x cells of time
+MAX_TIMELINE_CELLS = 2**22  # characters of one ASCII timeline (`show`): ranks x cells of time
 MAX_PLAN_STAGE_MICROBATCHES = 2**10  # pp * microbatches of a plan (it simulates ~50 candidates)
 MAX_PLAN_LAYER_STAGES = 2**12  # layers * pp of a plan (its split search)
 MAX_LAYERS = 1024  # decoder layers of a model
