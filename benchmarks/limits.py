@@ -248,7 +248,8 @@ def refusals(rows: list[dict]) -> str:
     for row in rows:
         if row.get("refused"):
             r = row["refused"]
-            lines.append(f"- `pipeschedule {' '.join(r['argv'][:-2] if r['argv'][-2].startswith('--') else r['argv'])}`"
+            words = [os.path.basename(w) if os.path.isabs(w) else w for w in r["argv"]]  # temporary files
+            lines.append(f"- `pipeschedule {' '.join(words)}`"
                          f" -> exit {r['exit']} in {r['wall_s']} s: `{r['last_line']}`")
     return "\n".join(lines)
 
