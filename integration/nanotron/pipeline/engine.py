@@ -24,8 +24,10 @@ with the engine's split and placement ([Note: build hook] in patches/trainer.py)
 calls `train_batch_iter` as it does for its own engines.
 
 At its first step on a model the engine checks that the model is laid out as it runs
-([Note: model layout] in layout.py); then each step compiles (once, cached) and runs
-the verified schedule for (pp, m) through pipeschedule's runtime (`step.Runner`).
+([Note: model layout] in layout.py); then each step runs the verified schedule for
+(pp, m) through pipeschedule's runtime: `train_batch_iter` hands the spec to
+`build_runner` (once per (pg, m), cached), which compiles it (`compile_spec`) and makes
+the `step.Runner`, which makes the runtime's `Executor` with the spec's offload settings.
 Returns what nanotron's engines return: on the rank of the loss block m dicts
 `{"loss": loss / m}` (detached), elsewhere m dicts `{"loss": TensorPointer(rank of the
 loss)}`. Gradients end where nanotron's optimizer paths expect them (DDP, fp32
@@ -97,15 +99,11 @@ class PipescheduleEngine(PipelineEngine):
 
     @property
     def virtual(self) -> int:
-        if self.family.takes_virtual and self.spec.virtual is None:
-            return DEFAULT_VIRTUAL
-        return self.family.chunks(self.spec.virtual)
+        return spec_virtual(self.spec)
 
     def cap(self, pp: int):
         """The spec's cap, else the family's default (capped_1f1b: ceil(pp/2)), else None."""
-        if self.spec.cap is not None or self.family.default_cap is None:
-            return self.spec.cap
-        return self.family.default_cap(pp)
+        return spec_cap(self.spec, pp)
 
     def placement(self, pp: int) -> list[int]:
         """Rank of each stage: the family's placement (round robin; the V shapes: rank r
@@ -127,13 +125,7 @@ class PipescheduleEngine(PipelineEngine):
     def compile(self, *, pp: int, microbatches: int) -> Schedule:
         """The lowered, verified schedule this engine runs for (pp, m), with the spec's
         OFFLOAD / RELOAD when it has `offload`."""
-        schedule = compile_schedule(self.family.name, pp=pp, microbatches=microbatches, virtual=self.virtual,
-                                    cap=self.cap(pp))
-        policy = self.spec.offload_policy()
-        if policy is not None:
-            schedule = add_offload(schedule, policy)
-            verify(schedule)
-        return schedule
+        return compile_spec(self.spec, pp=pp, microbatches=microbatches)
 
     # -- the model's layout ([Note: model layout]) ---------------------------------------
 
@@ -176,7 +168,7 @@ class PipescheduleEngine(PipelineEngine):
 
     def train_batch_iter(self, model, pg, batch: Iterable[dict], nb_microbatches: int, grad_accumulator):
         self.nb_microbatches = nb_microbatches
-        runner = self._runner(model, pg, nb_microbatches, train=True)
+        runner = self._runner(self.spec, model, pg, nb_microbatches, train=True)
         return runner.step(model, batch, grad_accumulator)
 
     def validate_batch_iter(self, model, batch: Iterable[dict], nb_microbatches: int):
@@ -185,22 +177,17 @@ class PipescheduleEngine(PipelineEngine):
         `torch.no_grad` (losses / m on the loss rank, as nanotron)."""
         self.nb_microbatches = nb_microbatches
         pg = self.pipeline_blocks(model)[0].p2p.pg
-        runner = self._runner(model, pg, nb_microbatches, train=False)
+        runner = self._runner(self.spec, model, pg, nb_microbatches, train=False)
         with torch.no_grad():
             return runner.step(model, batch, None)
 
     # -- internals ---------------------------------------------------------------------
 
-    def _runner(self, model, pg, m: int, *, train: bool) -> Runner:
+    def _runner(self, spec: EngineSpec, model, pg, m: int, *, train: bool) -> Runner:
+        """The runner of `spec` (this engine's) for (pg, m, train|eval), built at its first step."""
         key = (id(pg), m, train)
         if key not in self._runners:
-            pp = pg.size()
-            self.check(pp=pp)
-            schedule = self.compile(pp=pp, microbatches=m)
-            if not train:  # evaluation: the forward half, lowered and verified as one ([Note: forward-only schedules])
-                schedule = forward_only(schedule)
-                verify(schedule)
-            self._runners[key] = Runner(self, schedule, self._transport_for(pg), _device_of(model))
+            self._runners[key] = build_runner(spec, self, model, pg, m, train=train, transport=self._transport_for(pg))
         return self._runners[key]
 
     def training_ledger(self):
@@ -300,7 +287,7 @@ class AutoEngine(PipescheduleEngine):
         if first and torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         if first:  # F and B timed exactly in the measured step ([Note: auto offload])
-            self._runner(model, pg, nb_microbatches, train=True).executor.exact_times = True
+            self._runner(self.spec, model, pg, nb_microbatches, train=True).executor.exact_times = True
         out = super().train_batch_iter(model, pg, batch, nb_microbatches, grad_accumulator)
         if first:
             self._choose(model, pg, nb_microbatches)
@@ -344,6 +331,51 @@ def warn_lines(text: str) -> None:
     arguments, so a multi-line message with arguments ended in 'Logging error' tracebacks."""
     for line in text.splitlines():
         _LOG.warning("%s", line)
+
+
+def spec_virtual(spec: EngineSpec) -> int:
+    """Model chunks per rank of `spec`'s schedules (an interleaved spec without `virtual`:
+    DEFAULT_VIRTUAL)."""
+    family = FAMILIES[spec.family]
+    if family.takes_virtual and spec.virtual is None:
+        return DEFAULT_VIRTUAL
+    return family.chunks(spec.virtual)
+
+
+def spec_cap(spec: EngineSpec, pp: int):
+    """`spec`'s cap, else its family's default (capped_1f1b: ceil(pp/2)), else None."""
+    family = FAMILIES[spec.family]
+    if spec.cap is not None or family.default_cap is None:
+        return spec.cap
+    return family.default_cap(pp)
+
+
+def compile_spec(spec: EngineSpec, *, pp: int, microbatches: int) -> Schedule:
+    """The lowered, verified schedule of `spec` for (pp, m), with its OFFLOAD / RELOAD
+    when it has `offload`."""
+    schedule = compile_schedule(spec.family, pp=pp, microbatches=microbatches, virtual=spec_virtual(spec),
+                                cap=spec_cap(spec, pp))
+    policy = spec.offload_policy()
+    if policy is not None:
+        schedule = add_offload(schedule, policy)
+        verify(schedule)
+    return schedule
+
+
+def build_runner(spec: EngineSpec, engine: PipescheduleEngine, model, pg, microbatches: int, *, train: bool,
+                 transport: DistTransport) -> Runner:
+    """The runner of `spec` for (pg, m): its schedule checked against pp and compiled
+    (evaluation: the forward half, lowered and verified as one, [Note: forward-only
+    schedules]), run by an executor over `transport` with `spec`'s offload settings;
+    `engine` checks and prepares the model at its first step ([Note: model layout])."""
+    pp = pg.size()
+    spec.check_against(pp=pp, virtual=spec_virtual(spec))
+    schedule = compile_spec(spec, pp=pp, microbatches=microbatches)
+    if not train:
+        schedule = forward_only(schedule)
+        verify(schedule)
+    return Runner(engine, schedule, transport, _device_of(model), offload_chunk=spec.offload_chunk,
+                  offload_policy=spec.offload_policy())
 
 
 def build_engine(spec: EngineSpec | str) -> PipescheduleEngine:
@@ -394,4 +426,5 @@ def _device_of(model) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-__all__ = ["DEFAULT_VIRTUAL", "AutoEngine", "PipescheduleEngine", "build_engine"]
+__all__ = ["DEFAULT_VIRTUAL", "AutoEngine", "PipescheduleEngine", "build_engine", "build_runner", "compile_spec",
+           "spec_cap", "spec_virtual"]

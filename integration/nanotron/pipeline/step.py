@@ -37,11 +37,12 @@ from integration.nanotron.pipeline.errors import EngineRuntimeError
 from integration.nanotron.pipeline.grad_sync import GradFolder, GradientSync, SharedGrads
 from integration.nanotron.pipeline.stage_call import StageCall, block_tracking, one_stage, pack_edge
 from pipeschedule.compiler.ir import Op, Schedule
-from pipeschedule.compiler.offload import add_offload
+from pipeschedule.compiler.offload import OffloadPolicy, add_offload
 from pipeschedule.compiler.passes import on_graph
 from pipeschedule.compiler.verify import verify
 from pipeschedule.errors import FormatError
-from pipeschedule.runtime import DistTransport, Executor, RemoteOutput
+from pipeschedule.runtime import DistTransport, RemoteOutput
+from pipeschedule.runtime.executor import Executor
 from pipeschedule.runtime.stages import module_state
 
 LAYOUT_WAIT_S = 60.0  # how long a receiving rank waits for its sender's boundary layout
@@ -60,14 +61,20 @@ def pipeline_blocks(model) -> list[PipelineBlock]:
 
 
 class Runner:
-    """The executor of one (pg, m, train|eval) and what its steps share."""
+    """The executor of one (pg, m, train|eval) and what its steps share. `engine` checks
+    and prepares each model at its first step ([Note: model layout]); `offload_chunk`
+    (bytes) and `offload_policy` are the engine spec's: the executor streams offloaded
+    stashes in chunks of that size, and a schedule moved onto the model's graph gets that
+    policy's OFFLOAD ([Note: the schedule's graph])."""
 
-    def __init__(self, engine, schedule: Schedule, transport: DistTransport, device: torch.device):
+    def __init__(self, engine, schedule: Schedule, transport: DistTransport, device: torch.device, *,
+                 offload_chunk: int | None = None, offload_policy: OffloadPolicy | None = None):
         self.engine, self.transport, self.device = engine, transport, device
+        self.offload_chunk, self.offload_policy = offload_chunk, offload_policy
         self.rank = transport.rank
         self.layouts: dict[tuple[int, int], Layout] = {}  # edge -> boundary layout
         self.stages = ModelStages(self)
-        self._use(schedule)
+        self._use(schedule, offload_chunk)
         # [Note: gradient sync]: DDP syncs inside the last B only when that B is the last
         # touch of every parameter of the rank.
         self.sync_in_backward = schedule.virtual == 1 and not schedule.split_backward
@@ -76,15 +83,16 @@ class Runner:
         self._grads: dict[tuple[int, int], tuple] = {}
         self._graphs_found = 0  # masked calls made, which name their reports in the store
 
-    def _use(self, schedule: Schedule) -> None:
-        """Runs `schedule` from now on, with a new executor ([Note: the schedule's graph];
-        the old one's `exact_times` carries over)."""
+    def _use(self, schedule: Schedule, offload_chunk: int | None) -> None:
+        """Runs `schedule` from now on, with a new executor that streams offloaded stashes
+        in chunks of `offload_chunk` bytes ([Note: the schedule's graph]; the old one's
+        `exact_times` carries over)."""
         exact = getattr(getattr(self, "executor", None), "exact_times", False)
         self.schedule = self.stages.schedule = schedule
         # The stages read the data loader's microbatch themselves (the executor is given None
         # inputs): its tensors' shapes join the signature of the stash measurement.
         self.executor = Executor(schedule, self.rank, self.stages, self.transport, device=self.device,
-                                 offload_chunk=self.engine.spec.offload_chunk,
+                                 offload_chunk=offload_chunk,
                                  side_inputs=lambda i: self.stages.peek(i.mb))
         self.executor.exact_times = exact
         backwards = [i for i in self.executor.program if i.op is Op.B]
@@ -148,18 +156,17 @@ class Runner:
         self.stages.graph = graph
         edges = graph.edges
         if tuple(map(tuple, edges)) != self.schedule.edges:
-            self._use(self._moved(edges))
+            self._use(self._moved(edges), self.offload_chunk)
 
     def _moved(self, edges) -> Schedule:
-        """The schedule on the stage graph `edges`, with the engine's OFFLOAD, verified."""
+        """The schedule on the stage graph `edges`, with the spec's OFFLOAD, verified."""
         try:
             schedule = on_graph(self.schedule, edges)
         except FormatError as err:  # a graph the compiler refuses: a stage nothing feeds, say
             raise EngineRuntimeError(f"the model's blocks give the stage graph {[list(e) for e in edges]}, which "
                                      f"cannot be pipelined: {err}") from None
-        policy = self.engine.spec.offload_policy()
-        if policy is not None and not schedule.forward_only:
-            schedule = add_offload(schedule, policy)
+        if self.offload_policy is not None and not schedule.forward_only:
+            schedule = add_offload(schedule, self.offload_policy)
         verify(schedule)
         return schedule
 
