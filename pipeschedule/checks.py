@@ -45,6 +45,7 @@ MAX_PLAN_LAYER_STAGES = 2**12  # layers * pp of a plan (its split search)
 MAX_LAYERS = 1024  # decoder layers of a model
 MAX_DIMENSION = 2**31  # any other size of a model or a setup: hidden, heads, vocab, seq, tp, dp, ...
 MAX_SEARCH_NODES = 10**5  # the planner's search nodes per optimal split (5x the default; 10^6 took 1-2 min)
+PLAN_SEARCH_WORK = 2**23  # search nodes x layers of one `plan` run, shared ([Note: plan search budget], planner.py)
 MAX_PLAN_DPS = 16  # data-parallel sizes one `plan` compares: each is a lever search of its own (up to a minute)
 MAX_STREAM_PIECES = 4096  # pieces a streamed stash is cut into
 MAX_OFFLOAD_SEARCH = 2**18  # (stage, microbatch) pairs simulated in all by one offload search (`choose_offload`)

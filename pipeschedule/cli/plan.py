@@ -13,7 +13,8 @@ import json
 import sys
 from dataclasses import replace
 
-from pipeschedule.checks import MAX_PLAN_DPS, int_arg, int_list_arg, number_arg, path_arg, shown
+from pipeschedule.checks import (MAX_PLAN_DPS, PLAN_SEARCH_WORK, int_arg, int_list_arg, number_arg, path_arg,
+                                shown)
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.config import build_config
 from pipeschedule.plan.advice import advise
@@ -108,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most chunks per rank tried for interleaved candidates: every count from 2 up to it "
                              "whose chunks divide the layers evenly (default 4)")
     search.add_argument("--node-limit", type=int_arg("--node-limit"), default=20_000,
-                        help="search nodes per optimal split (default 20000)")
+                        help=f"search nodes per optimal split, within a budget all the run's searches share "
+                             f"({PLAN_SEARCH_WORK} over the model's layers): a search it stops early is a best found "
+                             f"row (default 20000)")
     search.add_argument("--tables", choices=("none", "top", "all"), default="none",
                         help="beyond the best plan per dp, the recommendation and its YAML: top adds the memory per "
                              "rank, term by term, of the baseline and the recommendation; all adds every dp's lever "

@@ -23,7 +23,7 @@ from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.levers import LeverPlan, baseline, levers_text, plan_levers
 from pipeschedule.plan.memory import RECOMPUTE_MODES, GiB
 from pipeschedule.plan.nanotron_yaml import beyond_yaml, host_link_words, plan_yaml
-from pipeschedule.plan.planner import Plan, ScheduleCache
+from pipeschedule.plan.planner import Plan, ScheduleCache, SearchBudget
 from pipeschedule.plan.report import memory_table, offload_lines
 
 RECOMPUTE_WORDS = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute",
@@ -117,13 +117,15 @@ def advise(config: PlanConfig, dps, *, zero=None, recompute=None, progress=None)
     counts = [len(zero if zero is not None else ((0, 1) if dp > 1 else (0,)))
               * len(recompute if recompute is not None else RECOMPUTE_MODES) for dp in dps]
     schedules = ScheduleCache(config.pp, config.microbatches)
+    budget = SearchBudget(config.model.layers, plans=sum(counts))  # [Note: plan search budget]: one for the whole run
     searches = []
     for i, dp in enumerate(dps):
         at = replace(config, setup=replace(config.setup, dp=dp))
         done = sum(counts[:i])
         step = None if progress is None else (
             lambda k, n, z, mode, dp=dp, done=done: progress(done + k, sum(counts), dp, z, mode))
-        searches.append(plan_levers(at, zero=zero, recompute=recompute, progress=step, schedules=schedules))
+        searches.append(plan_levers(at, zero=zero, recompute=recompute, progress=step, schedules=schedules,
+                                    budget=budget))
     key, _ = baseline(searches[0])
     base = Choice(searches[0].plans[key], searches[0].plans[key].default)
     best = tuple(Choice(s.plans[s.best[0]], s.best[1]) if s.best else None for s in searches)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.memory import RECOMPUTE_MODES, GiB
-from pipeschedule.plan.planner import Plan, ScheduleCache, plan
+from pipeschedule.plan.planner import Plan, ScheduleCache, SearchBudget, plan
 from pipeschedule.plan.report import offload_lines
 
 
@@ -60,13 +60,17 @@ class LeverPlan:
 
 
 def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None,
-                schedules: ScheduleCache | None = None) -> LeverPlan:
+                schedules: ScheduleCache | None = None, budget: SearchBudget | None = None) -> LeverPlan:
     """Plan every ZeRO stage in `zero` (None: 0, and 1 when dp > 1) and recompute mode in
     `recompute` (None: all three) ([Note: lever search]). `progress(k, n, zero, mode)`, if
     given, is called before the k-th of the n plans (k from 1). `schedules`: a
-    ScheduleCache of the config's pp and microbatches to share (None: one of its own)."""
+    ScheduleCache of the config's pp and microbatches to share (None: one of its own).
+    `budget`: the search nodes shared with the plans after these ([Note: plan search
+    budget] in planner.py; None: one budget for these plans)."""
     zeros = zero if zero is not None else ((0, 1) if config.setup.dp > 1 else (0,))
     modes = recompute if recompute is not None else RECOMPUTE_MODES
+    if budget is None:
+        budget = SearchBudget(config.model.layers, plans=len(zeros) * len(modes))
     plans = {}
     if schedules is None:  # the setups differ, the schedules do not
         schedules = ScheduleCache(config.pp, config.microbatches)
@@ -75,7 +79,7 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None,
             if progress is not None:
                 progress(len(plans) + 1, len(zeros) * len(modes), z, mode)
             setup = replace(config.setup, zero_stage=z, recompute=mode)
-            plans[(z, mode)] = plan(replace(config, setup=setup), schedules=schedules)
+            plans[(z, mode)] = plan(replace(config, setup=setup), schedules=schedules, budget=budget)
     fitting = [(key, p.recommended) for key, p in plans.items() if p.recommended is not None]
     # The fastest; among equals (1e-9) the first planned, i.e. the fewest levers pulled.
     fastest = min((c.step_time for _, c in fitting), default=None)

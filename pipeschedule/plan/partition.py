@@ -38,9 +38,10 @@ a rank's parameters: the largest over ranks of each rank's). The cuts bound the
 pipeline alone; a node adds the largest tail of the ranks whose stages it has all
 chosen, which the step's tail cannot be below. When the search finishes, no split that
 fits beats the best one: optimal for the simulator and the tail, not for a proxy. It
-stops at `node_limit` nodes and then says so (`proven=False`); a `cutoff` (the best
-time a planner already has) prunes harder. Memory is exact: rank
-bytes are additive over a rank's stages and no split that overflows is accepted.
+stops at `node_limit` nodes (0: at once, the seeds alone) and then says so
+(`proven=False`); a `cutoff` (the best time a planner already has) prunes harder. A
+planner's searches share one budget of nodes ([Note: plan search budget] in
+planner.py). Memory is exact: rank bytes are additive over a rank's stages and no split that overflows is accepted.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
     # period (a chain is a valid cut whatever costs found it), then for alike layers the
     # relaxation's chains and combined cut, and the search goes on.
     search.node_limit = min(node_limit, 500)
-    proven = search.run()
+    proven = search.run() if node_limit > 0 else False  # 0: a budget with nothing left (planner.SearchBudget)
     if not proven and node_limit > search.node_limit:
         base = ev.costs(search.fallback[0] or tuple([L // S] * (S - 1) + [L - (L // S) * (S - 1)]))
         for heavy in range(S):

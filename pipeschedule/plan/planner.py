@@ -26,6 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from pipeschedule.checks import PLAN_SEARCH_WORK
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.families import FAMILIES, generate
 from pipeschedule.compiler.gcpause import gc_paused
@@ -96,12 +97,52 @@ class ScheduleCache:
         return self.inflights[key]
 
 
+class SearchBudget:
+    """[Note: plan search budget] The split searches of one `pipeschedule plan` run (every
+    candidate, recompute mode, ZeRO stage and dp size) share one budget of search nodes,
+    so that the run's work is bounded whatever --node-limit, --virtual and --dp ask, and
+    the same input gets the same answer on any machine (nodes, not seconds). A node scans
+    up to one boundary per layer, so the budget is PLAN_SEARCH_WORK (checks.py, measured:
+    benchmarks/results/limits.md) over the model's layers. A search may take up to its
+    node limit (`PlanConfig.node_limit`) while what remains keeps `floor` nodes for each
+    search still to come (the rest of this plan's candidates, and as many for each plan
+    after it); `floor` is a quarter of the budget over the searches the run expects at its first
+    search. A search the budget stops early is a "best found" row like one stopped at its
+    node limit (not proven optimal; its note says the budget stopped it). Where no search
+    reaches its share the answers are those without a budget. A search visits at most
+    its limit plus the one node that finds it reached, which the share leaves room for,
+    so `used` stays within `total`."""
+
+    def __init__(self, layers: int, plans: int = 1, total: int | None = None) -> None:
+        """`plans`: how many plans share it; `total`: the nodes (None: PLAN_SEARCH_WORK // layers)."""
+        self.total = PLAN_SEARCH_WORK // layers if total is None else total
+        self.used, self.plans_left = 0, plans
+        self.floor: int | None = None
+
+    def allowance(self, node_limit: int, left_here: int, per_plan: int) -> int:
+        """Nodes the next search may visit: `left_here` searches (this one included) are
+        still to come in this plan, `per_plan` in each plan after it."""
+        left = max(1, left_here) + (self.plans_left - 1) * per_plan
+        if self.floor is None:
+            self.floor = self.total // (4 * left)
+        room = self.total - self.used - self.floor * (left - 1) - 1
+        return max(0, min(node_limit, room))
+
+    def spend(self, nodes: int) -> None:
+        self.used += nodes
+
+    def plan_done(self) -> None:
+        self.plans_left = max(1, self.plans_left - 1)
+
+
 class _Planner:
     """Evaluates candidates of one config, caching schedules (in `schedules`, which
     plans of the same pp and microbatches may share) and simulations."""
 
-    def __init__(self, config: PlanConfig, schedules: ScheduleCache | None = None) -> None:
+    def __init__(self, config: PlanConfig, schedules: ScheduleCache | None = None,
+                 budget: SearchBudget | None = None) -> None:
         self.config = config
+        self.budget = budget if budget is not None else SearchBudget(config.model.layers)
         if schedules is None:
             schedules = ScheduleCache(config.pp, config.microbatches)
         elif (schedules.pp, schedules.microbatches) != (config.pp, config.microbatches):
@@ -280,12 +321,16 @@ class _Planner:
             rank_tail=lambda rank, layers: self.rank_tail(schedule, rank, layers),
         )
 
-    def optimise(self, family: str, cap, virtual: int, seeds, cutoff: float) -> Candidate:
+    def optimise(self, family: str, cap, virtual: int, seeds, cutoff: float,
+                 left: tuple[int, int] = (1, 1)) -> Candidate:
+        """The split search of one candidate; `left`: (searches still to come in this
+        plan, this one included; searches per plan after it), for the budget's share."""
         schedule = self.schedule(family, cap, virtual)
         self.stats["searches"] += 1
+        limit = self.budget.allowance(self.config.node_limit, *left)
         try:
             found = optimal_split(self.problem(family, cap, virtual), schedule, seeds=seeds,
-                                  node_limit=self.config.node_limit, cutoff=cutoff,
+                                  node_limit=limit, cutoff=cutoff,
                                   graph=self.graph(family, cap, virtual)[0],
                                   inflight=self.cache.inflight(self._key(family, cap, virtual)))
         except SplitInfeasible as err:
@@ -304,6 +349,7 @@ class _Planner:
             return Candidate(family, cap_label(cap), virtual, err.split, "least overflow",
                              note=f"no split fits: the best still overflows rank {err.rank} "
                                   f"by {err.overflow / GiB:.1f} GiB")
+        self.budget.spend(found.nodes)
         self.stats["proven"] += found.proven
         self.stats["search_nodes"] += found.nodes
         self.stats["search_simulations"] += found.simulations
@@ -313,6 +359,9 @@ class _Planner:
             kind, note = "optimal", ""
         else:
             kind, note = "best found", f"best split found in {found.nodes} search nodes (not proven optimal)"
+            if limit < self.config.node_limit:  # [Note: plan search budget]
+                note = note[:-1] + (f"; the plan's budget of {self.budget.total} search nodes in all left it "
+                                    f"{limit} of its {self.config.node_limit})")
             if found.lower_bound is not None:
                 note = note[:-1] + f"; no split of this schedule is faster than {found.lower_bound:.3f} s)"
         return replace(self.evaluate(family, cap, virtual, found.split, kind, found.proven), note=note,
@@ -410,19 +459,21 @@ def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:
 
 
 @gc_paused  # thousands of cuts, columns and graphs, none in a cycle (compiler/gcpause.py)
-def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = None, **options) -> Plan:
+def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = None,
+         budget: SearchBudget | None = None, **options) -> Plan:
     """Evaluate nanotron's default and every alternative; see the module docstring.
 
     Give a PlanConfig, or the command line's options as keywords (`config.build_config`):
     `plan(model="llama3-70b", pp=4, tp=4, dp=2, microbatches=16, recompute="full")`.
     `schedules`: a ScheduleCache of the same pp and microbatches to take schedules from
-    and add to (plans of other setups share them).
+    and add to (plans of other setups share them). `budget`: the search nodes this plan
+    shares with the plans after it ([Note: plan search budget]; None: a budget of its own).
     """
     if config is None:
         config = build_config(options.pop("model"), **options) if "model" in options else build_config(None, **options)
     elif options:
         raise ParameterError(f"give a PlanConfig or keyword options, not both (got {sorted(options)})")
-    planner = _Planner(config, schedules)
+    planner = _Planner(config, schedules, budget)
     base_split = nanotron_split(config.model, config.pp)
     default = nanotron_default(config, planner.cache, base_split)
     planner.used.add(planner._key("1f1b", None, 1))
@@ -434,7 +485,8 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
     candidates = [default] if ours_1f1b is default else [default, ours_1f1b]
     best = default.step_time if default.fits else math.inf  # a cutoff: the searches time the step, tail included
     virtuals, virtual_dropped = virtual_tried(planner)
-    for family, cap, virtual in _families(config, planner, virtuals):
+    families = _families(config, planner, virtuals)
+    for i, (family, cap, virtual) in enumerate(families):
         try:
             nanotron = nanotron_split(config.model, config.pp * virtual)
         except ParameterError:
@@ -449,7 +501,7 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
             if same.fits:
                 best = min(best, same.step_time)
         seeds = [nanotron] if nanotron else []
-        row = planner.optimise(family, cap, virtual, seeds, cutoff=best)
+        row = planner.optimise(family, cap, virtual, seeds, cutoff=best, left=(len(families) - i, len(families)))
         if same is not None and row.split == same.split and row.memory and row.split_kind != "best found":
             # The search kept nanotron's split (or proved nothing beats the rows before): one row.
             kind = ("nanotron" if same is default
@@ -463,7 +515,8 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
     # buffers as 1F1B has them: the most a capped schedule holds).
     p2p = [r.terms["p2p buffers"] for r in default.memory]
     tried = {(c.family, c.cap) for c in candidates if c.virtual == 1}
-    for split in dict.fromkeys(c.split for c in list(candidates) if c.virtual == 1 and c.split):
+    splits = list(dict.fromkeys(c.split for c in list(candidates) if c.virtual == 1 and c.split))
+    for i, split in enumerate(splits):
         caps = fitted_caps(config, split, p2p)
         if caps is None or caps == tuple(min(config.pp - r, config.microbatches) for r in range(config.pp)):
             continue
@@ -471,7 +524,8 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
         if uniform or ("capped_1f1b", caps) in tried:
             continue
         tried.add(("capped_1f1b", caps))
-        candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best))
+        candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best,
+                                           left=(len(splits) - i, len(families))))
         if candidates[-1].fits:
             best = min(best, candidates[-1].step_time)
     rows, lever_dropped = lever_rows(planner, candidates)  # partial recompute and offload (plan/fitting.py)
@@ -489,6 +543,7 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
     zero1 = None
     if config.setup.dp > 1 and config.setup.zero_stage == 0:
         zero1 = nanotron_default(replace(config, setup=replace(config.setup, zero_stage=1)), planner.cache, base_split)
+    planner.budget.plan_done()
     stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.used),
                  virtual_tried=list(virtuals))
     # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
@@ -568,4 +623,5 @@ def offload_report(planner: _Planner, candidate: Candidate) -> dict:
     }
 
 
-__all__ = ["Plan", "ScheduleCache", "engine_memory", "evaluate_engine", "nanotron_default", "offload_report", "plan"]
+__all__ = ["Plan", "ScheduleCache", "SearchBudget", "engine_memory", "evaluate_engine", "nanotron_default",
+           "offload_report", "plan"]
