@@ -154,6 +154,15 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
                             f"{layers} layers",
                     ["plan", "--model", "llama3-8b", "--pp", "16", "--microbatches",
                      str(MAX_PLAN_STAGE_MICROBATCHES // 16), "--layers", str(layers)], accepted=(0, 1)))
+    out.append(Case("plan", f"llama3-8b (fits), pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, {layers} layers, "
+                            f"--virtual 16, --node-limit {MAX_SEARCH_NODES} (the search budget binds)",
+                    ["plan", "--model", "llama3-8b", "--pp", "16", "--microbatches",
+                     str(MAX_PLAN_STAGE_MICROBATCHES // 16), "--layers", str(layers), "--virtual", "16",
+                     "--node-limit", str(MAX_SEARCH_NODES)], accepted=(0, 1)))
+    out.append(Case("plan", f"llama3-8b (fits), pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, {layers} layers, "
+                            f"dp=2 (6 plans: ZeRO-0/1 x 3 recompute modes)",
+                    ["plan", "--model", "llama3-8b", "--pp", "16", "--microbatches",
+                     str(MAX_PLAN_STAGE_MICROBATCHES // 16), "--layers", str(layers), "--dp", "2"], accepted=(0, 1)))
     out.append(Case("plan", "llama3-8b (fits), pp=8, m=32, 128 layers",
                     ["plan", "--model", "llama3-8b", "--pp", "8", "--microbatches", "32", "--layers", "128"],
                     accepted=(0, 1)))

@@ -110,8 +110,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "whose chunks divide the layers evenly (default 4)")
     search.add_argument("--node-limit", type=int_arg("--node-limit"), default=20_000,
                         help=f"search nodes per optimal split, within a budget all the run's searches share "
-                             f"({PLAN_SEARCH_WORK} over the model's layers): a search it stops early is a best found "
-                             f"row (default 20000)")
+                             f"({PLAN_SEARCH_WORK} over layers x pp): a search it stops early is a best found row "
+                             f"(default 20000)")
     search.add_argument("--tables", choices=("none", "top", "all"), default="none",
                         help="beyond the best plan per dp, the recommendation and its YAML: top adds the memory per "
                              "rank, term by term, of the baseline and the recommendation; all adds every dp's lever "

@@ -117,7 +117,7 @@ def advise(config: PlanConfig, dps, *, zero=None, recompute=None, progress=None)
     counts = [len(zero if zero is not None else ((0, 1) if dp > 1 else (0,)))
               * len(recompute if recompute is not None else RECOMPUTE_MODES) for dp in dps]
     schedules = ScheduleCache(config.pp, config.microbatches)
-    budget = SearchBudget(config.model.layers, plans=sum(counts))  # [Note: plan search budget]: one for the whole run
+    budget = SearchBudget(config, plans=sum(counts))  # [Note: plan search budget]: one for the whole run
     searches = []
     for i, dp in enumerate(dps):
         at = replace(config, setup=replace(config.setup, dp=dp))

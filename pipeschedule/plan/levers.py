@@ -70,7 +70,7 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None,
     zeros = zero if zero is not None else ((0, 1) if config.setup.dp > 1 else (0,))
     modes = recompute if recompute is not None else RECOMPUTE_MODES
     if budget is None:
-        budget = SearchBudget(config.model.layers, plans=len(zeros) * len(modes))
+        budget = SearchBudget(config, plans=len(zeros) * len(modes))
     plans = {}
     if schedules is None:  # the setups differ, the schedules do not
         schedules = ScheduleCache(config.pp, config.microbatches)

@@ -102,8 +102,9 @@ class SearchBudget:
     candidate, recompute mode, ZeRO stage and dp size) share one budget of search nodes,
     so that the run's work is bounded whatever --node-limit, --virtual and --dp ask, and
     the same input gets the same answer on any machine (nodes, not seconds). A node scans
-    up to one boundary per layer, so the budget is PLAN_SEARCH_WORK (checks.py, measured:
-    benchmarks/results/limits.md) over the model's layers. A search may take up to its
+    up to one boundary per layer, each against cuts that grow with the stages, so the
+    budget is PLAN_SEARCH_WORK (checks.py, measured: benchmarks/results/limits.md) over
+    the model's layers times pp. A search may take up to its
     node limit (`PlanConfig.node_limit`) while what remains keeps `floor` nodes for each
     search still to come (the rest of this plan's candidates, and as many for each plan
     after it); `floor` is a quarter of the budget over the searches the run expects at its first
@@ -113,9 +114,10 @@ class SearchBudget:
     its limit plus the one node that finds it reached, which the share leaves room for,
     so `used` stays within `total`."""
 
-    def __init__(self, layers: int, plans: int = 1, total: int | None = None) -> None:
-        """`plans`: how many plans share it; `total`: the nodes (None: PLAN_SEARCH_WORK // layers)."""
-        self.total = PLAN_SEARCH_WORK // layers if total is None else total
+    def __init__(self, config: PlanConfig, plans: int = 1, total: int | None = None) -> None:
+        """`plans`: how many plans of `config`'s layers and pp share it; `total`: the nodes
+        (None: PLAN_SEARCH_WORK // (layers * pp))."""
+        self.total = PLAN_SEARCH_WORK // (config.model.layers * config.pp) if total is None else total
         self.used, self.plans_left = 0, plans
         self.floor: int | None = None
 
@@ -142,7 +144,7 @@ class _Planner:
     def __init__(self, config: PlanConfig, schedules: ScheduleCache | None = None,
                  budget: SearchBudget | None = None) -> None:
         self.config = config
-        self.budget = budget if budget is not None else SearchBudget(config.model.layers)
+        self.budget = budget if budget is not None else SearchBudget(config)
         if schedules is None:
             schedules = ScheduleCache(config.pp, config.microbatches)
         elif (schedules.pp, schedules.microbatches) != (config.pp, config.microbatches):

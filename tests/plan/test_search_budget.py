@@ -23,9 +23,9 @@ def config(**setup) -> PlanConfig:
 def test_a_budget_that_binds_stops_searches_unproven_and_holds_the_nodes():
     """Full recompute: unbounded, 9 of the 10 searches are proven in some 28,000 nodes;
     within 3,000 nodes in all, a search the budget stops says so and is not proven."""
-    free = plan(config(recompute="full"), budget=SearchBudget(L70.layers, total=10**9))
+    free = plan(config(recompute="full"), budget=SearchBudget(config(), total=10**9))
     assert free.stats["search_nodes"] > 20_000, free.stats
-    budget = SearchBudget(L70.layers, total=3_000)
+    budget = SearchBudget(config(), total=3_000)
     tight = plan(config(recompute="full"), budget=budget)
     assert budget.used == tight.stats["search_nodes"] <= 3_000, (budget.used, tight.stats)
     stopped = [c for c in tight.candidates if "budget of 3000 search nodes" in c.note]
@@ -39,20 +39,20 @@ def test_a_budget_that_binds_stops_searches_unproven_and_holds_the_nodes():
 
 
 def test_a_budget_that_does_not_bind_changes_no_answer():
-    """The default budget (PLAN_SEARCH_WORK over the layers) leaves every search of this
+    """The default budget (PLAN_SEARCH_WORK over layers x pp) leaves every search of this
     plan its node limit: the plan is the unbounded one figure for figure, and so is each
     plan of a lever search, which shares one budget."""
-    assert PLAN_SEARCH_WORK // L70.layers > 60_000
-    free = plan(config(), budget=SearchBudget(L70.layers, total=10**9))
+    assert PLAN_SEARCH_WORK // (L70.layers * 4) > 60_000
+    free = plan(config(), budget=SearchBudget(config(), total=10**9))
     assert plan(config()).to_dict() == free.to_dict()
     levers = plan_levers(config(), zero=(1,), recompute=("none", "full"))
     for (zero, mode), together in levers.plans.items():
         at = config(zero_stage=zero, recompute=mode)
-        assert together.to_dict() == plan(at, budget=SearchBudget(L70.layers, total=10**9)).to_dict(), mode
+        assert together.to_dict() == plan(at, budget=SearchBudget(config(), total=10**9)).to_dict(), mode
 
 
 def test_a_spent_budget_runs_no_search_and_keeps_a_fitting_seed():
-    budget = SearchBudget(L70.layers, total=0)
+    budget = SearchBudget(config(), total=0)
     spent = plan(replace(config(), node_limit=1000), budget=budget)
     assert budget.used == spent.stats["search_nodes"] == 0
     assert spent.stats["proven"] < spent.stats["searches"]
