@@ -16,10 +16,16 @@ ASCII timeline (`show`) ranks x cells of time, which grows as pp**2 (1F1B at pp=
 of CPU for a 1.6 GB text), so it is bounded by its size
 (MAX_TIMELINE_CELLS; --width narrows it; a cell of a summary row costs about 1 us).
 The planner's work grows with its candidates times their size
-and with the layers it splits times the stages, times the data-parallel sizes it compares;
-its limits (MAX_PLAN_*, MAX_SEARCH_NODES) do not meet the 10 s yet: at pp=16, 64
-microbatches, 256 layers of a model that fits, one plan took 16 s of CPU (its split
-search), and 16 dp sizes with --virtual 16 and 10**5 search nodes ran past 2 minutes.
+and with the layers it splits times the stages, times the plans of its lever search (3
+recompute modes, and 2 ZeRO stages where dp > 1) for each data-parallel size it compares.
+Its split searches share one budget per run, PLAN_SEARCH_WORK nodes x layers x pp
+([Note: plan search budget] in plan/planner.py; deterministic, no clock): at pp=16, 64
+microbatches, 256 layers of a model that fits, 17.5 s of CPU before it, about 8 s
+within it, whatever --node-limit and --virtual. The rest of each plan is not bounded by
+it (about 2 s of CPU per plan at that size), and the plan limits do not meet the 10 s
+for several plans yet: dp > 1 (6 plans) took 16 s, 16 dp sizes ran past 2 minutes; a
+bound on plans x size would refuse inputs users give (--dp 1,2,4,8 at pp=16), so it
+is left for a decision (benchmarks/results/limits.md).
 Every entry point checks here, before it allocates or loops: the command line (its
 parsers, `parse_int` and `parse_number`), `generate` and `compile_schedule`
 (`check_common`), the loaders (`Schedule`, the CSV reader), the planner (`PlanConfig`,

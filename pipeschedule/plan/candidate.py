@@ -21,7 +21,7 @@ class Candidate:
     "nanotron" (nanotron's split), "nanotron=optimal" (the search proved it best),
     "optimal" (found and proven best by `optimal_split`), "no better" (the search proved
     no split of this schedule beats a faster candidate already found; the split shown is
-    the best it simulated), "best found" (the search hit its node limit), "least overflow"
+    the best it simulated), "best found" (the search hit its node limit or the run's search budget), "least overflow"
     (no split fits; the one that overflows least, without numbers). step_time (s),
     tokens_per_gpu (tokens/s per GPU), memory (per rank). lower_bound ("best found"): a
     step time no split of the schedule beats, from where the search stopped.

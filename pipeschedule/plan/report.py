@@ -149,7 +149,8 @@ def plan_to_text(plan, tables: str = "all") -> str:
         "split: nanotron = nanotron's own; optimal = the least step time of all splits that fit (proven; the simulated",
         "  pipeline plus the tail after it, DP reduction, all-gather and optimizer step, which the search counts too);",
         "  nanotron=optimal = both; no better = proven unable to beat a row above (split: the best it simulated);",
-        "  best found = search stopped at its node limit (<x%: no split of it is faster by more, the search's bound);",
+        "  best found = search stopped at its node limit or the run's search budget (<x%: no split of it is faster",
+        "  by more, the search's bound);",
         "  least overflow = no split fits, this one overflows least",
     ]
     out.append("")
