@@ -5,6 +5,7 @@ that any accepted input must finish in ([Note: size limits] in pipeschedule/chec
     python -m benchmarks.limits            # every case, writes results/limits.{json,md}
     python -m benchmarks.limits --quick    # the cases under 2 s at small sizes, nothing written
     python -m benchmarks.limits --only compile
+    python -m benchmarks.limits --smoke    # one small compile and its refusal: the plumbing, nothing written
 
 The sizes come from the limits themselves (`pipeschedule.checks`), so a changed limit is
 measured by the next run: "worst accepted" is the largest pp (stages), the largest
@@ -267,12 +268,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, nothing written")
     parser.add_argument("--only", default=None, help="only the cases of this command")
+    parser.add_argument("--smoke", action="store_true", help="the first quick compile case only, nothing written")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S)
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.smoke
+    args.only = "compile" if args.smoke else args.only
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases(tmp, args.quick):
-            if args.only and case.command != args.only:
+            if args.only and case.command != args.only or args.smoke and rows:
                 continue
             row = measure(case, args.timeout)
             rows.append(row)
@@ -280,6 +284,9 @@ def main(argv=None) -> int:
                   f"{verdict(row):24} {row['input']}", flush=True)
     print()
     print(table(rows))
+    if args.smoke:
+        print(f"smoke: {len(rows)} case, {verdict(rows[0])}, refused one past: {bool(rows[0].get('refused'))}")
+        return 0 if verdict(rows[0]) == "ok" else 1
     if args.quick or args.only:
         return 0 if all(verdict(r) == "ok" for r in rows) or args.quick else 1
     info = machine()

@@ -34,6 +34,7 @@ SCRIPTS = [
     ("benchmarks.trainer", ["--smoke", "--rounds", "1"], "capped_1f1b:cap=2"),
     ("benchmarks.grad_fold", ["--smoke"], "smoke: 2 engines ran"),
     ("benchmarks.real_data", ["--smoke"], "smoke: 2 engines trained on text"),
+    ("benchmarks.limits", ["--smoke"], "smoke: 1 case, ok, refused one past: True"),
     ("benchmarks.auto_engine", ["--smoke"], "pp_engine auto on one GPU"),
     ("benchmarks.diagnostics.growth", ["--smoke"], "capped_1f1b:cap=1"),
     ("benchmarks.diagnostics.engine_profile", ["--smoke", "--ranks", "0"], "ps_afab"),
