@@ -22,7 +22,8 @@ from tests.nanotron.trainer_jobs import write_configs
 
 pytestmark = pytest.mark.spawn
 
-ENGINES = ("1f1b", "ps_1f1b", "capped_1f1b:cap=1", "zb_h1", "interleaved_1f1b:virtual=2", "zbv")
+ENGINES = ("1f1b", "ps_1f1b", "capped_1f1b:cap=1", "zb_h1", "interleaved_1f1b:virtual=2", "zbv",
+           "ps_1f1b:recompute=full", "zb_h1:recompute=1", "capped_1f1b:cap=1,offload=1")
 STEPS = 4
 
 
