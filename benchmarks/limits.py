@@ -92,7 +92,7 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
         Case("compile", f"v_min pp={s // 2} (most stages), m={p // s}, JSON",
              ["compile", "v_min", "--pp", str(s // 2), "-m", str(p // s), "--json", f("vm.json")]),
         Case("compile", f"zbv pp=64, m={p // 128}, --cost examples/cost_uniform.json",
-             ["compile", *big, "--cost", os.path.join(REPO, "examples", "cost_uniform.json"), "--json", f("vc.json")]),
+             ["compile", *big, "--cost", "examples/cost_uniform.json", "--json", f("vc.json")]),
     ]
     # the offload search simulates ranks x leads x 8 schedules (pp * m pairs each, the 5
     # default leads): the most microbatches it accepts at pp=8, and the most ranks at m=1
@@ -215,6 +215,12 @@ def run(argv: list[str], timeout: float = TIMEOUT_S) -> dict:
             "last_line": lines[-1] if lines else "", "load_1m": round(os.getloadavg()[0], 2)}
 
 
+def shown(argv: list[str]) -> list[str]:
+    """`argv` as the results record it: the temporary folder's files by their names alone
+    (a reader's machine has no such folder)."""
+    return [os.path.basename(w) if os.path.isabs(w) else w for w in argv]
+
+
 def measure(case: Case, timeout: float) -> dict:
     if case.prepare is not None:
         case.prepare()
@@ -222,13 +228,13 @@ def measure(case: Case, timeout: float) -> dict:
         done = run(argv, timeout)
         if done["exit"] != 0:
             return {"command": case.command, "input": case.what, "setup_failed": done}
-    row = {"command": case.command, "input": case.what, "argv": case.argv, "accepted_exits": list(case.accepted)} \
-        | run(case.argv, case.timeout or timeout)
+    row = {"command": case.command, "input": case.what, "argv": shown(case.argv),
+           "accepted_exits": list(case.accepted)} | run(case.argv, case.timeout or timeout)
     row["ok"] = row["exit"] in case.accepted and row["wall_s"] <= LIMIT_S
     if case.refused is not None:
         refusal = run(case.refused, timeout)
         refusal["one_line"] = refusal["exit"] == 2 and refusal["stderr_lines"] == 1
-        row["refused"] = {"argv": case.refused} | refusal
+        row["refused"] = {"argv": shown(case.refused)} | refusal
         row["ok"] = row["ok"] and refusal["one_line"]
     return row
 
@@ -258,8 +264,7 @@ def refusals(rows: list[dict]) -> str:
     for row in rows:
         if row.get("refused"):
             r = row["refused"]
-            words = [os.path.basename(w) if os.path.isabs(w) else w for w in r["argv"]]  # temporary files
-            lines.append(f"- `pipeschedule {' '.join(words)}`"
+            lines.append(f"- `pipeschedule {' '.join(r['argv'])}`"
                          f" -> exit {r['exit']} in {r['wall_s']} s: `{r['last_line']}`")
     return "\n".join(lines)
 
