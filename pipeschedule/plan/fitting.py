@@ -125,33 +125,52 @@ def offloaded(planner, cand: Candidate, ranks: Sequence[int], stream: int | None
     config = planner.config
     schedule = planner.schedule(cand.family, cand.cap, cand.virtual)
     policy = OffloadPolicy(1.0, tuple(ranks), 1, None if stream is None else stream * MIB)
-    moved = add_offload(schedule, policy)
     footprints = stage_footprints(config.model, config.setup, cand.split, cand.recomputed)
     link = dict(offload_bandwidth=config.host_bandwidth, reload_bandwidth=config.host_bandwidth)
     stashes = stash_buffers(footprints)
     cost = replace(planner.cost(cand.split, stashes, False, cand.recomputed), **link)
-    stash = simulate(moved, policy.cost(cost))
+    timing_cost = replace(planner.cost(cand.split, p2p_buffers(footprints) | stashes, False,
+                                       cand.recomputed), **link)
+    key = (cand.family, cand.cap, cand.virtual)
+    stash, step_time = planner.cache.offload_memo.get(
+        (key, policy, cost, timing_cost), lambda: _offload_runs(planner.cache.schedule(key), policy, cost, timing_cost))
     peak_stash = list(stash.peak_bytes)
     if stream is not None:  # [Note: streamed offload floor]
         for r in ranks:
             mine = [stashes["stash"][s] for s, owner in enumerate(schedule.placement) if owner == r]
             peak_stash[r] = streamed_device_peak(peak_stash[r], mine)
-    timing_cost = replace(planner.cost(cand.split, p2p_buffers(footprints) | stashes, False,
-                                       cand.recomputed), **link)
-    timing = simulate(moved, policy.cost(timing_cost))
     memory = rank_memory(footprints, schedule.placement, peak_stash=peak_stash,
                          peak_p2p=[r.terms[P2P] for r in cand.memory], peak_inflight=stash.peak_inflight,
                          budget=config.budget, setup=config.setup, shared=planner.shared(schedule))
     tail, parts = planner.tail(schedule, cand.split, cand.recomputed)
-    step = timing.step_time + tail
-    slower = timing.step_time / cand.pipeline_time - 1
+    step = step_time + tail
+    slower = step_time / cand.pipeline_time - 1
     note = (f"stashes of rank{'s' if len(ranks) > 1 else ''} {'/'.join(map(str, ranks))} on the host "
             f"({', '.join(f'{b / GiB:.1f}' for b in stash.peak_host_bytes)} GiB per rank), "
             f"{'streamed in ' + str(stream) + ' MiB chunks' if stream else 'moved whole'}: pipeline {slower:+.1%}")
     return OffloadCandidate(cand.family, cand.cap, cand.virtual, cand.split, cand.split_kind, step,
                             config.tokens_per_gpu / step, tuple(memory), cand.proven, note, None,
-                            timing.step_time, parts, cand.recompute, cand.recomputed,
+                            step_time, parts, cand.recompute, cand.recomputed,
                             offload=tuple(ranks), stream=stream, host_bytes=tuple(stash.peak_host_bytes))
+
+
+@dataclass(frozen=True)
+class _StashRun:
+    """What `offloaded` reads of the simulation of the saved activations."""
+
+    peak_bytes: tuple
+    peak_inflight: tuple
+    peak_host_bytes: tuple
+
+
+def _offload_runs(schedule, policy: OffloadPolicy, cost, timing_cost) -> tuple[_StashRun, float]:
+    """The two simulations of `schedule` with `policy`'s offload: the saved activations
+    under `cost` and the step time under `timing_cost` ([Note: offload lever]), kept by
+    the planner across the plans of a run ([Note: run-wide memos] in memo.py)."""
+    moved = add_offload(schedule, policy)
+    stash = simulate(moved, policy.cost(cost))
+    timing = simulate(moved, policy.cost(timing_cost))
+    return _StashRun(stash.peak_bytes, stash.peak_inflight, stash.peak_host_bytes), timing.step_time
 
 
 def fitted_offload(planner, cand: Candidate) -> tuple[OffloadCandidate | None, str]:

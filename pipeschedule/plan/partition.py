@@ -54,6 +54,7 @@ from itertools import accumulate
 from pipeschedule.checks import check_int
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import Schedule
+from pipeschedule.plan.memo import Memo
 from pipeschedule.plan.memory import ModelSpec
 from pipeschedule.plan.split_problem import (
     Evaluator,
@@ -156,16 +157,17 @@ class SplitResult:
 
 def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[Sequence[int]] = (),
                   node_limit: int = 200_000, cutoff: float = math.inf, graph: StepGraph | None = None,
-                  inflight: Sequence[int] | None = None) -> SplitResult:
+                  inflight: Sequence[int] | None = None, memo: Memo | None = None) -> SplitResult:
     """The split with the least simulated step time among those that fit
     ([Note: exact split search]). `seeds`: splits to try first (for example nanotron's).
     `cutoff`: only splits faster than this are of interest (a planner passes the best
     time it already has), which prunes harder. Raises SplitInfeasible when none fits. If
     the search visits more than `node_limit` nodes it stops with the best split found and
     `proven=False`. `graph`, `inflight`: the schedule's StepGraph and `stage_inflight`
-    when the caller has them.
+    when the caller has them; `memo`: where searches of this schedule keep their memory
+    tables ([Note: run-wide memos] in memo.py).
     """
-    ev = Evaluator(problem, schedule, graph, inflight)
+    ev = Evaluator(problem, schedule, graph, inflight, memo)
     L, S, m = problem.num_layers, problem.num_stages, schedule.microbatches
     maxe, feasible = boundary_tables(ev)
     if not feasible[0][0]:

@@ -10,7 +10,9 @@ rank) and the previous stage's grad_out (same rank), and at its end shrinks the 
 So the peak is the largest running sum of these changes in program order, added in the
 simulator's order (the same float sums), and the planner, which needs peaks of many byte
 tables of one schedule, gets them without running it. tests/plan/test_step_graph.py
-pins `Peaks` to `simulate` over every family and byte table.
+pins `Peaks` to `simulate` over every family and byte table. Peaks keeps what it
+computed by the byte tables ([Note: run-wide memos] in memo.py): the plans of one run
+share it, and their activations do not change with dp or the ZeRO stage.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.ir import BUFFERS, Op, Schedule
 from pipeschedule.compiler.program import Template, packed
 from pipeschedule.errors import ParameterError
+from pipeschedule.plan.memo import Memo, plain
+
+MEMO_CELLS = 2**20  # numbers each memo of a Peaks keeps ([Note: run-wide memos])
 
 # What each instruction changes, as an index into the table `_deltas` builds per cost.
 _F, _B, _SHRINK, _RECV_F, _RECV_B = range(5)
@@ -70,6 +75,7 @@ class Peaks:
                     moves.append(effect[1])
             self.changes.append(changes)
             self.inflight.append(moves)
+        self.memo = Memo(MEMO_CELLS, lambda key, value: sum(map(len, key[1])) + (len(key[2] or ())) + 2 * S)
 
     def _deltas(self, cost) -> list:
         """The signed change of each table entry, as the simulator's `_Run` tables make them."""
@@ -91,8 +97,20 @@ class Peaks:
             table += [-x for x in free[buf]]
         return table
 
+    def _kept(self, what: str, cost, compute):
+        """`compute(cost)`, kept by what it reads of `cost`: the buffer bytes, and the
+        weight stash under a split backward ([Note: run-wide memos])."""
+        tables = tuple(tuple(cost.buffer_bytes[k]) for k in BUFFERS)
+        kept = tuple(cost.weight_stash) if cost.weight_stash is not None and self.schedule.split_backward else None
+        if not all(plain(t) for t in tables) or not plain(kept or ()):
+            return compute(cost)
+        return self.memo.get((what, tables, kept), lambda: compute(cost))
+
     def of(self, cost) -> tuple[tuple, tuple]:
         """(peak bytes, peak in-flight) per rank, as `simulate(schedule, cost)` gives them."""
+        return self._kept("of", cost, self._of)
+
+    def _of(self, cost) -> tuple[tuple, tuple]:
         table = self._deltas(cost)
         peaks = []
         for changes in self.changes:
@@ -120,6 +138,9 @@ class Peaks:
         released what it saved): the moment nanotron's engines hold the stage's bf16
         gradients ([Note: memory terms] in plan/memory.py). Same cost as `of`; 0 where a
         rank runs no B."""
+        return self._kept("ends", cost, self._at_backward_ends)
+
+    def _at_backward_ends(self, cost) -> tuple:
         table = self._deltas(cost)
         S, stash = self.schedule.num_stages, cost.buffer_bytes["stash"]
         out = []

@@ -60,7 +60,8 @@ from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
 from pipeschedule.plan.fitting import OffloadCandidate, lever_rows, virtual_tried
 from pipeschedule.plan.peaks import Peaks
-from pipeschedule.plan.step_graph import StepGraph
+from pipeschedule.plan.memo import Memo
+from pipeschedule.plan.step_graph import MEMO_CELLS, StepGraph
 from pipeschedule.simulate import CostModel, simulate
 from pipeschedule.simulate.offload_search import choose_offload, evaluate_offload
 
@@ -70,13 +71,25 @@ class ScheduleCache:
     virtual): the lowered schedules, their step graphs and peaks ([Note: step graph],
     [Note: peaks from program order]) and each stage's most microbatches in flight. The
     plans of a lever search differ in their setup only, so they share one
-    (`plan(..., schedules=)`): a third of the work for the three recompute modes."""
+    (`plan(..., schedules=)`): a third of the work for the three recompute modes. The
+    graphs, peaks and split searches also keep what they computed, by its arguments
+    ([Note: run-wide memos] in memo.py)."""
 
     def __init__(self, pp: int, microbatches: int) -> None:
         self.pp, self.microbatches = pp, microbatches
         self.schedules: dict = {}
         self.graphs: dict = {}
         self.inflights: dict = {}
+        self.tables: dict = {}  # per schedule: the split searches' memory tables
+        # the offload lever's simulations (fitting.offloaded), by schedule, policy and costs:
+        # the planner's own costs, floats; a few numbers per rank kept for each
+        self.offload_memo = Memo(MEMO_CELLS, lambda key, value: 16 * len(key[2].forward) + 3 * self.pp + 1)
+
+    def memo(self, key: tuple) -> Memo:
+        """Where the split searches of a schedule keep their memory tables."""
+        if key not in self.tables:
+            self.tables[key] = Memo(MEMO_CELLS, _table_cells)
+        return self.tables[key]
 
     def schedule(self, key: tuple):
         if key not in self.schedules:
@@ -95,6 +108,15 @@ class ScheduleCache:
         if key not in self.inflights:
             self.inflights[key] = stage_inflight(self.schedule(key))
         return self.inflights[key]
+
+
+def _table_cells(key: tuple, value) -> int:
+    """The numbers of a memory table kept (split_problem.Evaluator.kept): its key's
+    tuples and the value's lists (or the least overflow's split)."""
+    cells = sum(len(part) for part in key[1:] if part is not None)
+    if isinstance(value[0], list):  # the boundary tables: two tables of stages x boundaries
+        return cells + sum(len(row) for table in value for row in table)
+    return cells + len(value[0]) + 2
 
 
 class SearchBudget:
@@ -334,7 +356,8 @@ class _Planner:
             found = optimal_split(self.problem(family, cap, virtual), schedule, seeds=seeds,
                                   node_limit=limit, cutoff=cutoff,
                                   graph=self.graph(family, cap, virtual)[0],
-                                  inflight=self.cache.inflight(self._key(family, cap, virtual)))
+                                  inflight=self.cache.inflight(self._key(family, cap, virtual)),
+                                  memo=self.cache.memo(self._key(family, cap, virtual)))
         except SplitInfeasible as err:
             if err.overflow <= 0:  # the per-stage bound refused, the rank totals fit: evaluate it
                 row = self.evaluate(family, cap, virtual, err.split, "best found")

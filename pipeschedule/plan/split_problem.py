@@ -15,6 +15,7 @@ from pipeschedule.simulate.critical_path import CriticalPath
 from pipeschedule.checks import check_number
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.plan.memo import Memo, plain
 from pipeschedule.plan.memory import GiB
 from pipeschedule.plan.step_graph import StepGraph
 from pipeschedule.simulate import CostModel
@@ -26,6 +27,8 @@ def _floats(name: str, values, length: int) -> tuple:
     values = tuple(values)
     if len(values) != length:
         raise ParameterError(f"{name} has {len(values)} entries, expected {length}")
+    if set(map(type, values)) == {float} and all(0.0 <= v < math.inf for v in values):
+        return values  # finite floats >= 0: what check_number accepts, at C speed
     for i, v in enumerate(values):
         check_number(f"{name}[{i}]", v)
     return values
@@ -124,10 +127,11 @@ def stage_inflight(schedule: Schedule) -> tuple[int, ...]:
 class Evaluator:
     """Stage costs, bytes and cached simulations of the splits of one problem (`graph`:
     the schedule's StepGraph, built here unless given; `inflight`: its `stage_inflight`,
-    likewise)."""
+    likewise; `memo`: where the searches of one schedule keep their memory tables by
+    the problem's bytes ([Note: run-wide memos] in memo.py), None for none)."""
 
     def __init__(self, problem: SplitProblem, schedule: Schedule, graph: StepGraph | None = None,
-                 inflight: Sequence[int] | None = None) -> None:
+                 inflight: Sequence[int] | None = None, memo: Memo | None = None) -> None:
         if problem.num_stages != schedule.num_stages or len(problem.rank_bytes) != schedule.pp:
             raise ParameterError(
                 f"the split problem has {problem.num_stages} stages and {len(problem.rank_bytes)} ranks; the "
@@ -152,6 +156,16 @@ class Evaluator:
         self.graph = graph if graph is not None else StepGraph(schedule)
         self.messages = self.graph.message_times(problem.boundary, problem.boundary, problem.latency,
                                                  problem.bandwidth)
+        self.memo = memo
+
+    def kept(self, what: str, compute: Callable[[], object]):
+        """`compute()`, a function of the problem's bytes alone (and the schedule's), kept
+        in `memo` by them ([Note: run-wide memos])."""
+        p = self.p
+        key = (what, p.layer_static, p.layer_stash, p.stage_static, p.stage_stash, p.rank_bytes, p.budget)
+        if self.memo is None or not all(plain(part) for part in key[1:] if part is not None):
+            return compute()
+        return self.memo.get(key, compute)
 
     def _range(self, key: str, j: int, e: int) -> float:
         return self.prefix[key][e] - self.prefix[key][j]
@@ -295,7 +309,11 @@ def least_overflow(ev: Evaluator):
     """A split minimising the largest excess of a rank over its budget: (split, excess,
     stage). Exact for one stage per rank (dynamic programming over stage boundaries) and
     for alike layers on any placement (bisection on the excess); otherwise the per-stage
-    answer."""
+    answer. Kept by the problem's bytes (`Evaluator.kept`)."""
+    return ev.kept("least overflow", lambda: _least_overflow(ev))
+
+
+def _least_overflow(ev: Evaluator):
     if ev.p.homogeneous and len(set(ev.rank_of)) < ev.p.num_stages:
         return least_overflow_alike(ev)
     L, S, p = ev.p.num_layers, ev.p.num_stages, ev.p

@@ -114,7 +114,12 @@ def stage_caps(cuts: list, S: int, L: int, limit: float, memory_caps: list) -> l
 
 def boundary_tables(ev: Evaluator):
     """maxe[s][j]: the last boundary e such that stage s holding j..e-1 fits on its own;
-    feasible[s][j]: stages s.. can hold layers j.. (per-stage conditions)."""
+    feasible[s][j]: stages s.. can hold layers j.. (per-stage conditions). Kept by the
+    problem's bytes (`Evaluator.kept`): read them, never change them."""
+    return ev.kept("boundary tables", lambda: _boundary_tables(ev))
+
+
+def _boundary_tables(ev: Evaluator):
     L, S = ev.p.num_layers, ev.p.num_stages
     maxe = [[0] * (L + 1) for _ in range(S)]
     for s in range(S):

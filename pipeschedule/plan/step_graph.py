@@ -14,7 +14,9 @@ with the same choices (the rank that finishes first among the last, the first re
 to complete last in program order), so the chains are equal too.
 tests/plan/test_step_graph.py pins both to `simulate` and `critical_path` over every
 family, caps, placements and costs. The split search (split_problem.Evaluator) simulates
-thousands of stage-cost vectors of one schedule this way: one graph, built once.
+thousands of stage-cost vectors of one schedule this way: one graph, built once. The
+graph keeps the step times, chains and message times it computed ([Note: run-wide
+memos] in memo.py): the plans of one run ask for many of them again.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.compiler.program import Template, packed
 from pipeschedule.errors import ParameterError, ScheduleError
+from pipeschedule.plan.memo import Memo, plain
 from pipeschedule.simulate.critical_path import CriticalPath
 
+MEMO_CELLS = 2**20  # numbers each of a graph's memos keeps ([Note: run-wide memos])
 POST, DONE, BOTH = 1, 2, 3  # what an entry of StepGraph.order evaluates: the post, the end, both
 _OTHER, _COMPUTE, _SEND, _RECV, _MOVE = "other", "compute", "send", "recv", "move"  # what a template is to the graph
 
@@ -109,6 +113,9 @@ class StepGraph:
                 self.messages.append((op, stage))
         self.recvs = [tuple(x) for x in self.recvs]
         self.order = self._order()
+        # [Note: run-wide memos]: a message tuple is kept once, and the steps refer to it
+        self.message_memo = Memo(MEMO_CELLS, lambda key, value: len(key[0]) + len(key[1]) + 2 + len(value))
+        self.step_memo = Memo(MEMO_CELLS, lambda key, value: 2 * len(key[0]) + 1)
 
     def _order(self) -> list[tuple[int, int]]:
         """(batch, what) in an order that evaluates every post time before it is read:
@@ -154,13 +161,20 @@ class StepGraph:
         return order
 
     def message_times(self, act_out: Sequence[float], grad_in: Sequence[float], latency: float = 0.0,
-                      bandwidth: float = math.inf) -> list:
-        """Each message's time, as the simulator computes it from its send's bytes."""
+                      bandwidth: float = math.inf) -> tuple:
+        """Each message's time, as the simulator computes it from its send's bytes (kept:
+        equal arguments get the same tuple back)."""
+        key = (tuple(act_out), tuple(grad_in), latency, bandwidth)
+        if not plain(key[0] + key[1] + key[2:]):
+            return self._message_times(*key)
+        return self.message_memo.get(key, lambda: self._message_times(*key))
+
+    def _message_times(self, act_out: tuple, grad_in: tuple, latency: float, bandwidth: float) -> tuple:
         out = []
         for op, stage in self.messages:
             size = act_out[stage] if op is Op.SEND_F else grad_in[stage]
             out.append(latency + size / bandwidth if bandwidth != math.inf else latency)
-        return out
+        return tuple(out)
 
     def times(self, flat: Sequence[float], msgs: Sequence[float]) -> tuple[list, list]:
         """(post time of every batch, finish time of every rank) under the flat costs
@@ -197,8 +211,15 @@ class StepGraph:
     def step(self, forward: Sequence[float], backward: Sequence[float], weight: Sequence[float],
              msgs: Sequence[float]) -> tuple[float, CriticalPath]:
         """(step time, critical path) as `simulate(...).step_time` and `critical_path`
-        give them ([Note: step graph])."""
-        flat = [*forward, *backward, *weight]
+        give them ([Note: step graph]); kept by the costs and message times ([Note:
+        run-wide memos])."""
+        flat = (*forward, *backward, *weight)
+        msgs = msgs if isinstance(msgs, tuple) else tuple(msgs)
+        if not (plain(flat) and plain(msgs)):
+            return self._step(flat, msgs)
+        return self.step_memo.get((flat, msgs), lambda: self._step(flat, msgs))
+
+    def _step(self, flat: tuple, msgs: tuple) -> tuple[float, CriticalPath]:
         post, finish = self.times(flat, msgs)
         step = max(finish, default=0)
         counts = [0] * (3 * self.num_stages)
