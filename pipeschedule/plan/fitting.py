@@ -21,7 +21,10 @@ RELOAD instructions in place (streamed: at least one stash, [Note: streamed offl
 in plan/offload.py) and the step time its run with the stash copies timed over
 the GPU's host link ([Note: simulated streaming] in simulate/engine.py). The faster of
 the two that fits is listed. `config.host_memory`, when given, bounds the simulated
-peak each rank keeps on the host.
+peak each rank keeps on the host. Before simulating, `least_offloaded` counts each
+offloading rank with its largest stash on the device (each F's stash is there until its
+copy lands): where that is over the budget neither way fits, and the row is dropped with
+that floor as its reason, two simulations spared.
 
 [Note: lever bound] Neither lever makes a step faster: recompute adds a forward to B and
 offload adds copies the compute may wait for. So a row is tried only when its own step
@@ -184,6 +187,11 @@ def fitted_offload(planner, cand: Candidate) -> tuple[OffloadCandidate | None, s
     if excess > 0:
         return None, f"{head}: rank {floor.rank} is {excess / GiB:.1f} GiB over without any activation"
     ranks = tuple(r.rank for r in over)
+    floor = least_offloaded(planner, cand, ranks)
+    if floor is not None:
+        return None, (f"{head}: with every stash of ranks {'/'.join(map(str, ranks))} on the host, rank "
+                      f"{floor.rank} is still at least {floor.overflow / GiB:.1f} GiB over (the largest stash "
+                      f"of its stages is on the device until its copy lands)")
     bound = planner.config.host_memory
     for stream in (None, STREAM_MIB):  # streamed holds less on the device and simulates slower
         row = offloaded(planner, cand, ranks, stream)
@@ -195,6 +203,25 @@ def fitted_offload(planner, cand: Candidate) -> tuple[OffloadCandidate | None, s
             return row, ""
     return None, (f"{head}: with every stash of ranks {'/'.join(map(str, ranks))} on the host, streamed, rank "
                   f"{row.peak.rank} is still {row.peak.overflow / GiB:.1f} GiB over")
+
+
+def least_offloaded(planner, cand: Candidate, ranks: Sequence[int]):
+    """The RankMemory of the rank of `ranks` furthest over the budget however its stashes
+    go to the host, or None where none need be: each F leaves its stash on the device
+    until the copy lands, so an offloading rank holds at least its stages' largest stash
+    (moved whole or streamed: [Note: streamed offload floor]), and a rank's total grows
+    with its saved activations. Spares `offloaded` two simulations that cannot fit."""
+    config = planner.config
+    schedule = planner.schedule(cand.family, cand.cap, cand.virtual)
+    footprints = stage_footprints(config.model, config.setup, cand.split, cand.recomputed)
+    stash = stash_buffers(footprints)["stash"]
+    peak = [r.terms[ACTIVATIONS] for r in cand.memory]
+    for r in ranks:
+        peak[r] = max(stash[s] for s, owner in enumerate(schedule.placement) if owner == r)
+    memory = rank_memory(footprints, schedule.placement, peak_stash=peak, peak_p2p=[r.terms[P2P] for r in cand.memory],
+                         peak_inflight=[r.inflight for r in cand.memory], budget=config.budget, setup=config.setup,
+                         shared=planner.shared(schedule))
+    return max((memory[r] for r in ranks if not memory[r].fits), key=lambda m: m.overflow, default=None)
 
 
 def _unevaluated(planner, cand: Candidate) -> Candidate | None:
@@ -286,5 +313,5 @@ def virtual_tried(planner) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]
     return tuple(tried), dropped
 
 
-__all__ = ["OffloadCandidate", "STREAM_MIB", "fitted_offload", "fitted_recompute", "lever_rows", "offloaded",
-           "virtual_tried"]
+__all__ = ["OffloadCandidate", "STREAM_MIB", "fitted_offload", "fitted_recompute", "least_offloaded", "lever_rows",
+           "offloaded", "virtual_tried"]

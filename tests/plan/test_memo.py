@@ -1,8 +1,9 @@
-"""[Note: run-wide memos]: what the plans of one run keep by its arguments, and that
-keeping it changes no answer."""
+"""[Note: run-wide memos]: what the plans of one run keep by its arguments, that keeping it
+changes no answer, and the offload floor (`least_offloaded`) that spares simulations."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -16,8 +17,10 @@ from pipeschedule.plan import planner as planner_module
 from pipeschedule.plan import step_graph as step_graph_module
 from pipeschedule.plan.advice import advise
 from pipeschedule.plan.config import PlanConfig
+from pipeschedule.plan.fitting import least_offloaded, offloaded
 from pipeschedule.plan.memo import Memo, plain
 from pipeschedule.plan.memory import GiB, TrainingSetup
+from pipeschedule.plan.planner import _Planner, plan
 from pipeschedule.plan.presets import model_preset
 from pipeschedule.plan.split_problem import SplitProblem
 from pipeschedule.plan.step_graph import StepGraph
@@ -109,3 +112,28 @@ def test_a_run_with_memos_gives_every_answer_of_a_run_without(monkeypatch):
     fresh = advise(users(), (1, 2, 4)).to_dict()
     assert sum(m.hits for m in made) == 0
     assert kept == fresh
+
+
+def test_the_offload_floor_is_never_above_the_simulated_offload():
+    """`least_offloaded` says a rank is over however its stashes go to the host; for every
+    row of these plans that does not fit, each offloading rank's total, moved whole and
+    streamed, is at least what the floor counts, and where the floor says over, the
+    simulated offload is over too."""
+    checked = over = 0
+    for setup in ({}, {"dp": 2, "zero_stage": 1}, {"recompute": "full"}):
+        config = replace(users(**setup), host_bandwidth=450e9)
+        planner = _Planner(config)
+        for cand in plan(config).candidates:
+            if cand.fits or not cand.memory or planner.schedule(cand.family, cand.cap, cand.virtual).split_backward:
+                continue
+            ranks = tuple(r.rank for r in cand.memory if not r.fits)
+            floor = least_offloaded(planner, cand, ranks)
+            for stream in (None, 256):
+                row = offloaded(planner, cand, ranks, stream)
+                worst = max((row.memory[r] for r in ranks), key=lambda m: m.overflow)
+                if floor is not None:
+                    assert worst.overflow >= floor.overflow * (1 - 1e-12), (cand.label, stream)
+                    assert not row.fits
+                    over += 1
+                checked += 1
+    assert checked >= 20 and over >= 5, (checked, over)
