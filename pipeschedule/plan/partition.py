@@ -194,7 +194,7 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
     # relaxation's chains and combined cut, and the search goes on.
     search.node_limit = min(node_limit, 500)
     proven = search.run() if node_limit > 0 else False  # 0: a budget with nothing left (planner.SearchBudget)
-    if not proven and node_limit > search.node_limit:
+    if not proven and node_limit > search.node_limit and search.nodes < node_limit:
         base = ev.costs(search.fallback[0] or tuple([L // S] * (S - 1) + [L - (L // S) * (S - 1)]))
         for heavy in range(S):
             forward, backward, weight = ([c * (1.5 if t == heavy else 1.0) for t, c in enumerate(k)] for k in base)

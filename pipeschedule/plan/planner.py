@@ -126,7 +126,9 @@ class SearchBudget:
     the same input gets the same answer on any machine (nodes, not seconds). A node scans
     up to one boundary per layer, each against cuts that grow with the stages, so the
     budget is PLAN_SEARCH_WORK (checks.py, measured: benchmarks/results/limits.md) over
-    the model's layers times pp. A search may take up to its
+    the model's layers times pp; building one cut's columns for a run counts as the nodes
+    that scan as many numbers (`Search.column_work`: stages / pp, rounded up), so a search
+    the budget leaves a few nodes does not build columns it cannot use. A search may take up to its
     node limit (`PlanConfig.node_limit`) while what remains keeps `floor` nodes for each
     search still to come (the rest of this plan's candidates, and as many for each plan
     after it); `floor` is a quarter of the budget over the searches the run expects at its first
@@ -296,14 +298,29 @@ class _Planner:
         count (equal to `tail`'s to rounding). Cached by what decides it: the count, the
         split backward, whether the rank holds the first and the last stage, and the
         parameters it holds once (`shared`)."""
-        config, last = self.config, schedule.num_stages - 1
-        stages = [s for s, p in enumerate(schedule.placement) if p == rank]
-        key = (layers, schedule.split_backward, 0 in stages, last in stages, self.shared(schedule)[rank])
+        return self.rank_tails_of(schedule)[rank](layers)
+
+    def rank_tails_of(self, schedule: Schedule) -> list:
+        """Per rank, `rank_tail` of `schedule` as a function of the layer count: what
+        decides it worked out once, so that a split search's thousands of calls are
+        lookups."""
+        last, shared = schedule.num_stages - 1, self.shared(schedule)
+        out = []
+        for rank in range(schedule.pp):
+            stages = tuple(s for s, p in enumerate(schedule.placement) if p == rank)
+            decided = (schedule.split_backward, 0 in stages, last in stages, shared[rank])
+            out.append(lambda layers, stages=stages, decided=decided: self._rank_tail(stages, decided, layers))
+        return out
+
+    def _rank_tail(self, stages: tuple, decided: tuple, layers: int) -> float:
+        key = (layers, *decided)
         if key not in self.rank_tails:
+            config, (split_backward, _, holds_last, shared) = self.config, decided
             model, tp = config.model, config.setup.tp
-            params = (layers * model.layer_params(tp) - key[4]
+            last = max(stages) if holds_last else -1
+            params = (layers * model.layer_params(tp) - shared
                       + sum(stage_params(model, 0, first=s == 0, last=s == last, tp=tp) for s in stages))
-            _, b, w = self.stage_seconds(self.compute_costs(schedule.split_backward), layers, last in stages)
+            _, b, w = self.stage_seconds(self.compute_costs(split_backward), layers, holds_last)
             parts = rank_tail(config.setup, params, b + w, dp_bandwidth=config.dp_bandwidth,
                               hbm_bandwidth=config.hbm_bandwidth)
             self.rank_tails[key] = sum(parts.values())
@@ -332,6 +349,7 @@ class _Planner:
             working[r] = max(working[r], fp.working[1])
             one_grad[r] = max(one_grad[r], fp.one_grad)
         working = [w + g for w, g in zip(working, one_grad)]
+        tails = self.rank_tails_of(schedule)
         return SplitProblem(
             layer_forward=(f,) * L, layer_backward=(b,) * L, layer_weight=(w,) * L,
             stage_forward=(0.0,) * (S - 1) + (hf,), stage_backward=(0.0,) * (S - 1) + (hb,),
@@ -342,7 +360,7 @@ class _Planner:
             rank_bytes=tuple(p + w for p, w in zip(p2p, working)),
             budget=(config.budget,) * schedule.pp, boundary=(float(self.boundary),) * S,
             latency=config.p2p_latency, bandwidth=config.p2p_bandwidth,
-            rank_tail=lambda rank, layers: self.rank_tail(schedule, rank, layers),
+            rank_tail=lambda rank, layers: tails[rank](layers),
         )
 
     def optimise(self, family: str, cap, virtual: int, seeds, cutoff: float,

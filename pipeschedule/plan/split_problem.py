@@ -220,7 +220,8 @@ class Evaluator:
         key = (rank, layers)
         if key not in self.tails:
             value = self.p.rank_tail(rank, layers)
-            check_number(f"the tail of rank {rank} with {layers} layers", value)
+            if not (type(value) is float and 0.0 <= value < math.inf):  # the common case checked without a message
+                check_number(f"the tail of rank {rank} with {layers} layers", value)
             self.tails[key] = float(value)
         return self.tails[key]
 

@@ -7,8 +7,9 @@ its cuts ([Note: split relaxation], split_relax.py).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
-from itertools import accumulate, repeat
+from itertools import accumulate, chain, islice, repeat
 from operator import add, sub
 
 from pipeschedule.simulate.critical_path import CriticalPath
@@ -52,29 +53,24 @@ class Cut:
         S = len(self.prefix)
         table = [[math.inf] * (L + 1) for _ in range(S + 1)]
         table[S][L] = 0.0
+        # The sums below run in C (map, accumulate) and add the same numbers in the same order
+        # as a loop over the layers would.
         if caps is None:
             units = [math.inf] * L
             for s in range(S - 1, -1, -1):
                 pre = self.prefix[s]
-                units = [min(u, pre[i + 1] - pre[i]) for i, u in enumerate(units)]
-                row, total = table[s], 0.0
-                for i in range(L - 1, first[s] - 1, -1):
-                    total += units[i]
-                    row[i] = total
+                units = list(map(min, units, map(sub, pre[1:], pre[:-1])))  # the cheapest layer i from stage s on
+                sums = list(accumulate(reversed(units[first[s]:]), initial=0.0))[1:]  # layers L-1, L-2, ...
+                table[s][first[s]:L] = sums[::-1]
             return table
         for s in range(S - 1, -1, -1):
             stages = sorted(range(s, S), key=lambda t: self.unit[t])
             base = sum(self.unit[t] for t in stages)
-            row, extra, value = table[s], 0, base
             need = S - s  # one layer per stage at least
-            row[L - need] = value
-            for t in stages:
-                for _ in range(caps[t] - 1):
-                    extra += 1
-                    if L - need - extra < 0:
-                        break
-                    value += self.unit[t]
-                    row[L - need - extra] = value
+            # each further layer in the cheapest stage with room: value k at row[L - need - k]
+            steps = islice(chain.from_iterable(repeat(self.unit[t], caps[t] - 1) for t in stages), L - need)
+            values = list(accumulate(steps, initial=base))
+            table[s][L - need - len(values) + 1:L - need + 1] = values[::-1]
         return table
 
 
@@ -122,13 +118,17 @@ def boundary_tables(ev: Evaluator):
 def _boundary_tables(ev: Evaluator):
     L, S = ev.p.num_layers, ev.p.num_stages
     maxe = [[0] * (L + 1) for _ in range(S)]
+    static, stash = ev.prefix["layer_static"], ev.prefix["layer_stash"]
     for s in range(S):
-        cap, e = ev.cap[ev.rank_of[s]], 0
+        cap, e, row = ev.cap[ev.rank_of[s]], 0, maxe[s]
+        extra_static, extra_stash, k = ev.p.stage_static[s], ev.p.stage_stash[s], ev.inflight[s]
         for j in range(L + 1):
             e = max(e, j)
-            while e < L and ev.stage_bytes(s, j, e + 1) <= cap:
+            sj, tj = static[j], stash[j]
+            # ev.stage_bytes(s, j, e + 1) <= cap, term for term: the same operations in the same order
+            while e < L and (static[e + 1] - sj) + extra_static + k * ((stash[e + 1] - tj) + extra_stash) <= cap:
                 e += 1
-            maxe[s][j] = e
+            row[j] = e
     feasible = [[False] * (L + 1) for _ in range(S + 1)]
     feasible[S][L] = True
     for s in range(S - 1, -1, -1):
@@ -186,6 +186,11 @@ class Search:
     stages s+1.. from layer e, so a node's bound for boundary e is one max over a sum.
     The columns of the first `built` cuts are there; the rest are added when a run starts
     (cuts found outside a run, by seeds or the relaxation, cost nothing until then).
+    Building one cut's columns writes S x (L + 1) numbers, as many as `column_work` nodes
+    scan (a node scans up to one boundary per layer, L x pp as the budget counts it,
+    [Note: plan search budget] in planner.py), so `nodes` counts each build as that many
+    nodes: the node limit bounds the search's whole work, and a run that cannot build its
+    columns within it does not start.
     """
 
     def __init__(self, ev: Evaluator, maxe, feasible, node_limit: int) -> None:
@@ -201,6 +206,7 @@ class Search:
         self.best_split, self.best_time = None, math.inf
         self.fallback = (None, math.inf)  # the best split simulated, even above a cutoff
         self.nodes = 0
+        self.column_work = -(-self.S * (self.L + 1) // (self.L * ev.schedule.pp))  # nodes a cut's columns count
         self.seen: set = set()
         self.exploring: list[float] = []  # the bound of the option each open level explores
         self.stopped_bound: float | None = None  # what no split beats, where the last run stopped at its limit
@@ -210,12 +216,12 @@ class Search:
         return self.best_time - 1e-12 * abs(self.best_time) if self.best_time < math.inf else math.inf
 
     def _columns(self, cut: Cut) -> None:
+        self.nodes += self.column_work
         table = cut.completion(list(range(self.S)), self.caps, self.L)
-        for s in range(self.S):
-            pre, nxt, pcol, bcol = cut.prefix[s], table[s + 1], self.prefix_col[s], self.bound_col[s]
-            for e in range(self.L + 1):
-                pcol[e].append(pre[e])
-                bcol[e].append(pre[e] + nxt[e])
+        for s in range(self.S):  # the appends run in C (`map`): a cut's columns are S x (L + 1) numbers
+            pre = cut.prefix[s]
+            deque(map(list.append, self.prefix_col[s], pre), maxlen=0)
+            deque(map(list.append, self.bound_col[s], map(add, pre, table[s + 1])), maxlen=0)
 
     def _build(self) -> None:
         for cut in self.cuts[self.built:]:
@@ -257,7 +263,8 @@ class Search:
 
     def run(self) -> bool:
         """Search (again, from the top, with every cut found so far); True when it
-        finished (the best split is then optimal). Nodes count over all runs."""
+        finished (the best split is then optimal). Nodes, and column builds as nodes,
+        count over all runs."""
         self._tighten()
         if self.caps is not None and min(self.caps) < 1:
             return True
@@ -269,6 +276,9 @@ class Search:
         self.floors = [ev.tail_floor(r, self.left[r]) for r in range(len(ev.cap))]  # each rank's tail, bounded below
         self.open = sum(1 for left in self.left if left)  # ranks with stages to choose, and the layers they hold
         self.open_held = 0
+        if self.nodes + (len(self.cuts) - self.built) * self.column_work >= self.node_limit:
+            self.stopped_bound = None  # its columns alone would pass the limit: stopped before its first choice
+            return False
         self._build()
         self.running = True
         self.exploring, self.stopped_bound = [], None
