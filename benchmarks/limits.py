@@ -39,11 +39,13 @@ from pipeschedule.checks import (
     MAX_PLAN_DPS,
     MAX_PLAN_LAYER_STAGES,
     MAX_PLAN_STAGE_MICROBATCHES,
+    MAX_PLAN_WORK,
     MAX_PNG_RANKS,
     MAX_SEARCH_NODES,
     MAX_STAGE_MICROBATCHES,
     MAX_STAGES,
     MAX_TIMELINE_CELLS,
+    PLAN_SEARCH_WORK,
 )
 
 LIMIT_S = 10.0
@@ -134,39 +136,52 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
         Case("demo", "(fixed input; trains on CPU where torch and nanotron are installed)", ["demo"]),
     ]
     layers = min(1024, MAX_PLAN_LAYER_STAGES // 16)
-    dps = ",".join(str(2**k) for k in range(MAX_PLAN_DPS))
+    m16 = MAX_PLAN_STAGE_MICROBATCHES // 16
+    search = ["--virtual", "16", "--node-limit", str(MAX_SEARCH_NODES)]  # every chunk count, the most nodes
+
+    def at_bound(pp: int, m: int, plans: int) -> str:  # the run's work against MAX_PLAN_WORK
+        return f"{plans} plans x pp x pp x m = {plans * pp * pp * m} of {MAX_PLAN_WORK}"
+
+    def dp_list(plans: int) -> str:  # dp=1 is 3 plans, each dp > 1 six
+        if plans % 6 == 0:
+            return ",".join(str(2**k) for k in range(1, 1 + plans // 6))
+        return ",".join(str(2**k) for k in range(1 + (plans - 3) // 6))
+
     out += [
-        Case("plan", f"llama3-70b, pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, {layers} layers",
-             ["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches", str(MAX_PLAN_STAGE_MICROBATCHES // 16),
-              "--layers", str(layers)], accepted=(0, 1),
-             refused=["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches",
-                      str(MAX_PLAN_STAGE_MICROBATCHES // 16 + 1), "--layers", str(layers)]),
+        Case("plan", f"llama3-70b, pp=16, m={m16}, {layers} layers",
+             ["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches", str(m16), "--layers", str(layers)],
+             accepted=(0, 1),
+             refused=["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches", str(m16 + 1), "--layers",
+                      str(layers)]),
         Case("plan", f"llama3-70b, pp=4, m={MAX_PLAN_STAGE_MICROBATCHES // 4}, "
                      f"{min(1024, MAX_PLAN_LAYER_STAGES // 4)} layers",
              ["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", str(MAX_PLAN_STAGE_MICROBATCHES // 4),
               "--layers", str(min(1024, MAX_PLAN_LAYER_STAGES // 4))], accepted=(0, 1)),
-        Case("plan", f"llama3-70b, pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, {layers} layers, "
-                     f"{MAX_PLAN_DPS} dp sizes, --virtual 16, --node-limit {MAX_SEARCH_NODES}, --tables all",
-             ["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches", str(MAX_PLAN_STAGE_MICROBATCHES // 16),
-              "--layers", str(layers), "--dp", dps, "--virtual", "16", "--node-limit", str(MAX_SEARCH_NODES),
-              "--tables", "all"], accepted=(0, 1), timeout=120),
     ]
-    out.append(Case("plan", f"llama3-8b (fits: the split search runs), pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, "
-                            f"{layers} layers",
-                    ["plan", "--model", "llama3-8b", "--pp", "16", "--microbatches",
-                     str(MAX_PLAN_STAGE_MICROBATCHES // 16), "--layers", str(layers)], accepted=(0, 1)))
-    out.append(Case("plan", f"llama3-8b (fits), pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, {layers} layers, "
-                            f"--virtual 16, --node-limit {MAX_SEARCH_NODES} (the search budget binds)",
-                    ["plan", "--model", "llama3-8b", "--pp", "16", "--microbatches",
-                     str(MAX_PLAN_STAGE_MICROBATCHES // 16), "--layers", str(layers), "--virtual", "16",
-                     "--node-limit", str(MAX_SEARCH_NODES)], accepted=(0, 1)))
-    out.append(Case("plan", f"llama3-8b (fits), pp=16, m={MAX_PLAN_STAGE_MICROBATCHES // 16}, {layers} layers, "
-                            f"dp=2 (6 plans: ZeRO-0/1 x 3 recompute modes)",
-                    ["plan", "--model", "llama3-8b", "--pp", "16", "--microbatches",
-                     str(MAX_PLAN_STAGE_MICROBATCHES // 16), "--layers", str(layers), "--dp", "2"], accepted=(0, 1)))
-    out.append(Case("plan", "llama3-8b (fits), pp=8, m=32, 128 layers",
-                    ["plan", "--model", "llama3-8b", "--pp", "8", "--microbatches", "32", "--layers", "128"],
-                    accepted=(0, 1)))
+    # The most plans each shape accepts (MAX_PLAN_WORK), models that fit (the split search
+    # runs) and one that does not (least overflow, partial recompute, host offload).
+    for model, pp, m, n, plans, extra in (
+            ("llama3-8b", 16, m16, layers, 6, search + ["--tables", "all"]),
+            ("llama3-70b", 16, m16, 80, 6, []),
+            ("llama3-8b", 12, 85, MAX_PLAN_LAYER_STAGES // 12, 9, search),
+            ("llama3-8b", 32, 32, 128, 3, search),
+            ("llama3-8b", 40, 25, 102, 3, []),
+            ("llama3-8b", 8, 128, 256, 15, []),
+            ("llama3-8b", 4, 256, 32, 27, []),
+            ("llama3-70b", 4, 256, 1024, 27, []),
+            ("llama3-8b", 2, 352, 80, 93, [])):
+        dps = dp_list(plans)
+        refused = None
+        if (pp, model) == (16, "llama3-8b"):  # the next plan count is refused (MAX_PLAN_WORK)
+            refused = ["plan", "--model", model, "--pp", str(pp), "--microbatches", str(m), "--layers", str(n),
+                       "--dp", dp_list(plans + 3)]
+        elif pp == 2:  # one dp size more than MAX_PLAN_DPS is refused
+            refused = ["plan", "--model", model, "--pp", str(pp), "--microbatches", str(m), "--layers", str(n),
+                       "--dp", ",".join(str(2**k) for k in range(MAX_PLAN_DPS + 1))]
+        out.append(Case("plan", f"{model}, pp={pp}, m={m}, {n} layers, --dp {dps}: {at_bound(pp, m, plans)}"
+                                + (" " + " ".join(extra) if extra else ""),
+                        ["plan", "--model", model, "--pp", str(pp), "--microbatches", str(m), "--layers", str(n),
+                         "--dp", dps, *extra], accepted=(0, 1), refused=refused))
     if _nanotron():
         m = p // 16
         out.append(Case("check", f"nanotron YAML, pp=16, m={m}, 16 layers, capped_1f1b:cap=2",
@@ -302,7 +317,8 @@ def main(argv=None) -> int:
                    "MAX_TIMELINE_CELLS": MAX_TIMELINE_CELLS,
                    "MAX_PLAN_STAGE_MICROBATCHES": MAX_PLAN_STAGE_MICROBATCHES,
                    "MAX_PLAN_LAYER_STAGES": MAX_PLAN_LAYER_STAGES, "MAX_PLAN_DPS": MAX_PLAN_DPS,
-                   "MAX_SEARCH_NODES": MAX_SEARCH_NODES, "MAX_OFFLOAD_SEARCH": MAX_OFFLOAD_SEARCH},
+                   "MAX_SEARCH_NODES": MAX_SEARCH_NODES, "MAX_OFFLOAD_SEARCH": MAX_OFFLOAD_SEARCH,
+                   "MAX_PLAN_WORK": MAX_PLAN_WORK, "PLAN_SEARCH_WORK": PLAN_SEARCH_WORK},
         "rows": rows,
     }
     markdown = "\n".join([

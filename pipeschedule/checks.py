@@ -19,13 +19,14 @@ The planner's work grows with its candidates times their size
 and with the layers it splits times the stages, times the plans of its lever search (3
 recompute modes, and 2 ZeRO stages where dp > 1) for each data-parallel size it compares.
 Its split searches share one budget per run, PLAN_SEARCH_WORK nodes x layers x pp
-([Note: plan search budget] in plan/planner.py; deterministic, no clock): at pp=16, 64
-microbatches, 256 layers of a model that fits, 17.5 s of CPU before it, about 8 s
-within it, whatever --node-limit and --virtual. The rest of each plan is not bounded by
-it (about 2 s of CPU per plan at that size), and the plan limits do not meet the 10 s
-for several plans yet: dp > 1 (6 plans) took 16 s, 16 dp sizes ran past 2 minutes; a
-bound on plans x size would refuse inputs users give (--dp 1,2,4,8 at pp=16), so it
-is left for a decision (benchmarks/results/limits.md).
+([Note: plan search budget] in plan/planner.py; deterministic, no clock; a cut's columns
+count as nodes). The plans of one run share their schedules and keep what they compute
+([Note: run-wide memos] in plan/memo.py), and what remains grows with the plans times
+their candidates (about one per pipeline rank: the caps of capped and interleaved 1F1B)
+times each candidate's (stage, microbatch) pairs: MAX_PLAN_WORK bounds plans x pp x pp x
+microbatches (measured: 8.5 s for the 9 plans of --dp 1,2 at pp=16, m=64, 256 layers, and
+9.7 s for 12 plans at pp=12, m=85, 341 layers, so the bound is 8 plans there;
+benchmarks/results/limits.md).
 Every entry point checks here, before it allocates or loops: the command line (its
 parsers, `parse_int` and `parse_number`), `generate` and `compile_schedule`
 (`check_common`), the loaders (`Schedule`, the CSV reader), the planner (`PlanConfig`,
@@ -51,8 +52,9 @@ MAX_PLAN_LAYER_STAGES = 2**12  # layers * pp of a plan (its split search)
 MAX_LAYERS = 1024  # decoder layers of a model
 MAX_DIMENSION = 2**31  # any other size of a model or a setup: hidden, heads, vocab, seq, tp, dp, ...
 MAX_SEARCH_NODES = 10**5  # the planner's search nodes per optimal split (5x the default; 10^6 took 1-2 min)
-PLAN_SEARCH_WORK = 2**25  # split-search nodes x layers x pp of one `plan` run ([Note: plan search budget])
-MAX_PLAN_DPS = 16  # data-parallel sizes one `plan` compares: each is a lever search of its own (up to a minute)
+PLAN_SEARCH_WORK = 2**24  # split-search nodes x layers x pp of one `plan` run ([Note: plan search budget])
+MAX_PLAN_DPS = 16  # data-parallel sizes one `plan` compares: each is a lever search of its own
+MAX_PLAN_WORK = 2**17  # plans x pp x pp x microbatches of one `plan` run (8 plans at pp=16, m=64)
 MAX_STREAM_PIECES = 4096  # pieces a streamed stash is cut into
 MAX_OFFLOAD_SEARCH = 2**18  # (stage, microbatch) pairs simulated in all by one offload search (`choose_offload`)
 MAX_DIGITS = 18  # digits of an integer typed as text
@@ -132,6 +134,21 @@ def check_plan_size(pp: int, microbatches: int, layers: int) -> None:
         raise ParameterError(
             f"plan: layers * pp = {_num(layers)} * {_num(pp)} = {_num(total)}; at most {MAX_PLAN_LAYER_STAGES} "
             f"are accepted (the split search grows with both)"
+        )
+
+
+def check_plan_run(plans: int, pp: int, microbatches: int) -> None:
+    """Refuses a `plan` run whose plans together would run past the bound ([Note: size
+    limits]): each plan simulates about one candidate per rank at pp x microbatches pairs."""
+    total = plans * pp * pp * microbatches
+    if total > MAX_PLAN_WORK:
+        most = max(1, MAX_PLAN_WORK // (pp * pp * microbatches))
+        raise ParameterError(
+            f"plan: {_num(plans)} plans (one per data-parallel size, ZeRO stage and recompute mode) x pp * pp * "
+            f"microbatches = {_num(plans)} * {_num(pp)} * {_num(pp)} * {_num(microbatches)} = {_num(total)}; at most "
+            f"{MAX_PLAN_WORK} are accepted, {most} plan{'s' if most > 1 else ''} at this size: compare fewer --dp "
+            f"sizes (each dp > 1 is 6 plans, dp=1 is 3), or give --zero and --recompute (1 plan per dp), or fewer "
+            f"microbatches"
         )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pipeschedule.checks import check_plan_run
 from pipeschedule.plan.candidate import Candidate
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.levers import LeverPlan, baseline, levers_text, plan_levers
@@ -116,6 +117,7 @@ def advise(config: PlanConfig, dps, *, zero=None, recompute=None, progress=None)
     dps = tuple(sorted(set(dps)))
     counts = [len(zero if zero is not None else ((0, 1) if dp > 1 else (0,)))
               * len(recompute if recompute is not None else RECOMPUTE_MODES) for dp in dps]
+    check_plan_run(sum(counts), config.pp, config.microbatches)  # [Note: size limits], before any work
     schedules = ScheduleCache(config.pp, config.microbatches)
     budget = SearchBudget(config, plans=sum(counts))  # [Note: plan search budget]: one for the whole run
     searches = []

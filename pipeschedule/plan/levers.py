@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from pipeschedule.checks import check_plan_run
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.memory import RECOMPUTE_MODES, GiB
 from pipeschedule.plan.planner import Plan, ScheduleCache, SearchBudget, plan
@@ -69,7 +70,8 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None,
     budget] in planner.py; None: one budget for these plans)."""
     zeros = zero if zero is not None else ((0, 1) if config.setup.dp > 1 else (0,))
     modes = recompute if recompute is not None else RECOMPUTE_MODES
-    if budget is None:
+    if budget is None:  # planned alone, not within advise's run (which checks all of its plans)
+        check_plan_run(len(zeros) * len(modes), config.pp, config.microbatches)
         budget = SearchBudget(config, plans=len(zeros) * len(modes))
     plans = {}
     if schedules is None:  # the setups differ, the schedules do not

@@ -112,20 +112,23 @@ def test_optimizer_step_transient_closed_form():
 def test_the_lever_search_shares_schedules_and_answers_as_plans_alone():
     """The lever search's plans share one ScheduleCache (schedules, step graphs, peaks, in
     flight: what depends on the schedule alone): each plan is the one `plan` makes alone,
-    figure for figure, with one cache for all, and a cache of another pp or m is refused."""
+    figure for figure, with one cache for all, and a cache of another pp or m is refused.
+    (Budgets that do not bind: a shared one could leave a plan fewer search nodes.)"""
     from dataclasses import replace
 
     from pipeschedule.errors import ParameterError
-    from pipeschedule.plan.planner import ScheduleCache
+    from pipeschedule.plan.planner import ScheduleCache, SearchBudget
 
     base = config(dp=2)
-    shared = plan_levers(base, zero=(1,), recompute=("none", "full"))
+    free = lambda: SearchBudget(base, total=10**9)  # noqa: E731
+    shared = plan_levers(base, zero=(1,), recompute=("none", "full"), budget=free())
     assert len(shared.plans) == 2
     schedules = ScheduleCache(base.pp, base.microbatches)
     for (zero, mode), together in shared.plans.items():
-        alone = plan(replace(base, setup=replace(base.setup, zero_stage=zero, recompute=mode)))
+        at = replace(base, setup=replace(base.setup, zero_stage=zero, recompute=mode))
+        alone = plan(at, budget=free())
         assert together.to_dict() == alone.to_dict(), (zero, mode)
-        again = plan(replace(base, setup=replace(base.setup, zero_stage=zero, recompute=mode)), schedules=schedules)
+        again = plan(at, schedules=schedules, budget=free())
         assert again.to_dict() == alone.to_dict(), (zero, mode)
     assert len(schedules.schedules) >= max(p.stats["schedules"] for p in shared.plans.values())
     with pytest.raises(ParameterError, match="a schedule cache of pp=4, 8 microbatches cannot serve a plan of pp=4, "

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeschedule.checks import PLAN_SEARCH_WORK
+import pytest
+
+from pipeschedule.checks import PLAN_SEARCH_WORK, check_plan_run
+from pipeschedule.errors import ParameterError
+from pipeschedule.plan.advice import advise
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.levers import plan_levers
 from pipeschedule.plan.memory import GiB, TrainingSetup
@@ -40,12 +44,15 @@ def test_a_budget_that_binds_stops_searches_unproven_and_holds_the_nodes():
 
 def test_a_budget_that_does_not_bind_changes_no_answer():
     """The default budget (PLAN_SEARCH_WORK over layers x pp) leaves every search of this
-    plan its node limit: the plan is the unbounded one figure for figure, and so is each
-    plan of a lever search, which shares one budget."""
-    assert PLAN_SEARCH_WORK // (L70.layers * 4) > 60_000
-    free = plan(config(), budget=SearchBudget(config(), total=10**9))
-    assert plan(config()).to_dict() == free.to_dict()
-    levers = plan_levers(config(), zero=(1,), recompute=("none", "full"))
+    plan (full recompute: some 28,000 nodes) its node limit: the plan is the unbounded one
+    figure for figure; and each plan of a lever search, which shares one budget (here
+    one that does not bind) and one schedule cache with its memos, is the plan alone."""
+    full = config(recompute="full")
+    assert PLAN_SEARCH_WORK // (L70.layers * 4) > 40_000
+    free = plan(full, budget=SearchBudget(full, total=10**9))
+    assert free.stats["search_nodes"] > 20_000
+    assert plan(full).to_dict() == free.to_dict()
+    levers = plan_levers(config(), zero=(0, 1), recompute=("none", "full"), budget=SearchBudget(config(), total=10**9))
     for (zero, mode), together in levers.plans.items():
         at = config(zero_stage=zero, recompute=mode)
         assert together.to_dict() == plan(at, budget=SearchBudget(config(), total=10**9)).to_dict(), mode
@@ -57,3 +64,16 @@ def test_a_spent_budget_runs_no_search_and_keeps_a_fitting_seed():
     assert budget.used == spent.stats["search_nodes"] == 0
     assert spent.stats["proven"] < spent.stats["searches"]
     assert spent.recommended is not None and spent.recommended.fits
+
+
+
+def test_a_run_past_the_plan_work_bound_is_refused_before_any_work():
+    """[Note: size limits]: plans x pp x pp x microbatches, checked by advise (all its dp
+    sizes) and by a lever search planned alone, before any plan, with the arithmetic and
+    what to change."""
+    check_plan_run(8, 16, 64)  # 8 plans at pp=16, m=64: 131072, the bound itself
+    with pytest.raises(ParameterError, match=r"9 plans .* = 9 \* 16 \* 16 \* 64 = 147456; at most 131072 are "
+                                             r"accepted, 8 plans at this size: compare fewer --dp sizes"):
+        advise(replace(config(), pp=16, microbatches=64), (1, 2))  # 3 plans at dp=1, 6 at dp=2
+    with pytest.raises(ParameterError, match=r"6 plans .* = 6 \* 32 \* 32 \* 32 = 196608; .* 4 plans at this size"):
+        plan_levers(replace(config(), pp=32, microbatches=32))  # dp=2: ZeRO-0/1 x 3 recompute modes
