@@ -38,10 +38,12 @@ a rank's parameters: the largest over ranks of each rank's). The cuts bound the
 pipeline alone; a node adds the largest tail of the ranks whose stages it has all
 chosen, which the step's tail cannot be below. When the search finishes, no split that
 fits beats the best one: optimal for the simulator and the tail, not for a proxy. It
-stops at `node_limit` nodes (0: at once, the seeds alone) and then says so
+stops at `node_limit` nodes (0: at once, the seeds alone; the columns it builds and the
+simulations it runs count as nodes too, `Search.work`) and then says so
 (`proven=False`); a `cutoff` (the best time a planner already has) prunes harder. A
 planner's searches share one budget of nodes ([Note: plan search budget] in
-planner.py). Memory is exact: rank bytes are additive over a rank's stages and no split that overflows is accepted.
+planner.py). Memory is exact: rank bytes are additive over a rank's stages and no split
+that overflows is accepted.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ class SplitResult:
     when `step_time >= cutoff`, none is faster than `cutoff`). lower_bound: where it did
     not finish, a time no fitting split beats (`Search.lower_bound`; None when it stopped
     before its first choice). simulations / cuts / nodes: the work done ([Note: exact
-    split search]).
+    split search]; nodes: `Search.work`, columns built and simulations counted as nodes).
     """
 
     split: tuple[int, ...]
@@ -188,21 +190,23 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
     for split in candidates:
         if len(split) == S and sum(split) == L and min(split) >= 1 and ev.fits(split):
             search.evaluate(split)
+    search.seeded = ev.simulations  # what the search does from here counts as its work
     # A first, short search with the cuts at hand often settles it; if not, probes: the
     # schedule with one stage made heavier yields the chain through that stage's busy
     # period (a chain is a valid cut whatever costs found it), then for alike layers the
     # relaxation's chains and combined cut, and the search goes on.
     search.node_limit = min(node_limit, 500)
     proven = search.run() if node_limit > 0 else False  # 0: a budget with nothing left (planner.SearchBudget)
-    if not proven and node_limit > search.node_limit and search.nodes < node_limit:
+    if not proven and node_limit > search.node_limit and search.work < node_limit:
+        search.node_limit = node_limit
         base = ev.costs(search.fallback[0] or tuple([L // S] * (S - 1) + [L - (L // S) * (S - 1)]))
         for heavy in range(S):
             forward, backward, weight = ([c * (1.5 if t == heavy else 1.0) for t, c in enumerate(k)] for k in base)
             search.add_path(ev.probe(forward, backward, weight))
         if problem.homogeneous:  # [Note: split relaxation]
             relax(search, rounds=2 * S + 10)
-        search.node_limit = node_limit
         proven = search.run()
+    work = search.work  # the search's own: the row's split below is simulated whatever it did
     split, time = (search.best_split, search.best_time) if search.best_split else search.fallback
     if split is None:  # nothing simulated: no seed fitted and the search found no leaf
         if proven and cutoff < math.inf:
@@ -213,7 +217,7 @@ def optimal_split(problem: SplitProblem, schedule: Schedule, *, seeds: Sequence[
         else:  # stopped before its first leaf: no proof that nothing fits; the split that overflows least
             split = least_overflow(ev)[0]
             time = ev.step_time(split)[0]
-    return SplitResult(split, time, proven, ev.simulations, len(search.cuts), search.nodes, cutoff,
+    return SplitResult(split, time, proven, ev.simulations, len(search.cuts), work, cutoff,
                        None if proven else search.lower_bound())
 
 

@@ -189,8 +189,11 @@ class Search:
     Building one cut's columns writes S x (L + 1) numbers, as many as `column_work` nodes
     scan (a node scans up to one boundary per layer, L x pp as the budget counts it,
     [Note: plan search budget] in planner.py), so `nodes` counts each build as that many
-    nodes: the node limit bounds the search's whole work, and a run that cannot build its
-    columns within it does not start.
+    nodes; likewise each simulation after the seeds' (`seeded`: a leaf, a probe, a
+    relaxation's split; `Evaluator.simulations`) walks the step graph's batches,
+    `simulation_work` nodes. `work`, all of it in nodes, is
+    what the node limit bounds, and a run that cannot build its columns within it does
+    not start.
     """
 
     def __init__(self, ev: Evaluator, maxe, feasible, node_limit: int) -> None:
@@ -207,9 +210,16 @@ class Search:
         self.fallback = (None, math.inf)  # the best split simulated, even above a cutoff
         self.nodes = 0
         self.column_work = -(-self.S * (self.L + 1) // (self.L * ev.schedule.pp))  # nodes a cut's columns count
+        self.simulation_work = -(-len(ev.graph.order) // (self.L * ev.schedule.pp))  # nodes a simulation counts
+        self.seeded = 0  # the simulations of the seeds, which every search runs: not counted
         self.seen: set = set()
         self.exploring: list[float] = []  # the bound of the option each open level explores
         self.stopped_bound: float | None = None  # what no split beats, where the last run stopped at its limit
+
+    @property
+    def work(self) -> int:
+        """Nodes visited, columns built and simulations run, all in nodes."""
+        return self.nodes + (self.ev.simulations - self.seeded) * self.simulation_work
 
     @property
     def limit(self) -> float:
@@ -276,7 +286,7 @@ class Search:
         self.floors = [ev.tail_floor(r, self.left[r]) for r in range(len(ev.cap))]  # each rank's tail, bounded below
         self.open = sum(1 for left in self.left if left)  # ranks with stages to choose, and the layers they hold
         self.open_held = 0
-        if self.nodes + (len(self.cuts) - self.built) * self.column_work >= self.node_limit:
+        if self.work + (len(self.cuts) - self.built) * self.column_work >= self.node_limit:
             self.stopped_bound = None  # its columns alone would pass the limit: stopped before its first choice
             return False
         self._build()
@@ -316,7 +326,7 @@ class Search:
         ends with at least their mean (`Evaluator.least_floor`), and the least tail of any
         split (`Evaluator.least_tail`)."""
         self.nodes += 1
-        if self.nodes > self.node_limit:
+        if self.work > self.node_limit:
             if self.exploring:
                 self.stopped_bound = min(self.exploring)
             return False
@@ -421,6 +431,8 @@ def relax(search: Search, rounds: int) -> None:
     relaxation = Relaxation([1] * S, search.caps or search.memory_caps, L)
     weights = None
     for _ in range(rounds):
+        if search.work >= search.node_limit:
+            break  # its simulations count against the search's node limit
         for cut in search.cuts[len(relaxation.consts):]:
             relaxation.add(cut.const, cut.unit)
         bound, n, weights = relaxation.solve()
