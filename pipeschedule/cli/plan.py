@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most chunks per rank tried for interleaved candidates: every count from 2 up to it "
                              "whose chunks divide the layers evenly (default 4)")
     search.add_argument("--node-limit", type=int_arg("--node-limit"), default=20_000,
-                        help=f"search nodes per optimal split (building a cut's columns counts as nodes too), "
+                        help=f"search nodes per optimal split (the columns and simulations it adds count as nodes), "
                              f"within a budget all the run's searches share "
                              f"({PLAN_SEARCH_WORK} over layers x pp): a search it stops early is a best found row "
                              f"(default 20000)")

@@ -127,8 +127,10 @@ class SearchBudget:
     up to one boundary per layer, each against cuts that grow with the stages, so the
     budget is PLAN_SEARCH_WORK (checks.py, measured: benchmarks/results/limits.md) over
     the model's layers times pp; building one cut's columns for a run counts as the nodes
-    that scan as many numbers (`Search.column_work`: stages / pp, rounded up), so a search
-    the budget leaves a few nodes does not build columns it cannot use. A search may take up to its
+    that scan as many numbers (`Search.column_work`: stages / pp, rounded up), and a
+    simulation the search adds (a leaf, a probe) as the nodes that scan as many as its
+    walk of the step graph (`Search.simulation_work`), so a search the budget leaves a few
+    nodes does not build columns or run simulations it cannot use. A search may take up to its
     node limit (`PlanConfig.node_limit`) while what remains keeps `floor` nodes for each
     search still to come (the rest of this plan's candidates, and as many for each plan
     after it); `floor` is a quarter of the budget over the searches the run expects at its first
