@@ -24,9 +24,9 @@ count as nodes). The plans of one run share their schedules and keep what they c
 ([Note: run-wide memos] in plan/memo.py), and what remains grows with the plans times
 their candidates (about one per pipeline rank: the caps of capped and interleaved 1F1B)
 times each candidate's (stage, microbatch) pairs: MAX_PLAN_WORK bounds plans x pp x pp x
-microbatches (measured: 8.5 s for the 9 plans of --dp 1,2 at pp=16, m=64, 256 layers, and
-9.7 s for 12 plans at pp=12, m=85, 341 layers, so the bound is 8 plans there;
-benchmarks/results/limits.md).
+microbatches: the most plans each shape accepts finish within 7.7 s (benchmarks/results/
+limits.md), while 12 plans at pp=12, m=85, 341 layers took 9.7 to 12 s and 21 at pp=16,
+m=64 (--dp 1,2,4,8) 9.4 to 11.7 s.
 Every entry point checks here, before it allocates or loops: the command line (its
 parsers, `parse_int` and `parse_number`), `generate` and `compile_schedule`
 (`check_common`), the loaders (`Schedule`, the CSV reader), the planner (`PlanConfig`,
