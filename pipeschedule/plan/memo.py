@@ -7,14 +7,16 @@ those plans compute repeats exactly: the pipeline does not change with dp or the
 stage (only the tail after it and the memory do), the activation bytes do not change
 with them either, and the memory of a split problem does not change with dp under
 ZeRO-0. So the step graph keeps its simulations and message times (step_graph.py), Peaks
-its peaks (peaks.py) and the split problem's memory tables (the boundary tables and the
-least overflow, split_problem.py) by their arguments, across the plans of a run. Every
+its peaks (peaks.py), the ScheduleCache the split problem's memory tables (the boundary
+tables and the least overflow, split_problem.py) and the offload lever's two simulations
+(fitting.offloaded), by their arguments, across the plans of a run. Every
 value is what the computation returns for those arguments, so the answers are the same
 with or without them; only the time changes. A memo keeps at most `cells` numbers
 (keys and values together, as `size` counts them) and is emptied when the next one would
-pass it: a bound on memory whatever the run, and a long run only loses time. Only plain
-numbers are kept by (`plain`): a Fraction equals the float of the same value, and the
-exact sums it stands for must not come back as the float's.
+pass it: a bound on memory whatever the run, and a long run only loses time. Keys are
+plain numbers only (`plain`; the offload lever's are the planner's own float costs): a
+Fraction equals the float of the same value, and the exact sums it stands for must not
+come back as the float's.
 """
 
 from __future__ import annotations
