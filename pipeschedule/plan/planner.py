@@ -294,18 +294,14 @@ class _Planner:
         """Per rank, parameters its stages count twice (memory.shared_params)."""
         return shared_params(self.config.model, schedule.placement, self.config.setup.tp)
 
-    def rank_tail(self, schedule: Schedule, rank: int, layers: int) -> float:
-        """Seconds of `rank`'s tail when its stages hold `layers` decoder layers together,
-        none recomputed: `tail`'s terms for one rank, its stages' layers timed as one
-        count (equal to `tail`'s to rounding). Cached by what decides it: the count, the
-        split backward, whether the rank holds the first and the last stage, and the
-        parameters it holds once (`shared`)."""
-        return self.rank_tails_of(schedule)[rank](layers)
-
     def rank_tails_of(self, schedule: Schedule) -> list:
-        """Per rank, `rank_tail` of `schedule` as a function of the layer count: what
-        decides it worked out once, so that a split search's thousands of calls are
-        lookups."""
+        """Per rank of `schedule`, the seconds of its tail as a function of the decoder
+        layers its stages hold together, none recomputed (the split problem's
+        `rank_tail`): `tail`'s terms for one rank, its stages' layers timed as one count
+        (equal to `tail`'s to rounding). What decides it (the split backward, whether the
+        rank holds the first and the last stage, the parameters it holds once: `shared`)
+        is worked out once per rank, and the seconds are cached by it and the count, so a
+        split search's thousands of calls are lookups."""
         last, shared = schedule.num_stages - 1, self.shared(schedule)
         out = []
         for rank in range(schedule.pp):

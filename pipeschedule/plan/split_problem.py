@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipeschedule.simulate.critical_path import CriticalPath
-from pipeschedule.checks import check_number
+from pipeschedule.checks import check_number, finite_floats
 from pipeschedule.errors import ParameterError
 from pipeschedule.compiler.ir import Op, Schedule
 from pipeschedule.plan.memo import Memo, plain
@@ -27,8 +27,8 @@ def _floats(name: str, values, length: int) -> tuple:
     values = tuple(values)
     if len(values) != length:
         raise ParameterError(f"{name} has {len(values)} entries, expected {length}")
-    if set(map(type, values)) == {float} and all(0.0 <= v < math.inf for v in values):
-        return values  # finite floats >= 0: what check_number accepts, at C speed
+    if finite_floats(values):
+        return values
     for i, v in enumerate(values):
         check_number(f"{name}[{i}]", v)
     return values
@@ -220,7 +220,7 @@ class Evaluator:
         key = (rank, layers)
         if key not in self.tails:
             value = self.p.rank_tail(rank, layers)
-            if not (type(value) is float and 0.0 <= value < math.inf):  # the common case checked without a message
+            if not finite_floats((value,)):  # the common case, checked without building a message
                 check_number(f"the tail of rank {rank} with {layers} layers", value)
             self.tails[key] = float(value)
         return self.tails[key]

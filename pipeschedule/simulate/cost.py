@@ -10,18 +10,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from pipeschedule.checks import check_int, check_number, check_stream_pieces, is_finite, is_number, shown
+from pipeschedule.checks import (
+    check_int,
+    check_number,
+    check_stream_pieces,
+    finite_floats,
+    is_finite,
+    is_number,
+    shown,
+)
 from pipeschedule.compiler.ir import BUFFERS, Schedule
 from pipeschedule.errors import FormatError, ParameterError
 
 COST_KEYS = ("forward", "backward", "weight", "buffer_bytes", "latency", "bandwidth", "offload_bandwidth",
              "reload_bandwidth", "offload_slowdown", "weight_stash", "offload_chunk", "reload_window")
-
-
-def _plain_floats(values) -> bool:
-    """Every value a float, finite and >= 0: the planner's costs, checked at C speed (the
-    general check below takes any number)."""
-    return set(map(type, values)) == {float} and all(0.0 <= x < math.inf for x in values)
 
 
 def _per_stage(key: str, value: Any, stages: int | None, error=ParameterError, source="the schedule") -> tuple:
@@ -31,7 +33,7 @@ def _per_stage(key: str, value: Any, stages: int | None, error=ParameterError, s
     if is_number(value) and stages is not None:
         value = [value] * stages
     if not isinstance(value, (list, tuple)) or not (
-            _plain_floats(value) or all(is_finite(x) and x >= 0 for x in value)):
+            finite_floats(value) or all(is_finite(x) and x >= 0 for x in value)):
         want = "a finite number >= 0 or a list" if stages is not None else "a list"
         raise error(f"cost {shown(key)} must be {want} of finite numbers >= 0, one per stage; got {shown(given)}")
     if stages is not None and len(value) != stages:
