@@ -135,6 +135,19 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
              ["show", "1f1b", "--pp", "4", "-m", str(p // 4), "--width", str(MAX_TIMELINE_CELLS // 4 // 64)]),
         Case("demo", "(fixed input; trains on CPU where torch and nanotron are installed)", ["demo"]),
     ]
+    out += plan_cases()
+    if _nanotron():
+        m = p // 16
+        out.append(Case("check", f"nanotron YAML, pp=16, m={m}, 16 layers, capped_1f1b:cap=2",
+                        ["check", f("big.yaml")], prepare=lambda: _yaml(f("big.yaml"), 16, m, 16, "capped_1f1b:cap=2")))
+        out.append(Case("check", "nanotron YAML, pp=16, m=64, 256 layers, engine auto (runs the planner)",
+                        ["check", f("auto.yaml")], prepare=lambda: _yaml(f("auto.yaml"), 16, 64, 256, "auto")))
+    return out
+
+
+def plan_cases() -> list[Case]:
+    """`plan` at its largest: the most pairs and layers one plan takes, and the most
+    plans each shape of a run accepts (MAX_PLAN_WORK)."""
     layers = min(1024, MAX_PLAN_LAYER_STAGES // 16)
     m16 = MAX_PLAN_STAGE_MICROBATCHES // 16
     search = ["--virtual", "16", "--node-limit", str(MAX_SEARCH_NODES)]  # every chunk count, the most nodes
@@ -147,7 +160,7 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
             return ",".join(str(2**k) for k in range(1, 1 + plans // 6))
         return ",".join(str(2**k) for k in range(1 + (plans - 3) // 6))
 
-    out += [
+    out = [
         Case("plan", f"llama3-70b, pp=16, m={m16}, {layers} layers",
              ["plan", "--model", "llama3-70b", "--pp", "16", "--microbatches", str(m16), "--layers", str(layers)],
              accepted=(0, 1),
@@ -182,12 +195,6 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
                                 + (" " + " ".join(extra) if extra else ""),
                         ["plan", "--model", model, "--pp", str(pp), "--microbatches", str(m), "--layers", str(n),
                          "--dp", dps, *extra], accepted=(0, 1), refused=refused))
-    if _nanotron():
-        m = p // 16
-        out.append(Case("check", f"nanotron YAML, pp=16, m={m}, 16 layers, capped_1f1b:cap=2",
-                        ["check", f("big.yaml")], prepare=lambda: _yaml(f("big.yaml"), 16, m, 16, "capped_1f1b:cap=2")))
-        out.append(Case("check", "nanotron YAML, pp=16, m=64, 256 layers, engine auto (runs the planner)",
-                        ["check", f("auto.yaml")], prepare=lambda: _yaml(f("auto.yaml"), 16, 64, 256, "auto")))
     return out
 
 
