@@ -17,18 +17,21 @@ per transport calls `wait()` on each batch in turn and sets an event; the execut
 on the event in short slices, checking the abort key and its watchdog in between. NCCL
 work is polled with `is_completed()` directly.
 
-[Note: sends in the background] `HostStagedTransport` copies what it sends into host
-memory before it posts, so nothing the executor holds is read once `post` returns: the
-`Pending` it returns covers the batch's receives only, and its sends complete in the
+[Note: sends in the background] A transport over gloo (`DistTransport` on CPU tensors,
+`HostStagedTransport` always) sends from a copy it makes at `post` (a clone on CPU, a
+host copy of a device tensor), so nothing the executor holds is read once `post` returns:
+the `Pending` it returns covers the batch's receives only, and its sends complete in the
 background (`outstanding_sends()`, which the executor waits on at the end of the step,
-raising any send's error there). nanotron's P2P does the same (its send only posts, and
-NCCL works on a side stream), so without it every rank waited for its partner to take
-each message: under AFAB the first stage ran one microbatch ahead of the second instead
-of as far ahead as it could. The verifier's rule 4 proves deadlock freedom for waiting
+raising any send's error there). gloo's send completes only once the receiver has posted
+its receive, so waiting on it made every rank wait for its partner to take each message:
+under AFAB the first stage ran one microbatch ahead of the second instead of as far ahead
+as it could, and on pinned CPU cores every schedule waited where the simulator
+([Note: simulated semantics] in simulate/engine.py), like nanotron's P2P (its send only
+posts), lets the sender go on. The verifier's rule 4 proves deadlock freedom for waiting
 on every message of a batch; waiting on fewer never blocks a rank that could have run
 (each rank posts every message no later than under the stricter wait, so every receive
-finds its send at least as early), so the proof covers this too. The other transports
-return a Pending over the whole batch: their sends read the executor's own tensors.
+finds its send at least as early), so the proof covers this too. Over NCCL the Pending
+covers the whole batch: its sends read the executor's own tensors on NCCL's stream.
 
 [Note: every rank stops] On failure a rank writes an abort message under
 `<prefix>abort` in the store (the first writer wins); every waiting rank checks that key
@@ -208,6 +211,7 @@ class DistTransport(Transport):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self._waiting: dict[str, queue.SimpleQueue] = {}  # waiter thread -> its queue
+        self._sends: list[_ThreadWaited] = []  # sends posted, not yet seen complete
         failed = _FAILED_GROUPS.get(self._group())
         if failed is not None:
             raise RuntimeScheduleError(
@@ -230,10 +234,35 @@ class DistTransport(Transport):
         _FAILED_GROUPS.setdefault(self._group(), self.failure)
 
     def post(self, ops: list[P2P]) -> Pending:
-        works = self._post_works(ops)
+        """Posts the batch. On a GPU (NCCL) the Pending covers the whole batch; on CPU (gloo)
+        each send goes out from a copy and the Pending covers the receives only ([Note: sends
+        in the background])."""
         if ops[0].tensor.device.type != "cpu":
-            return _PolledWorks(works, ops)
-        return self._thread_waited(works, ops)
+            return _PolledWorks(self._post_works(ops), ops)
+        self.outstanding_sends()  # drops the copies of sends already received
+        staged = [replace(op, tensor=op.tensor.clone()) if op.send else op for op in ops]
+        return self._split_sends(self._post_works(staged), staged)
+
+    def _split_sends(self, works, ops: list[P2P]) -> Pending:
+        """A Pending for the receives of a posted gloo batch; its sends are waited on by the
+        "sends" thread and collected by `outstanding_sends` ([Note: sends in the background])."""
+        if len(works) != len(ops):  # one work for the whole batch: no send can be told apart
+            return self._thread_waited(works, ops)
+        sent = [(work, op) for work, op in zip(works, ops) if op.send]
+        received = [(work, op) for work, op in zip(works, ops) if not op.send]
+        if sent:
+            self._sends.append(self._thread_waited(*map(list, zip(*sent)), thread="sends"))
+        return self._thread_waited(*map(list, zip(*received))) if received else _Done()
+
+    def outstanding_sends(self) -> Pending | None:
+        waiting = []
+        for pending in self._sends:
+            if pending.ready():
+                pending.finish()  # raises a failed send's error
+            else:
+                waiting.append(pending)
+        self._sends = waiting
+        return _AllOf(list(self._sends)) if self._sends else None
 
     def _post_works(self, ops: list[P2P]) -> list:
         requests = [
@@ -320,7 +349,6 @@ class HostStagedTransport(DistTransport):
     def __init__(self, store: dist.Store, **kwargs):
         super().__init__(store, **kwargs)
         self.staged_bytes = 0
-        self._sends: list[_ThreadWaited] = []  # posted, not yet seen complete
 
     def post(self, ops: list[P2P]) -> Pending:
         """Posts the batch; the Pending covers its receives ([Note: sends in the background])."""
@@ -328,26 +356,8 @@ class HostStagedTransport(DistTransport):
         staged = [replace(op, tensor=self._host(op.tensor, copy=op.send)) for op in ops]
         if any(op.send and op.tensor.is_cuda for op in ops):
             torch.cuda.current_stream().synchronize()  # the host copies of sends must land before gloo reads them
-        works = self._post_works(staged)
         copies = [(op.tensor, host.tensor) for op, host in zip(ops, staged) if not op.send]
-        if len(works) != len(staged):  # one work for the whole batch: no send can be told apart
-            return _CopyBack(self._thread_waited(works, staged), copies)
-        sent = [(work, op) for work, op in zip(works, staged) if op.send]
-        received = [(work, op) for work, op in zip(works, staged) if not op.send]
-        if sent:
-            self._sends.append(self._thread_waited(*map(list, zip(*sent)), thread="sends"))
-        inner = self._thread_waited(*map(list, zip(*received))) if received else _Done()
-        return _CopyBack(inner, copies)
-
-    def outstanding_sends(self) -> Pending | None:
-        waiting = []
-        for pending in self._sends:
-            if pending.ready():
-                pending.finish()  # raises a failed send's error
-            else:
-                waiting.append(pending)
-        self._sends = waiting
-        return _AllOf(list(self._sends)) if self._sends else None
+        return _CopyBack(self._split_sends(self._post_works(staged), staged), copies)
 
     def _host(self, tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)

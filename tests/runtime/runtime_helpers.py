@@ -210,12 +210,13 @@ def fault_worker(rank: int, world: int, store, scenario: str, timeout: float) ->
     time.sleep(2 * timeout)  # a rank that wrongly finishes must not look like one that stopped
 
 
-def background_send_worker(rank: int, world: int, store, delay: float) -> dict:
-    """Rank 0 posts [send to 1, receive from 1] on a HostStagedTransport; rank 1 posts its
-    send at once and its receive only after `delay` seconds ([Note: sends in the
-    background]). Returns what rank 0 saw: how long until its batch's Pending was ready,
-    whether the send was still outstanding then, and how long until it arrived."""
-    transport = HostStagedTransport(store, prefix="background/")
+def background_send_worker(rank: int, world: int, store, delay: float, staged: bool = True) -> dict:
+    """Rank 0 posts [send to 1, receive from 1] on a HostStagedTransport (`staged`) or a
+    DistTransport over gloo; rank 1 posts its send at once and its receive only after
+    `delay` seconds ([Note: sends in the background]). Returns what rank 0 saw: how long
+    until its batch's Pending was ready, whether the send was still outstanding then, and
+    how long until it arrived."""
+    transport = (HostStagedTransport if staged else DistTransport)(store, prefix="background/")
     size = 1 << 24  # 64 MiB: far more than a socket buffers, so gloo's send waits for the receive
     out, back = torch.arange(size, dtype=torch.float32), torch.empty(size)
     if rank == 1:
@@ -229,8 +230,10 @@ def background_send_worker(rank: int, world: int, store, delay: float) -> dict:
         drained = transport.outstanding_sends()
         assert drained is None or drained.wait_for(30)
         return {"received": torch.equal(arrived, out)}
+    expected = out * 2
     start = time.monotonic()
     pending = transport.post([P2P(True, 1, out), P2P(False, 1, back)])
+    out.zero_()  # the transport sends from its own copy: what rank 1 receives is what was posted
     assert pending.wait_for(30)
     pending.finish()
     ready_after = time.monotonic() - start
@@ -239,4 +242,4 @@ def background_send_worker(rank: int, world: int, store, delay: float) -> dict:
     assert sends is None or sends.wait_for(30)
     sends is None or sends.finish()
     return {"ready_after": ready_after, "still_sending": still_sending, "arrived_after": time.monotonic() - start,
-            "received": torch.equal(back, out * 2), "after": transport.outstanding_sends()}
+            "received": torch.equal(back, expected), "after": transport.outstanding_sends()}

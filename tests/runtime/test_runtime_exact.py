@@ -120,12 +120,14 @@ def test_first_stage_stash_high_water_is_cap_microbatches(memory):
     assert rank0["capped_1f1b{'cap': 2}"]["cap"] == 2
 
 
-def test_host_staged_batches_wait_for_their_receives_only():
+@pytest.mark.parametrize("staged", [True, False], ids=["host-staged", "gloo"])
+def test_gloo_batches_wait_for_their_receives_only(staged):
     """[Note: sends in the background]: rank 0's batch [send, receive] is ready once its
     receive has arrived, while its send waits for rank 1's late receive; the send is then
-    still outstanding, arrives intact, and nothing is left outstanding after it."""
+    still outstanding, arrives intact (though rank 0 reuses its tensor at once), and
+    nothing is left outstanding after it. Both gloo transports: host-staged and plain."""
     delay = 1.5
-    results = spawn(background_send_worker, 2, timeout=60, args=(delay,))
+    results = spawn(background_send_worker, 2, timeout=60, args=(delay, staged))
     first, second = results[0], results[1]
     assert first["received"] and second["received"]
     assert first["ready_after"] < delay / 2, first
