@@ -57,6 +57,9 @@
 - Host offload: OFFLOAD / RELOAD of a stash copy its saved tensors to host memory and
   back on a side stream ([Note: host offload] in host_offload); B and W wait on the
   reload's event, and raise if the stash was not reloaded. Only `stash` moves.
+- Timeline: with `timeline` set (a `Timeline`), every F, B and W is timed, by the
+  host's clock on CPU and by CUDA events on the current stream on a GPU ([Note: measured
+  timeline] in timeline); the spans of the last step are the timeline's.
 - Buffer pool: with `pool=True` (the default) receive and send buffers come from a
   `BufferPool` sized by the schedule ([Note: buffer pool] in pool); the stage output
   is then copied into its send buffer at F and its own storage released at once.
@@ -112,7 +115,7 @@ from torch.autograd.variable import Variable
 
 from pipeschedule.checks import check_int, is_int, is_number, shown
 from pipeschedule.errors import ParameterError
-from pipeschedule.compiler.ir import COMM_OPS, Instr, Op, Schedule, edge_end
+from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Schedule, edge_end
 from pipeschedule.compiler.passes import is_lowered
 from pipeschedule.compiler.program import instructions
 from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
@@ -126,6 +129,7 @@ from pipeschedule.runtime.pool import BufferPool
 from pipeschedule.runtime.shapes import Shapes, TensorMeta, describe
 from pipeschedule.runtime.split_backward import SplitReport, WeightGrads
 from pipeschedule.runtime.stages import ModuleStages, Stages
+from pipeschedule.runtime.timeline import Timeline
 from pipeschedule.runtime.transport import P2P, Pending, Transport
 
 _LOG = logging.getLogger("pipeschedule.runtime")
@@ -200,6 +204,7 @@ class Executor:
         self.around_gradients = around_gradients  # [Note: executor hooks]
         self.side_inputs = side_inputs
         self.exact_times = False  # StepTimes' compute times: synchronise around each F, B, W (slower)
+        self.timeline: Timeline | None = None  # spans of each F, B, W when set ([Note: measured timeline])
         self.schedule, self.rank, self.stages, self.transport = schedule, rank, stages, transport
         self.program: tuple[Instr, ...] = instructions(schedule.programs[rank])
         self.device = torch.device(device)
@@ -296,6 +301,8 @@ class Executor:
         self._running = False
         self.ledger.begin_step()
         self.times = StepTimes(start=time.perf_counter())
+        if self.timeline is not None:
+            self.timeline.begin_step()
 
     def _agree(self):
         """Generator, at the first step: publishes this rank's schedule and waits for every
@@ -341,11 +348,13 @@ class Executor:
         """Runs one compute or memory instruction; B and W inside `around_gradients(instr)`
         where one is set ([Note: executor hooks])."""
         handler = self._handler(instr)
-        if instr.op in GRADIENT_OPS and self.around_gradients is not None:
-            with self.around_gradients(instr):
+        timed = self.timeline.span(instr) if self.timeline is not None and instr.op in COMPUTE_OPS else None
+        with timed if timed is not None else contextlib.nullcontext():
+            if instr.op in GRADIENT_OPS and self.around_gradients is not None:
+                with self.around_gradients(instr):
+                    handler(instr)
+            else:
                 handler(instr)
-        else:
-            handler(instr)
 
     def _ran(self, pc: int, instr: Instr) -> None:
         self.ledger.record(pc, instr)

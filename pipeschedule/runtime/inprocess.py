@@ -13,8 +13,9 @@ other ranks are dropped and their executors marked broken).
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict, deque
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 from pipeschedule.compiler.ir import Schedule
 from pipeschedule.errors import RuntimeScheduleError
@@ -44,37 +45,49 @@ class InProcessWorld:
         return InProcessTransport(self, rank)
 
     def post(self, rank: int, op: P2P) -> _Message:
-        message = _Message(op, rank)
+        message = self.message(op, rank)
         src, dst = (rank, op.peer) if op.send else (op.peer, rank)
         partners = self.unmatched[src, dst, not op.send]
         if partners:
             partner = partners.popleft()
             send, recv = (message, partner) if op.send else (partner, message)
-            _deliver(send, recv)
+            _check_match(send, recv)
+            self.deliver(send, recv)
             message.done = partner.done = True
         else:
             self.unmatched[src, dst, op.send].append(message)
         return message
 
+    def message(self, op: P2P, rank: int) -> _Message:
+        """A message as `rank` posts it."""
+        return _Message(op, rank)
 
-def _deliver(send: _Message, recv: _Message) -> None:
+    def deliver(self, send: _Message, recv: _Message) -> None:
+        """Copies a matched send's data into its receive (at once, on the host's order)."""
+        recv.op.tensor.copy_(send.op.tensor)
+
+    def finish(self, messages: list[_Message]) -> None:
+        """What a rank does once its batch of `messages` is complete (nothing here)."""
+
+
+def _check_match(send: _Message, recv: _Message) -> None:
     data, into = send.op.tensor, recv.op.tensor
     if data.shape != into.shape or data.dtype != into.dtype:
         raise RuntimeScheduleError(
             f"rank {send.rank} sends {describe(data)} ({send.op.instr}) but rank {recv.rank} "
             f"receives {describe(into)} ({recv.op.instr})"
         )
-    into.copy_(data)
 
 
 class _Posted(Pending):
-    def __init__(self, messages: list[_Message]):
-        self.messages = messages
+    def __init__(self, world: InProcessWorld, messages: list[_Message]):
+        self.world, self.messages = world, messages
 
     def ready(self) -> bool:
         return all(message.done for message in self.messages)
 
     def finish(self) -> None:
+        self.world.finish(self.messages)
         self.messages = ()  # [Note: a finished batch holds nothing] in transport
 
 
@@ -86,7 +99,7 @@ class InProcessTransport(Transport):
         self.world, self.rank, self.world_size = world, rank, world.world_size
 
     def post(self, ops: list[P2P]) -> Pending:
-        return _Posted([self.world.post(self.rank, op) for op in ops])
+        return _Posted(self.world, [self.world.post(self.rank, op) for op in ops])
 
     def publish(self, key: str, value: str) -> None:
         self.world.metadata[key] = value
@@ -118,9 +131,12 @@ class InProcessPipeline:
         return run_in_process(self.executors, inputs, targets)
 
 
-def run_in_process(executors: Sequence[Executor], inputs=None, targets=None) -> list[list]:
+def run_in_process(executors: Sequence[Executor], inputs=None, targets=None,
+                   lane: Callable[[int], ContextManager] | None = None) -> list[list]:
     """Steps executors that share one `InProcessWorld` ([Note: in-process stepping]);
-    returns each one's outputs, in order."""
+    returns each one's outputs, in order. `lane(rank)`, where given, is entered around
+    every stretch a rank runs (its device stream: [Note: partitioned stepping] in
+    partitioned)."""
     running = {r: executor.run(inputs, targets) for r, executor in enumerate(executors)}
     waits: dict[int, Pending | None] = dict.fromkeys(running)
     results: list[list] = [[] for _ in executors]
@@ -128,14 +144,15 @@ def run_in_process(executors: Sequence[Executor], inputs=None, targets=None) -> 
         while running:
             moved = False
             for rank in list(running):
-                while waits[rank] is None or waits[rank].ready():
-                    moved = True
-                    try:
-                        waits[rank] = next(running[rank])
-                    except StopIteration as stop:
-                        results[rank] = stop.value
-                        del running[rank]
-                        break
+                with lane(rank) if lane is not None else contextlib.nullcontext():
+                    while waits[rank] is None or waits[rank].ready():
+                        moved = True
+                        try:
+                            waits[rank] = next(running[rank])
+                        except StopIteration as stop:
+                            results[rank] = stop.value
+                            del running[rank]
+                            break
             if running and not moved:
                 where = "\n  ".join(str(executors[r].error("waits")) for r in running)
                 raise RuntimeScheduleError(f"in-process step cannot go on: every unfinished rank waits\n  {where}")

@@ -195,17 +195,20 @@ class PipescheduleEngine(PipelineEngine):
         and per-instruction trace cover the last step), or None before the first
         `train_batch_iter`. Raises if the engine trained at several (pg, m): the ledger
         would be ambiguous."""
-        executor = self._training_executor("ledger")
+        executor = self.training_executor("ledger")
         return None if executor is None else executor.ledger
 
     def training_times(self):
         """The `StepTimes` of this rank's executor for the last training step (host seconds
         in computes, transport and waits), or None before the first `train_batch_iter`;
         raises as `training_ledger` does."""
-        executor = self._training_executor("step times")
+        executor = self.training_executor("step times")
         return None if executor is None else executor.times
 
-    def _training_executor(self, what: str):
+    def training_executor(self, what: str = "executor"):
+        """This rank's `Executor` of training steps (a benchmark sets its `timeline`), or None
+        before the first `train_batch_iter`; raises where the engine trained at several (pg, m),
+        naming `what` would be ambiguous."""
         executors = [runner.executor for (_, _, train), runner in self._runners.items() if train]
         if len(executors) > 1:
             raise EngineRuntimeError(f"this engine ran {len(executors)} training configurations; the {what} "

@@ -1,0 +1,172 @@
+"""pp GPUs on one: every rank of a schedule in one process, each on its own partition of the
+device's SMs, messages as on-device copies ordered by CUDA events.
+
+[Note: partitioned stepping] `PartitionedPipeline` is `InProcessPipeline` ([Note: in-process
+stepping] in inprocess) with one CUDA stream per rank, each made on its own SM partition
+(`sm_partitions`: CUDA green contexts). The driver makes a rank's stream current while it
+runs that rank, so every kernel of the rank (autograd's backward follows its forward's
+stream) runs on its partition: the ranks compute side by side as on pp GPUs, and one
+rank's idle partition is not lent to another, so its bubble shows. Messages follow the
+semantics of NCCL's batched point-to-point:
+
+- posting records an event on the poster's stream (its work before the batch);
+- when the send and the receive have both been posted, the copy is enqueued on the
+  receiver's stream after the sender's event (the receiver's stream is already past its
+  own post), and an event after the copy marks the message done;
+- a rank's batch completes on the host as soon as all its messages are matched (the host
+  never waits for the device), and its stream then waits for each message's done event,
+  so nothing later on either side reads or reuses the message's memory before the copy.
+
+So the host enqueues each rank's work as fast as it can run the executors and the device
+sets the pace. Tensors allocated on one rank's stream are only read by that rank's work
+and by copies its stream waited for, which the caching allocator's per-stream reuse
+orders correctly. Without CUDA (or with ordinary streams) it is the same arithmetic, so
+the losses and gradients equal those of `InProcessPipeline`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+
+from pipeschedule.compiler.ir import Schedule
+from pipeschedule.errors import ParameterError, RuntimeScheduleError
+from pipeschedule.runtime.executor import Executor
+from pipeschedule.runtime.inprocess import InProcessWorld, _Message, run_in_process
+from pipeschedule.runtime.stages import Stages
+from pipeschedule.runtime.transport import P2P
+
+
+class _DeviceMessage(_Message):
+    __slots__ = ("posted", "copied")
+
+    def __init__(self, op: P2P, rank: int, posted: torch.cuda.Event):
+        super().__init__(op, rank)
+        self.posted, self.copied = posted, None
+
+
+class DeviceWorld(InProcessWorld):
+    """An `InProcessWorld` whose ranks run on `streams[rank]` ([Note: partitioned stepping])."""
+
+    def __init__(self, streams: Sequence[torch.cuda.Stream]):
+        super().__init__(len(streams))
+        self.streams = list(streams)
+
+    def message(self, op: P2P, rank: int) -> _DeviceMessage:
+        posted = torch.cuda.Event()
+        posted.record(self.streams[rank])
+        return _DeviceMessage(op, rank, posted)
+
+    def deliver(self, send: _DeviceMessage, recv: _DeviceMessage) -> None:
+        stream = self.streams[recv.rank]
+        stream.wait_event(send.posted)
+        with torch.cuda.stream(stream):
+            recv.op.tensor.copy_(send.op.tensor)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        send.copied = recv.copied = copied
+
+    def finish(self, messages) -> None:
+        stream = torch.cuda.current_stream()
+        for message in messages:
+            stream.wait_event(message.copied)
+
+    def lane(self, rank: int):
+        """The context in which rank `rank` runs: its stream current."""
+        return torch.cuda.stream(self.streams[rank])
+
+
+class PartitionedPipeline:
+    """Every rank's `Executor` over one `DeviceWorld`; `step` runs them all
+    ([Note: partitioned stepping]). `streams[r]` is rank r's stream (see `sm_partitions`);
+    keyword arguments go to each `Executor` (device defaults to the streams' device)."""
+
+    def __init__(self, schedule: Schedule, stages: Stages, streams: Sequence[torch.cuda.Stream], **executor_args: Any):
+        if len(streams) != schedule.pp:
+            raise ParameterError(f"{len(streams)} streams for the {schedule.pp} ranks of {schedule.name!r}: "
+                                 "give one stream per rank")
+        self.world = DeviceWorld(streams)
+        self.schedule = schedule
+        executor_args.setdefault("device", streams[0].device)
+        self.executors = [Executor(schedule, r, stages, self.world.transport(r), **executor_args)
+                          for r in range(schedule.pp)]
+
+    def step(self, inputs=None, targets=None) -> list[list]:
+        """One step of every rank, enqueued; returns each rank's outputs (`Executor.run`).
+        The device may still be running it: synchronize before reading times."""
+        return run_in_process(self.executors, inputs, targets, lane=self.world.lane)
+
+
+# -- SM partitions ---------------------------------------------------------------------------
+
+ROUTES = ("auto", "driver", "torch", "streams")
+
+
+def sm_partitions(parts: int, *, route: str = "auto", device: int | None = None) -> tuple[list, list]:
+    """(contexts, streams): `parts` partitions of an equal share of the device's SMs (a
+    multiple of 8 each), each with one stream. Keep `contexts` alive as long as the streams.
+
+    route "driver": the CUDA driver's green contexts through the cuda-bindings package
+    (cuDevSmResourceSplitByCount, cuGreenCtxCreate, cuGreenCtxStreamCreate); "torch":
+    `torch.cuda.green_contexts.GreenContext` and its stream (torch >= 2.10); "auto": the
+    first of those two that this machine has; "streams": ordinary streams, no partition
+    (every kernel may use every SM: a control)."""
+    if route not in ROUTES:
+        raise ParameterError(f"route {route!r}: accepted: {', '.join(ROUTES)}")
+    if route == "auto":
+        try:
+            return sm_partitions(parts, route="driver", device=device)
+        except (RuntimeScheduleError, AttributeError, TypeError):  # no cuda-bindings, or one without green contexts
+            return sm_partitions(parts, route="torch", device=device)
+    device = torch.cuda.current_device() if device is None else device
+    total = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = total // parts // 8 * 8
+    if route == "streams":
+        return [], [torch.cuda.Stream(device) for _ in range(parts)]
+    if sms < 8:
+        raise ParameterError(f"{parts} partitions of {total} SMs leave fewer than 8 SMs each")
+    if route == "torch":
+        from torch.cuda.green_contexts import GreenContext
+
+        contexts = [GreenContext.create(num_sms=sms, device_id=device) for _ in range(parts)]
+        return contexts, [ctx.Stream() for ctx in contexts]
+    return _driver_partitions(parts, sms, device)
+
+
+def _driver_partitions(parts: int, sms: int, device: int) -> tuple[list, list]:
+    try:
+        from cuda.bindings import driver
+    except ImportError as err:
+        raise RuntimeScheduleError(f"route 'driver' needs the cuda-bindings package ({err})") from None
+
+    def check(result):
+        err, *rest = result
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeScheduleError(f"CUDA driver call failed: {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    torch.cuda.init()
+    handle = check(driver.cuDeviceGet(device))
+    resource = check(driver.cuDeviceGetDevResource(handle, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, count, _ = check(driver.cuDevSmResourceSplitByCount(parts, resource, 0, sms))
+    if count < parts:
+        raise RuntimeScheduleError(f"asked for {parts} SM groups of {sms}, the driver made {count}")
+    contexts, streams = [], []
+    for group in groups[:parts]:
+        desc = check(driver.cuDevResourceGenerateDesc([group], 1))
+        ctx = check(driver.cuGreenCtxCreate(desc, handle, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        raw = check(driver.cuGreenCtxStreamCreate(ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        contexts.append(ctx)
+        streams.append(torch.cuda.ExternalStream(int(raw), device=device))
+    return contexts, streams
+
+
+def step_seconds(pipeline: PartitionedPipeline, inputs=None, targets=None) -> tuple[float, list[list]]:
+    """(seconds, outputs) of one step, from the first enqueue to the end of the device's work."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = pipeline.step(inputs, targets)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, outputs
