@@ -101,7 +101,7 @@ class PartitionedPipeline:
 
 # -- SM partitions ---------------------------------------------------------------------------
 
-ROUTES = ("auto", "driver", "torch", "streams")
+ROUTES = ("auto", "balanced", "driver", "torch", "streams")
 
 
 def sm_partitions(parts: int, *, route: str = "auto", device: int | None = None) -> tuple[list, list]:
@@ -109,17 +109,22 @@ def sm_partitions(parts: int, *, route: str = "auto", device: int | None = None)
     multiple of 8 each), each with one stream. Keep `contexts` alive as long as the streams.
 
     route "driver": the CUDA driver's green contexts through the cuda-bindings package
-    (cuDevSmResourceSplitByCount, cuGreenCtxCreate, cuGreenCtxStreamCreate); "torch":
-    `torch.cuda.green_contexts.GreenContext` and its stream (torch >= 2.10); "auto": the
-    first of those two that this machine has; "streams": ordinary streams, no partition
-    (every kernel may use every SM: a control)."""
+    (cuDevSmResourceSplitByCount, cuGreenCtxCreate, cuGreenCtxStreamCreate); "balanced":
+    the same, each context also given its own work queues (a workqueue-config resource of
+    scope GREEN_CTX_BALANCED; CUDA 13.1 drivers and later), so that no two partitions'
+    work waits in one queue; "torch": `torch.cuda.green_contexts.GreenContext` and its
+    stream (torch >= 2.10); "auto": the first of balanced, driver and torch that this
+    machine has; "streams": ordinary streams, no partition (every kernel may use every
+    SM: a control)."""
     if route not in ROUTES:
         raise ParameterError(f"route {route!r}: accepted: {', '.join(ROUTES)}")
     if route == "auto":
-        try:
-            return sm_partitions(parts, route="driver", device=device)
-        except (RuntimeScheduleError, AttributeError, TypeError):  # no cuda-bindings, or one without green contexts
-            return sm_partitions(parts, route="torch", device=device)
+        for first in ("balanced", "driver"):
+            try:
+                return sm_partitions(parts, route=first, device=device)
+            except (RuntimeScheduleError, AttributeError, TypeError):  # no cuda-bindings, or an older driver
+                pass
+        return sm_partitions(parts, route="torch", device=device)
     device = torch.cuda.current_device() if device is None else device
     total = torch.cuda.get_device_properties(device).multi_processor_count
     sms = total // parts // 8 * 8
@@ -132,14 +137,14 @@ def sm_partitions(parts: int, *, route: str = "auto", device: int | None = None)
 
         contexts = [GreenContext.create(num_sms=sms, device_id=device) for _ in range(parts)]
         return contexts, [ctx.Stream() for ctx in contexts]
-    return _driver_partitions(parts, sms, device)
+    return _driver_partitions(parts, sms, device, balanced=route == "balanced")
 
 
-def _driver_partitions(parts: int, sms: int, device: int) -> tuple[list, list]:
+def _driver_partitions(parts: int, sms: int, device: int, *, balanced: bool) -> tuple[list, list]:
     try:
         from cuda.bindings import driver
     except ImportError as err:
-        raise RuntimeScheduleError(f"route 'driver' needs the cuda-bindings package ({err})") from None
+        raise RuntimeScheduleError(f"the driver's green contexts need the cuda-bindings package ({err})") from None
 
     def check(result):
         err, *rest = result
@@ -153,9 +158,14 @@ def _driver_partitions(parts: int, sms: int, device: int) -> tuple[list, list]:
     groups, count, _ = check(driver.cuDevSmResourceSplitByCount(parts, resource, 0, sms))
     if count < parts:
         raise RuntimeScheduleError(f"asked for {parts} SM groups of {sms}, the driver made {count}")
+    queues = []
+    if balanced:
+        queues = [check(driver.cuDeviceGetDevResource(
+            handle, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_WORKQUEUE_CONFIG))]
+        queues[0].wqConfig.sharingScope = driver.CUdevWorkqueueConfigScope.CU_WORKQUEUE_SCOPE_GREEN_CTX_BALANCED
     contexts, streams = [], []
     for group in groups[:parts]:
-        desc = check(driver.cuDevResourceGenerateDesc([group], 1))
+        desc = check(driver.cuDevResourceGenerateDesc([group, *queues], 1 + len(queues)))
         ctx = check(driver.cuGreenCtxCreate(desc, handle, driver.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
         raw = check(driver.cuGreenCtxStreamCreate(ctx, driver.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
         contexts.append(ctx)

@@ -41,8 +41,12 @@ SCRIPTS = [
     ("benchmarks.diagnostics.offload_anatomy", ["--smoke", "--out", "{tmp}"], "rank 0"),
     ("benchmarks.diagnostics.executor_profile", ["--smoke", "--steps", "1", "--top", "5"],
      "executor: 1 profiled steps; own time in pipeschedule/"),
+    ("benchmarks.parallel.trainer_groups", ["--smoke", "--pp", "2", "--no-pin"], "every engine bitwise equal"),
+    ("benchmarks.parallel.gpu_partitions", ["--smoke"], "every engine bitwise equal"),
+    ("benchmarks.parallel.sm_probe", ["--no-mps", "--size", "1024", "--reps", "2"], "plain_streams"),
 ]
-NEEDS_A_GPU = {"benchmarks.diagnostics.offload_anatomy"}  # its smoke mode is a tiny model on the GPU
+NEEDS_A_GPU = {"benchmarks.diagnostics.offload_anatomy",  # its smoke mode is a tiny model on the GPU
+               "benchmarks.parallel.sm_probe"}  # SM partitions of a GPU: nothing to try on CPU
 TARGETS = {"benchmarks.plan_speed"}  # exits 1 when its time target is not met: not the plumbing's fault
 
 

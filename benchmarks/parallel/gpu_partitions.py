@@ -1,0 +1,298 @@
+"""pp GPUs on one: every schedule family on SM partitions of one GPU, measured beside the simulator.
+
+    python -m benchmarks.parallel.gpu_partitions                  # one CUDA GPU, pp=4 partitions (minutes)
+    python -m benchmarks.parallel.gpu_partitions --route streams  # the control: ranks on ordinary streams
+    python -m benchmarks.parallel.gpu_partitions --smoke          # CPU, a tiny model: the plumbing; writes nothing
+
+All pp ranks run in one process (`PartitionedPipeline`, [Note: partitioned stepping] in
+pipeschedule/runtime/partitioned.py), each rank's kernels on its own partition of the
+device's SMs (`--route driver`: CUDA green contexts through cuda-bindings; `torch`:
+`torch.cuda.green_contexts`), messages as on-device copies ordered by events, the host
+enqueuing ahead. The model is the project's Llama (benchmarks/llama, bf16, `MODEL`) split
+by nanotron's cost balance over each schedule's stages; stages of one count share one set
+of weights, so the engines of one stage count run in rounds whose order rotates, and the
+groups run one after another (their ratios are not paired; the first group's 1F1B runs
+again last to show the drift).
+
+Per (engine, m): the step from the first enqueue to the end of the device's work (median
+over rounds), each rank's busy time and bubble from CUDA events around every F, B and W
+([Note: measured timeline]), each rank's peak live bytes from its ledger, and the
+simulator's step for the engine's schedule under the stage costs measured in these steps
+and a boundary copy measured here. A case that runs out of memory is reported, not run
+again. Before the table: the partitioned step's losses and gradients against the same
+step run without partitions (`InProcessPipeline`). Writes `--out`/gpu_partitions.json and
+.md and one Chrome trace per case; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import RESULTS, rotated, versions, write_results
+from benchmarks.parallel import report
+from benchmarks.parallel.predict import span_rows
+
+ENGINES = ("ps_1f1b", "ps_afab", "capped_1f1b:cap=1", "capped_1f1b:cap=2", "capped_1f1b:cap=3", "zb_h1",
+           "interleaved_1f1b:virtual=2", "interleaved_1f1b:virtual=3", "zbv", "v_half", "v_min",
+           "zb_h2", "interleaved_zb:virtual=2", "looped_bfs:virtual=2", "dualpipev")
+MODEL = dict(hidden=4096, layers=16, heads=32, kv_heads=8, ffn=11008, vocab=32000, seq=2048)
+SMOKE_MODEL = dict(hidden=64, layers=12, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32)
+SMOKE_ENGINES = ("ps_1f1b", "zb_h1", "interleaved_1f1b:virtual=2", "zbv")
+
+
+def available(names) -> list[str]:
+    """`names` whose family this tree has."""
+    from pipeschedule.compiler.families import FAMILIES
+
+    return [n for n in names if n.startswith("ps_") or n.split(":")[0] in FAMILIES]
+
+
+class Group:
+    """The engines of one stage count: one set of weights, the data, and each case's pipeline."""
+
+    def __init__(self, cfg, stages_count: int, engines: list[str], args, device, streams):
+        from benchmarks.llama.reference import microbatch
+        from benchmarks.llama.stages import LlamaStages
+        from benchmarks.training import model_split, to_device
+
+        self.cfg, self.count, self.args, self.device, self.streams = cfg, stages_count, args, device, streams
+        self.stages = LlamaStages(cfg, model_split(cfg, stages_count), device, torch.bfloat16)
+        self.params = [p for s in range(stages_count) for p in self.stages.parameters(s)]
+        batches = [to_device(microbatch(cfg, 1, i, 7), device) for i in range(max(args.microbatches))]
+        self.inputs = [{"input_ids": b["input_ids"]} for b in batches]
+        self.targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
+        self.cases = [(name, m) for m in args.microbatches for name in engines]
+        self.pipelines: dict = {}
+        self.failed: dict = {}
+
+    def pipeline(self, name: str, m: int):
+        from pipeschedule.runtime import InProcessPipeline
+        from pipeschedule.runtime.partitioned import PartitionedPipeline
+        from pipeschedule.runtime.timeline import Timeline
+
+        if (name, m) not in self.pipelines:
+            schedule = report.schedule_of(name, self.args.pp, m)
+            if self.streams is None:
+                built = InProcessPipeline(schedule, self.stages, device=self.device)
+            else:
+                built = PartitionedPipeline(schedule, self.stages, self.streams)
+            for executor in built.executors:
+                executor.timeline = Timeline(self.device)
+            self.pipelines[name, m] = built
+        return self.pipelines[name, m]
+
+    def step(self, name: str, m: int) -> dict:
+        """One step of the case: seconds, loss (the sum of the microbatches' scaled losses),
+        spans and ledger peaks per rank."""
+        pipeline = self.pipeline(name, m)
+        for p in self.params:
+            p.grad = None
+        _sync(self.device)
+        start = time.perf_counter()
+        outputs = pipeline.step(self.inputs[:m], self.targets[:m])
+        _sync(self.device)
+        seconds = time.perf_counter() - start
+        last = pipeline.schedule.placement[-1]
+        loss = float(sum(out["loss"].float() for out in outputs[last]))
+        return {"seconds": seconds, "loss": loss,
+                "spans": [span_rows(e.timeline.spans()) for e in pipeline.executors],
+                "ledger_peak_bytes": [e.ledger.high_total for e in pipeline.executors]}
+
+    def run(self) -> dict:
+        """Warm-up and measured rounds; (engine, m) -> measured rounds."""
+        rounds: dict = {}
+        for k in range(self.args.warmup + self.args.rounds):
+            for name, m in rotated(self.cases, k):
+                if (name, m) in self.failed:
+                    continue
+                try:
+                    row = self.step(name, m)
+                except torch.cuda.OutOfMemoryError as err:
+                    self.failed[name, m] = f"out of memory: {str(err).splitlines()[0][:200]}"
+                    self.pipelines.pop((name, m), None)
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    continue
+                if k >= self.args.warmup:
+                    rounds.setdefault((name, m), []).append(row)
+        return rounds
+
+    def close(self) -> None:
+        self.pipelines.clear()
+        self.stages = self.params = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def exactness(group: Group, name: str, m: int) -> dict:
+    """The case's partitioned step against the same step without partitions: losses and the
+    largest gradient difference (the forward's kernels are deterministic, autograd's
+    accumulation may not be)."""
+    from pipeschedule.runtime import InProcessPipeline
+
+    def grads_after(pipeline) -> tuple[float, list[torch.Tensor]]:
+        for p in group.params:
+            p.grad = None
+        outputs = pipeline.step(group.inputs[:m], group.targets[:m])
+        _sync(group.device)
+        last = pipeline.schedule.placement[-1]
+        loss = float(sum(out["loss"].float() for out in outputs[last]))
+        return loss, [p.grad.detach().float().clone() for p in group.params]
+
+    partitioned = grads_after(group.pipeline(name, m))
+    plain = grads_after(InProcessPipeline(report.schedule_of(name, group.args.pp, m), group.stages,
+                                          device=group.device))
+    largest = max(float((a - b).abs().max()) for a, b in zip(partitioned[1], plain[1]))
+    scale = max(float(b.abs().max()) for b in plain[1])
+    return {"engine": name, "m": m, "loss_partitioned": partitioned[0], "loss_plain": plain[0],
+            "losses_equal": partitioned[0] == plain[0], "largest_grad_difference": largest, "largest_grad": scale}
+
+
+def boundary_link(cfg, device, streams) -> dict:
+    """One boundary's on-device copy (1 x seq x hidden bf16) timed on a partition's stream:
+    the simulator's message latency (bandwidth unbounded)."""
+    size = cfg.seq * cfg.hidden
+    if device.type != "cuda":
+        return {"boundary_bytes": size * 2, "latency_s": 0.0, "bandwidth": float("inf")}
+    source, into = torch.randn(size, device=device, dtype=torch.bfloat16), torch.empty(size, device=device,
+                                                                                       dtype=torch.bfloat16)
+    stream = streams[0] if streams else torch.cuda.current_stream()
+    times = []
+    with torch.cuda.stream(stream):
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            into.copy_(source)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    return {"boundary_bytes": size * 2, "latency_s": statistics.median(times[5:]), "bandwidth": float("inf")}
+
+
+def stage_groups(engines: list[str], pp: int) -> dict[int, list[str]]:
+    """Stage count -> the engines that run that many stages, in first-seen order."""
+    out: dict[int, list[str]] = {}
+    for name in engines:
+        out.setdefault(report.schedule_of(name, pp, 2 * pp).num_stages, []).append(name)
+    return out
+
+
+def measure(args, cfg, device, streams) -> dict:
+    link = boundary_link(cfg, device, streams)
+    rows, failed, checks, drift = [], [], [], None
+    groups = stage_groups(available(args.engines), args.pp)
+    for index, (count, engines) in enumerate(groups.items()):
+        group = Group(cfg, count, engines, args, device, streams)
+        if index == 0:
+            checks.append(exactness(group, engines[0], min(args.microbatches)))
+        for (name, m), rounds in group.run().items():
+            rows.append(report.case_row(name, m, f"S={count}", rounds, report.schedule_of(name, args.pp, m), link))
+        failed += [{"engine": n, "m": m, "why": why} for (n, m), why in group.failed.items()]
+        group.close()
+        print(f"stages {count}: {', '.join(engines)} done", flush=True)
+    first = next((r for r in rows if r["engine"] == report.REFERENCE), rows[0] if rows else None)
+    if first is not None and len(groups) > 1:
+        again = Group(cfg, args.pp, [first["engine"]], args, device, streams)
+        again.cases = [(first["engine"], first["m"])]
+        repeat = again.run().get((first["engine"], first["m"]), [])
+        again.close()
+        if repeat:
+            drift = {"engine": first["engine"], "m": first["m"], "first_s": first["median_s"],
+                     "last_s": statistics.median(r["seconds"] for r in repeat)}
+    report.compare(rows)
+    return {"pp": args.pp, "route": args.route, "microbatches": args.microbatches, "rounds": args.rounds,
+            "warmup": args.warmup, "model": asdict_cfg(cfg), "link": link, "rows": rows, "not_run": failed,
+            "exactness": checks, "drift": drift, "losses_equal": report.losses_equal(rows, report.REFERENCE)}
+
+
+def asdict_cfg(cfg) -> dict:
+    from dataclasses import asdict
+
+    return asdict(cfg)
+
+
+def render(summary: dict) -> str:
+    v = summary.get("versions", {})
+    link = summary["link"]
+    lines = [f"# Pipeline schedules on SM partitions of one GPU, pp={summary['pp']} ({v.get('date', '')})", "",
+             f"`python -m benchmarks.parallel.gpu_partitions --route {summary['route']}`. Versions: "
+             + ", ".join(f"{k} {val}" for k, val in v.items()), "",
+             f"Model (the project's Llama, bf16, micro-batch 1): {summary['model']}. {summary['warmup']} warm-up "
+             f"round(s), {summary['rounds']} measured. A boundary's copy on a partition: "
+             f"{link['latency_s'] * 1e6:.0f} us ({link['boundary_bytes'] / 2**20:.0f} MiB).", ""]
+    for check in summary["exactness"]:
+        lines.append(f"Exactness, `{check['engine']}` m={check['m']}: loss partitioned {check['loss_partitioned']!r}, "
+                     f"without partitions {check['loss_plain']!r} ({'equal' if check['losses_equal'] else 'DIFFER'});"
+                     f" largest gradient difference {check['largest_grad_difference']:.3g} "
+                     f"(largest gradient {check['largest_grad']:.3g}).")
+    lines += [""] + report.table(summary["rows"]) + report.footer(summary)
+    for item in summary["not_run"]:
+        lines.append(f"Not run: `{item['engine']}` m={item['m']}: {item['why']}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from benchmarks.llama.model import ModelConfig
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.parallel.gpu_partitions",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks, one SM partition each (default 4)")
+    parser.add_argument("--route", choices=("auto", "balanced", "driver", "torch", "streams"), default="auto",
+                        help="how the partitions are made (default auto: balanced, else driver, else torch; "
+                             "streams: no partition, a control)")
+    parser.add_argument("--microbatches", type=lambda t: [int(x) for x in t.split(",")], default=[8, 32],
+                        help="microbatch counts, comma-separated (default 8,32)")
+    parser.add_argument("--engines", type=lambda t: t.split(";"), default=list(ENGINES),
+                        help="pp_engine values separated by ';' (default: every family this tree has)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, four engines; writes nothing")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default benchmarks/results)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.engines, args.microbatches, args.rounds, device, streams = list(SMOKE_ENGINES), [4], 1, \
+            torch.device("cpu"), None
+        cfg = ModelConfig(**SMOKE_MODEL)
+    else:
+        if not torch.cuda.is_available():
+            print("gpu_partitions: needs a CUDA GPU (or --smoke on CPU)", file=sys.stderr)
+            return 2
+        from pipeschedule.runtime.partitioned import sm_partitions
+
+        device, cfg = torch.device("cuda"), ModelConfig(**MODEL)
+        routes = ("balanced", "driver", "torch") if args.route == "auto" else (args.route,)
+        for route in routes:
+            try:
+                contexts, streams = sm_partitions(args.pp, route=route)
+                args.route = route
+                break
+            except Exception as err:  # noqa: BLE001  (a route this machine lacks: the next one, or the error)
+                print(f"gpu_partitions: route {route}: {type(err).__name__}: {err}", file=sys.stderr)
+        else:
+            return 2
+    summary = measure(args, cfg, device, streams)
+    summary["versions"] = versions()
+    markdown = render(summary)
+    if not args.smoke:
+        stem = "gpu_partitions" if args.route != "streams" else "gpu_partitions_streams"
+        report.write_traces(summary, args.out / f"{stem}_traces")
+        write_results(stem, summary, markdown, args.out)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""What the parallel benchmarks report per (engine, m), and their table and traces.
+
+A case's rounds are dicts {"seconds", "loss", "spans": per rank or None, "ledger_peak_bytes":
+per rank}; `case_row` turns them into the measured step, bubble and peaks beside the
+simulator's prediction from the stage costs measured in those rounds
+(benchmarks/parallel/predict.py); `compare` adds each row's ratio to our 1F1B and to
+nanotron's, paired by round where both ran in one group.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks.parallel.predict import cost_model, measured_bubble, predict, stage_costs
+
+# nanotron's engines run the same orders as these of ours: their prediction is that
+# order's under the costs our engine measured on the same layout.
+SAME_ORDER = {"1f1b": "ps_1f1b", "afab": "ps_afab"}
+REFERENCE = "ps_1f1b"
+
+
+def schedule_of(name: str, pp: int, m: int):
+    """The compiled schedule engine `name` runs (nanotron's own: ours in its order)."""
+    from integration.nanotron.pipeline.engine import compile_spec
+    from integration.nanotron.pipeline.engine_spec import parse_engine
+
+    return compile_spec(parse_engine(SAME_ORDER.get(name, name)), pp=pp, microbatches=m)
+
+
+def case_row(name: str, m: int, group: str, rounds: list[dict], schedule, link: dict,
+             timed_rounds: list[dict] | None = None) -> dict:
+    """One (engine, m): the measured figures and the prediction. `timed_rounds`: rounds
+    whose spans give the costs (default `rounds`; for nanotron's engines, which keep no
+    timeline, those of our engine of the same order)."""
+    seconds = [r["seconds"] for r in rounds]
+    step = statistics.median(seconds)
+    row = {"engine": name, "m": m, "group": group, "seconds": seconds, "median_s": step,
+           "losses": [r["loss"] for r in rounds], "ledger_peak_bytes": rounds[-1].get("ledger_peak_bytes"),
+           "cuda_peak_bytes": rounds[-1].get("cuda_peak_bytes")}
+    own = rounds[0]["spans"] is not None and rounds[0]["spans"][0] is not None
+    timed = rounds if own else timed_rounds
+    if not timed:
+        return row
+    costs = stage_costs([r["spans"] for r in timed], schedule.num_stages)
+    cost = cost_model(costs, boundary_bytes=link["boundary_bytes"], latency_s=link["latency_s"],
+                      bandwidth=link["bandwidth"])
+    row.update(stage_costs=costs, predicted=predict(schedule, cost))
+    if own:
+        bubbles = [measured_bubble(r["seconds"], r["spans"]) for r in rounds]
+        row["bubble_per_rank"] = [statistics.median(b[k] for b in bubbles) for k in range(schedule.pp)]
+        row["bubble"] = statistics.mean(row["bubble_per_rank"])
+        row["trace_spans"] = rounds[-1]["spans"]
+    row["error"] = step / row["predicted"]["step_s"] - 1
+    return row
+
+
+def compare(rows: list[dict]) -> None:
+    """Each row against our 1F1B and nanotron's at its m: measured and predicted ratios
+    (paired by round where both ran in one group) and the share of the predicted gain realised."""
+    by = {(r["engine"], r["m"]): r for r in rows}
+    for row in rows:
+        for ref_name in (REFERENCE, "1f1b"):
+            ref = by.get((ref_name, row["m"]))
+            if ref is None or ref is row:
+                continue
+            same = ref["group"] == row["group"]
+            measured = (statistics.median(a / b for a, b in zip(row["seconds"], ref["seconds"])) if same
+                        else row["median_s"] / ref["median_s"])
+            entry = {"measured": measured, "paired": same}
+            if "predicted" in row and "predicted" in ref:
+                predicted = row["predicted"]["step_s"] / ref["predicted"]["step_s"]
+                entry["predicted"] = predicted
+                if abs(1 - predicted) >= 0.01:  # a share of a gain under 1% is noise
+                    entry["realised"] = (1 - measured) / (1 - predicted)
+            row["vs_" + ref_name] = entry
+
+
+def losses_equal(rows: list[dict], reference: str) -> dict:
+    """Per m: the reference engine's loss and the engines whose losses differ from it
+    (exactly, and the largest difference)."""
+    out = {}
+    for m in sorted({r["m"] for r in rows}):
+        ref = next((r for r in rows if r["engine"] == reference and r["m"] == m), None)
+        if ref is None or ref["losses"][0] is None:
+            continue
+        value = ref["losses"][0]
+        differ = sorted({r["engine"] for r in rows if r["m"] == m and any(x != value for x in r["losses"])})
+        largest = max((abs(x - value) for r in rows if r["m"] == m for x in r["losses"] if x is not None), default=0)
+        out[m] = {"reference": reference, "loss": value, "differ": differ, "largest_difference": largest}
+    return out
+
+
+def trace(row: dict) -> dict:
+    """A Chrome / Perfetto trace of the row's last measured step: one track per rank, one
+    event per F, B, W (microseconds)."""
+    events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"{row['engine']} m={row['m']}"}}]
+    for rank, spans in enumerate(row.get("trace_spans") or []):
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
+        for op, stage, mb, start, end in spans:
+            events.append({"name": f"{op} mb{mb} s{stage}", "cat": op, "ph": "X", "pid": 0, "tid": rank,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"stage": stage, "mb": mb}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _pct(x) -> str:
+    return "" if x is None else f"{x:+.1%}"
+
+
+def _vs(entry: dict) -> str:
+    """'measured (predicted, realised)' of a `compare` entry."""
+    if not entry:
+        return ""
+    text = f"{entry['measured']:.3f}"
+    if "predicted" in entry:
+        realised = entry.get("realised")
+        text += f" ({entry['predicted']:.3f}" + ("" if realised is None else f", {realised:.0%}") + ")"
+    return text + ("" if entry["paired"] else " unpaired")
+
+
+def _row_line(r: dict) -> str:
+    pred = r.get("predicted")
+    predicted = "" if pred is None else f"{pred['step_s']:.3f} s"
+    bubble = ("" if "bubble" not in r else f"{r['bubble']:.3f}") + ("" if pred is None else f" ({pred['bubble']:.3f})")
+    peaks = "/".join(f"{b / 2**20:.0f}" if b else "-" for b in (r.get("ledger_peak_bytes") or []))
+    return (f"| `{r['engine']}` | {r['m']} | {r['median_s']:.3f} s | {predicted} | {_pct(r.get('error'))} | {bubble} | "
+            f"{_vs(r.get('vs_' + REFERENCE, {}))} | {_vs(r.get('vs_1f1b', {}))} | {peaks} |")
+
+
+TABLE_HEAD = ["| engine | m | step (median) | predicted | error | bubble measured (predicted) | vs ps_1f1b measured "
+              "(predicted, share of the predicted gain realised) | vs nanotron 1f1b | "
+              "peak live MiB per rank (ledger) |",
+              "|---|---|---|---|---|---|---|---|---|"]
+
+
+def table(rows: list[dict]) -> list[str]:
+    return TABLE_HEAD + [_row_line(r) for r in rows]
+
+
+def footer(report: dict) -> list[str]:
+    """Drift and loss lines."""
+    lines = []
+    drift = report.get("drift")
+    if drift:
+        change = drift["last_s"] / drift["first_s"] - 1
+        lines += ["", f"Drift between the first and the last group: `{drift['engine']}` m={drift['m']} "
+                      f"{drift['first_s']:.3f} s first, {drift['last_s']:.3f} s last ({change:+.1%})."]
+    for m, eq in report["losses_equal"].items():
+        lines.append(f"Losses at m={m}: `{eq['reference']}` {eq['loss']!r}; "
+                     + ("every engine bitwise equal." if not eq["differ"] else
+                        f"differ: {', '.join(eq['differ'])} (largest difference {eq['largest_difference']:.3g})."))
+    return lines
+
+
+def write_traces(summary: dict, folder) -> list:
+    """One Chrome trace per row that has spans, `folder/<engine>_m<m>.json`; the paths."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for row in summary["rows"]:
+        if row.get("trace_spans"):
+            name = row["engine"].replace(":", "_").replace("=", "").replace(",", "_").replace("/", "-")
+            paths.append(folder / f"{name}_m{row['m']}.json")
+            paths[-1].write_text(json.dumps(trace(row)) + "\n")
+    return paths

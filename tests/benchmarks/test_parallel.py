@@ -1,0 +1,92 @@
+"""The parallel benchmarks' pieces (benchmarks/parallel): core groups and pinning, stage
+costs from measured spans, the prediction, the comparisons and the loss check."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+from benchmarks.parallel import pinning, report
+from benchmarks.parallel.predict import cost_model, measured_bubble, predict, stage_costs
+from pipeschedule import compile_schedule
+from pipeschedule.simulate import simulate
+
+
+def test_core_groups_are_disjoint_whole_cores_and_refuse_too_many():
+    cpus = set(os.sched_getaffinity(0))
+    cores = pinning.physical_cores(cpus)
+    assert sorted(cpu for core in cores for cpu in core) == sorted(cpus)
+    groups = pinning.core_groups(len(cores), 1, cpus)
+    assert len(groups) == len(cores) and len({cpu for g in groups for cpu in g}) == sum(map(len, groups))
+    assert pinning.parse_spec(pinning.spec(groups)) == groups
+    with pytest.raises(ValueError, match=f"{len(cores) + 1} ranks of 1 physical cores need {len(cores) + 1}"):
+        pinning.core_groups(len(cores) + 1, 1, cpus)
+
+
+def test_pin_moves_this_process_and_back():
+    before = os.sched_getaffinity(0)
+    first = pinning.core_groups(1, 1)[0]
+    try:
+        pinning.pin(first)
+        assert os.sched_getaffinity(0) == set(first)
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _spans(schedule, f=1.0, b=2.0):
+    """One step's spans per rank, as the timeline writes them, each compute taking its unit
+    cost, laid end to end on each rank."""
+    out = []
+    for program in schedule.programs:
+        clock, rows = 0.0, []
+        for instr in program:
+            if instr.op.value in ("F", "B", "W"):
+                length = f if instr.op.value == "F" else b
+                rows.append((instr.op.value, instr.stage, instr.mb, clock, clock + length))
+                clock += length
+        out.append(rows)
+    return out
+
+
+def test_stage_costs_are_medians_and_the_prediction_is_the_simulators():
+    schedule = compile_schedule("1f1b", pp=3, microbatches=5)
+    costs = stage_costs([_spans(schedule), _spans(schedule, 3.0, 4.0), _spans(schedule, 1.0, 2.0)], 3)
+    assert costs == {"forward": [1.0] * 3, "backward": [2.0] * 3, "weight": [0.0] * 3}
+    cost = cost_model(costs, boundary_bytes=8, latency_s=0.0, bandwidth=math.inf)
+    assert predict(schedule, cost)["step_s"] == simulate(schedule, cost).step_time == (5 + 2) * 3
+    with pytest.raises(ValueError, match="no measured span"):
+        stage_costs([[[] for _ in range(3)]], 3)
+
+
+def test_measured_bubble_is_the_idle_share_of_each_rank():
+    spans = [[("F", 0, 0, 0.0, 1.0), ("B", 0, 0, 2.0, 4.0)], [("F", 1, 0, 1.0, 2.0)]]
+    assert measured_bubble(4.0, spans) == [0.25, 0.75]
+
+
+def _row(name, m, group, seconds, loss=1.0, predicted=None):
+    row = {"engine": name, "m": m, "group": group, "seconds": seconds, "median_s": sorted(seconds)[len(seconds) // 2],
+           "losses": [loss] * len(seconds)}
+    if predicted is not None:
+        row["predicted"] = {"step_s": predicted}
+    return row
+
+
+def test_compare_pairs_rounds_in_one_group_and_says_how_much_gain_was_realised():
+    rows = [_row("ps_1f1b", 8, "a", [10.0, 12.0], predicted=10.0),
+            _row("zb_h1", 8, "a", [9.0, 10.2], predicted=8.0),
+            _row("interleaved_1f1b:virtual=2", 8, "b", [9.5, 9.5], predicted=9.0)]
+    report.compare(rows)
+    zb, inter = rows[1]["vs_ps_1f1b"], rows[2]["vs_ps_1f1b"]
+    assert zb["paired"] and zb["measured"] == pytest.approx((0.9 + 0.85) / 2)
+    assert zb["predicted"] == pytest.approx(0.8) and zb["realised"] == pytest.approx((1 - 0.875) / 0.2)
+    assert not inter["paired"] and inter["measured"] == pytest.approx(9.5 / 12.0)
+
+
+def test_loss_check_names_an_engine_whose_loss_differs():
+    rows = [_row("1f1b", 4, "a", [1.0], loss=2.5), _row("ps_1f1b", 4, "a", [1.0], loss=2.5)]
+    assert report.losses_equal(rows, "1f1b")[4]["differ"] == []
+    rows.append(_row("zbv", 4, "b", [1.0], loss=2.5 + 1e-7))
+    found = report.losses_equal(rows, "1f1b")[4]
+    assert found["differ"] == ["zbv"] and found["largest_difference"] == pytest.approx(1e-7)
