@@ -1,10 +1,17 @@
 """What the parallel benchmarks report per (engine, m), and their table and traces.
 
 A case's rounds are dicts {"seconds", "loss", "spans": per rank or None, "ledger_peak_bytes":
-per rank}; `case_row` turns them into the measured step, bubble and peaks beside the
-simulator's prediction from the stage costs measured in those rounds
-(benchmarks/parallel/predict.py); `compare` adds each row's ratio to our 1F1B and to
-nanotron's, paired by round where both ran in one group.
+per rank, and optionally "pipeline_s"}; `case_row` turns them into the measured pipeline,
+bubble and peaks beside the simulator's prediction from the stage costs measured in those
+rounds (benchmarks/parallel/predict.py); `compare` adds each row's ratio to our 1F1B and
+to nanotron's, paired by round where both ran in one group.
+
+[Note: what is compared] "seconds" is the whole step as the user runs it; "pipeline_s",
+where given, its pipeline part alone (nanotron's trainer: from the first rank entering
+`train_batch_iter` to the last leaving it, before the gradient sync, clipping and the
+optimizer step, which take the same time under every engine). The simulator predicts the
+pipeline part, so the error, the bubble and the ratios between engines are the pipeline's;
+the whole step's median is reported beside it.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ def case_row(name: str, m: int, group: str, rounds: list[dict], schedule, link: 
     """One (engine, m): the measured figures and the prediction. `timed_rounds`: rounds
     whose spans give the costs (default `rounds`; for nanotron's engines, which keep no
     timeline, those of our engine of the same order)."""
-    seconds = [r["seconds"] for r in rounds]
+    seconds = [r.get("pipeline_s", r["seconds"]) for r in rounds]  # [Note: what is compared]
     step = statistics.median(seconds)
     row = {"engine": name, "m": m, "group": group, "seconds": seconds, "median_s": step,
+           "step_median_s": statistics.median(r["seconds"] for r in rounds),
            "losses": [r["loss"] for r in rounds], "ledger_peak_bytes": rounds[-1].get("ledger_peak_bytes"),
            "cuda_peak_bytes": rounds[-1].get("cuda_peak_bytes")}
     own = rounds[0]["spans"] is not None and rounds[0]["spans"][0] is not None
@@ -46,10 +54,13 @@ def case_row(name: str, m: int, group: str, rounds: list[dict], schedule, link: 
                       bandwidth=link["bandwidth"])
     row.update(stage_costs=costs, predicted=predict(schedule, cost))
     if own:
-        bubbles = [measured_bubble(r["seconds"], r["spans"]) for r in rounds]
+        bubbles = [measured_bubble(r.get("pipeline_s", r["seconds"]), r["spans"]) for r in rounds]
         row["bubble_per_rank"] = [statistics.median(b[k] for b in bubbles) for k in range(schedule.pp)]
         row["bubble"] = statistics.mean(row["bubble_per_rank"])
         row["trace_spans"] = rounds[-1]["spans"]
+        if rounds[0].get("executor"):
+            row["executor_overhead_s"] = [statistics.median(r["executor"][k]["overhead_s"] for r in rounds)
+                                          for k in range(schedule.pp)]
     row["error"] = step / row["predicted"]["step_s"] - 1
     return row
 
@@ -122,12 +133,13 @@ def _row_line(r: dict) -> str:
     predicted = "" if pred is None else f"{pred['step_s']:.3f} s"
     bubble = ("" if "bubble" not in r else f"{r['bubble']:.3f}") + ("" if pred is None else f" ({pred['bubble']:.3f})")
     peaks = "/".join(f"{b / 2**20:.0f}" if b else "-" for b in (r.get("ledger_peak_bytes") or []))
-    return (f"| `{r['engine']}` | {r['m']} | {r['median_s']:.3f} s | {predicted} | {_pct(r.get('error'))} | {bubble} | "
-            f"{_vs(r.get('vs_' + REFERENCE, {}))} | {_vs(r.get('vs_1f1b', {}))} | {peaks} |")
+    whole = "" if r["step_median_s"] == r["median_s"] else f" ({r['step_median_s']:.3f} s)"
+    return (f"| `{r['engine']}` | {r['m']} | {r['median_s']:.3f} s{whole} | {predicted} | {_pct(r.get('error'))} | "
+            f"{bubble} | {_vs(r.get('vs_' + REFERENCE, {}))} | {_vs(r.get('vs_1f1b', {}))} | {peaks} |")
 
 
-TABLE_HEAD = ["| engine | m | step (median) | predicted | error | bubble measured (predicted) | vs ps_1f1b measured "
-              "(predicted, share of the predicted gain realised) | vs nanotron 1f1b | "
+TABLE_HEAD = ["| engine | m | measured (whole step) | predicted | error | bubble measured (predicted) | vs ps_1f1b "
+              "measured (predicted, share of the predicted gain realised) | vs nanotron 1f1b | "
               "peak live MiB per rank (ledger) |",
               "|---|---|---|---|---|---|---|---|---|"]
 

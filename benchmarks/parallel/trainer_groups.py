@@ -173,21 +173,42 @@ class _Stepper:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        marks = {}
+        engine.train_batch_iter = _marking(engine.train_batch_iter, marks)  # (the class's method again below)
         dist.barrier(self.world)
         start = time.perf_counter()
         trainer.iteration_step += 1
-        _, loss = trainer.training_step(dataloader=iter(self.batches[:m]))
+        try:
+            _, loss = trainer.training_step(dataloader=iter(self.batches[:m]))
+        finally:
+            del engine.train_batch_iter
         if cuda:
             torch.cuda.synchronize()
         dist.barrier(self.world)
         seconds = time.perf_counter() - start
-        row = {"seconds": seconds, "loss": None if loss is None else float(loss)}
+        row = {"seconds": seconds, "loss": None if loss is None else float(loss),
+               "pipeline_begin_s": marks["begin"] - start, "pipeline_end_s": marks["end"] - start}
         if executor is not None and executor.timeline is not None:
             row["spans"] = span_rows(executor.timeline.spans())
             row["ledger_peak_bytes"] = executor.ledger.high_total
+            times = executor.times
+            row["executor"] = {"compute_s": times.compute_s, "transport_s": times.transport_s,
+                               "wait_s": times.wait_s, "overhead_s": times.overhead_s}
         if cuda:
             row["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
         return row
+
+
+def _marking(train_batch_iter, marks: dict):
+    """`train_batch_iter` noting when it began and ended in `marks`: the pipeline's part of
+    the step (the gradient sync, clipping and optimizer step follow it)."""
+    def marked(*args, **kwargs):
+        marks["begin"] = time.perf_counter()
+        try:
+            return train_batch_iter(*args, **kwargs)
+        finally:
+            marks["end"] = time.perf_counter()
+    return marked
 
 
 def _link(pg, config, torch) -> dict:
@@ -228,6 +249,8 @@ def merge_ranks(run: dict) -> dict[tuple[str, int], list[dict]]:
         rows = [rank_rows[k] for rank_rows in run["ranks"]]
         out.setdefault((row["engine"], row["m"]), []).append({
             "seconds": row["seconds"],
+            "pipeline_s": max(r["pipeline_end_s"] for r in rows) - min(r["pipeline_begin_s"] for r in rows),
+            "executor": [r.get("executor") for r in rows],
             "loss": next((r["loss"] for r in rows if r["loss"] is not None), None),
             "spans": [r.get("spans") for r in rows],
             "ledger_peak_bytes": [r.get("ledger_peak_bytes") for r in rows],
