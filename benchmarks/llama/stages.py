@@ -28,6 +28,19 @@ class LlamaStages:
         self.head = LMHead(cfg, index + 1).to(device=device, dtype=dtype)
         self.loss = Loss(cfg, index + 2)
 
+    def regrouped(self, split: tuple[int, ...]) -> LlamaStages:
+        """The same modules (shared, not copied) cut into stages of `split` decoder layers."""
+        layers = [layer for group in self.layers for layer in group]
+        if sum(split) != len(layers):
+            raise ValueError(f"split {split} has {sum(split)} layers; the model has {len(layers)}")
+        other = object.__new__(LlamaStages)
+        other.__dict__.update(self.__dict__)
+        other.split, other.layers, start = tuple(split), [], 0
+        for count in split:
+            other.layers.append(torch.nn.ModuleList(layers[start:start + count]))
+            start += count
+        return other
+
     def forward(self, stage: int, mb: int, act_in, target):
         x = self.embedding(act_in["input_ids"], None)["input_embeds"] if stage == 0 else act_in
         for layer in self.layers[stage]:

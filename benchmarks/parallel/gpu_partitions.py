@@ -8,11 +8,11 @@ All pp ranks run in one process (`PartitionedPipeline`, [Note: partitioned stepp
 pipeschedule/runtime/partitioned.py), each rank's kernels on its own partition of the
 device's SMs (`--route driver`: CUDA green contexts through cuda-bindings; `torch`:
 `torch.cuda.green_contexts`), messages as on-device copies ordered by events, the host
-enqueuing ahead. The model is the project's Llama (benchmarks/llama, bf16, `MODEL`) split
-by nanotron's cost balance over each schedule's stages; stages of one count share one set
-of weights, so the engines of one stage count run in rounds whose order rotates, and the
-groups run one after another (their ratios are not paired; the first group's 1F1B runs
-again last to show the drift).
+enqueuing ahead. The model is the project's Llama (benchmarks/llama, bf16, `MODEL`), built
+once and cut into each schedule's stages with its decoder layers as even as they go
+(`even_split`; every engine computes on the same weights and data). The engines of one
+stage count run in rounds whose order rotates; the stage counts run one after another
+(their ratios are not paired; the first group's 1F1B runs again last to show the drift).
 
 Per (engine, m): the step from the first enqueue to the end of the device's work (median
 over rounds), each rank's busy time and bubble from CUDA events around every F, B and W
@@ -54,20 +54,39 @@ def available(names) -> list[str]:
     return [n for n in names if n.startswith("ps_") or n.split(":")[0] in FAMILIES]
 
 
-class Group:
-    """The engines of one stage count: one set of weights, the data, and each case's pipeline."""
+def even_split(layers: int, stages: int) -> tuple[int, ...]:
+    """Decoder layers per stage, as even as they go; the extra ones on the middle stages (the
+    first stage also embeds, the last also runs the head and the loss)."""
+    base, extra = divmod(layers, stages)
+    middle = sorted(range(stages), key=lambda s: abs(s - (stages - 1) / 2))[:extra]
+    return tuple(base + (s in middle) for s in range(stages))
 
-    def __init__(self, cfg, stages_count: int, engines: list[str], args, device, streams):
+
+class Model:
+    """The benchmark's weights, built once, and its data."""
+
+    def __init__(self, cfg, args, device):
         from benchmarks.llama.reference import microbatch
         from benchmarks.llama.stages import LlamaStages
-        from benchmarks.training import model_split, to_device
+        from benchmarks.training import to_device
 
-        self.cfg, self.count, self.args, self.device, self.streams = cfg, stages_count, args, device, streams
-        self.stages = LlamaStages(cfg, model_split(cfg, stages_count), device, torch.bfloat16)
-        self.params = [p for s in range(stages_count) for p in self.stages.parameters(s)]
+        self.cfg, self.device = cfg, device
+        self.stages = LlamaStages(cfg, (cfg.layers,), device, torch.bfloat16)
         batches = [to_device(microbatch(cfg, 1, i, 7), device) for i in range(max(args.microbatches))]
         self.inputs = [{"input_ids": b["input_ids"]} for b in batches]
         self.targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
+
+
+class Group:
+    """The engines of one stage count: the model cut into that many stages, and each case's pipeline."""
+
+    def __init__(self, model: Model, stages_count: int, engines: list[str], args, streams):
+        self.cfg, self.count, self.args, self.streams = model.cfg, stages_count, args, streams
+        self.device = model.device
+        self.split = even_split(model.cfg.layers, stages_count)
+        self.stages = model.stages.regrouped(self.split)
+        self.params = [p for s in range(stages_count) for p in self.stages.parameters(s)]
+        self.inputs, self.targets = model.inputs, model.targets
         self.cases = [(name, m) for m in args.microbatches for name in engines]
         self.pipelines: dict = {}
         self.failed: dict = {}
@@ -126,7 +145,8 @@ class Group:
 
     def close(self) -> None:
         self.pipelines.clear()
-        self.stages = self.params = None
+        for p in self.params:
+            p.grad = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -192,10 +212,12 @@ def stage_groups(engines: list[str], pp: int) -> dict[int, list[str]]:
 
 def measure(args, cfg, device, streams) -> dict:
     link = boundary_link(cfg, device, streams)
-    rows, failed, checks, drift = [], [], [], None
+    rows, failed, checks, drift, splits = [], [], [], None, {}
     groups = stage_groups(available(args.engines), args.pp)
+    model = Model(cfg, args, device)
     for index, (count, engines) in enumerate(groups.items()):
-        group = Group(cfg, count, engines, args, device, streams)
+        group = Group(model, count, engines, args, streams)
+        splits[count] = group.split
         if index == 0:
             checks.append(exactness(group, engines[0], min(args.microbatches)))
         for (name, m), rounds in group.run().items():
@@ -205,7 +227,7 @@ def measure(args, cfg, device, streams) -> dict:
         print(f"stages {count}: {', '.join(engines)} done", flush=True)
     first = next((r for r in rows if r["engine"] == report.REFERENCE), rows[0] if rows else None)
     if first is not None and len(groups) > 1:
-        again = Group(cfg, args.pp, [first["engine"]], args, device, streams)
+        again = Group(model, args.pp, [first["engine"]], args, streams)
         again.cases = [(first["engine"], first["m"])]
         repeat = again.run().get((first["engine"], first["m"]), [])
         again.close()
@@ -214,7 +236,8 @@ def measure(args, cfg, device, streams) -> dict:
                      "last_s": statistics.median(r["seconds"] for r in repeat)}
     report.compare(rows)
     return {"pp": args.pp, "route": args.route, "microbatches": args.microbatches, "rounds": args.rounds,
-            "warmup": args.warmup, "model": asdict_cfg(cfg), "link": link, "rows": rows, "not_run": failed,
+            "warmup": args.warmup, "model": asdict_cfg(cfg), "splits": splits, "link": link, "rows": rows,
+            "not_run": failed,
             "exactness": checks, "drift": drift, "losses_equal": report.losses_equal(rows, report.REFERENCE)}
 
 
@@ -230,8 +253,10 @@ def render(summary: dict) -> str:
     lines = [f"# Pipeline schedules on SM partitions of one GPU, pp={summary['pp']} ({v.get('date', '')})", "",
              f"`python -m benchmarks.parallel.gpu_partitions --route {summary['route']}`. Versions: "
              + ", ".join(f"{k} {val}" for k, val in v.items()), "",
-             f"Model (the project's Llama, bf16, micro-batch 1): {summary['model']}. {summary['warmup']} warm-up "
-             f"round(s), {summary['rounds']} measured. A boundary's copy on a partition: "
+             f"Model (the project's Llama, bf16, micro-batch 1): {summary['model']}; decoder layers per stage "
+             + "; ".join(f"{'/'.join(map(str, v))}" for v in summary["splits"].values())
+             + f". {summary['warmup']} warm-up round(s), {summary['rounds']} measured. A boundary's copy on a "
+             "partition: "
              f"{link['latency_s'] * 1e6:.0f} us ({link['boundary_bytes'] / 2**20:.0f} MiB).", ""]
     for check in summary["exactness"]:
         lines.append(f"Exactness, `{check['engine']}` m={check['m']}: loss partitioned {check['loss_partitioned']!r}, "

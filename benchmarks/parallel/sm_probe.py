@@ -156,7 +156,7 @@ def run_mps(parts: int, size: int, reps: int) -> dict:
         return {"route": "mps", "ok": False, "error": f"mps daemon: {started.stderr.strip() or started.returncode}"}
     try:
         def clients(n: int) -> list[float]:
-            start_at = time.time() + 20.0
+            start_at = time.time() + 15.0
             share = dict(env, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(100 // parts))
             procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.parallel.sm_probe", "--mps-worker",
                                        str(start_at), "--size", str(size), "--reps", str(reps)],
