@@ -17,7 +17,15 @@ from pipeschedule.simulate import CostModel, simulate
 from strategies import examples
 
 ALL_FAMILIES = tuple(FAMILIES)
-LOW_CAP = {"zbv": 2, "v_half": 2, "v_min": 2, "interleaved_1f1b": 2}
+
+
+def virtual_of(name: str):
+    return 2 if FAMILIES[name].takes_virtual else None
+
+
+def low_cap(name: str) -> int:
+    """The least cap a family takes: one stage-microbatch in each stage of a rank."""
+    return family_virtual(name, virtual_of(name))
 
 
 @st.composite
@@ -25,7 +33,7 @@ def costed_params(draw):
     name = draw(st.sampled_from(ALL_FAMILIES))
     pp = draw(st.integers(1, 6))
     m = draw(st.integers(1, 16))
-    virtual = family_virtual(name, 2 if name == "interleaved_1f1b" else None)
+    virtual = family_virtual(name, virtual_of(name))
     stages = pp * virtual
     time = st.floats(0.05, 20, allow_nan=False, allow_infinity=False)
     cost = [(draw(time), draw(time), draw(time) if FAMILIES[name].split_backward else draw(st.sampled_from((0.0, 1.0))))
@@ -33,7 +41,7 @@ def costed_params(draw):
     cap = None
     takes_cap = FAMILIES[name].takes_cap
     if takes_cap and draw(st.booleans()):
-        low = LOW_CAP.get(name, 1)
+        low = low_cap(name)
         cap = draw(st.integers(low, low + 2 * pp)) if draw(st.booleans()) else \
             draw(st.lists(st.integers(low, low + 2 * pp), min_size=pp, max_size=pp))
     return name, pp, m, virtual, cap, cost
@@ -43,7 +51,7 @@ def costed_params(draw):
 @given(costed_params())
 def test_every_cost_aware_schedule_passes_every_rule(case):
     name, pp, m, virtual, cap, cost = case
-    schedule = compile_schedule(name, pp=pp, microbatches=m, virtual=virtual if name == "interleaved_1f1b" else None,
+    schedule = compile_schedule(name, pp=pp, microbatches=m, virtual=virtual_of(name),
                                 cap=cap, cost=cost)  # verifies all six rules
     verify(schedule)
     # and it runs to the end in the simulator under the very cost it was built for
@@ -83,10 +91,10 @@ def test_unit_costs_give_the_cost_less_schedule(name, pp, m):
     cost-less lowered programs instruction for instruction, except that for a split
     backward the messages inside one batch may come in another order: cost-less lowering
     dates a message by `UNIT_COST` (B = 2) while the split unit cost has B = 1."""
-    virtual = 2 if name == "interleaved_1f1b" else None
+    virtual = virtual_of(name)
     caps = [None]
     if FAMILIES[name].takes_cap:
-        caps += [max(LOW_CAP.get(name, 1), pp // 2)]
+        caps += [max(low_cap(name), pp // 2)]
     for cap in caps:
         plain = compile_schedule(name, pp=pp, microbatches=m, virtual=virtual, cap=cap)
         compute = generate(name, pp=pp, microbatches=m, virtual=virtual, cap=cap).programs

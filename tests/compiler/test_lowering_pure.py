@@ -24,7 +24,7 @@ def measured(stages: int):
 
 
 def virtual_of(name: str):
-    return 2 if name == "interleaved_1f1b" else None
+    return 2 if FAMILIES[name].takes_virtual else None
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -64,16 +64,23 @@ def test_nothing_is_kept_on_a_schedule(name):
 
 
 # sha256 of compile_schedule(name, pp=4, microbatches=6, cost=measured(stages)).to_json(),
-# recorded at d7c3960 (where the generator's timing travelled on the schedule).
+# recorded at d7c3960 (where the generator's timing travelled on the schedule);
+# interleaved_1f1b and zbv re-recorded where their order got faster at the same or lower
+# peak in flight (issue 42: PyTorch's rounds, 54.35 -> 47.25 under this cost; the
+# handcrafted ZB-V, 54.15 -> 49.05), and the families added with them.
 GOLDEN = {
     "afab": "a217851e908e5997",
     "1f1b": "5247973bac4a3c71",
     "capped_1f1b": "74a8d2d16cce776f",
-    "interleaved_1f1b": "341838c8252a3d40",
+    "interleaved_1f1b": "8675716c640e2a31",
     "zb_h1": "a9ab800c48a28148",
-    "zbv": "a5f96a6b18d2caf6",
+    "zbv": "210474e963011f4b",
     "v_half": "7a08759338d811a8",
     "v_min": "5fb5542da41f9411",
+    "zb_h2": "e7e6c944776846ba",
+    "dualpipev": "bc499608cad79da9",
+    "interleaved_zb": "934a6724a578a2fc",
+    "looped_bfs": "09e03a8fb5b6f81c",
 }
 
 

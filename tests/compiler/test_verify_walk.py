@@ -15,6 +15,7 @@ from pipeschedule import Instr, Op, Schedule, ScheduleError, compile_schedule
 from pipeschedule.compiler.instr import edge_side
 from pipeschedule.compiler.ir import BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS
 from pipeschedule.compiler.offload import OffloadPolicy, add_offload
+from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.compiler.passes import forward_only
 
 from strategies import FAMILY_NAMES, examples, graph_schedules, schedules
@@ -254,7 +255,7 @@ def duplicated_messages(schedule):
             yield tuple(edited)
 
 
-SMALL = [(name, 2 if name == "interleaved_1f1b" else None) for name in FAMILY_NAMES]
+SMALL = [(name, 2 if FAMILIES[name].takes_virtual else None) for name in FAMILY_NAMES]
 
 
 @pytest.mark.parametrize("pp", [1, 2])

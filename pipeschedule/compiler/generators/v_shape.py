@@ -32,11 +32,27 @@ ZB-V, pp=4, m=8, unit costs (F = B = W = 1 cell per stage), the first 19 steps:
 `cap` (one int or pp ints) lowers the limit where it is smaller; it counts
 stage-microbatches as rule 6 does, so it must be >= 2. `cost` (see `stage_times`) times
 the list schedule instead of unit costs ([Note: cost-aware timing]).
+
+[Note: handcrafted ZB-V] The paper's own ZB-V order (PyTorch's ScheduleZBVZeroBubble
+runs it) is the phases below, on rank r with stages a = r and b = 2pp-1-r, written for
+n = max(m, 2pp-1) microbatches and cut to m ([Note: padded phases] in phases.py):
+
+    warmup     F(a) x (2(pp-r)-1); (F(b), F(a)) x r; (F(b), B(b), W(b)) x (pp-r)
+    steady     (F(a) while any is left, B(a), W(a), F(b), B(b), W(b)) until F(b) reaches n
+    cooldown   (B(a), B(b)) x r; (B(a), W(a)) x (pp-r); the W left, of b then of a
+
+It holds at most 2pp stage-microbatches, as the list schedule does, and finishes earlier
+than it for some (pp, m) (unit costs: pp=3 m=7 in 22 against 22.5; pp=8 m=16 by 1), and
+later for others (every m < 2pp-1, where its padding idles). `zbv` takes whichever of the
+two finishes first under the cost it is given (unit costs when none; the list schedule on
+a tie), the handcrafted one only where its stash fits the limits.
 """
 
 from __future__ import annotations
 
 from pipeschedule.compiler.generators.common import check_common, make
+from pipeschedule.compiler.generators.phases import PhaseWriter, faster, stash_peaks
+from pipeschedule.compiler.ir import Op
 from pipeschedule.compiler.timing import stage_times
 from pipeschedule.compiler.generators.zero_bubble import split_list_schedule, stage_limits
 
@@ -58,11 +74,40 @@ def natural_limit(name: str, pp: int) -> int:
     return min(2 * ((pp + 4) // 3), 2 * pp)  # v_min
 
 
+def handcrafted_zbv(pp: int, microbatches: int) -> list[list]:
+    """The compute order of [Note: handcrafted ZB-V], every rank's."""
+    n = max(microbatches, 2 * pp - 1)
+    programs = []
+    for r in range(pp):
+        a, b = r, 2 * pp - 1 - r
+        rank = PhaseWriter()
+        rank.repeat(2 * (pp - r) - 1, [(a, Op.F)])  # warmup
+        rank.repeat(r, [(b, Op.F), (a, Op.F)])
+        rank.repeat(pp - r, [(b, Op.F), (b, Op.B), (b, Op.W)])
+        forwards_a = 2 * pp - r - 1
+        for _ in range(n - pp):  # steady: F(b) goes from pp to n
+            if forwards_a < n:
+                rank.step(a, Op.F)
+                forwards_a += 1
+            rank.repeat(1, [(a, Op.B), (a, Op.W), (b, Op.F), (b, Op.B), (b, Op.W)])
+        rank.repeat(r, [(a, Op.B), (b, Op.B)])  # cooldown
+        rank.repeat(pp - r, [(a, Op.B), (a, Op.W)])
+        rank.repeat(r, [(b, Op.W)])
+        rank.repeat(r, [(a, Op.W)])
+        programs.append(rank.below(microbatches))
+    return programs
+
+
 def _v_schedule(name: str, pp: int, microbatches: int, cap, cost):
     check_common(pp, microbatches, VIRTUAL)
     limits = stage_limits(name, pp, microbatches, VIRTUAL, [natural_limit(name, pp)] * pp, cap)
     placement = v_placement(pp)
-    programs = split_list_schedule(pp, microbatches, placement, limits, stage_times(cost, 2 * pp))
+    times = stage_times(cost, 2 * pp)
+    programs = split_list_schedule(pp, microbatches, placement, limits, times)
+    if name == "zbv":  # [Note: handcrafted ZB-V]
+        handcrafted = handcrafted_zbv(pp, microbatches)
+        if all(p <= limit for p, limit in zip(stash_peaks(handcrafted), limits)):
+            programs = faster(2 * pp, [programs, handcrafted], times)
     params = {"stash_limit": limits}
     if cap is not None:
         params["cap"] = limits
