@@ -18,9 +18,13 @@ from pipeschedule.checks import check_int, shown
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.generators.afab import afab
 from pipeschedule.compiler.generators.common import check_common, per_rank_caps, round_robin
+from pipeschedule.compiler.generators.dualpipe import dualpipev
 from pipeschedule.compiler.generators.interleaved import interleaved_1f1b
+from pipeschedule.compiler.generators.interleaved_zb import interleaved_zb
+from pipeschedule.compiler.generators.looped_bfs import looped_bfs
 from pipeschedule.compiler.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
 from pipeschedule.compiler.generators.v_shape import v_half, v_min, v_placement, zbv
+from pipeschedule.compiler.generators.zb_h2 import zb_h2
 from pipeschedule.compiler.generators.zero_bubble import zb_h1
 from pipeschedule.compiler.graph import StageGraph
 from pipeschedule.compiler.timing import stage_times
@@ -88,6 +92,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("zbv", zbv, engine="zbv", **_V_SHAPE),
     Family("v_half", v_half, engine="v_half", **_V_SHAPE),
     Family("v_min", v_min, engine="v_min", **_V_SHAPE),
+    Family("zb_h2", zb_h2, engine="zb_h2", **_SPLIT),
+    Family("dualpipev", dualpipev, engine="dualpipev", **_V_SHAPE),
+    Family("interleaved_zb", interleaved_zb, virtual=None, engine="interleaved_zb", **_SPLIT),
+    Family("looped_bfs", looped_bfs, virtual=None, engine="looped_bfs"),
 )}
 
 

@@ -443,7 +443,7 @@ class Plan:
 # early: it is often the fastest. Then every family's caps, then the slow ones. A family
 # of FAMILIES named in neither list is tried after FAST.
 FAST = ("1f1b", "zb_h1", "zbv", "v_half", "interleaved_1f1b")
-SLOW = ("v_min", "afab")  # v_min: the least memory, rarely the fastest
+SLOW = ("v_min", "looped_bfs", "afab")  # v_min: the least memory, looped_bfs the most; rarely the fastest
 
 
 def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):

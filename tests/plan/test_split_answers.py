@@ -5,7 +5,12 @@ plans (plan_answers.json). The plans' answers were recorded again when the memor
 learnt where gradients live (issue 32: nanotron's default holds the stage's bf16
 gradients at a backward's end, pipeschedule's 1F1B with nanotron's split is its own row,
 one parameter's gradient replaced the weight gradient inside the working set); the
-recommendations stayed the same."""
+recommendations stayed the same. Issue 42 changed what is compared: interleaved 1F1B at m
+> pp, not a multiple of pp, runs PyTorch's rounds where that is faster (a new, faster and
+larger order: its split answers are held to being faster, or infeasible where they were),
+and the families added then (dualpipev, zb_h2, interleaved_zb, looped_bfs) are candidates
+of the plans: dualpipev is now recommended for both (11.95 s against zb_h1's 12.10 s; 2.43 s
+against 1f1b's 2.81 s), every row of the old families unchanged."""
 
 import json
 import math
@@ -57,6 +62,11 @@ def test_split_search_answers_as_before(index):
     the same step time to the last bit. Where it stopped at its node limit: a split at
     least as fast, its step time the simulator's."""
     old, new = OLD[index], answer(CASES[index])
+    case = CASES[index]
+    if case["family"] == "interleaved_1f1b" and case["m"] > case["pp"] and case["m"] % case["pp"]:
+        # issue 42: PyTorch's rounds, faster and holding more ([Note: interleaved groups])
+        assert new.get("infeasible") if old.get("infeasible") else new["step_time"] < old["step_time"]
+        return
     if old.get("infeasible") or old["proven"]:
         assert new == old
         return
@@ -85,6 +95,7 @@ def test_plan_rows_as_before(name):
     assert {row[0] for row in old["rows"] if row[2] == "no better"} <= {row[0] for row in no_better}
     assert all(row[3] >= new["recommended"][2] for row in no_better), no_better
     limits = {row[0]: row[3] for row in old["rows"] if row[2] == "best found"}
+    recorded = {row[0] for row in old["rows"]}
     for row in new["rows"]:
-        if row[2] == "best found":
+        if row[2] == "best found" and row[0] in recorded:  # a family added since has no record
             assert row[0] in limits and row[3] <= limits[row[0]], row
