@@ -71,6 +71,7 @@ def configs(pp: int):
     families = [
         ("afab", {}), ("1f1b", {}), ("capped_1f1b", {"cap": 1}), ("capped_1f1b", {"cap": 2}),
         ("interleaved_1f1b", {"virtual": 2}), ("interleaved_1f1b", {"virtual": 2, "cap": 3}),
+        ("looped_bfs", {"virtual": 2}),
     ]
     out = []
     for name, kwargs in families:

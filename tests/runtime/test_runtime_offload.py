@@ -34,6 +34,7 @@ from runtime_helpers import grads, loss_fn, make_chunks, make_data, reference
 FAMILIES = (
     ("afab", {}), ("1f1b", {}), ("capped_1f1b", {"cap": 1}), ("interleaved_1f1b", {"virtual": 2}),
     ("zb_h1", {}), ("zbv", {}), ("v_half", {}), ("v_min", {}),
+    ("zb_h2", {}), ("dualpipev", {}), ("interleaved_zb", {"virtual": 2}), ("looped_bfs", {"virtual": 2}),
 )
 
 

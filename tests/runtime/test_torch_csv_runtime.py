@@ -24,7 +24,9 @@ from torch_runtime_workers import torch_runtime_worker  # noqa: E402
 pytestmark = pytest.mark.spawn
 
 PP, M = 2, 4
-SCHEDULES = [("1f1b", {}), ("interleaved_1f1b", {"virtual": 2}), ("zbv", {})]
+SCHEDULES = [("1f1b", {}), ("interleaved_1f1b", {"virtual": 2}), ("zbv", {}),
+             # issue 42's families: PyTorch's DualPipeV, InterleavedZeroBubble and LoopedBFS, and ZB-H2
+             ("dualpipev", {}), ("interleaved_zb", {"virtual": 2}), ("looped_bfs", {"virtual": 2}), ("zb_h2", {})]
 
 
 @pytest.fixture(scope="module")
