@@ -278,3 +278,87 @@ def without_install(line: str) -> str:
     """The command with its leading `pip install ...` (and `&&`) taken off: CI has installed
     the extras before the suite runs (`.ci/run`), so what is left is what the user runs next."""
     return INSTALL.sub("", line).strip()
+
+
+# -- schedule tables: their figures are the simulator's --------------------------------------
+
+TABLE_PP, TABLE_M = 4, 16  # the tables' setting: pp=4, 16 microbatches, default costs
+NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+
+def markdown_table(text: str, header: str) -> list[dict[str, str]]:
+    """The rows of the Markdown table whose header line starts with `header`, each as
+    {column: cell} (cells stripped)."""
+    lines = text.splitlines()
+    start = next(k for k, line in enumerate(lines) if line.startswith(header))
+    columns = [c.strip() for c in lines[start].strip().strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(columns, (c.strip() for c in line.strip().strip("|").split("|")))))
+    return rows
+
+
+def schedule_of(cell: str):
+    """(family, keyword arguments) of the first `engine` or `NAME --flag V` a cell names, or
+    None where it names no family of ours (e.g. `auto`)."""
+    from pipeschedule.compiler.families import FAMILIES
+
+    code = CODE.search(cell)
+    if code is None:
+        return None
+    words = code.group(1).split()
+    name, _, params = words[0].partition(":")
+    kwargs = dict(p.split("=") for p in params.split(",") if p)
+    kwargs.update(zip((w.lstrip("-") for w in words[1::2]), words[2::2]))
+    family = next((f.name for f in FAMILIES.values() if name in (f.name, f.engine)), None)
+    if family is None:
+        return None
+    return family, {k: int(v) for k, v in kwargs.items() if k in ("virtual", "cap")}
+
+
+def simulated_figures(family: str, kwargs: dict) -> dict:
+    """What a schedule table says of a schedule at TABLE_PP, TABLE_M under the default costs:
+    step time, bubble, in flight per rank, activations per rank (microbatches through a
+    rank's whole share: a (stage, mb) stash weighs 1/virtual) and throughput against 1F1B."""
+    from fractions import Fraction
+
+    from pipeschedule import compile_schedule
+    from pipeschedule.simulate import CostModel, simulate
+
+    schedule = compile_schedule(family, pp=TABLE_PP, microbatches=TABLE_M, **kwargs)
+    result = simulate(schedule)
+    unit = CostModel.default(schedule)
+    stash = CostModel(unit.forward, unit.backward, unit.weight,
+                      {"stash": (Fraction(1, schedule.virtual),) * schedule.num_stages})
+    base = simulate(compile_schedule("1f1b", pp=TABLE_PP, microbatches=TABLE_M)).step_time
+    return {"step": result.step_time, "bubble": result.bubble_fraction, "inflight": list(result.peak_inflight),
+            "activations": [float(b) for b in simulate(schedule, stash).peak_bytes],
+            "throughput": base / result.step_time}
+
+
+def table_mismatches(rows: list[dict[str, str]], columns: dict[str, str]) -> list[str]:
+    """Cells of `rows` whose figure is not the simulator's. `columns` maps a column to what
+    it shows: "step", "bubble", "throughput" (rounded as written), "inflight" (a list),
+    "activations" (rank 0's, then the fullest rank's in parentheses where given)."""
+    out = []
+    for row in rows:
+        found = schedule_of(next(iter(row.values())))
+        if found is None:
+            continue
+        figures = simulated_figures(*found)
+        for column, what in columns.items():
+            cell = row[column]
+            numbers = [float(x) for x in NUMBER.findall(cell)]
+            if what == "inflight":
+                ok = numbers == figures["inflight"]
+            elif what == "activations":
+                acts = figures["activations"]
+                ok = numbers[:1] == [acts[0]] and (len(numbers) < 2 or numbers[1] == max(acts))
+            else:
+                digits = len(cell.partition(".")[2])
+                ok = bool(numbers) and round(figures[what], digits) == numbers[0]
+            if not ok:
+                out.append(f"{found[0]} {found[1]}: {column} {cell!r}, the simulator gives {figures[what]}")
+    return out

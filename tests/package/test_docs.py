@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from docs_check import (ROOT, USER_FILES, Command, broken_references, cli_parser, file_map, guide_commands,
+                        markdown_table, schedule_of, table_mismatches,
                         note_problems, unmapped, without_install)
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md"]
@@ -227,3 +228,33 @@ def test_a_failing_guide_command_is_caught(tmp_path):
 def test_user_files_are_named_so():
     """The names the pages may use for the user's own files are not the repository's."""
     assert not [name for name in USER_FILES if (ROOT / name).exists()]
+
+
+# (d) the schedule tables' figures are the simulator's (pp=4, m=16, default costs)
+
+SCHEDULES_MD = (ROOT / "docs" / "schedules.md").read_text()
+TABLES = [
+    (README, "| `pp_engine` |", {"activations, first stage (fullest)": "activations", "bubble": "bubble",
+                                  "throughput vs 1F1B": "throughput"}),
+    (SCHEDULES_MD, "| schedule | step time |", {"step time": "step", "bubble": "bubble",
+                                                "in flight per rank": "inflight",
+                                                "first-stage activations": "activations",
+                                                "throughput vs 1f1b": "throughput"}),
+    (SCHEDULES_MD, "| schedule | placement, stages a rank |", {"bubble": "bubble",
+                                                               "activations, rank 0 (fullest)": "activations",
+                                                               "throughput vs 1f1b": "throughput"}),
+]
+
+
+@pytest.mark.parametrize("text, header, columns", TABLES, ids=["readme", "side-by-side", "pytorch-families"])
+def test_the_schedule_tables_figures_are_the_simulators(text, header, columns):
+    rows = markdown_table(text, header)
+    assert len([r for r in rows if schedule_of(next(iter(r.values())))]) >= 4
+    assert table_mismatches(rows, columns) == []
+
+
+def test_a_wrong_figure_in_a_schedule_table_is_caught():
+    text = ("| schedule | step time | bubble |\n|---|---|---|\n| `1f1b` | 57.0 | 0.158 |\n"
+            "| `zb_h2` | 51.0 | 0.159 |\n| `looped_bfs --virtual 2` | 52.0 | 0.086 |\n")
+    wrong = table_mismatches(markdown_table(text, "| schedule |"), {"step time": "step", "bubble": "bubble"})
+    assert [w.split()[0] for w in wrong] == ["zb_h2", "looped_bfs"], wrong

@@ -15,6 +15,9 @@ stages, cap and its default, placement, split backward) comes from the family's 
     zbv, v_half, v_min split backward on the V-shape placement (rank r runs stages r and
                        2pp-1-r): ZB-V (1F1B's memory), V-Half (about half), V-Min (about
                        a third); optional cap in stage-microbatches
+    zb_h2, dualpipev,  ZB-H2 (split backward, up to 2pp-1 stashed), DualPipeV (V shape),
+    interleaved_zb,    interleaved zero bubble and looped BFS (round robin, virtual
+    looped_bfs         required); a cap where the family takes one (not looped_bfs)
 
 Use: name the engine in nanotron's YAML (`parallelism.pp_engine: capped_1f1b:cap=2`,
 [Note: pp_engine syntax] in engine_spec) and start nanotron's trainer through

@@ -24,6 +24,9 @@ Which engine runs:
     zb_h1                 pipeschedule, split backward (B, then W); cap, split
     zbv, v_half, v_min    pipeschedule, split backward, V-shape placement (rank r runs
                           stages r and 2pp-1-r); cap (stage-microbatches, >= 2), split
+    zb_h2, dualpipev      pipeschedule, split backward (dualpipev: V shape); cap, split
+    interleaved_zb        pipeschedule, split backward, round robin; virtual (required), cap, split
+    looped_bfs            pipeschedule, round robin; virtual (required), split
 
 `1f1b` and `afab` keep meaning nanotron's engines so that every existing config keeps
 its meaning; pipeschedule's versions carry the `ps_` prefix. Parameters:

@@ -23,7 +23,7 @@ used, and the engine's placement (rank of each stage):
                            `build_model(target_pp_ranks=placement)` does
     rank of a stage        the engine's placement: 0..pp-1 (1F1B family), round robin
                            over pp * virtual stages (interleaved), V shape (rank r runs
-                           stages r and 2pp-1-r: zbv, v_half, v_min)
+                           stages r and 2pp-1-r: zbv, v_half, v_min, dualpipev)
 
 A layout that leaves a stage without blocks cannot run (the runtime has no empty stage);
 it is refused with the layers per stage that nanotron's arithmetic gave and a split

@@ -3,7 +3,8 @@ the family records (`pipeschedule.compiler.families.FAMILIES`: the name is the
 family's `engine`, the parameters what the family takes).
 
     ps_afab, ps_1f1b     afab and 1f1b (nanotron's own engines keep the plain names)
-    capped_1f1b, interleaved_1f1b, zb_h1, zbv, v_half, v_min   the family's own name
+    capped_1f1b, interleaved_1f1b, zb_h1, zbv, v_half, v_min, zb_h2, dualpipev,
+    interleaved_zb, looped_bfs                                 the family's own name
 
 Every one of them runs in the one engine class, `engine.PipescheduleEngine`, built by
 `engine.build_engine(spec)`; the config code looks names up here.
