@@ -140,8 +140,8 @@ def _edges_run(engine) -> list:
     return [list(e) for e in schedules[0].edges] if schedules else []
 
 
-DIAMOND_ENGINES = ("ps_afab", "ps_1f1b", "capped_1f1b", "capped_1f1b:cap=1", "capped_1f1b:cap=2", "zb_h1",
-                   "interleaved_1f1b:virtual=2", "zbv", "v_half", "v_min")
+DIAMOND_ENGINES = ("ps_afab", "ps_1f1b", "capped_1f1b", "capped_1f1b:cap=1", "capped_1f1b:cap=2", "zb_h1", "zb_h2",
+                   "interleaved_1f1b:virtual=2", "zbv", "v_half", "v_min", "dualpipev")
 
 
 def diamond_worker(rank: int, world: int, store, m: int) -> dict:

@@ -45,6 +45,7 @@ def runs_for(pp: int, interleaved_split: tuple[int, ...], stash_m: int) -> tuple
         runs.append(Run(reference_engine(pp, m), m))
         runs += [Run(engine, m) for engine in OURS]
         runs.append(Run("interleaved_1f1b:virtual=2", m, split=interleaved_split))
+        runs.append(Run("looped_bfs:virtual=2", m, split=interleaved_split))
     runs.append(Run("1f1b", stash_m, measure_stash=True))
     runs.append(Run("capped_1f1b:cap=2", stash_m, measure_stash=True))
     runs.append(Run("ps_1f1b", stash_m, measure_stash=True))
@@ -85,9 +86,12 @@ def test_parity_with_nanotron_1f1b(pp):
 @pytest.mark.spawn
 @pytest.mark.parametrize("pp", [2, 4])
 def test_interleaved_matches_non_interleaved(pp):
+    """Interleaved 1F1B and looped BFS (round robin, two chunks a rank) against nanotron's
+    engine on one chunk a rank: the same bits."""
     runs = by_key(group(pp))
     for m in microbatch_counts(pp):
-        assert_same(runs["interleaved_1f1b:virtual=2", m, False], runs[reference_engine(pp, m), m, False])
+        for engine in ("interleaved_1f1b:virtual=2", "looped_bfs:virtual=2"):
+            assert_same(runs[engine, m, False], runs[reference_engine(pp, m), m, False])
 
 
 @pytest.mark.spawn

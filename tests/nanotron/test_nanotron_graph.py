@@ -25,7 +25,8 @@ from graph_models import DIAMOND_ENGINES, diamond_worker, random_worker
 pytestmark = pytest.mark.spawn
 
 DIAMOND_EDGES = [[0, 1], [0, 2], [1, 3], [2, 3]]
-ONE_STAGE_PER_RANK = ("ps_afab", "ps_1f1b", "capped_1f1b", "capped_1f1b:cap=1", "capped_1f1b:cap=2", "zb_h1")
+ONE_STAGE_PER_RANK = ("ps_afab", "ps_1f1b", "capped_1f1b", "capped_1f1b:cap=1", "capped_1f1b:cap=2", "zb_h1",
+                      "zb_h2")
 M = 6
 
 
@@ -82,9 +83,10 @@ def test_engines_whose_layout_cannot_hold_the_diamond_refuse_it_in_one_line(diam
 # -- random graphs of blocks --------------------------------------------------------------
 
 LAYOUTS = {  # name -> (engines, placement of pp)
-    "one": (("ps_afab", "ps_1f1b", "capped_1f1b:cap=1", "zb_h1"), lambda pp: list(range(pp))),
-    "round_robin": (("interleaved_1f1b:virtual=2",), lambda pp: [s % pp for s in range(2 * pp)]),
-    "v": (("zbv", "v_half", "v_min"), lambda pp: list(range(pp)) + list(reversed(range(pp)))),
+    "one": (("ps_afab", "ps_1f1b", "capped_1f1b:cap=1", "zb_h1", "zb_h2"), lambda pp: list(range(pp))),
+    "round_robin": (("interleaved_1f1b:virtual=2", "interleaved_zb:virtual=2", "looped_bfs:virtual=2"),
+                    lambda pp: [s % pp for s in range(2 * pp)]),
+    "v": (("zbv", "v_half", "v_min", "dualpipev"), lambda pp: list(range(pp)) + list(reversed(range(pp)))),
 }
 
 

@@ -1,4 +1,5 @@
-"""The split-backward engines (zb_h1, zbv, v_half, v_min) on nanotron, for real: gloo on
+"""The split-backward engines (zb_h1, zbv, v_half, v_min, zb_h2, dualpipev, interleaved_zb at
+virtual=2: every family of FAMILIES with a split backward) on nanotron, for real: gloo on
 CPU, nanotron's PipelineBlocks and config loader, compared with the pp=1 "loop"
 reference (for each microbatch, `(model(**mb)["loss"] / m).backward()`).
 
@@ -25,9 +26,12 @@ from pipeschedule.compiler.families import FAMILIES
 
 SMALL = ModelConfig(hidden=32, layers=4, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
 EIGHT = ModelConfig(hidden=32, layers=8, heads=4, kv_heads=2, ffn=64, vocab=128, seq=16)
-ENGINES = tuple(family.engine for family in FAMILIES.values() if family.split_backward)
+SPLIT = {family.engine + (":virtual=2" if family.takes_virtual else ""): family
+         for family in FAMILIES.values() if family.split_backward}
+ENGINES = tuple(SPLIT)
 COUNTS = {2: (1, 2, 5), 4: (3, 9)}  # microbatches per pp
-CAPPED = {2: ("zb_h1:cap=1", "v_min:cap=2", "v_half:split=1/1/1/1"), 4: ("zbv:cap=4",)}
+CAPPED = {2: ("zb_h1:cap=1", "v_min:cap=2", "v_half:split=1/1/1/1", "zb_h2:cap=2", "dualpipev:cap=3"),
+          4: ("zbv:cap=4", "interleaved_zb:virtual=2,cap=4,split=1/1/1/1/1/1/1/1")}
 
 
 def runs_for(pp: int) -> tuple[Run, ...]:
@@ -66,9 +70,10 @@ def test_split_engines_match_the_loop_reference(pp):
         for engine in ENGINES:
             ours = runs[engine, m, None]
             assert_same(ours, reference[m])
-            stages = pp if engine == "zb_h1" else 2 * pp
+            family = SPLIT[engine]
+            stages = pp * family.chunks(2 if family.takes_virtual else None)
             assert ours.split_modes == dict.fromkeys(range(stages), "split"), (engine, ours.split_modes)
-            if engine != "zb_h1":  # built on the V: the embedding and the loss on rank 0
+            if family.placement(pp, 2) == v:  # built on the V: the embedding and the loss on rank 0
                 assert ours.block_ranks[0] == ours.block_ranks[-1] == 0
                 assert sorted(set(ours.block_ranks)) == sorted(set(v))
         assert not any(r.leftover_state for r in runs.values())
@@ -116,6 +121,9 @@ ROUND_TRIPS = {
     "v_half": EngineSpec("v_half"),
     "v_min:cap=4": EngineSpec("v_min", cap=4),
     "v_half:cap=6/5/4/4,split=1/1/1/1/1/1/1/1": EngineSpec("v_half", cap=(6, 5, 4, 4), split=(1,) * 8),
+    "zb_h2:cap=5": EngineSpec("zb_h2", cap=5),
+    "dualpipev": EngineSpec("dualpipev"),
+    "interleaved_zb:virtual=2,cap=4": EngineSpec("interleaved_zb", cap=4, virtual=2),
 }
 
 
@@ -163,6 +171,8 @@ def test_v_engines_count_two_stages_per_rank():
     build_engine("v_half:split=1/1/1/1").check(pp=2, num_layers=4)
     assert build_engine("zbv").placement(3) == [0, 1, 2, 2, 1, 0]
     assert build_engine("zb_h1").placement(3) == [0, 1, 2]
+    assert build_engine("dualpipev").placement(3) == [0, 1, 2, 2, 1, 0]
+    assert build_engine("interleaved_zb:virtual=2").placement(3) == [0, 1, 2, 0, 1, 2]
     with pytest.raises(ParameterError, match=r"split lists 2 stages but pp \* virtual = 2 \* 2 = 4"):
         build_engine("v_min:split=1/3").check(pp=2, num_layers=4)
     with pytest.raises(ParameterError, match=r"split lists 5 stages but pp \* virtual = 4 \* 1 = 4"):
