@@ -280,8 +280,10 @@ def _torch_csv_text(torch_schedule, form: str) -> str:
             return handle.read()
 
 
-# m a multiple of pp, and m < pp: PyTorch groups microbatches exactly as we do.
-INTERLEAVED = [(2, 2, 4), (4, 2, 8), (4, 2, 12), (4, 2, 3), (2, 3, 6), (4, 3, 16), (8, 2, 16)]
+# m a multiple of pp, m < pp, and m > pp where PyTorch's rounds divide it: PyTorch groups
+# microbatches exactly as we do ([Note: interleaved groups]).
+INTERLEAVED = [(2, 2, 4), (4, 2, 8), (4, 2, 12), (4, 2, 3), (2, 3, 6), (4, 3, 16), (8, 2, 16), (4, 2, 6),
+               (4, 2, 10), (3, 2, 5), (4, 3, 7)]
 
 
 @pytest.mark.parametrize("pp, virtual, microbatches", INTERLEAVED)
