@@ -74,6 +74,24 @@ def test_interleaved_v1_is_1f1b():
             compile_schedule("1f1b", pp=pp, microbatches=m).programs
 
 
+def test_interleaved_takes_the_faster_grouping_and_a_cap_the_leaner():
+    """[Note: interleaved groups]: m=6 at pp=4 runs PyTorch's one round of 6 (22.5, as
+    PyTorch's Interleaved1F1B), holding [12, 11, 9, 7]; a cap at the leaner grouping's peak
+    selects it (groups of 4 and 2: 27.5 with [11, 9, 7, 5]); groups of pp where m is a
+    multiple of pp."""
+    from pipeschedule.simulate import simulate
+
+    def figures(**kw):
+        result = simulate(compile_schedule("interleaved_1f1b", pp=4, microbatches=6, virtual=2, **kw))
+        return result.step_time, result.peak_inflight
+
+    assert figures() == figures(cap=12) == (22.5, (12, 11, 9, 7))
+    assert figures(cap=11) == figures(cap=[11, 9, 7, 5]) == (27.5, (11, 9, 7, 5))
+    for pp, m in ((4, 8), (3, 9), (8, 16)):
+        assert simulate(compile_schedule("interleaved_1f1b", pp=pp, microbatches=m, virtual=2)).peak_inflight == \
+            tuple(2 * (pp - r - 1) + pp + 1 for r in range(pp))
+
+
 def test_capped_interleaved_keeps_its_cap():
     s = generate("interleaved_1f1b", pp=4, microbatches=8, virtual=2, cap=4)
     assert s.name == "capped_interleaved_1f1b" and s.params["cap"] == [4, 4, 4, 4]
