@@ -11,10 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeschedule import Op, Schedule, ScheduleError, compile_schedule, verify
+from pipeschedule import Op, Schedule, ScheduleError, compile_schedule, lower, verify
 from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.generators.dualpipe import handcrafted_dualpipev
 from pipeschedule.compiler.generators.phases import stash_peaks
+from pipeschedule.compiler.generators.v_shape import handcrafted_zbv, v_placement
 from pipeschedule.errors import ParameterError
 from pipeschedule.simulate import simulate
 from strategies import examples
@@ -146,3 +147,30 @@ def test_broken_variants_are_rejected(name, kw):
         verify(capped)
     assert info.value.rule == "cap"
     verify(schedule)
+
+
+def test_faster_passes_over_a_blocked_order_and_keeps_the_first_on_a_tie():
+    from pipeschedule.compiler.generators.phases import faster
+    from pipeschedule.compiler.ir import make_instr
+
+    def order(*ranks):
+        return [[make_instr(op, s, mb) for op, s, mb in rank] for rank in ranks]
+
+    F, B = Op.F, Op.B
+    good = order([(F, 0, 0), (B, 0, 0)], [(F, 1, 0), (B, 1, 0)])
+    twin = order([(F, 0, 0), (B, 0, 0)], [(F, 1, 0), (B, 1, 0)])
+    cyclic = order([(B, 0, 0), (F, 0, 0)], [(F, 1, 0), (B, 1, 0)])  # B before its own F: never runs
+    assert faster(2, [cyclic, good, twin]) is good
+    with pytest.raises(AssertionError, match="every candidate order blocks"):
+        faster(2, [cyclic])
+
+
+def test_padded_phases_keep_every_order_valid_below_the_minimum():
+    """[Note: padded phases]: DualPipeV written for 2pp and ZB-V for 2pp-1, cut to every m
+    below, lower and verify."""
+    for pp in range(1, 7):
+        for m in range(1, 2 * pp):
+            for name, programs in (("dualpipev", handcrafted_dualpipev(pp, m)), ("zbv", handcrafted_zbv(pp, m))):
+                assert sum(len(p) for p in programs) == 3 * 2 * pp * m
+                order = Schedule(name, pp, 2, m, tuple(v_placement(pp)), tuple(map(tuple, programs)), {})
+                verify(lower(order))
