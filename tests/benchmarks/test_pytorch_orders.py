@@ -16,27 +16,14 @@ COMMITTED = json.loads((RESULTS / "pytorch_orders.json").read_text())
 
 
 def test_ours_is_never_slower_at_the_same_or_lower_memory():
-    """Every class, pp 2..5, m from its least to 2pp + 1 (the committed table runs to pp=8, 3pp)."""
-    table = list(rows(range(2, 6), most=lambda pp: 2 * pp + 1))
+    """The whole committed table, computed afresh (every class, pp 2..8, m from its least to
+    3pp; ~5 s): the same rows, and in every one ours no slower with no rank holding more."""
+    table = list(rows(range(2, 9)))
+    assert table == COMMITTED["rows"]
     assert {r["torch"] for r in table} == {cls for cls, _, _ in PAIRS}
     slower = [r for r in table if not never_slower(r)]
     assert not slower, slower[:3]
     assert sum(r["order"] == "equal" for r in table) > len(table) // 2
-
-
-@pytest.mark.parametrize("cls, family, virtual, pp, m", [
-    ("ScheduleInterleaved1F1B", "interleaved_1f1b", 2, 4, 6),  # issue 42: ours was 27.5 against 22.5
-    ("ScheduleZBVZeroBubble", "zbv", 2, 3, 7),  # ours was 22.5 against 22
-    ("ScheduleZBVZeroBubble", "zbv", 2, 8, 16),  # ours was 1 slower
-    ("ScheduleDualPipeV", "dualpipev", 2, 4, 8),
-    ("ScheduleInterleavedZeroBubble", "interleaved_zb", 2, 4, 8),
-    ("ScheduleLoopedBFS", "looped_bfs", 2, 3, 5),
-])
-def test_the_committed_rows_are_what_the_code_computes(cls, family, virtual, pp, m):
-    fresh = row(cls, family, virtual, pp, m)
-    committed = next(r for r in COMMITTED["rows"] if (r["torch"], r["pp"], r["microbatches"]) == (cls, pp, m))
-    assert fresh == committed
-    assert never_slower(fresh)
 
 
 def test_the_issues_cases_are_now_equal_or_faster():
