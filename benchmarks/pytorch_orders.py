@@ -1,6 +1,7 @@
 """Our compiled orders beside PyTorch's own, schedule by schedule (issue 42).
 
     python -m benchmarks.pytorch_orders            # pp 2..8, m from each minimum to 3pp: results/pytorch_orders.*
+                                                   # (the interleaved classes at v=2 and v=3)
     python -m benchmarks.pytorch_orders --smoke    # pp 2..3, printed, nothing written
 
 For every schedule class of PyTorch's `torch.distributed.pipelining.schedules` and the
@@ -53,6 +54,9 @@ PAIRS = (
     ("ScheduleInterleavedZeroBubble", "interleaved_zb", 2),
     ("ScheduleZBVZeroBubble", "zbv", 2),
     ("ScheduleDualPipeV", "dualpipev", 2),
+    ("ScheduleInterleaved1F1B", "interleaved_1f1b", 3),
+    ("ScheduleLoopedBFS", "looped_bfs", 3),
+    ("ScheduleInterleavedZeroBubble", "interleaved_zb", 3),
 )
 
 

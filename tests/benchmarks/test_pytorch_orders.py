@@ -10,20 +10,23 @@ import pytest
 pytest.importorskip("torch.distributed.pipelining")
 
 from benchmarks.common import RESULTS  # noqa: E402
-from benchmarks.pytorch_orders import PAIRS, never_slower, row, rows, torch_order  # noqa: E402
+from benchmarks.pytorch_orders import PAIRS, goal, never_slower, row, rows, torch_order  # noqa: E402
 
 COMMITTED = json.loads((RESULTS / "pytorch_orders.json").read_text())
 
 
 def test_ours_is_never_slower_at_the_same_or_lower_memory():
-    """The whole committed table, computed afresh (every class, pp 2..8, m from its least to
-    3pp; ~5 s): the same rows, and in every one ours no slower with no rank holding more."""
-    table = list(rows(range(2, 9)))
-    assert table == COMMITTED["rows"]
-    assert {r["torch"] for r in table} == {cls for cls, _, _ in PAIRS}
-    slower = [r for r in table if not never_slower(r)]
+    """In every committed row (every class, the interleaved ones at v=2 and 3, pp 2..8, m from
+    its least to 3pp) ours is no slower with no rank holding more; the rows at pp 3 and 6,
+    computed afresh (a third of the table's time), are the committed ones."""
+    committed = COMMITTED["rows"]
+    assert {(r["torch"], r["virtual"]) for r in committed} == {(cls, v) for cls, _, v in PAIRS}
+    assert {r["pp"] for r in committed} == set(range(2, 9))
+    fresh = list(rows((3, 6)))
+    assert fresh == [r for r in committed if r["pp"] in (3, 6)]
+    slower = [r for r in committed + fresh if not never_slower(r)]
     assert not slower, slower[:3]
-    assert sum(r["order"] == "equal" for r in table) > len(table) // 2
+    assert sum(r["order"] == "equal" for r in committed) > len(committed) // 2
 
 
 def test_the_issues_cases_are_now_equal_or_faster():
@@ -49,9 +52,13 @@ def test_pytorchs_refusals_are_left_out():
 
 def test_the_goal_at_pp4_m8_under_the_h200_costs():
     """dualpipev and zb_h2 simulate at least as fast as PyTorch's DualPipeV order (ZB-H1 for
-    zb_h2, which PyTorch does not ship) and the published bubble formulas."""
-    goal = {e["family"]: e for e in COMMITTED["goal"]}
+    zb_h2, which PyTorch does not ship) and the published bubble formulas; computed afresh,
+    as committed."""
+    fresh = goal()
+    assert fresh == COMMITTED["goal"]
+    found = {e["family"]: e for e in fresh}
     for family in ("dualpipev", "zb_h2"):
-        e = goal[family]
+        e = found[family]
         assert e["ours_step_ms"] <= e["versus_step_ms"] + 1e-9, e
         assert e["ours_step_ms"] <= e["formula_step_ms"] + 1e-9, e
+    assert found["zb_h2"]["ours_step_ms"] < 0.9 * found["zb_h2"]["versus_step_ms"]  # 188.2 against ZB-H1's 215.4
