@@ -155,6 +155,9 @@ def test_config_round_trip_selects_the_engine(tmp_path, value):
     ("zb_h1:cap=two", "cap must be an integer"),
     ("v_halff", "unknown engine 'v_halff'"),
     ("zb_h1:cap=2,cap=3", "parameter 'cap' given twice"),
+    ("looped_bfs:virtual=2,cap=2", "unknown parameter 'cap' for looped_bfs; looped_bfs accepts: virtual, split"),
+    ("dualpipev:virtual=3", "unknown parameter 'virtual' for dualpipev; dualpipev accepts: cap, split"),
+    ("interleaved_zb:cap=4", "interleaved_zb needs virtual=N"),
 ])
 def test_bad_values_are_rejected_naming_the_value(tmp_path, value, reason):
     from nanotron.config import get_config_from_file
