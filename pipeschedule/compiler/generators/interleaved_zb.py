@@ -21,7 +21,8 @@ would block (a short group; PyTorch refuses such m), the warmup of the blocked r
 raised until it completes, as interleaved 1F1B does.
 
 `cap` (one int or pp ints, >= virtual) bounds the stash per rank: the fastest of the
-orders that fit it, among the handcrafted one, the list schedule under the cap (v <= 2,
+orders that fit it, among the handcrafted ones (PyTorch's rounds, and groups of pp where m
+is not a multiple of pp), the list schedule under the cap (v <= 2,
 where it never blocks) and capped interleaved 1F1B's order with each W right after its
 B (which fits every cap >= virtual: its stash is its count in flight).
 """
@@ -89,14 +90,11 @@ def interleaved_zb(pp: int, microbatches: int, virtual: int = 2, cap=None, cost=
     placement = round_robin(pp, virtual)
     S = pp * virtual
     times = stage_times(cost, S)
-    candidates = [handcrafted_interleaved_zb(pp, microbatches, virtual, g)
-                  for g in dict.fromkeys((tuple(rounds_of(pp, microbatches)), tuple(groups_of(microbatches, pp))))]
-    handcrafted = faster(S, candidates, times)
-    natural = stash_peaks(handcrafted)
+    handcrafted = [handcrafted_interleaved_zb(pp, microbatches, virtual, g)
+                   for g in dict.fromkeys((tuple(rounds_of(pp, microbatches)), tuple(groups_of(microbatches, pp))))]
+    natural = stash_peaks(faster(S, handcrafted, times))  # the uncapped order's own stash
     limits = stage_limits("interleaved_zb", pp, microbatches, virtual, natural, cap)
-    candidates = []
-    if all(p <= limit for p, limit in zip(natural, limits)):
-        candidates.append(handcrafted)
+    candidates = [h for h in handcrafted if all(p <= limit for p, limit in zip(stash_peaks(h), limits))]
     if virtual <= 2:  # [Note: split list scheduling] never blocks with one or two stages a rank
         candidates.append(split_list_schedule(pp, microbatches, placement, limits, times))
     if not candidates:
