@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -210,7 +211,7 @@ def stage_groups(engines: list[str], pp: int) -> dict[int, list[str]]:
     return out
 
 
-def measure(args, cfg, device, streams) -> dict:
+def measure(args, cfg, device, streams, partial: Path | None = None) -> dict:
     link = boundary_link(cfg, device, streams)
     rows, failed, checks, drift, splits = [], [], [], None, {}
     groups = stage_groups(available(args.engines), args.pp)
@@ -225,6 +226,9 @@ def measure(args, cfg, device, streams) -> dict:
         failed += [{"engine": n, "m": m, "why": why} for (n, m), why in group.failed.items()]
         group.close()
         print(f"stages {count}: {', '.join(engines)} done", flush=True)
+        if partial is not None:  # what has run stays if a later group does not finish
+            partial.write_text(json.dumps({"rows": rows, "not_run": failed, "exactness": checks, "link": link},
+                                          default=str))
     first = next((r for r in rows if r["engine"] == report.REFERENCE), rows[0] if rows else None)
     if first is not None and len(groups) > 1:
         again = Group(model, args.pp, [first["engine"]], args, streams)
@@ -308,7 +312,10 @@ def main(argv=None) -> int:
                 print(f"gpu_partitions: route {route}: {type(err).__name__}: {err}", file=sys.stderr)
         else:
             return 2
-    summary = measure(args, cfg, device, streams)
+    partial = None if args.smoke else args.out / "gpu_partitions.partial.json"
+    if partial is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+    summary = measure(args, cfg, device, streams, partial)
     summary["versions"] = versions()
     markdown = render(summary)
     if not args.smoke:

@@ -350,6 +350,9 @@ def main(argv=None) -> int:
         for k, group in enumerate(layouts):
             runs.append(run_group(group, args, Path(tmp), f"group{k}"))
             print(f"group {k}: {', '.join(group)} done in {runs[-1]['wall_s']:.0f} s", flush=True)
+            if not args.smoke:  # what has run stays if a later group does not finish
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / f"trainer_groups_pp{args.pp}.partial.json").write_text(json.dumps(runs))
         references = [name for name in ("1f1b", "ps_1f1b") if name in layouts[0]]
         if references and len(layouts) > 1:  # the machine's drift between the first and the last launch
             runs.append(run_group(references, args, Path(tmp), "again"))
