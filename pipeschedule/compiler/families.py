@@ -20,6 +20,7 @@ from pipeschedule.compiler.generators.afab import afab
 from pipeschedule.compiler.generators.common import check_common, per_rank_caps, round_robin
 from pipeschedule.compiler.generators.interleaved import interleaved_1f1b
 from pipeschedule.compiler.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
+from pipeschedule.compiler.generators.searched import searched
 from pipeschedule.compiler.generators.v_shape import v_half, v_min, v_placement, zbv
 from pipeschedule.compiler.generators.zero_bubble import zb_h1
 from pipeschedule.compiler.graph import StageGraph
@@ -76,6 +77,29 @@ class Family:
         return virtual if virtual is not None else (self.virtual or 1)
 
 
+def _searched(pp: int, microbatches: int, cap=None, cost=None):
+    """`searched` on one stage per rank, seeded with every other family that runs there
+    ([Note: searched schedule] in generators/searched.py)."""
+    return searched(pp, microbatches, cap=cap, cost=cost, seeds=_fixed_orders)
+
+
+def _fixed_orders(pp: int, microbatches: int, cap, split_cost, whole_cost):
+    """(name, compute order) of every family but `searched` on one stage per rank, under
+    `cap` where it takes one, timed with the cost it reads (B + W as the backward of the
+    unsplit ones); a family that refuses the cap is left out."""
+    out = []
+    for name, f in FAMILIES.items():
+        if name == "searched" or f.chunks() != 1 or f.placement is not _round_robin:
+            continue
+        options = {"cap": cap} if f.takes_cap and cap is not None else {}
+        try:
+            out.append((name, generate(name, pp=pp, microbatches=microbatches,
+                                       cost=split_cost if f.split_backward else whole_cost, **options)))
+        except ParameterError:
+            continue
+    return out
+
+
 _SPLIT = dict(takes_cap=True, split_backward=True, cost_aware=True)
 _V_SHAPE = dict(_SPLIT, placement=_v_shape, virtual=2)
 
@@ -88,6 +112,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("zbv", zbv, engine="zbv", **_V_SHAPE),
     Family("v_half", v_half, engine="v_half", **_V_SHAPE),
     Family("v_min", v_min, engine="v_min", **_V_SHAPE),
+    Family("searched", _searched, engine="searched", **_SPLIT),
 )}
 
 
@@ -131,7 +156,7 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
             )
     virtual = chosen.chunks(virtual)
     check_common(pp, microbatches, virtual)
-    times = stage_times(cost, pp * virtual)  # checked before any work
+    stage_times(cost, pp * virtual)  # checked before any work
     if cap is not None:
         per_rank_caps(cap, pp)
         if not chosen.takes_cap:
@@ -144,7 +169,7 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
     if chosen.takes_cap:
         options["cap"] = cap
     if chosen.cost_aware:
-        options["cost"] = times
+        options["cost"] = cost  # the generator reads it through `stage_times`; `searched` also its messages
     if edges is not None:
         try:
             StageGraph.of(pp * virtual, edges)  # checked before any work

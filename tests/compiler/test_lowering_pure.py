@@ -74,6 +74,7 @@ GOLDEN = {
     "zbv": "a5f96a6b18d2caf6",
     "v_half": "7a08759338d811a8",
     "v_min": "5fb5542da41f9411",
+    "searched": "263503c354fea442",  # recorded where it was added
 }
 
 

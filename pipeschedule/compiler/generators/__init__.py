@@ -5,6 +5,9 @@
     interleaved   interleaved 1F1B (virtual stages, round robin), optionally capped
     zero_bubble   ZB-H1, and the split-backward list scheduler the V shapes share
     v_shape       ZB-V, V-Half, V-Min on the V-shape placement
+    searched      the order searched for given F/B/W times and a cap, never slower than
+                  a fixed family under it (seeds, list schedules, annealing, simulation)
+    search        the search's model: timing, list scheduling, local search
     common        parameter checks, the round-robin placement, 1F1B-style interleaving
 
 Which function is which family, and what each takes, is `pipeschedule.compiler.families`
