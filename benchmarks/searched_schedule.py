@@ -14,12 +14,12 @@ live bytes on rank 0.
 
 Rows per case: `capped_1f1b` under the cap; the best fixed family under the cap (the
 fastest one-chunk family whose order keeps rule 6's count within the cap); `searched`
-(the cap bounds rule 6's count, as the verifier reads it; stashes whose W is pending
-are not counted); `searched, stash <= cap` (`stash_limit=cap`: the stashes held from F
-to W within the cap too, as zb_h1's cap bounds them: the memory of capped_1f1b);
-`searched` on two chunks per rank, round robin and V (its cap in stage-microbatches,
-each half a one-chunk stage: cap 2c holds about the activations of c); and the
-zero-bubble repository's heuristic (`--zb-repo`).
+(the cap bounds the stashes a rank holds from F to W, as zb_h1's cap does: the memory
+of capped_1f1b); `searched, W pending uncounted` (`uncounted_w=True`: the cap bounds
+rule 6's count only, F to B, as the verifier reads it; a stash whose W is pending is
+not counted); `searched` on two chunks per rank, round robin and V (its cap in
+stage-microbatches, each half a one-chunk stage: cap 2c holds about the activations of
+c); and the zero-bubble repository's heuristic (`--zb-repo`).
 
 The zero-bubble repository (sail-sg/zero-bubble-pipeline-parallelism,
 megatron/core/pipeline_parallel/zerobubble/scheduler/zb.py) builds its order with a
@@ -33,8 +33,8 @@ script imports their zb.py as it is (a stand-in for `pulp`, which only its ILP a
 `create_scheduled_nodes` use, where pulp is not installed) and runs their
 `initial_solution` with the cost file's times, mem_f = the stash bytes, mem_b = minus
 what B frees (stash - weight_stash), mem_w = minus weight_stash, max_mem = cap x mem_f
-(the memory of `cap` whole stashes: the `stash <= cap` row's bound), and again with
-max_mem = the peak bytes per rank of our `searched` row, cost_comm = latency
+(the memory of `cap` whole stashes: the `searched` row's bound), and again with
+max_mem = the peak bytes per rank of our `W pending uncounted` row, cost_comm = latency
 + one boundary's bytes / bandwidth. Their per-stage order is then lowered, verified
 and simulated by ours like every other row.
 """
@@ -45,6 +45,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import math
 import sys
 import time
 import types
@@ -56,7 +57,8 @@ from benchmarks.common import git_commit, machine, write_results
 from pipeschedule import compile_schedule, generate, lower, verify
 from pipeschedule.compiler.families import FAMILIES, _fixed_orders
 from pipeschedule.compiler.generators.common import round_robin
-from pipeschedule.compiler.generators.searched import cost_models, searched
+from pipeschedule.compiler.generators.search import held_peaks
+from pipeschedule.compiler.generators.searched import cost_models, order_of, searched
 from pipeschedule.compiler.generators.v_shape import v_placement
 from pipeschedule.compiler.ir import Op, Schedule, make_instr
 from pipeschedule.simulate import simulate
@@ -70,10 +72,6 @@ GIB = 2**30
 def cost_file(name: str, stages: int) -> CostModel:
     probe = compile_schedule("1f1b", pp=stages, microbatches=1, check=False)
     return CostModel.from_dict(json.loads((EXAMPLES / name).read_text()), probe)
-
-
-def unit(stages: int) -> CostModel:
-    return cost_models(None, list(range(stages)))[0]
 
 
 def row(label: str, schedule: Schedule, cost: CostModel, seconds: float | None = None) -> dict:
@@ -125,7 +123,7 @@ def case(pp: int, m: int, cap, costs: str, zb_repo: Path | None) -> dict:
         split2 = cost_file("cost_pp4_v2_split.json", 2 * pp)
     else:
         split, whole = cost_models(None, list(range(pp)))
-        split2 = unit(2 * pp)
+        split2 = cost_models([(0.5, 0.5, 0.5)] * (2 * pp), list(range(2 * pp)))[0]  # half a rank's share a stage
     rows = []
     rows.append(row("capped_1f1b", generate("capped_1f1b", pp=pp, microbatches=m, cap=cap, cost=whole), whole))
     rows.append(best_fixed(pp, m, cap, split, whole))
@@ -134,8 +132,8 @@ def case(pp: int, m: int, cap, costs: str, zb_repo: Path | None) -> dict:
     rows.append(row(f"searched (seed {ours.params['seed']})", ours, split, time.perf_counter() - start))
     if cap is not None:
         start = time.perf_counter()
-        lean = searched(pp, m, cap=cap, cost=split, stash_limit=cap, seeds=_fixed_orders)
-        rows.append(row(f"searched, stash <= cap (seed {lean.params['seed']})", lean, split,
+        free = searched(pp, m, cap=cap, cost=split, uncounted_w=True, seeds=_fixed_orders)
+        rows.append(row(f"searched, W pending uncounted (seed {free.params['seed']})", free, split,
                         time.perf_counter() - start))
         doubled = [2 * c for c in cap] if isinstance(cap, list) else 2 * cap
         for name, placement in (("round robin", round_robin(pp, 2)), ("V", v_placement(pp))):
@@ -147,9 +145,14 @@ def case(pp: int, m: int, cap, costs: str, zb_repo: Path | None) -> dict:
     if zb_repo is not None:
         caps = [cap] * pp if isinstance(cap, int) else (cap or [m] * pp)
         stash = split.buffer_bytes["stash"]
-        ours_peaks = simulate(lower(ours, split), split).peak_bytes
-        for label, budget in (("memory of cap stashes", [c * s for c, s in zip(caps, stash)]),
-                              ("searched's peak memory", list(ours_peaks))):
+        budgets = [("memory of cap stashes", [c * s for c, s in zip(caps, stash)])]
+        if cap is not None:
+            if costs == "h200":
+                peaks = simulate(lower(free, split), split).peak_bytes
+            else:  # unit costs: one byte a buffer, so whole stashes held (F to W) instead
+                peaks = [n * s for n, s in zip(held_peaks(None, order_of(free))[1], stash)]
+            budgets.append(("the uncounted row's peak memory", list(peaks)))
+        for label, budget in budgets:
             start = time.perf_counter()
             theirs = zero_bubble_heuristic(zb_repo, pp, m, budget, split)
             if theirs is not None:
@@ -189,13 +192,14 @@ def zero_bubble_heuristic(repo: Path, pp: int, m: int, max_mem: list, cost: Cost
     docstring), as our compute order; None where their greedy raises (it cannot fit the
     memory limit)."""
     zb = _load_zero_bubble(repo)
-    stash = list(cost.buffer_bytes["stash"])
-    kept = list(cost.weight_stash) if cost.weight_stash is not None else [0.0] * pp
-    comm = cost.latency + max(cost.buffer_bytes["act_out"]) / cost.bandwidth
+    stash = [float(x) for x in cost.buffer_bytes["stash"]]
+    kept = [float(x) for x in cost.weight_stash] if cost.weight_stash is not None else stash  # None: kept to W
+    comm = cost.latency + (0.0 if cost.bandwidth == math.inf else max(cost.buffer_bytes["act_out"]) / cost.bandwidth)
     config = zb["graph"].GraphConfig(
         mem_f=stash, mem_b=[-(s - k) for s, k in zip(stash, kept)], mem_w=[-k for k in kept],
-        max_mem=max_mem, cost_f=list(cost.forward), cost_b=list(cost.backward),
-        cost_w=list(cost.weight), cost_comm=comm, print_scaling=1, n_stages=pp, n_micro=m)
+        max_mem=[float(x) for x in max_mem], cost_f=[float(x) for x in cost.forward],
+        cost_b=[float(x) for x in cost.backward], cost_w=[float(x) for x in cost.weight], cost_comm=float(comm),
+        print_scaling=1, n_stages=pp, n_micro=m)
     graph = zb["zb"].Graph.build_graph(pp, m, config)
     try:
         _, order, _ = zb["zb"].initial_solution(graph, print_result=False)

@@ -444,6 +444,8 @@ class Plan:
 # of FAMILIES named in neither list is tried after FAST.
 FAST = ("1f1b", "zb_h1", "zbv", "v_half", "interleaved_1f1b")
 SLOW = ("v_min", "afab")  # v_min: the least memory, rarely the fastest
+SEARCHED = "searched"  # tried at caps of its own: searched_caps
+SEARCHED_PLAN_PAIRS = 2**11  # (stage, microbatch) pairs of the capped `searched` schedules of one plan run
 
 
 def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
@@ -451,9 +453,9 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
     as its `Family` record says: at its own chunks per rank (each count of `virtuals`,
     `fitting.virtual_tried`'s, where it takes any), where every stage gets a decoder layer;
     uncapped, except a family with a default cap (its uncapped form is 1F1B), which is
-    tried at every cap below pp; the caps of the others that take one and do not split
-    the backward, in stage-microbatches below their uncapped peak (at the fewest chunks
-    per rank only)."""
+    tried at every cap below pp; `searched` also at `searched_caps`; the caps of the
+    others that take one and do not split the backward, in stage-microbatches below their
+    uncapped peak (at the fewest chunks per rank only)."""
     pp, L = config.pp, config.model.layers
     usable = {}
     for name, f in FAMILIES.items():
@@ -470,6 +472,8 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
         f, vs = usable[name]
         if f.default_cap is not None:
             out += [(name, c, v) for v in vs for c in range(pp - 1, 0, -1)]
+        elif name == SEARCHED:
+            out += [(name, c, v) for v in vs for c in searched_caps(pp, config.microbatches)]
     for name in order:
         f, vs = usable[name]
         if f.takes_cap and f.default_cap is None and not f.split_backward:
@@ -482,6 +486,22 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
                 out += [(name, v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
     out += [(name, None, v) for name in SLOW if name in usable for v in usable[name][1]]
     return out
+
+
+def searched_caps(pp: int, microbatches: int) -> list[int]:
+    """[Note: searched candidates] The caps below pp at which the planner tries `searched`
+    (beside capped_1f1b at each of them): each is a search of its own (seeds, annealing
+    and about ten simulations: 0.1 s at pp=4, m=8, about 1 s at the plan's largest sizes,
+    generated under unit costs and shared by the run's plans like every schedule), so a
+    run searches at most SEARCHED_PLAN_PAIRS (stage, microbatch) pairs in all: every
+    cap where that allows, else as many as it allows spread from pp - 1 down to 1 (none
+    where pp * m alone is more). benchmarks/limits.py times the largest plans with them."""
+    count = min(pp - 1, SEARCHED_PLAN_PAIRS // (pp * microbatches))
+    if count <= 0:
+        return []
+    if count == pp - 1:
+        return list(range(pp - 1, 0, -1))
+    return sorted({round(pp - 1 - k * (pp - 2) / max(1, count - 1)) for k in range(count)}, reverse=True)
 
 
 def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:

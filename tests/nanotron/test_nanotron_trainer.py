@@ -22,7 +22,7 @@ pytestmark = pytest.mark.spawn
 SPLIT_BACKWARD = ("zb_h1", "zbv", "v_half", "v_min")
 PP2 = ("ps_1f1b", "ps_afab", "capped_1f1b:cap=1", "capped_1f1b:cap=1,split=1/3", "interleaved_1f1b:virtual=2",
        "capped_1f1b:cap=1,recompute=full", "capped_1f1b:cap=1,recompute=selective", "zb_h1:recompute=1",
-       "v_min:recompute=full") + SPLIT_BACKWARD
+       "v_min:recompute=full", "searched:cap=1") + SPLIT_BACKWARD
 
 
 def assert_same(ours: dict, ref: dict) -> None:
@@ -52,13 +52,13 @@ JOBS = {
     "pp2-tied-fp32acc": ({"tie_embeddings": True, "dtype": "bfloat16", "fp32_accumulation": True},
                          ("ps_1f1b", "interleaved_1f1b:virtual=2") + SPLIT_BACKWARD),
     "pp4": ({"pp": 4, "layers": 8, "microbatches": 8},
-            ("ps_1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1", "zbv", "v_min")),
+            ("ps_1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1", "zbv", "v_min", "searched:cap=2")),
     "pp2-dp2-zero1": ({"dp": 2, "zero_stage": 1, "dtype": "bfloat16", "fp32_accumulation": True},
-                      ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zb_h1", "zbv")),
+                      ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zb_h1", "zbv", "searched:cap=1")),
     "pp2-dp2-ddp-fp32acc": ({"dp": 2, "dtype": "bfloat16", "fp32_accumulation": True},
                             ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "v_half")),
     "pp2-dp2-ddp": ({"dp": 2}, ("ps_1f1b", "interleaved_1f1b:virtual=2", "zb_h1")),
-    "pp2-tp2": ({"tp": 2}, ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zbv")),
+    "pp2-tp2": ({"tp": 2}, ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zbv", "searched")),
     "pp2-tp2-sequence-parallel": ({"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_async": True},
                                   ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2,recompute=1", "zb_h1")),
 }

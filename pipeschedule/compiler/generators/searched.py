@@ -4,8 +4,9 @@ family under the same cap.
 
 [Note: searched schedule] Given stage times (a `CostModel`, whose latency, bandwidth and
 buffer bytes also time the messages, or (F, B, W) per stage; None: unit costs F = B =
-W = 1) and a cap (one int or one per rank, counted as rule 6 counts: stage-microbatches
-whose F has run and whose B has not; None: no cap), `searched`
+W = 1) and a cap (one int or one per rank: the stage-microbatches a rank holds from an F
+to its W, its stashes, as zb_h1's cap counts them, which bounds rule 6's count, F to B,
+too; None: no cap), `searched`
   1. takes the seeds: the compute order of every fixed family on the same placement
      (its caller's `seeds`, families.py: on one chunk per rank afab, 1f1b, capped_1f1b,
      interleaved_1f1b, zb_h1, ..., under the cap where they take one), each generated
@@ -26,17 +27,19 @@ form of any fixed family's order within the cap; tests/compiler/test_searched.py
 that it is never slower than the family's own schedule either (splitting an unsplit
 order's B runs each W where the whole backward ran, and its messages leave no later).
 
-What the cap does not count: a stash whose B has run and whose W has not (its
-weight-gradient part, `CostModel.weight_stash`). The search defers W where that is
-faster, so a rank may keep more stashes than its cap: at pp=4, m=8, cap 2 under the H200
-costs, rank 0 keeps up to 4 (2 in flight, 2 waiting for W), 6.0 GiB against
-capped_1f1b's 3.7 (benchmarks/results/searched_schedule.md). `stash_limit` (the Python
-API) bounds those too, counting F to W as zb_h1's cap does: the memory of capped_1f1b,
-at less of a gain. Why a cap c below pp costs time at all: each of stage 0's c slots is
-held from an F to its B (its W with a stash limit), the pipeline's whole F and B chain
-long, so a step takes at least m / c such round trips; the split backward shortens each
-by the W of every stage, and the search chooses where the W go and which of two ready
-instructions a rank runs first, so that the slots meet no queue.
+Why the cap counts stashes, not rule 6's F to B: a stash whose B has run and whose W
+has not still holds its weight-gradient part (`CostModel.weight_stash`), and a search
+free to defer W trades memory for time without bound: under unit costs at pp=4, m=16 a
+cap of 3 in flight came with 9 stashes held on rank 0, more than 1F1B's 4. With
+`uncounted_w=True` (the Python API) the cap bounds rule 6's count only: at pp=4, m=8,
+cap 2 under the H200 costs, 308.0 ms against 327.1 with the cap on stashes and
+capped_1f1b's 351.1, rank 0 holding 4 stashes (6.0 GiB against 3.7;
+benchmarks/results/searched_schedule.md). Why a cap c below pp costs time at all: each
+of stage 0's c slots is held from an F to its W, the pipeline's whole F and B chain
+long, so a step takes at least m / c such round trips (at pp=4, m=8, cap 2 under those
+costs: 4 x 72.3 ms after the first F, 298 ms, if no two microbatches ever met in a
+queue); the split backward shortens each round trip by the W of every stage but the
+first, and the search chooses which of two ready instructions a rank runs first.
 
 Cost: one simulation per candidate (about ten) and the annealing's budget; the size is
 bounded by MAX_SEARCH_PAIRS ([Note: size limits] in checks.py).
@@ -120,18 +123,18 @@ def stage_limits(cap, placement: Sequence[int], pp: int, microbatches: int) -> l
 
 
 def order_of(schedule: Schedule) -> list[list[tuple[int, int, int]]]:
-    """A compute-only schedule's programs as the search's orders."""
-    return [[(_OP[i.op], i.stage, i.mb) for i in program] for program in schedule.programs]
+    """A schedule's compute instructions (F, B, W) as the search's orders."""
+    return [[(_OP[i.op], i.stage, i.mb) for i in program if i.op in _OP] for program in schedule.programs]
 
 
 def searched(pp: int, microbatches: int, cap=None, cost=None, *, placement: Sequence[int] | None = None,
-             seeds: Seeds | None = None, budget: int | None = None, stash_limit=None) -> Schedule:
+             seeds: Seeds | None = None, budget: int | None = None, uncounted_w: bool = False) -> Schedule:
     """The `searched` family's compute order ([Note: searched schedule]) on `placement`
     (None: one stage per rank), seeded with `seeds(pp, m, cap, split_cost, whole_cost)`:
-    (name, compute-only schedule) of the fixed families to beat. `cap` bounds rule 6's
-    count (F to B); `stash_limit` (one int or one per rank; None: no bound) also bounds
-    the stage-microbatches held from F to W. `budget`: instructions the local search may
-    time (None: SEARCH_WORK)."""
+    (name, compute-only schedule) of the fixed families to beat. `cap` bounds the
+    stage-microbatches a rank holds from F to W (and so rule 6's count, F to B); with
+    `uncounted_w` it bounds rule 6's count only, and a stash whose W is pending is not
+    counted. `budget`: instructions the local search may time (None: SEARCH_WORK)."""
     placement = list(range(pp)) if placement is None else list(placement)
     virtual = max(1, len(placement) // pp)
     check_common(pp, microbatches, virtual)
@@ -146,7 +149,7 @@ def searched(pp: int, microbatches: int, cap=None, cost=None, *, placement: Sequ
     budget = SEARCH_WORK if budget is None else check_int("budget", budget, 0)
     split_cost, whole_cost = cost_models(cost, placement)
     limits = stage_limits(cap, placement, pp, microbatches)
-    stash_limits = stage_limits(stash_limit, placement, pp, microbatches)
+    stash_limits = stage_limits(None, placement, pp, microbatches) if uncounted_w else limits
     problem = problem_of(placement, microbatches, limits, stash_limits, split_cost)
     candidates = []  # (origin, split order), seeds first
     for name, schedule in (seeds(pp, microbatches, cap, split_cost, whole_cost) if seeds else ()):
