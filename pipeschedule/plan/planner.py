@@ -453,7 +453,7 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
     as its `Family` record says: at its own chunks per rank (each count of `virtuals`,
     `fitting.virtual_tried`'s, where it takes any), where every stage gets a decoder layer;
     uncapped, except a family with a default cap (its uncapped form is 1F1B), which is
-    tried at every cap below pp; `searched` also at `searched_caps`; the caps of the
+    tried at every cap below pp; `searched` at `searched_caps`; the caps of the
     others that take one and do not split the backward, in stage-microbatches below their
     uncapped peak (at the fewest chunks per rank only)."""
     pp, L = config.pp, config.model.layers
@@ -467,7 +467,8 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
             continue  # [Note: dropped candidates]
         usable[name] = (f, vs)
     order = [n for n in FAST if n in usable] + [n for n in usable if n not in FAST and n not in SLOW]
-    out = [(name, None, v) for name in order if usable[name][0].default_cap is None for v in usable[name][1]]
+    out = [(name, None, v) for name in order if usable[name][0].default_cap is None and name != SEARCHED
+           for v in usable[name][1]]
     for name in order:
         f, vs = usable[name]
         if f.default_cap is not None:
@@ -488,20 +489,27 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
     return out
 
 
-def searched_caps(pp: int, microbatches: int) -> list[int]:
-    """[Note: searched candidates] The caps below pp at which the planner tries `searched`
-    (beside capped_1f1b at each of them): each is a search of its own (seeds, annealing
-    and about ten simulations: 0.1 s at pp=4, m=8, about 1 s at the plan's largest sizes,
-    generated under unit costs and shared by the run's plans like every schedule), so a
-    run searches at most SEARCHED_PLAN_PAIRS (stage, microbatch) pairs in all: every
-    cap where that allows, else as many as it allows spread from pp - 1 down to 1 (none
-    where pp * m alone is more). benchmarks/limits.py times the largest plans with them."""
-    count = min(pp - 1, SEARCHED_PLAN_PAIRS // (pp * microbatches))
+def searched_caps(pp: int, microbatches: int) -> list[int | None]:
+    """[Note: searched candidates] The caps at which the planner tries `searched`: None
+    (uncapped) first, then caps below pp (beside capped_1f1b at each). Each is a search of
+    its own (seeds, annealing and about ten simulations: 0.1 s at pp=4, m=8, up to about
+    1 s at the plan's largest sizes; generated under unit costs and shared by the run's
+    plans like every schedule), so a run searches at most SEARCHED_PLAN_PAIRS (stage,
+    microbatch) pairs in all: every cap where that allows, else as many as it allows,
+    spread from pp - 1 down to 1 (one: ceil(pp / 2); none where pp * m alone is more).
+    benchmarks/limits.py times the largest plans with them."""
+    count = SEARCHED_PLAN_PAIRS // (pp * microbatches)
     if count <= 0:
         return []
-    if count == pp - 1:
-        return list(range(pp - 1, 0, -1))
-    return sorted({round(pp - 1 - k * (pp - 2) / max(1, count - 1)) for k in range(count)}, reverse=True)
+    caps = pp - 1
+    if count - 1 >= caps:
+        return [None, *range(caps, 0, -1)]
+    if count == 1 or caps <= 0:
+        return [None]
+    spread = count - 1
+    if spread == 1:
+        return [None, (pp + 1) // 2]  # capped_1f1b's default cap, half of 1F1B's first stage
+    return [None, *sorted({round(caps - k * (caps - 1) / (spread - 1)) for k in range(spread)}, reverse=True)]
 
 
 def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:

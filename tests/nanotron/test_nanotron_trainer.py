@@ -52,7 +52,8 @@ JOBS = {
     "pp2-tied-fp32acc": ({"tie_embeddings": True, "dtype": "bfloat16", "fp32_accumulation": True},
                          ("ps_1f1b", "interleaved_1f1b:virtual=2") + SPLIT_BACKWARD),
     "pp4": ({"pp": 4, "layers": 8, "microbatches": 8},
-            ("ps_1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1", "zbv", "v_min", "searched:cap=2")),
+            ("ps_1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1", "zbv", "v_min", "searched:cap=2",
+             "ps_1f1b:split=3/0/3/2", "zbv:split=1/1/1/0/1/1/1/2")),  # empty stages ([Note: empty stages])
     "pp2-dp2-zero1": ({"dp": 2, "zero_stage": 1, "dtype": "bfloat16", "fp32_accumulation": True},
                       ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zb_h1", "zbv", "searched:cap=1")),
     "pp2-dp2-ddp-fp32acc": ({"dp": 2, "dtype": "bfloat16", "fp32_accumulation": True},
