@@ -489,27 +489,23 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
     return out
 
 
-def searched_caps(pp: int, microbatches: int) -> list[int | None]:
-    """[Note: searched candidates] The caps at which the planner tries `searched`: None
-    (uncapped) first, then caps below pp (beside capped_1f1b at each). Each is a search of
-    its own (seeds, annealing and about ten simulations: 0.1 s at pp=4, m=8, up to about
-    1 s at the plan's largest sizes; generated under unit costs and shared by the run's
-    plans like every schedule), so a run searches at most SEARCHED_PLAN_PAIRS (stage,
-    microbatch) pairs in all: every cap where that allows, else as many as it allows,
-    spread from pp - 1 down to 1 (one: ceil(pp / 2); none where pp * m alone is more).
+def searched_caps(pp: int, microbatches: int) -> list[int]:
+    """[Note: searched candidates] The caps below pp at which the planner tries `searched`,
+    beside capped_1f1b at each (uncapped, under the unit costs the planner generates its
+    schedules with, the search keeps zb_h1's order, already a candidate). Each is a search
+    of its own (seeds, annealing: up to about 0.5 s at the plan's largest sizes, shared by
+    the run's plans like every schedule), and each adds a candidate to every plan, so a
+    run searches at most SEARCHED_PLAN_PAIRS (stage, microbatch) pairs in all: every cap
+    where that allows, else as many as it allows, evenly spread: k of them at pp * i / (k
+    + 1) rounded, i = 1..k (one: pp / 2, about capped_1f1b's default; none where pp * m
+    alone is more).
     benchmarks/limits.py times the largest plans with them."""
-    count = SEARCHED_PLAN_PAIRS // (pp * microbatches)
+    count, caps = min(pp - 1, SEARCHED_PLAN_PAIRS // (pp * microbatches)), pp - 1
     if count <= 0:
         return []
-    caps = pp - 1
-    if count - 1 >= caps:
-        return [None, *range(caps, 0, -1)]
-    if count == 1 or caps <= 0:
-        return [None]
-    spread = count - 1
-    if spread == 1:
-        return [None, (pp + 1) // 2]  # capped_1f1b's default cap, half of 1F1B's first stage
-    return [None, *sorted({round(caps - k * (caps - 1) / (spread - 1)) for k in range(spread)}, reverse=True)]
+    if count == caps:
+        return list(range(caps, 0, -1))
+    return sorted({max(1, min(caps, round((k + 1) * pp / (count + 1)))) for k in range(count)}, reverse=True)
 
 
 def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:

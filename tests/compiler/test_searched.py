@@ -14,6 +14,7 @@ from pipeschedule.compiler.generators.search import (
     B, F, W, finish, held_peaks, improve, list_order, split_after, within_limits,
 )
 from pipeschedule.compiler.generators.searched import cost_models, order_of, problem_of, searched, stage_limits
+from pipeschedule.compiler.ir import Op, Schedule, make_instr
 from pipeschedule.compiler.verify import verify
 from pipeschedule.errors import ParameterError, ScheduleError
 from pipeschedule.simulate import simulate
@@ -188,3 +189,24 @@ def test_list_order_never_stops_short_b_first():
                 assert order is not None and within_limits(problem, order)
                 assert sum(op == W for program in order for op, _, _ in program) == pp * 7
                 assert sum(op == F for program in order for op, _, _ in program) == pp * 7
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(problems(max_pp=5, max_m=8), st.booleans())
+def test_with_free_messages_the_model_time_is_the_simulated_time(problem, annealed):
+    """[Note: free messages]: what `searched` compares instead of simulating, where
+    messages cost nothing, equals the simulator's step time of the lowered order."""
+    pp, m, cap, cost = problem
+    split, whole = cost_models(cost, list(range(pp)))
+    limits = stage_limits(cap, list(range(pp)), pp, m)
+    model = problem_of(list(range(pp)), m, limits, limits, split)
+    orders = [list_order(model, prefer_b=b, eager_w=e) for b in (True, False) for e in (True, False)]
+    seeds = [s for _, s in _seeds(pp, m, cap, split, whole)]
+    orders += [order_of(s) if s.split_backward else split_after(order_of(s)) for s in seeds]
+    orders = [o for o in orders if o is not None and within_limits(model, o)]
+    if annealed and orders:
+        orders.append(improve(model, orders[0], 2**14, seed=1)[1])
+    for order in orders:
+        programs = tuple(tuple(make_instr((Op.F, Op.B, Op.W)[op], s, mb) for op, s, mb in p) for p in order)
+        candidate = Schedule("candidate", pp, 1, m, tuple(range(pp)), programs, {})
+        assert simulate(lower(candidate, split), split).step_time == pytest.approx(finish(model, order)[0], rel=1e-12)

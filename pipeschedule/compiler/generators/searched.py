@@ -17,9 +17,10 @@ too; None: no cap), `searched`
   3. anneals from the best three ([Note: local search] in search.py) within a work
      budget (`budget`, instructions timed; SEARCH_WORK by default);
   4. lowers every seed, list schedule and annealed order with the cost and simulates it
-     (`pipeschedule.simulate`), an unsplit seed in its split form (each W right after
-     its B), and returns the one with the least simulated step time (the earliest on a
-     tie: seeds first).
+     (`pipeschedule.simulate`; where messages are free, the search model's time is the
+     simulated one: [Note: free messages]), an unsplit seed in its split form (each W
+     right after its B), and returns the one with the least simulated step time (the
+     earliest on a tie: seeds first).
 Every candidate is in split form (B input gradients, W weight gradients), so the result
 always splits the backward, and the cost is read as a split-backward schedule reads it.
 Since every seed is a candidate, the result is never slower in simulation than the split
@@ -172,13 +173,27 @@ def searched(pp: int, microbatches: int, cap=None, cost=None, *, placement: Sequ
         found, order, budget = improve(problem, order, budget // (len(starts) - n), seed=n)
         if better(found, key):
             improved.append((f"{origin}+search", order))
+    free = split_cost.latency == 0 and split_cost.bandwidth == math.inf  # [Note: free messages]
     best = None
     for origin, order in candidates + improved:
         schedule = _schedule(pp, virtual, microbatches, placement, order, limits if cap is not None else None, origin)
-        step = simulate(lower(schedule, split_cost), split_cost).step_time
+        if free:
+            step = finish(problem, order)[0]
+        else:
+            step = simulate(lower(schedule, split_cost), split_cost).step_time
         if best is None or step < best[0] - 1e-9 * max(1.0, abs(best[0])):
             best = (step, schedule)
     return best[1]
+
+
+# [Note: free messages] Where messages cost nothing (latency 0, infinite bandwidth: unit
+# costs, or times without a cost model's link), the simulated step time of a lowered
+# order is the search model's `finish` exactly: every message completes when both ends
+# have posted it, and lowering posts each receive before the first compute that can wait
+# for it ([Note: message placement] in passes.py). So the candidates are compared by
+# `finish` there, without lowering and simulating each (the planner's unit-cost
+# searches: about half their time). tests/compiler/test_searched.py pins the two equal on
+# seeds, list schedules and annealed orders.
 
 
 def _schedule(pp: int, virtual: int, microbatches: int, placement, order, caps, origin: str) -> Schedule:
