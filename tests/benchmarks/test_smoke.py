@@ -25,6 +25,7 @@ SCRIPTS = [
     ("benchmarks.moonshot", ["--microbatches", "8", "--out", "{tmp}"], "1f1b"),
     ("benchmarks.offload_sim", ["--no-write"], "gh200"),
     ("benchmarks.zero_bubble_table", ["--pp", "2", "-m", "4"], "zbv"),
+    ("benchmarks.searched_schedule", ["--smoke"], "| searched (seed"),
     ("benchmarks.gpu", ["--smoke"], "## Checks"),
     ("benchmarks.gpu_overhead", ["--smoke", "--steps", "1"], "executor"),
     ("benchmarks.offload", ["--smoke"], "## Offload chosen in `pp_engine`"),

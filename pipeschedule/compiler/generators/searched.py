@@ -43,7 +43,8 @@ queue); the split backward shortens each round trip by the W of every stage but 
 first, and the search chooses which of two ready instructions a rank runs first.
 
 Cost: one simulation per candidate (about ten) and the annealing's budget; the size is
-bounded by MAX_SEARCH_PAIRS ([Note: size limits] in checks.py).
+bounded by MAX_SEARCH_PAIRS and MAX_SEARCH_STAGES ([Note: size limits] in checks.py;
+benchmarks/limits.py times the largest accepted).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import math
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from pipeschedule.checks import MAX_SEARCH_PAIRS, SEARCH_WORK, check_int, shown
+from pipeschedule.checks import MAX_SEARCH_PAIRS, MAX_SEARCH_STAGES, SEARCH_WORK, check_int, shown
 from pipeschedule.compiler.generators.common import check_common, make, per_rank_caps
 from pipeschedule.compiler.generators.search import (
     B, F, W, Problem, better, finish, improve, list_order, split_after, within_limits,
@@ -142,6 +143,9 @@ def searched(pp: int, microbatches: int, cap=None, cost=None, *, placement: Sequ
     if sorted(set(placement)) != list(range(pp)) or len(placement) != pp * virtual:
         raise ParameterError(f"searched: placement {shown(placement)} must give each of the {pp} ranks "
                              f"{virtual} stage(s)")
+    if len(placement) > MAX_SEARCH_STAGES:
+        raise ParameterError(f"searched: {len(placement)} stages; at most {MAX_SEARCH_STAGES} are accepted (its seeds, "
+                             f"every fixed family's order, are built stage by stage)")
     pairs = len(placement) * microbatches
     if pairs > MAX_SEARCH_PAIRS:
         raise ParameterError(f"searched: pp * virtual * microbatches = {len(placement)} * {microbatches} = {pairs} "
