@@ -80,6 +80,16 @@ def test_every_engine_trains_as_nanotron_1f1b(job, key):
         assert_replicas_agree(result)
 
 
+def test_searched_runs_the_order_searched_for_its_first_steps_times(job):
+    """[Note: searched engine]: the first step measured F, B and W of every stage, and the
+    second ran the order searched for them (same losses and weights above)."""
+    _, ours = job("pp4")
+    searched = ours["searched:cap=2"]["searched"]
+    assert searched is not None and len(searched["cost"]) == 4
+    assert all(f > 0 and b > 0 and w >= 0 for f, b, w in searched["cost"])
+    assert searched["seed"] is not None
+
+
 def test_split_and_placement_from_the_yaml_are_applied(job):
     """`split=1/3` moves three of four layers to stage 1; interleaving puts 4 stages on
     ranks 0,1,0,1 and the V shapes on 0,1,1,0 (embedding ... loss: 1 + 4 + 4 blocks)."""
