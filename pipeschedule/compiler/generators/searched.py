@@ -68,9 +68,19 @@ from pipeschedule.simulate.cost import CostModel
 _OP = {Op.F: F, Op.B: B, Op.W: W}
 _INSTR = {F: Op.F, B: Op.B, W: Op.W}
 IMPROVED = 3  # the best candidates the local search starts from
+SMALL = 2**9  # instructions of an order up to which each start gets SEARCH_WORK ([Note: search budget])
+
+# [Note: search budget] The annealing times at most `budget` instructions in all, shared by
+# its starts: by default SEARCH_WORK (checks.py), or SEARCH_WORK for each start where an
+# order has at most SMALL instructions (pp * m * 3 <= 512: pp=4, m=8 on two chunks a rank).
+# Small problems are where the annealing finds the most and costs little (a start makes
+# at most MAX_TRIES swaps: about 0.1 s): on the V at pp=4, m=8, cap 2 under the H200 costs
+# it reaches 464 ms with SEARCH_WORK in all and 417 with SEARCH_WORK a start. Large ones
+# cost a swap's timing per instruction, and the planner searches two of them at pp=40,
+# m=25 (benchmarks/limits.py).
 
 
-# A seed: (name, compute-only schedule, whether its backward is split).
+# seeds(pp, m, cap, split cost, whole cost) -> (family name, its compute-only schedule) of each fixed family
 Seeds = Callable[[int, int, object, CostModel, CostModel], Sequence[tuple[str, Schedule]]]
 
 
@@ -136,7 +146,7 @@ def searched(pp: int, microbatches: int, cap=None, cost=None, *, placement: Sequ
     (name, compute-only schedule) of the fixed families to beat. `cap` bounds the
     stage-microbatches a rank holds from F to W (and so rule 6's count, F to B); with
     `uncounted_w` it bounds rule 6's count only, and a stash whose W is pending is not
-    counted. `budget`: instructions the local search may time (None: SEARCH_WORK)."""
+    counted. `budget`: instructions the local search may time (None: [Note: search budget])."""
     placement = list(range(pp)) if placement is None else list(placement)
     virtual = max(1, len(placement) // pp)
     check_common(pp, microbatches, virtual)
@@ -151,7 +161,9 @@ def searched(pp: int, microbatches: int, cap=None, cost=None, *, placement: Sequ
         raise ParameterError(f"searched: pp * virtual * microbatches = {len(placement)} * {microbatches} = {pairs} "
                              f"(stage, microbatch) pairs; at most {MAX_SEARCH_PAIRS} are accepted (the search "
                              f"simulates each of its candidates)")
-    budget = SEARCH_WORK if budget is None else check_int("budget", budget, 0)
+    if budget is None:  # [Note: search budget]
+        budget = SEARCH_WORK * (IMPROVED if 3 * len(placement) * microbatches <= SMALL else 1)
+    check_int("budget", budget, 0)
     split_cost, whole_cost = cost_models(cost, placement)
     limits = stage_limits(cap, placement, pp, microbatches)
     stash_limits = stage_limits(None, placement, pp, microbatches) if uncounted_w else limits
@@ -174,7 +186,9 @@ def searched(pp: int, microbatches: int, cap=None, cost=None, *, placement: Sequ
     starts = sorted(timed, key=lambda item: item[0])[:IMPROVED]
     improved = []
     for n, (key, origin, order) in enumerate(starts):
-        found, order, budget = improve(problem, order, budget // (len(starts) - n), seed=n)
+        share = budget // (len(starts) - n)  # what is left, shared by the starts still to go
+        found, order, left = improve(problem, order, share, seed=n)
+        budget -= share - left
         if better(found, key):
             improved.append((f"{origin}+search", order))
     free = split_cost.latency == 0 and split_cost.bandwidth == math.inf  # [Note: free messages]
@@ -195,8 +209,8 @@ def searched(pp: int, microbatches: int, cap=None, cost=None, *, placement: Sequ
 # order is the search model's `finish` exactly: every message completes when both ends
 # have posted it, and lowering posts each receive before the first compute that can wait
 # for it ([Note: message placement] in passes.py). So the candidates are compared by
-# `finish` there, without lowering and simulating each (the planner's unit-cost
-# searches: about half their time). tests/compiler/test_searched.py pins the two equal on
+# `finish` there, without lowering and simulating each (a third of a unit-cost
+# search's time at pp=16, m=64). tests/compiler/test_searched.py pins the two equal on
 # seeds, list schedules and annealed orders.
 
 
