@@ -42,6 +42,8 @@ from pipeschedule.checks import (
     MAX_PLAN_WORK,
     MAX_PNG_RANKS,
     MAX_SEARCH_NODES,
+    MAX_SEARCH_PAIRS,
+    MAX_SEARCH_STAGES,
     MAX_STAGE_MICROBATCHES,
     MAX_STAGES,
     MAX_TIMELINE_CELLS,
@@ -95,6 +97,19 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
              ["compile", "v_min", "--pp", str(s // 2), "-m", str(p // s), "--json", f("vm.json")]),
         Case("compile", f"zbv pp=64, m={p // 128}, --cost examples/cost_uniform.json",
              ["compile", *big, "--cost", "examples/cost_uniform.json", "--json", f("vc.json")]),
+    ]
+    # searched: its own bounds (it builds and simulates each of its candidates)
+    sp, ss = min(p, MAX_SEARCH_PAIRS), min(s, MAX_SEARCH_STAGES)
+    out += [
+        Case("compile", f"searched pp={ss} (most stages), m={sp // ss}, --cost examples/cost_uniform.json",
+             ["compile", "searched", "--pp", str(ss), "-m", str(sp // ss), "--cost", "examples/cost_uniform.json",
+              "--json", f("s.json")],
+             refused=["compile", "searched", "--pp", str(MAX_SEARCH_STAGES + 1), "-m", "1", "--json", f("r.json")]),
+        Case("compile", f"searched pp=64, m={sp // 64}, cap 8, --cost examples/cost_uniform.json",
+             ["compile", "searched", "--pp", "64", "-m", str(sp // 64), "--cap", "8", "--cost",
+              "examples/cost_uniform.json", "--json", f("s2.json")],
+             refused=["compile", "searched", "--pp", "64", "-m", str(MAX_SEARCH_PAIRS // 64 + 1), "--json",
+                      f("r.json")]),
     ]
     # the offload search simulates ranks x leads x 8 schedules (pp * m pairs each, the 5
     # default leads): the most microbatches it accepts at pp=8, and the most ranks at m=1
@@ -325,7 +340,8 @@ def main(argv=None) -> int:
                    "MAX_PLAN_STAGE_MICROBATCHES": MAX_PLAN_STAGE_MICROBATCHES,
                    "MAX_PLAN_LAYER_STAGES": MAX_PLAN_LAYER_STAGES, "MAX_PLAN_DPS": MAX_PLAN_DPS,
                    "MAX_SEARCH_NODES": MAX_SEARCH_NODES, "MAX_OFFLOAD_SEARCH": MAX_OFFLOAD_SEARCH,
-                   "MAX_PLAN_WORK": MAX_PLAN_WORK, "PLAN_SEARCH_WORK": PLAN_SEARCH_WORK},
+                   "MAX_PLAN_WORK": MAX_PLAN_WORK, "PLAN_SEARCH_WORK": PLAN_SEARCH_WORK,
+                   "MAX_SEARCH_PAIRS": MAX_SEARCH_PAIRS, "MAX_SEARCH_STAGES": MAX_SEARCH_STAGES},
         "rows": rows,
     }
     markdown = "\n".join([

@@ -57,6 +57,9 @@ MAX_PLAN_DPS = 16  # data-parallel sizes one `plan` compares: each is a lever se
 MAX_PLAN_WORK = 2**17  # plans x pp x pp x microbatches of one `plan` run (8 plans at pp=16, m=64)
 MAX_STREAM_PIECES = 4096  # pieces a streamed stash is cut into
 MAX_OFFLOAD_SEARCH = 2**18  # (stage, microbatch) pairs simulated in all by one offload search (`choose_offload`)
+MAX_SEARCH_PAIRS = 2**12  # (stage, microbatch) pairs of a `searched` schedule: it simulates each of its candidates
+MAX_SEARCH_STAGES = 2**11  # stages of a `searched` schedule (its seeds are built per stage: pp=4096, m=1 took 7 s)
+SEARCH_WORK = 2**18  # instructions the `searched` annealing times, in all (a start each on small orders: searched.py)
 MAX_DIGITS = 18  # digits of an integer typed as text
 MAX_SHOWN = 60  # characters of a bad value repeated in a message
 

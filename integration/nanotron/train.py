@@ -310,6 +310,7 @@ def record_of(trainer, *, weights: bool = True) -> dict:
         "first_step": trainer.first_step,
         "params": params, "block_ranks": [b.rank for b in pipeline_blocks(trainer.unwrapped_model)],
         "auto": _auto_summary(trainer.config.parallelism.pp_engine),
+        "searched": _searched_summary(trainer.config.parallelism.pp_engine),
     }
 
 
@@ -333,6 +334,16 @@ def _auto_summary(engine) -> dict | None:
         return None
     return {"engine": choice.engine, "why": choice.why, "predicted_peaks": list(choice.peaks),
             **{name: list(values) for name, values in engine.figures.items()}}
+
+
+def _searched_summary(engine) -> dict | None:
+    """What `pp_engine: searched` measured at its first step and the order it ran after
+    ([Note: searched engine]); None for other engines or before a measurement."""
+    cost = getattr(engine, "cost", None)
+    if cost is None or not hasattr(engine, "_runners"):
+        return None
+    runs = [runner.schedule for (_, _, train), runner in engine._runners.items() if train]
+    return {"cost": [list(stage) for stage in cost], "seed": runs[0].params.get("seed") if runs else None}
 
 
 def prepare(backend: str = "auto") -> str:

@@ -23,6 +23,7 @@ from pipeschedule.compiler.generators.interleaved import interleaved_1f1b
 from pipeschedule.compiler.generators.interleaved_zb import interleaved_zb
 from pipeschedule.compiler.generators.looped_bfs import looped_bfs
 from pipeschedule.compiler.generators.one_f_one_b import capped_1f1b, default_cap, one_f_one_b
+from pipeschedule.compiler.generators.searched import searched
 from pipeschedule.compiler.generators.v_shape import v_half, v_min, v_placement, zbv
 from pipeschedule.compiler.generators.zb_h2 import zb_h2
 from pipeschedule.compiler.generators.zero_bubble import zb_h1
@@ -80,6 +81,29 @@ class Family:
         return virtual if virtual is not None else (self.virtual or 1)
 
 
+def _searched(pp: int, microbatches: int, cap=None, cost=None):
+    """`searched` on one stage per rank, seeded with every other family that runs there
+    ([Note: searched schedule] in generators/searched.py)."""
+    return searched(pp, microbatches, cap=cap, cost=cost, seeds=_fixed_orders)
+
+
+def _fixed_orders(pp: int, microbatches: int, cap, split_cost, whole_cost):
+    """(name, compute order) of every family but `searched` on one stage per rank, under
+    `cap` where it takes one, timed with the cost it reads (B + W as the backward of the
+    unsplit ones); a family that refuses the cap is left out."""
+    out = []
+    for name, f in FAMILIES.items():
+        if name == "searched" or f.chunks() != 1 or f.placement is not _round_robin:
+            continue
+        options = {"cap": cap} if f.takes_cap and cap is not None else {}
+        try:
+            out.append((name, generate(name, pp=pp, microbatches=microbatches,
+                                       cost=split_cost if f.split_backward else whole_cost, **options)))
+        except ParameterError:
+            continue
+    return out
+
+
 _SPLIT = dict(takes_cap=True, split_backward=True, cost_aware=True)
 _V_SHAPE = dict(_SPLIT, placement=_v_shape, virtual=2)
 
@@ -96,6 +120,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("dualpipev", dualpipev, engine="dualpipev", **_V_SHAPE),
     Family("interleaved_zb", interleaved_zb, virtual=None, engine="interleaved_zb", **_SPLIT),
     Family("looped_bfs", looped_bfs, virtual=None, engine="looped_bfs"),
+    Family("searched", _searched, engine="searched", **_SPLIT),
 )}
 
 
@@ -139,7 +164,7 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
             )
     virtual = chosen.chunks(virtual)
     check_common(pp, microbatches, virtual)
-    times = stage_times(cost, pp * virtual)  # checked before any work
+    stage_times(cost, pp * virtual)  # checked before any work
     if cap is not None:
         per_rank_caps(cap, pp)
         if not chosen.takes_cap:
@@ -152,7 +177,7 @@ def generate(name: str, *, pp: int, microbatches: int, virtual: int | None = Non
     if chosen.takes_cap:
         options["cap"] = cap
     if chosen.cost_aware:
-        options["cost"] = times
+        options["cost"] = cost  # the generator reads it through `stage_times`; `searched` also its messages
     if edges is not None:
         try:
             StageGraph.of(pp * virtual, edges)  # checked before any work

@@ -444,6 +444,8 @@ class Plan:
 # of FAMILIES named in neither list is tried after FAST.
 FAST = ("1f1b", "zb_h1", "zbv", "v_half", "interleaved_1f1b")
 SLOW = ("v_min", "looped_bfs", "afab")  # v_min: the least memory, looped_bfs the most; rarely the fastest
+SEARCHED = "searched"  # tried at caps of its own: searched_caps
+SEARCHED_PLAN_PAIRS = 2**11  # (stage, microbatch) pairs of the capped `searched` schedules of one plan run
 
 
 def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
@@ -451,9 +453,9 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
     as its `Family` record says: at its own chunks per rank (each count of `virtuals`,
     `fitting.virtual_tried`'s, where it takes any), where every stage gets a decoder layer;
     uncapped, except a family with a default cap (its uncapped form is 1F1B), which is
-    tried at every cap below pp; the caps of the others that take one and do not split
-    the backward, in stage-microbatches below their uncapped peak (at the fewest chunks
-    per rank only)."""
+    tried at every cap below pp; `searched` at `searched_caps`; the caps of the
+    others that take one and do not split the backward, in stage-microbatches below their
+    uncapped peak (at the fewest chunks per rank only)."""
     pp, L = config.pp, config.model.layers
     usable = {}
     for name, f in FAMILIES.items():
@@ -465,11 +467,14 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
             continue  # [Note: dropped candidates]
         usable[name] = (f, vs)
     order = [n for n in FAST if n in usable] + [n for n in usable if n not in FAST and n not in SLOW]
-    out = [(name, None, v) for name in order if usable[name][0].default_cap is None for v in usable[name][1]]
+    out = [(name, None, v) for name in order if usable[name][0].default_cap is None and name != SEARCHED
+           for v in usable[name][1]]
     for name in order:
         f, vs = usable[name]
         if f.default_cap is not None:
             out += [(name, c, v) for v in vs for c in range(pp - 1, 0, -1)]
+        elif name == SEARCHED:
+            out += [(name, c, v) for v in vs for c in searched_caps(pp, config.microbatches)]
     for name in order:
         f, vs = usable[name]
         if f.takes_cap and f.default_cap is None and not f.split_backward:
@@ -482,6 +487,25 @@ def _families(config: PlanConfig, planner: _Planner, virtuals: tuple[int, ...]):
                 out += [(name, v * k, v) for k in sorted(ks, reverse=True) if v * k < peak]
     out += [(name, None, v) for name in SLOW if name in usable for v in usable[name][1]]
     return out
+
+
+def searched_caps(pp: int, microbatches: int) -> list[int]:
+    """[Note: searched candidates] The caps below pp at which the planner tries `searched`,
+    beside capped_1f1b at each (uncapped, under the unit costs the planner generates its
+    schedules with, the search keeps zb_h1's order, already a candidate). Each is a search
+    of its own (seeds, annealing: up to about 0.5 s at the plan's largest sizes, shared by
+    the run's plans like every schedule), and each adds a candidate to every plan, so a
+    run searches at most SEARCHED_PLAN_PAIRS (stage, microbatch) pairs in all: every cap
+    where that allows, else as many as it allows, evenly spread: k of them at pp * i / (k
+    + 1) rounded, i = 1..k (one: pp / 2, about capped_1f1b's default; none where pp * m
+    alone is more).
+    benchmarks/limits.py times the largest plans with them."""
+    count, caps = min(pp - 1, SEARCHED_PLAN_PAIRS // (pp * microbatches)), pp - 1
+    if count <= 0:
+        return []
+    if count == caps:
+        return list(range(caps, 0, -1))
+    return sorted({max(1, min(caps, round((k + 1) * pp / (count + 1)))) for k in range(count)}, reverse=True)
 
 
 def dropped(config: PlanConfig) -> tuple[tuple[str, str], ...]:

@@ -28,7 +28,7 @@ class RemoteOutput:
 @dataclass
 class StepTimes:
     """Host seconds of the last step: in stage forward and autograd backward
-    (`compute_s`, of which `forward_s` in forwards), posting and finishing batches
+    (`compute_s`, of which `forward_s` in forwards and `weight_s` in W), posting and finishing batches
     (`transport_s`), blocked in waits (`wait_s`), in all (`total_s`); `instructions`
     counts those run. The executor's own overhead is `total_s - compute_s - transport_s
     - wait_s`; `measured` counts the F whose stash was measured with saved-tensor hooks
@@ -39,6 +39,7 @@ class StepTimes:
     total_s: float = 0.0
     compute_s: float = 0.0
     forward_s: float = 0.0
+    weight_s: float = 0.0
     transport_s: float = 0.0
     wait_s: float = 0.0
     instructions: int = 0

@@ -646,7 +646,9 @@ class Executor:
             self.offloader.ready(("stash", i.stage, i.mb), str(i))
         start = self._clock()
         stash.weights.run()
-        self.times.compute_s += self._clock() - start
+        elapsed = self._clock() - start
+        self.times.compute_s += elapsed
+        self.times.weight_s += elapsed
 
     def _clock(self) -> float:
         """perf_counter, after the device's queued work when `exact_times` is set."""

@@ -26,6 +26,7 @@ SCRIPTS = [
     ("benchmarks.offload_sim", ["--no-write"], "gh200"),
     ("benchmarks.zero_bubble_table", ["--pp", "2", "-m", "4"], "zbv"),
     ("benchmarks.pytorch_orders", ["--smoke"], "| ScheduleDualPipeV | dualpipev | 2 | 2 | 4 |"),
+    ("benchmarks.searched_schedule", ["--smoke"], "| searched (seed"),
     ("benchmarks.gpu", ["--smoke"], "## Checks"),
     ("benchmarks.gpu_overhead", ["--smoke", "--steps", "1"], "executor"),
     ("benchmarks.offload", ["--smoke"], "## Offload chosen in `pp_engine`"),

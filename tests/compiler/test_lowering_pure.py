@@ -81,6 +81,7 @@ GOLDEN = {
     "dualpipev": "bc499608cad79da9",
     "interleaved_zb": "934a6724a578a2fc",
     "looped_bfs": "09e03a8fb5b6f81c",
+    "searched": "53cf77f2d1e43f84",  # recorded at the merge with issue 42's families (same step 26.15, same peaks)
 }
 
 

@@ -243,6 +243,19 @@ class NanotronChain(nn.Module):
         return {"x": x if pp_rank == 0 else TensorPointer(group_rank=0)}
 
 
+class NanotronSerialize(NanotronChain):
+    """nanotron's DummyModel placed as its tests/test_serialize.py places it
+    (tests/helpers/dummy.py `init_dummy_model`): the blocks in contiguous runs of
+    ceil(blocks / pp) a rank, so at pp=4 its 9 blocks go 3/3/3/0 and the last rank holds
+    none (nanotron trains that with AFAB)."""
+
+    def __init__(self, p2p, pp: int, pairs: int | None = None):
+        super().__init__(p2p, pp, pairs)
+        blocks = 2 * (pp if pairs is None else pairs) + 1
+        size = -(-blocks // pp)
+        self.ranks = [index // size for index in range(blocks)] if pairs is None else None
+
+
 class NanotronNoGrad(nn.Module):
     """nanotron's DummyModelPassingNonDifferentiableTensor: pp + 1 pairs of (linear with a
     passed-through input, sigmoid(x) * y), the last two pairs on the last rank, then a loss;

@@ -49,13 +49,13 @@ from nanotron.parallel.utils import initial_sync
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.llama.reference import clear_shared_state
-from block_chains import NanotronChain, NanotronNoGrad
+from block_chains import NanotronChain, NanotronNoGrad, NanotronSerialize
 from integration.nanotron.patches.cpu import cpu_p2p, cpu_parallel_context
 from integration.nanotron.gloo import CudaToCpu
 from integration.nanotron.pipeline.registry import NANOTRON_ENGINES
 from pipeschedule.runtime.launch import spawn
 
-MODELS = {"chain": NanotronChain, "no_grad": NanotronNoGrad}
+MODELS = {"chain": NanotronChain, "no_grad": NanotronNoGrad, "serialize": NanotronSerialize}
 SEQUENTIAL = "sequential"  # every block on pp rank 0, one microbatch after another: the tests' reference
 
 

@@ -134,10 +134,7 @@ def test_every_world_size_fix_is_accepted(dp, tp, pp, nproc):
     ("interleaved_1f1b:virtual=3", 4, 4),  # issue 33: the suggestion used to be refused itself
     ("interleaved_1f1b:virtual=8", 2, 4),
     ("capped_1f1b:split=1/1", 2, 4),
-    ("ps_1f1b:split=0/0/4/0", 4, 4),
     ("zbv", 4, 3),  # 8 stages, 3 layers: no split of pp 4 can fill them; the fix is pp 2
-    ("capped_1f1b:cap=4/3/2/1,split=0/0/2/2", 4, 4),
-    ("zbv:split=4/0/0/0", 2, 4),
 ])
 def test_too_few_layers_for_the_stages_is_refused_with_a_fix_that_is_accepted(tmp_path, capsys, engine, pp, layers):
     config = replace(SMALL, engine=engine, pp=pp, layers=layers)
@@ -148,6 +145,18 @@ def test_too_few_layers_for_the_stages_is_refused_with_a_fix_that_is_accepted(tm
     fixed = replace(config, engine=fix.group(1), pp=int(fix.group(2) or pp))
     code, out, err = check(capsys, write(tmp_path, fixed, "fixed.yaml"))
     assert code == 0 and err == [], (fix.group(0), err)
+
+
+@pytest.mark.parametrize("engine, pp, layers", [
+    ("ps_1f1b:split=0/0/4/0", 4, 4),  # the embedding on stage 0, the head on stage 3: stage 1 passes on
+    ("capped_1f1b:cap=4/3/2/1,split=0/0/2/2", 4, 4),
+    ("zbv:split=4/0/0/0", 2, 4),
+])
+def test_a_split_that_leaves_a_later_stage_empty_is_accepted(tmp_path, capsys, engine, pp, layers):
+    """[Note: empty stages]: a stage given no layer by split= (and no other block) passes
+    its input on; only stage 0, which reads the data loader, must hold a block."""
+    code, out, err = check(capsys, write(tmp_path, replace(SMALL, engine=engine, pp=pp, layers=layers)))
+    assert code == 0 and err == [], err
 
 
 def test_a_file_nanotron_cannot_read_is_refused_in_one_line(tmp_path, capsys):

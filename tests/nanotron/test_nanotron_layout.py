@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from integration.nanotron.pipeline.block_graph import LOSS, BlockGraph, Source
 from integration.nanotron.pipeline.errors import LayoutError
 from integration.nanotron.pipeline.layout import engine_layout, model_stages
 from strategies import examples
@@ -128,3 +129,33 @@ def test_a_v_model_on_the_right_ranks_without_costs_asks_for_a_split():
         model_stages(found, blocks, [0] * 9, placement=[0, 1, 1, 0], split=None, engine="zbv")
     assert model_stages(found, blocks, [0] * 9, placement=[0, 1, 1, 0], split=(1, 1, 1, 1), engine="zbv") == [
         0, 0, 1, 1, 2, 2, 3, 3, 3]
+
+
+def test_empty_stages_run_where_asked_and_stage_0_must_hold_a_block():
+    """[Note: empty stages]: a split with a 0 leaves that stage empty (it passes its input
+    on), but not stage 0, which reads the data loader; a model built one stage per rank
+    with ranks that hold no block (nanotron's test_serialize: 3/3/3/0) is taken as built;
+    the engine's own cost split leaving a stage empty is still refused with a fix."""
+    layout = engine_layout(alternating(3), [0] * 7, placement=[0, 1, 2, 3], split=(1, 0, 1, 1), engine="ps_1f1b")
+    assert layout.block_stages == (0, 0, 2, 2, 3, 3, 3)
+    with pytest.raises(LayoutError, match=r"leaves stage 0 without any block .* stage 0 reads the data loader"):
+        engine_layout(alternating(3), [0] * 7, placement=[0, 1, 2, 3], split=(0, 1, 1, 1), engine="ps_1f1b")
+    blocks = alternating(4)  # 9 blocks, as nanotron's DummyModel at pp=4
+    found = [index // 3 for index in range(9)]
+    assert model_stages(found, blocks, [0] * 9, placement=[0, 1, 2, 3], split=None, engine="ps_1f1b") == found
+    with pytest.raises(LayoutError, match="nanotron's cost split leaves stage"):
+        engine_layout(alternating(1), [1, 0, 1], placement=[0, 1, 2, 3], split=None, engine="ps_1f1b")
+
+
+def test_inputs_travel_through_empty_stages_and_the_loss_past_them():
+    """[Note: empty stages]: a chain 0 -> 2 over an empty stage 1 goes 0 -> 1 -> 2, the
+    loss of stage 2 goes on to the empty last stage 3; the stage graph stays the chain."""
+    sources = {(1, "x"): Source(block=0), (2, "x"): Source(block=1)}  # block 2 reads block 1, block 1 block 0
+    graph = BlockGraph(sources, block_stage=(0, 2, 2), placement=(0, 1, 2, 3))
+    assert graph.empty == {1, 3} and graph.loss_stage == 2
+    assert graph.route((1, "x")) == [(0, 1), (1, 2)] and graph.carrier((1, "x")) == (0, 1)
+    assert graph.route(LOSS) == [(2, 3)] and graph.route((2, "x")) == []
+    assert graph.edges == [(0, 1), (1, 2), (2, 3)]
+    assert graph.edge_keys((1, 2)) == [(1, "x")] and graph.edge_keys((2, 3)) == [LOSS]
+    full = BlockGraph(sources, block_stage=(0, 1, 2), placement=(0, 1, 2))  # nothing empty: as before
+    assert full.empty == set() and full.edges == [(0, 1), (1, 2)] and full.route(LOSS) == []

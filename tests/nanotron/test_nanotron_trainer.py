@@ -23,7 +23,7 @@ SPLIT_BACKWARD = ("zb_h1", "zbv", "v_half", "v_min", "zb_h2", "dualpipev", "inte
 PP2 = ("ps_1f1b", "ps_afab", "capped_1f1b:cap=1", "capped_1f1b:cap=1,split=1/3", "interleaved_1f1b:virtual=2",
        "capped_1f1b:cap=1,recompute=full", "capped_1f1b:cap=1,recompute=selective", "zb_h1:recompute=1",
        "v_min:recompute=full", "looped_bfs:virtual=2", "dualpipev:cap=3,recompute=full",
-       "interleaved_zb:virtual=2,offload=0") + SPLIT_BACKWARD
+       "interleaved_zb:virtual=2,offload=0", "searched:cap=1") + SPLIT_BACKWARD
 
 
 def assert_same(ours: dict, ref: dict) -> None:
@@ -55,15 +55,16 @@ JOBS = {
                          ("ps_1f1b", "interleaved_1f1b:virtual=2") + SPLIT_BACKWARD),
     "pp4": ({"pp": 4, "layers": 8, "microbatches": 8},
             ("ps_1f1b", "capped_1f1b:cap=2", "interleaved_1f1b:virtual=2", "zb_h1", "zbv", "v_min", "zb_h2",
-             "dualpipev", "interleaved_zb:virtual=2", "looped_bfs:virtual=2")),
+             "dualpipev", "interleaved_zb:virtual=2", "looped_bfs:virtual=2", "searched:cap=2",
+             "ps_1f1b:split=3/0/3/2", "zbv:split=1/1/1/0/1/1/1/2")),  # empty stages ([Note: empty stages])
     "pp2-dp2-zero1": ({"dp": 2, "zero_stage": 1, "dtype": "bfloat16", "fp32_accumulation": True},
                       ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zb_h1", "zbv", "dualpipev",
-                       "interleaved_zb:virtual=2")),
+                       "interleaved_zb:virtual=2", "searched:cap=1")),
     "pp2-dp2-ddp-fp32acc": ({"dp": 2, "dtype": "bfloat16", "fp32_accumulation": True},
                             ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "v_half")),
     "pp2-dp2-ddp": ({"dp": 2}, ("ps_1f1b", "interleaved_1f1b:virtual=2", "zb_h1")),
     "pp2-tp2": ({"tp": 2}, ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2", "zbv", "zb_h2", "dualpipev",
-                            "looped_bfs:virtual=2")),
+                            "looped_bfs:virtual=2", "searched")),
     "pp2-tp2-sequence-parallel": ({"tp": 2, "tp_mode": "REDUCE_SCATTER", "tp_async": True},
                                   ("capped_1f1b:cap=1", "interleaved_1f1b:virtual=2,recompute=1", "zb_h1")),
 }
@@ -82,6 +83,16 @@ def test_every_engine_trains_as_nanotron_1f1b(job, key):
     for result in ours.values():
         assert_same(result, ref)
         assert_replicas_agree(result)
+
+
+def test_searched_runs_the_order_searched_for_its_first_steps_times(job):
+    """[Note: searched engine]: the first step measured F, B and W of every stage, and the
+    second ran the order searched for them (same losses and weights above)."""
+    _, ours = job("pp4")
+    searched = ours["searched:cap=2"]["searched"]
+    assert searched is not None and len(searched["cost"]) == 4
+    assert all(f > 0 and b > 0 and w >= 0 for f, b, w in searched["cost"])
+    assert searched["seed"] is not None
 
 
 def test_split_and_placement_from_the_yaml_are_applied(job):

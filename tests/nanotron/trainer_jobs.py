@@ -169,7 +169,7 @@ def merge(records: list[dict]) -> dict:
         replicas.setdefault(record["dp_rank"], {}).update(
             {(name, record["tp_rank"]): p for name, p in record["params"].items()})
     return {"engine": first[0]["engine"], "losses": losses, "params": params, "stash": stash,
-            "block_ranks": first[0]["block_ranks"], "replicas": replicas}
+            "block_ranks": first[0]["block_ranks"], "replicas": replicas, "searched": first[0].get("searched")}
 
 
 __all__ = ["TrainerConfig", "assemble", "checkpoints_path", "initial_all", "merge", "resume_states", "train_all"]

@@ -11,13 +11,14 @@ from pipeschedule.errors import FormatError, ParameterError
 from pipeschedule.plan.memory import GRADS, GiB, TrainingSetup
 from pipeschedule.cli.plan import run as run_plan
 from pipeschedule.plan import Candidate, PlanConfig, head_seconds, layer_seconds, plan
+from pipeschedule.plan.planner import searched_caps
 from pipeschedule.plan.presets import MODELS
 
 L70 = MODELS["llama3-70b"]
 # integration/nanotron/pipeline/engine_spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
 # integer or integers joined by '/'.
 FAMILY_NAMES = ("1f1b|afab|ps_1f1b|ps_afab|capped_1f1b|interleaved_1f1b|zb_h1|zbv|v_half|v_min|zb_h2|dualpipev"
-                "|interleaved_zb|looped_bfs")
+                "|interleaved_zb|looped_bfs|searched")
 VALUE = r"[a-z]+=(\d+(/\d+)*|full|selective)"
 ENGINE = re.compile(rf"^({FAMILY_NAMES})(:{VALUE}(,{VALUE})*)?$")
 
@@ -48,9 +49,11 @@ def test_default_is_nanotron_1f1b_with_its_split():
     assert result.recommended.step_time <= result.default.step_time
     families = {c.family for c in result.candidates}
     assert families == {"1f1b", "capped_1f1b", "interleaved_1f1b", "afab", "zb_h1", "zbv", "v_half", "v_min",
-                        "zb_h2", "dualpipev", "interleaved_zb", "looped_bfs"}
+                        "zb_h2", "dualpipev", "interleaved_zb", "looped_bfs", "searched"}
     caps = {c.cap for c in result.candidates if c.family == "capped_1f1b"}
     assert {1, 2, 3} <= caps
+    searched = {c.cap for c in result.candidates if c.family == "searched"}
+    assert searched == set(searched_caps(4, result.config.microbatches)) == {1, 2, 3}
     for cand in result.candidates:
         assert ENGINE.match(cand.engine()), cand.engine()
 

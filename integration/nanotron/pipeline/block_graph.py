@@ -33,6 +33,20 @@ graph. From it (`BlockGraph`):
 
 A chain model (nanotron's Llama: each decoder layer passes its hidden states and the
 sequence mask on) gives the chain, and its schedule is exactly the one compiled for it.
+
+[Note: empty stages] A stage may hold no block: nanotron's own tests/test_serialize.py
+places its 9 blocks 3/3/3/0 at pp=4 (`ceil(9 / 4)` a rank) and trains them with AFAB, and
+`split=` may give a stage 0 decoder layers and nothing between. Such a stage passes its
+input on. An input whose carrier (s, t) passes over empty stages travels through each
+of them (`route`: (s, e1), (e1, e2), ..., (ek, t)); where the stages after the loss's
+are empty, the loss itself (key `LOSS`) travels from its stage through them to the last
+stage, which returns it as the step's loss (the runtime divides it by m and
+back-propagates from it there, as on the loss's own stage). An empty stage's F unpacks
+what it received and packs it again for each edge out (step.py `ModelStages`): the
+same bits, and B hands each gradient back unchanged, so the step is bitwise the one
+without the empty stages; on a chain the stage graph stays the chain. Stage 0, which
+reads the data loader, must hold a block (layout.py refuses it empty). The losses are
+returned on the rank of the loss's stage, where nanotron's engines return them.
 """
 
 from __future__ import annotations
@@ -53,6 +67,7 @@ from integration.nanotron.pipeline.errors import EngineRuntimeError
 REPORT_WAIT_S = 60.0  # how long a rank waits for the other ranks' reports of their blocks' inputs
 
 Key = tuple  # (block index, input name)
+LOSS: Key = (-1, "loss")  # the model's output, relayed to the last stage past empty stages ([Note: empty stages])
 
 
 def block_code(block: int) -> int:
@@ -83,9 +98,19 @@ class BlockGraph:
     placement: tuple[int, ...]
     single_output: frozenset = frozenset()  # blocks with one output: a pointer to one names its tensor
     carriers: dict = field(init=False, repr=False, compare=False)  # (block, name) -> edge or None
+    routes: dict = field(init=False, repr=False, compare=False)  # key -> the edges it travels ([Note: empty stages])
+    packed: dict = field(init=False, repr=False, compare=False)  # edge -> the keys it carries, sorted
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "carriers", self._carriers())
+        keys = [*self.carriers, *([LOSS] if self.loss_stage < len(self.placement) - 1 else [])]
+        routes = {key: self._route(key) for key in keys}
+        packed: dict = {}
+        for key in sorted(keys):
+            for edge in routes[key]:
+                packed.setdefault(edge, []).append(key)
+        object.__setattr__(self, "routes", routes)
+        object.__setattr__(self, "packed", packed)
 
     def _carriers(self) -> dict:
         stage, placement = self.block_stage, self.placement
@@ -117,18 +142,50 @@ class BlockGraph:
                 "that runs an earlier stage")
         return max(senders) if senders else max(before)
 
+    @property
+    def empty(self) -> frozenset:
+        """The stages that hold no block ([Note: empty stages])."""
+        return frozenset(range(len(self.placement))) - set(self.block_stage)
+
+    @property
+    def loss_stage(self) -> int:
+        """The stage of the last block (the loss): the last stage unless the stages after it
+        are empty ([Note: empty stages])."""
+        return max(self.block_stage, default=len(self.placement) - 1)
+
+    def route(self, key: Key) -> list[tuple[int, int]]:
+        """The edges input `key` travels ([Note: empty stages]); [] for a key it does not know."""
+        return self.routes.get(key, [])
+
+    def _route(self, key: Key) -> list[tuple[int, int]]:
+        """The edges input `key` travels, in order: its carrier (s, t), or, where empty
+        stages lie between s and t, s to the first of them, on through each, to t
+        ([Note: empty stages]); the loss (`LOSS`) from its stage through the empty stages
+        after it to the last. Empty where the input is made or held on its own rank."""
+        if key == LOSS:
+            last = len(self.placement) - 1
+            s = self.loss_stage
+            return [(u, u + 1) for u in range(s, last)]
+        edge = self.carriers.get(key)
+        if edge is None:
+            return []
+        stops = [edge[0], *sorted(e for e in self.empty if edge[0] < e < edge[1]), edge[1]]
+        return list(zip(stops, stops[1:]))
+
     def carrier(self, key: Key):
-        """The edge that carries input `key`, None where it is made or held on its own rank."""
-        return self.carriers.get(key)
+        """The edge on which input `key` leaves the stage that makes or holds it (the first
+        of its `route`), None where it is made or held on its own rank."""
+        route = self.route(key)
+        return route[0] if route else None
 
     @property
     def edges(self) -> list[tuple[int, int]]:
         """The stage graph: every edge that carries some input, sorted."""
-        return sorted({e for e in self.carriers.values() if e is not None})
+        return sorted(self.packed)
 
     def edge_keys(self, edge) -> list[Key]:
         """The inputs an edge carries, in the order they are packed."""
-        return sorted(key for key, e in self.carriers.items() if e == edge)
+        return list(self.packed.get(tuple(edge), []))
 
 
 class _Discovery(PipelineBatchState):
@@ -246,4 +303,5 @@ def masked_ranks(blocks, keep: set[int]):
             block.rank = r
 
 
-__all__ = ["BlockGraph", "Source", "block_code", "code_block", "find_block_graph", "local_sources", "masked_ranks"]
+__all__ = ["LOSS", "BlockGraph", "Source", "block_code", "code_block", "find_block_graph", "local_sources",
+           "masked_ranks"]

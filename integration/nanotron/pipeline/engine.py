@@ -18,6 +18,8 @@ stages, cap and its default, placement, split backward) comes from the family's 
     zb_h2, dualpipev,  ZB-H2 (split backward, up to 2pp-1 stashed), DualPipeV (V shape),
     interleaved_zb,    interleaved zero bubble and looped BFS (round robin, virtual
     looped_bfs         required); a cap where the family takes one (not looped_bfs)
+    searched           split backward, one stage per rank, ordered for the F/B/W times the
+                       first step measures under the cap ([Note: searched engine]); optional cap
 
 Use: name the engine in nanotron's YAML (`parallelism.pp_engine: capped_1f1b:cap=2`,
 [Note: pp_engine syntax] in engine_spec) and start nanotron's trainer through
@@ -77,6 +79,7 @@ _LOG = logging.getLogger("pipeschedule.nanotron")
 _engines_built: dict[tuple[int, ...], itertools.count] = {}  # pp group -> engine counter (store prefixes)
 
 
+SEARCHED = "searched"  # the family whose engine measures its costs first ([Note: searched engine])
 DEFAULT_VIRTUAL = 2  # chunks per rank of an interleaved spec built from Python without `virtual`
 
 
@@ -331,6 +334,70 @@ class AutoEngine(PipescheduleEngine):
         return f"{type(self).__name__}({self.auto.to_string()!r}, running {self.spec.to_string()!r})"
 
 
+class SearchedEngine(PipescheduleEngine):
+    """`pp_engine: searched[:cap=N|N0/N1/...][,split=...]`.
+
+    [Note: searched engine] The `searched` family orders its computes for given per-stage
+    F, B and W times ([Note: searched schedule] in pipeschedule/compiler/generators/searched.py);
+    this engine takes them from the run itself, as `auto` takes its memory: the model is
+    laid out as for 1F1B (one stage per rank, nanotron's split or `split=`), the first
+    step runs the order searched for unit costs (F = B = W = 1 a stage) under the cap,
+    and times every rank's F, B and W exactly (synchronising around each, this step
+    only). Every rank of the job gathers these, over the whole world rather than its
+    pipeline group: the ranks of one stage in other pipelines (tensor parallel, data
+    parallel) must run the same order, or the collectives inside the stage would pair
+    across different microbatches; each stage's times are the mean over the ranks that
+    run it, so every rank searches the same numbers and finds the same order (the
+    runtime checks that the pipeline's ranks agree, [Note: schedule agreement]). From
+    the second step on the engine runs the order searched for those times, messages
+    free (the search's model needs no link figures to order the computes of one-stage
+    ranks). Each step computes the same gradients in another order: bitwise those of
+    nanotron's engines on CPU (tests/nanotron/test_nanotron_trainer.py). The times
+    are logged with the order's simulated step time for them.
+    """
+
+    def __init__(self, spec: EngineSpec):
+        super().__init__(spec)
+        self.cost: tuple[tuple[float, float, float], ...] | None = None  # per stage, at the first step
+        self._switch = False
+
+    def train_batch_iter(self, model, pg, batch: Iterable[dict], nb_microbatches: int, grad_accumulator):
+        first = self.cost is None
+        if self._switch:  # the first step's runner stays until now: its ledger is that step's record
+            self._runners, self._switch = {}, False
+        if first:
+            self._runner(self.spec, model, pg, nb_microbatches, train=True).executor.exact_times = True
+        out = super().train_batch_iter(model, pg, batch, nb_microbatches, grad_accumulator)
+        if first:
+            self._measure(pg, nb_microbatches)
+        return out
+
+    def _measure(self, pg, m: int) -> None:
+        times = self.training_times()
+        mine = (dist.get_rank(pg), times.forward_s / m, (times.compute_s - times.forward_s - times.weight_s) / m,
+                times.weight_s / m)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        sums: dict[int, list[float]] = {}
+        for stage, *figures in every:
+            row = sums.setdefault(stage, [0.0, 0.0, 0.0, 0])
+            for k, x in enumerate(figures):
+                row[k] += x
+            row[3] += 1
+        self.cost = tuple(tuple(total / row[3] for total in row[:3]) for _, row in sorted(sums.items()))
+        self._switch = True
+        ms = ", ".join("/".join(f"{1000 * x:.3g}" for x in stage) for stage in self.cost)
+        warn_lines(f"pipeschedule pp_engine {self.spec.to_string()} (rank {dist.get_rank(pg)}): F/B/W ms per "
+                   f"microbatch and stage measured at step 1: {ms}; from step 2 on the order searched for them")
+
+    def _runner(self, spec: EngineSpec, model, pg, m: int, *, train: bool) -> Runner:
+        key = (id(pg), m, train)
+        if key not in self._runners:
+            self._runners[key] = build_runner(spec, self, model, pg, m, train=train,
+                                              transport=self._transport_for(pg), cost=self.cost)
+        return self._runners[key]
+
+
 def warn_lines(text: str) -> None:
     """`text` as one warning a line: nanotron's handler (`NewLineStreamHandler`) splits a
     record's format string at newlines and formats each piece with all the record's
@@ -356,11 +423,12 @@ def spec_cap(spec: EngineSpec, pp: int):
     return family.default_cap(pp)
 
 
-def compile_spec(spec: EngineSpec, *, pp: int, microbatches: int) -> Schedule:
+def compile_spec(spec: EngineSpec, *, pp: int, microbatches: int, cost=None) -> Schedule:
     """The lowered, verified schedule of `spec` for (pp, m), with its OFFLOAD / RELOAD
-    when it has `offload`."""
+    when it has `offload`; `cost` (per-stage (F, B, W) times; None: unit costs) is what
+    a cost-aware family orders by ([Note: searched engine])."""
     schedule = compile_schedule(spec.family, pp=pp, microbatches=microbatches, virtual=spec_virtual(spec),
-                                cap=spec_cap(spec, pp))
+                                cap=spec_cap(spec, pp), cost=cost)
     policy = spec.offload_policy()
     if policy is not None:
         schedule = add_offload(schedule, policy)
@@ -369,14 +437,14 @@ def compile_spec(spec: EngineSpec, *, pp: int, microbatches: int) -> Schedule:
 
 
 def build_runner(spec: EngineSpec, engine: PipescheduleEngine, model, pg, microbatches: int, *, train: bool,
-                 transport: DistTransport) -> Runner:
+                 transport: DistTransport, cost=None) -> Runner:
     """The runner of `spec` for (pg, m): its schedule checked against pp and compiled
     (evaluation: the forward half, lowered and verified as one, [Note: forward-only
     schedules]), run by an executor over `transport` with `spec`'s offload settings;
     `engine` checks and prepares the model at its first step ([Note: model layout])."""
     pp = pg.size()
     spec.check_against(pp=pp, virtual=spec_virtual(spec))
-    schedule = compile_spec(spec, pp=pp, microbatches=microbatches)
+    schedule = compile_spec(spec, pp=pp, microbatches=microbatches, cost=cost)
     if not train:
         schedule = forward_only(schedule)
         verify(schedule)
@@ -388,7 +456,9 @@ def build_engine(spec: EngineSpec | str) -> PipescheduleEngine:
     """The engine of a pipeschedule `pp_engine` value (an `EngineSpec`, or its text,
     parsed); what nanotron's config loader builds for our names."""
     spec = spec if isinstance(spec, EngineSpec) else parse_engine(spec)
-    return AutoEngine(spec) if spec.name == AUTO_ENGINE else PipescheduleEngine(spec)
+    if spec.name == AUTO_ENGINE:
+        return AutoEngine(spec)
+    return SearchedEngine(spec) if spec.family == SEARCHED else PipescheduleEngine(spec)
 
 
 def _host_bandwidth(device: torch.device, stash_bytes: float) -> float:
@@ -432,5 +502,5 @@ def _device_of(model) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-__all__ = ["DEFAULT_VIRTUAL", "AutoEngine", "PipescheduleEngine", "build_engine", "build_runner", "compile_spec",
-           "spec_cap", "spec_virtual"]
+__all__ = ["DEFAULT_VIRTUAL", "AutoEngine", "PipescheduleEngine", "SearchedEngine", "build_engine", "build_runner",
+           "compile_spec", "spec_cap", "spec_virtual"]

@@ -25,9 +25,13 @@ used, and the engine's placement (rank of each stage):
                            over pp * virtual stages (interleaved), V shape (rank r runs
                            stages r and 2pp-1-r: zbv, v_half, v_min, dualpipev)
 
-A layout that leaves a stage without blocks cannot run (the runtime has no empty stage);
-it is refused with the layers per stage that nanotron's arithmetic gave and a split
-that would work.
+A stage without blocks runs as an empty stage that passes its input on ([Note: empty
+stages] in block_graph.py) where the user asked for it: a `split=` with a 0 (but for stage
+0, which reads the data loader), or a model built one stage per rank with some ranks
+holding no block (as nanotron's tests/test_serialize.py places 9 blocks 3/3/3/0 at
+pp=4), which is taken as it is. Where the engine lays the model out itself (no split)
+and nanotron's cost arithmetic leaves a stage empty, the layout is refused with the
+layers per stage and a split that fills every stage (or one with a 0, to run it so).
 """
 
 from __future__ import annotations
@@ -112,11 +116,16 @@ def engine_layout(builders: Sequence[object], costs: Sequence[int], *, placement
         block_stages = nanotron_block_stages(list(costs), stages)
     layout = ModelLayout(tuple(block_stages), placement, tuple(layers))
     empty = [s for s, n in enumerate(_blocks_per_stage(layout)) if n == 0]
-    if empty:
-        how = f"split={'/'.join(map(str, split))}" if split is not None else "nanotron's cost split"
+    if split is None and empty:
         raise LayoutError(
-            f"pp_engine {engine!r}: {how} leaves stage(s) {empty} of {stages} without any block "
+            f"pp_engine {engine!r}: nanotron's cost split leaves stage(s) {empty} of {stages} without any block "
             f"({layout.describe()}); every stage needs at least one block{_fix_text(engine, layers, placement)}"
+        )
+    if 0 in empty:
+        raise LayoutError(
+            f"pp_engine {engine!r}: split={'/'.join(map(str, split))} leaves stage 0 without any block "
+            f"({layout.describe()}); stage 0 reads the data loader, so it needs one (a later stage without one "
+            f"passes its input on){_fix_text(engine, layers, placement)}"
         )
     return layout
 
@@ -157,6 +166,10 @@ def model_stages(found_ranks: Sequence[int], builders: Sequence[object], costs: 
         stages.append(len(runs) - 1)
     if tuple(runs) == placement:
         return stages
+    if len(set(placement)) == len(placement) and runs and runs[0] == placement[0] and _subsequence(runs, placement):
+        # one stage per rank, some ranks without a block ([Note: empty stages] in block_graph.py):
+        # each run on the stage of its rank
+        return [placement.index(runs[s]) for s in stages]
     try:
         expected = engine_layout(builders, costs, placement=placement, split=None, engine=engine)
     except LayoutError:
@@ -168,6 +181,12 @@ def model_stages(found_ranks: Sequence[int], builders: Sequence[object], costs: 
     if found_ranks == expected.block_ranks:
         return list(expected.block_stages)
     raise _mismatch(found_ranks, expected.layer_blocks, placement, expected, engine, hook)
+
+
+def _subsequence(runs: Sequence[int], placement: Sequence[int]) -> bool:
+    """Whether `runs` visits ranks in the placement's order, skipping some."""
+    rest = iter(placement)
+    return all(rank in rest for rank in runs)
 
 
 def _runs(ranks: Sequence[int]) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ from nanotron.parallel.pipeline_parallel.block import PipelineBlock
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
 
 from integration.nanotron.pipeline import grad_sync
-from integration.nanotron.pipeline.block_graph import BlockGraph, find_block_graph
+from integration.nanotron.pipeline.block_graph import LOSS, BlockGraph, find_block_graph
 from integration.nanotron.pipeline.boundary import Layout
 from integration.nanotron.pipeline.errors import EngineRuntimeError
 from integration.nanotron.pipeline.grad_sync import GradFolder, GradientSync, SharedGrads
@@ -125,6 +125,11 @@ class Runner:
         if train:
             sync.after_step()
             grad_sync.leave_pending(inner, shared)
+        loss_stage = self.stages.graph.loss_stage
+        if loss_stage != self.schedule.num_stages - 1:  # [Note: empty stages]: where the loss's block ran
+            owner = self.schedule.placement[loss_stage]
+            outputs = ([{"loss": loss} for loss in self.stages.losses] if owner == self.rank
+                       else [RemoteOutput(owner)] * self.schedule.microbatches)
         return [
             {"loss": TensorPointer(group_rank=o.rank)} if isinstance(o, RemoteOutput) else o for o in outputs
         ]
@@ -203,6 +208,7 @@ class ModelStages:
         self.fetched = 0
         local = [s for s, r in enumerate(self.schedule.placement) if r == self.runner.rank]
         self.calls_left = dict.fromkeys(range(self.schedule.microbatches), len(local))
+        self.losses: list = [None] * self.schedule.microbatches  # loss / m on the loss's stage when not the last
 
     def end(self) -> None:
         self.cached.clear()
@@ -241,17 +247,35 @@ class ModelStages:
             received = {(stage - 1, stage): act_in}
         else:
             received = {(p, stage): act_in[p] for p in graph.producers[stage]}
+        if stage in self.graph.empty:
+            return self._pass_on(stage, received)
         inputs = {edge: (tensor, self._layout(edge)) for edge, tensor in received.items()}
         call = StageCall(stage, mb, self.graph, inputs)
         with one_stage(self.blocks, self.stage_of, call, self.runner.rank):
             output = self.model(**micro_batch)
         sends = call.finish_forward()
-        if stage == schedule.num_stages - 1:
+        if stage == schedule.num_stages - 1 or stage == self.graph.loss_stage:
             loss = output["loss"] if isinstance(output, dict) else output
             if not isinstance(loss, torch.Tensor):
-                raise EngineRuntimeError(f"the last stage {stage} returned {loss!r}, not the loss")
-            return loss
+                raise EngineRuntimeError(f"the stage of the loss, {stage}, returned {loss!r}, not the loss")
+            if stage == schedule.num_stages - 1:
+                return loss
+            self.losses[mb] = (loss / schedule.microbatches).detach()  # as the runtime divides the last stage's
+            sends.setdefault(stage + 1, {})[LOSS] = loss
         packed = {t: self._pack((stage, t), sends.get(t, {})) for t in graph.consumers[stage]}
+        return packed[stage + 1] if schedule.is_chain else packed
+
+    def _pass_on(self, stage: int, received: dict):
+        """F of a stage without blocks ([Note: empty stages] in block_graph): what it
+        received, unpacked, packed again for each edge out; on the last stage, the loss."""
+        schedule, graph = self.schedule, self.schedule.graph
+        tensors = {}
+        for edge, packed in received.items():
+            tensors.update(zip(self.graph.edge_keys(edge), self._layout(edge).unpack(packed), strict=True))
+        if stage == schedule.num_stages - 1:
+            return tensors[LOSS]
+        packed = {t: self._pack((stage, t), {key: tensors[key] for key in self.graph.edge_keys((stage, t))})
+                  for t in graph.consumers[stage]}
         return packed[stage + 1] if schedule.is_chain else packed
 
     def _pack(self, edge, sends: dict) -> torch.Tensor:

@@ -10,6 +10,9 @@
     interleaved_zb  interleaved zero bubble (ZB1P over round-robin virtual stages)
     looped_bfs    looped BFS (every microbatch through a rank's first chunk before its second)
     phases        handcrafted orders as phases of (stage, op) steps; the faster of two orders
+    searched      the order searched for given F/B/W times and a cap, never slower than
+                  a fixed family under it (seeds, list schedules, annealing, simulation)
+    search        the search's model: timing, list scheduling, local search
     common        parameter checks, the round-robin placement, 1F1B-style interleaving
 
 Which function is which family, and what each takes, is `pipeschedule.compiler.families`
