@@ -14,7 +14,7 @@ tests' and benchmarks' helpers live in benchmarks/llama/). The top level holds t
 tools; the engine and the patches have a folder each:
 
     pipeline/     the engine: PipescheduleEngine (pipeline/engine.py), the pp_engine syntax
-                  (engine_spec, registry), one step (step, stage_call, boundary, block_graph),
+                  (engine_spec, over the core's), one step (step, stage_call, boundary, block_graph),
                   layouts (layout, layout_fix, split), grad_sync, recompute, and the adapter's
                   errors (pipeline/errors.py); it imports nothing else of the adapter
     patches/      every patch of nanotron's (and, over gloo, torch's) code, one module per

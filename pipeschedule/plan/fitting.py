@@ -14,7 +14,7 @@ the setup itself recomputes nothing.
 
 [Note: offload lever] The engine's `offload=RANKS[,stream=MiB]` moves every stash of the
 listed ranks to host memory after its F and back before its B (fraction 1, lead 1,
-integration/nanotron/pipeline/engine_spec.py). For a row that does not fit, the ranks that
+[Note: pp_engine syntax] in compiler/spec.py). For a row that does not fit, the ranks that
 overflow are offloaded, once with stashes moved whole and once streamed in chunks of
 STREAM_MIB; the device peak of saved activations is the simulator's with the OFFLOAD /
 RELOAD instructions in place (streamed: at least one stash, [Note: streamed offload floor]
@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pipeschedule.compiler.offload import MIB, OffloadPolicy, add_offload
+from pipeschedule.compiler.spec import ScheduleSpec
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.candidate import Candidate
 from pipeschedule.plan.config import virtual_counts
@@ -75,10 +76,10 @@ class OffloadCandidate(Candidate):
         stream = f" s{self.stream}" if self.stream else ""
         return super().label + " off=" + "/".join(map(str, self.offload)) + stream
 
-    def engine(self, nanotron_default: bool = False) -> str:
-        base = super().engine(False)
-        params = ["offload=" + "/".join(map(str, self.offload))] + ([f"stream={self.stream}"] if self.stream else [])
-        return base + ("," if ":" in base else ":") + ",".join(params)
+    def spec(self, nanotron_default: bool = False) -> ScheduleSpec:
+        """The candidate's value with its offload (and stream) inside; always pipeschedule's
+        engine (nanotron's own has no offload)."""
+        return replace(super().spec(False), offload=tuple(self.offload), stream=self.stream or None)
 
     def to_dict(self) -> dict:
         return super().to_dict() | {"pp_engine": self.engine(), "offload": list(self.offload),

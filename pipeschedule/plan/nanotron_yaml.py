@@ -6,7 +6,7 @@ of nanotron's config that the estimate assumed, which is also what `pipeschedule
 
     parallelism  dp, pp, tp; pp_engine: the schedule, and inside its value what nanotron
                  has no key for (virtual, cap, split, recompute, offload: [Note: pp_engine
-                 syntax] in integration/nanotron/pipeline/engine_spec.py; nanotron 0.4 has no
+                 syntax] in pipeschedule/compiler/spec.py; nanotron 0.4 has no
                  recompute setting, so recompute travels there too); tp_mode,
                  tp_linear_async_communication
     model        dtype; model_config: the sizes planned (num_hidden_layers, hidden_size,

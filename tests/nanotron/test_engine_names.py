@@ -10,11 +10,13 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from integration.nanotron.pipeline.engine_spec import parse_engine
-from integration.nanotron.pipeline.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES
+from integration.nanotron.pipeline.engine_spec import AUTO_ENGINE, NANOTRON_ENGINES
+from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.errors import ParameterError
 from strategies import examples
 
-KNOWN = (*NANOTRON_ENGINES, *ENGINES, AUTO_ENGINE)
+ENGINES = {f.engine: f for f in FAMILIES.values()} | {f.name: f for f in FAMILIES.values()}  # both name a family
+KNOWN = tuple(dict.fromkeys((*NANOTRON_ENGINES, *ENGINES, AUTO_ENGINE)))
 
 
 @st.composite
@@ -43,7 +45,7 @@ def test_a_mistyped_engine_name_gets_a_known_name_that_loads(case):
         return
     suggested = said.group(1)
     assert suggested in KNOWN
-    required = "virtual=2" if suggested in ENGINES and ENGINES[suggested].required else ""
+    required = "virtual=2" if suggested in ENGINES and ENGINES[suggested].takes_virtual else ""
     assert parse_engine(suggested + (":" + required if required else "")).name == suggested
 
 
