@@ -22,9 +22,10 @@ that breaks a rule.
 
 [Note: one command, its own imports] `main` builds the arguments of the one subcommand
 it runs (`build_parser(command)`): `compile`, `verify`, `simulate` and `show` load the
-compiler and the simulator only, `plan` loads the planner (`pipeschedule.plan`), and
-`check` loads nanotron's adapter (`integration.nanotron`: torch and nanotron) only once
-it runs. `build_parser()` with no command builds them all (tests, help pages).
+compiler and the simulator only, `plan` loads the planner (`pipeschedule.plan`), and a
+registered command ([Note: registered commands] in command.py: nanotron's `check` and
+`train`) loads its own module, which loads torch and nanotron only once it runs.
+`build_parser()` with no command builds them all (tests, help pages).
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ import os
 import re
 import sys
 import textwrap
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import metadata
-from typing import Callable
 
 from pipeschedule.checks import (
     MAX_SHOWN, check_number, check_png_ranks, int_arg, number_arg, parse_int_list, path_arg, shown,
 )
+from pipeschedule.cli.command import Command, load_command, registered
 from pipeschedule.cli.demo import run_demo
 from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, load
@@ -382,24 +383,6 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=plan.run)
 
 
-def _add_check(p: argparse.ArgumentParser) -> None:
-    from pipeschedule.cli import check  # its run loads nanotron's adapter ([Note: one command, its own imports])
-
-    check.add_arguments(p)
-    p.set_defaults(run=check.run)
-
-
-@dataclass(frozen=True)
-class Command:
-    """One subcommand: its line in `pipeschedule -h`, what its own -h says above and below
-    its options, and the function that adds its options and its run."""
-
-    help: str
-    description: str
-    examples: tuple[str, ...]
-    add: Callable[[argparse.ArgumentParser], None]
-
-
 COMMANDS = {
     "compile": Command(
         "build, lower and verify a schedule; write it as JSON, text or PyTorch's CSV",
@@ -430,8 +413,8 @@ COMMANDS = {
     "demo": Command(
         "1f1b vs capped_1f1b vs interleaved_1f1b at pp=4, 8 microbatches; then nanotron training on CPU",
         "Compile, verify and simulate 1f1b, capped_1f1b (cap 2) and interleaved_1f1b (virtual 2) side by side; "
-        "where torch and nanotron are installed, then train nanotron's Llama on CPU under nanotron's 1F1B and "
-        "pipeschedule's capped_1f1b.",
+        "then what installed packages register after it (the nanotron adapter, where torch and nanotron are "
+        "installed: nanotron's Llama trained on CPU under nanotron's 1F1B and pipeschedule's capped_1f1b).",
         ("pipeschedule demo",),
         _add_demo),
     "plan": Command(
@@ -439,17 +422,9 @@ COMMANDS = {
         "Evaluate nanotron's default and every schedule, cap and layer split for a model, a layout and a GPU: "
         "memory per rank, simulated throughput, and the pp_engine line of the fastest that fits.",
         ("pipeschedule plan --model llama3-70b --pp 4 --tp 4 --dp 2 --microbatches 8 --gpu gh200",
-         "pipeschedule plan --model-file config.yaml --gpu h100"),
+         "pipeschedule plan --model-file config.yaml --gpu h100 --write planned.yaml"),
         _add_plan),
-    "check": Command(
-        "check a nanotron YAML before launching it: engine, layout, world size, schedule, memory per stage",
-        "Read a nanotron config through nanotron's own loader (with pipeschedule's engines), parse its pp_engine, "
-        "lay its model out as the engine will, check the world size, compile and verify the schedule, and print "
-        "the predicted memory per stage (against a GPU with --gpu). No GPU and no processes are needed; torch and "
-        "nanotron are. Exit 0: it would run; 2: one line naming the value and the fix.",
-        ("pipeschedule check config.yaml", "pipeschedule check config.yaml --nproc 8 --gpu h100"),
-        _add_check),
-}
+}  # the core's own; others are registered ([Note: registered commands] in command.py)
 
 DESCRIPTION = """\
 Pipeline-parallel schedules for nanotron: each schedule is compiled ahead of time into
@@ -459,7 +434,8 @@ trainer through `parallelism.pp_engine` in its YAML (capped_1f1b:cap=2,
 interleaved_1f1b:virtual=2, zb_h1, zbv, ...)."""
 
 EPILOG = """\
-training (torch and nanotron installed):
+training (torch and nanotron installed; `check` and `train` are the nanotron adapter's commands):
+  pipeschedule train CONFIG --nproc N
   torchrun --nproc-per-node N -m integration.nanotron.train --config-file CONFIG
 
 examples:
@@ -481,6 +457,25 @@ def version() -> str:
         return "unknown (not installed: pip install -e .)"
 
 
+def all_commands(command: str | None = ALL) -> dict[str, Command]:
+    """The core's commands and the registered ones ([Note: registered commands]); a
+    registered command is loaded where it is `command` or ALL, or its help is listed (None)."""
+    out = dict(COMMANDS)
+    for name, entry in registered().items():
+        if name in COMMANDS:
+            raise ParameterError(f"{entry.value} registers a command {name!r}, which is the core's own")
+        if command in (ALL, None, name):
+            try:
+                out[name] = load_command(name, entry)
+            except ParameterError as err:
+                if command == name or command == ALL:
+                    raise
+                out[name] = Command(f"(cannot be loaded: {err})", "", (), lambda p: None)
+        else:
+            out[name] = Command("", "", (), lambda p: None)  # listed as a choice, not loaded
+    return out
+
+
 def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
     """The parser of every subcommand (ALL), or of `command` alone: the others are listed
     but take no options, and their modules are not loaded ([Note: one command, its own
@@ -490,7 +485,7 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pipeschedule {version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     sub.required = True
-    for name, spec in COMMANDS.items():
+    for name, spec in all_commands(command).items():
         examples = "examples:\n" + "\n".join("  " + line for line in spec.examples)
         p = sub.add_parser(name, help=spec.help, description=textwrap.fill(spec.description, 88), epilog=examples,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -508,8 +503,7 @@ def command_of(argv) -> str | None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser(command_of(argv)).parse_args(argv)
-        return args.run(args)
+        return _run(argv)
     except ScheduleError as err:
         print(f"pipeschedule: invalid schedule: {str(err).splitlines()[0]}", file=sys.stderr)
         return EXIT_INVALID
@@ -529,6 +523,20 @@ def main(argv=None) -> int:
         # stdout at /dev/null so that the interpreter's last flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
+
+
+def _run(argv: list[str]) -> int:
+    """Parse `argv` and run its command; a command that passes unknown options on
+    (`Command.passes_unknown`) gets them as `args.passed`."""
+    name = command_of(argv)
+    parser = build_parser(name)
+    commands = all_commands(name) if name is not None and name not in COMMANDS else COMMANDS
+    if name in commands and commands[name].passes_unknown:
+        args, passed = parser.parse_known_args(argv)
+        args.passed = passed
+    else:
+        args = parser.parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":

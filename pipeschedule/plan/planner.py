@@ -58,7 +58,7 @@ from pipeschedule.plan.dp_step import rank_tail, step_tail
 from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, layer_seconds, weight_seconds
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
-from pipeschedule.plan.fitting import OffloadCandidate, lever_rows, virtual_tried
+from pipeschedule.plan.fitting import OffloadCandidate, lever_rows, offloaded, virtual_tried
 from pipeschedule.plan.peaks import Peaks
 from pipeschedule.plan.memo import Memo
 from pipeschedule.plan.step_graph import MEMO_CELLS, StepGraph
@@ -622,10 +622,17 @@ def evaluate_engine(planner: _Planner, engine: str, family: str, cap, virtual: i
 
 
 def engine_memory(config: PlanConfig, engine: str, family: str, cap, virtual: int, split: Sequence[int], *,
-                  recomputed: Sequence[int] | None = None) -> Candidate:
+                  recomputed: Sequence[int] | None = None, offload: Sequence[int] | None = None,
+                  stream: int | None = None) -> Candidate:
     """`evaluate_engine` under `config` alone (a planner of its own): the memory per rank
-    and the step time of the one engine a config names (`pipeschedule check`)."""
-    return evaluate_engine(_Planner(config), engine, family, cap, virtual, split, "given", recomputed)
+    and the step time of the one engine a config names (`pipeschedule check`), with the
+    stashes of `offload`'s ranks on the host as the planner counts them (`fitting.offloaded`,
+    streamed in `stream` MiB chunks) where the GPU's host link is known."""
+    planner = _Planner(config)
+    cand = evaluate_engine(planner, engine, family, cap, virtual, split, "given", recomputed)
+    if offload and config.host_bandwidth is not None:
+        return offloaded(planner, cand, tuple(offload), stream)
+    return cand
 
 
 def offload_report(planner: _Planner, candidate: Candidate) -> dict:
