@@ -19,7 +19,11 @@ at the first that would fail, with one line naming the value and the fix:
     4. schedule    the engine's schedule for (pp, m) compiled and verified against every
                    rule, as the engine compiles it at its first step (with its OFFLOAD /
                    RELOAD where it offloads)
-    5. memory      (`pipeschedule check` only) per rank, the planner's prediction for this
+    5. data        the dataset and tokenizer the run reads, loaded and checked as the
+                   launcher's ranks load them (`data.load`: the folder, the text column,
+                   the tokenizer loads, its tokens within the model's vocab_size, the
+                   sequence within max_position_embeddings); synthetic data needs none
+    6. memory      (`pipeschedule check` only) per rank, the planner's prediction for this
                    engine (`pipeschedule.plan.planner.engine_memory`) from the config as
                    `pipeschedule plan --model-file` reads it (`plan.from_config.config_of_file`),
                    under the same assumptions as the plan ([Note: shared assumptions] in
@@ -207,11 +211,13 @@ def compiled(engine, view: EngineView):
 
 
 def preflight(config_file: str, *, nproc: int | None = None, source: str = "--nproc",
-              assumptions: Assumptions | None = None, memory: bool = True, config=None) -> Preflight:
+              assumptions: Assumptions | None = None, memory: bool = True, data: bool = True,
+              config=None) -> Preflight:
     """[Note: pre-flight]: the config checked step by step; raises PipescheduleError (one
     line naming the value and the fix) at the first step that would fail. `config`: what
-    `read_config` gave, where the caller has read it; `memory`: predict memory (step 5)
-    under `assumptions` (None: the defaults, as `pipeschedule plan`'s)."""
+    `read_config` gave, where the caller has read it; `data`: load and check the dataset
+    and tokenizer (step 5); `memory`: predict memory (step 6) under `assumptions` (None:
+    the defaults, as `pipeschedule plan`'s)."""
     assumptions = assumptions or Assumptions()
     config = read_config(config_file) if config is None else config
     check_world(config, nproc, source)
@@ -226,7 +232,7 @@ def preflight(config_file: str, *, nproc: int | None = None, source: str = "--np
     layout = engine_layout(engine, model_config, pp)
     view = engine_view(engine, layout, pp, config.tokens.batch_accumulation_per_replica)
     schedule = compiled(engine, view)
-    notes, warnings = _notes(engine, view, config, assumptions), _warnings(engine, view)
+    notes, warnings = _notes(engine, view, config, assumptions, data), _warnings(engine, view)
     predicted, plan = None, None
     if memory and schedule is not None:
         predicted, plan, why = _memory(config_file, engine, view, assumptions)
@@ -236,7 +242,7 @@ def preflight(config_file: str, *, nproc: int | None = None, source: str = "--np
                      warnings, assumptions)
 
 
-def _notes(engine, view: EngineView, config, assumptions: Assumptions) -> tuple[str, ...]:
+def _notes(engine, view: EngineView, config, assumptions: Assumptions, data: bool) -> tuple[str, ...]:
     notes = []
     if getattr(engine, "auto", None) is not None:
         notes.append("auto chooses its engine after the first step, from what that step measures; shown: the "
@@ -249,10 +255,21 @@ def _notes(engine, view: EngineView, config, assumptions: Assumptions) -> tuple[
         notes.append("this machine has no flash-attn: a launch here runs the adapter's pure-torch stand-in "
                      "(--attention sdpa-standin prices that); the memory shown assumes flash-attn, as on the GPUs "
                      "the plan is for")
-    dataset = getattr(getattr(config, "data", None), "dataset", None)
-    notes.append("data: synthetic tokens" if dataset is None else
-                 "data: not checked here (the launcher loads the dataset and tokenizer and checks them first)")
+    notes.append(_data_note(config) if data else "data: not checked")
     return tuple(notes)
+
+
+def _data_note(config) -> str:
+    """Step 5 of [Note: pre-flight]: the run's dataset and tokenizer loaded and checked as
+    the ranks load them (`data.load`, which refuses in one line); what they are."""
+    from integration.nanotron import data
+
+    text = data.load(config)
+    if text is None:
+        return "data: synthetic tokens (data.dataset: null)"
+    vocab = config.model.model_config.vocab_size
+    return (f"data: {text.source}, {len(text.raw)} texts, column {config.data.dataset.text_column_name!r}; tokenizer "
+            f"{config.tokenizer.tokenizer_name_or_path!r}, {len(text.tokenizer)} tokens within vocab_size {vocab}")
 
 
 def _warnings(engine, view: EngineView) -> tuple[str, ...]:

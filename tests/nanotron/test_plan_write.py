@@ -154,8 +154,8 @@ def test_the_launcher_trains_the_written_config(tmp_path, capsys):
     data = plan_json(capsys, "--model-file", str(source), "--write", str(out))
     nproc = data["summary"]["recommended"]["dp"] * 2
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                             "--master-port", str(free_port()), "-m", "integration.nanotron.train", "--config-file",
-                             str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-m", "pipeschedule.cli", "train", str(out), "--nproc", str(nproc),
+                             "--master-port", str(free_port())], capture_output=True, text=True, timeout=300, env=env,
+                            cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "iteration: 1 / 1" in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
