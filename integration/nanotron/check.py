@@ -264,6 +264,10 @@ def _data_note(config) -> str:
     the ranks load them (`data.load`, which refuses in one line); what they are."""
     from integration.nanotron import data
 
+    if importlib.util.find_spec("datasets") is not None:
+        import datasets
+
+        datasets.disable_progress_bars()  # (a check's output is its report and its one line)
     text = data.load(config)
     if text is None:
         return "data: synthetic tokens (data.dataset: null)"

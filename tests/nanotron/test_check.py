@@ -6,11 +6,13 @@ with `would run` (exit 0); each bad input ends in one line naming the value and 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -220,3 +222,55 @@ def test_the_installed_command_refuses_in_one_line_without_a_traceback(tmp_path)
     assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert "Give pp_engine: interleaved_1f1b:virtual=1,split=1/1/1/1" in result.stderr
+
+
+# -- the data the run reads ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def text(tmp_path) -> TrainerConfig:
+    from text_corpus import write_corpus, write_tokenizer
+
+    corpus = write_corpus(tmp_path / "corpus", 400)
+    tokenizer = write_tokenizer(tmp_path / "tokenizer")
+    return replace(SMALL, seq=16, vocab=64, dataset=str(corpus), tokenizer=str(tokenizer), loading_workers=0)
+
+
+def test_the_data_it_reads_is_checked_and_said(tmp_path, capsys, text):
+    code, out, err = check(capsys, write(tmp_path, text))
+    assert code == 0 and err == [], err
+    assert (f"  note      data: '{tmp_path / 'corpus'}', 40 texts, column 'text'; tokenizer "
+            f"'{tmp_path / 'tokenizer'}', 42 tokens within vocab_size 64") in out
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"dataset": "/nowhere/corpus"}, "data.dataset.hf_dataset_or_datasets: no such folder '/nowhere/corpus'"),
+    ({"text_column": "body"}, "data.dataset.text_column_name 'body' is not a column of the dataset"),
+    ({"tokenizer": "/nowhere/tokenizer"}, "tokenizer.tokenizer_name_or_path: no such folder '/nowhere/tokenizer'"),
+    ({"vocab": 32}, "has 42 tokens but model.model_config.vocab_size is 32"),
+    ({"seq": 64}, "tokens.sequence_length 64 is over the model's max_position_embeddings"),
+])
+def test_data_that_cannot_feed_the_model_is_refused_in_one_line(tmp_path, capsys, text, change, expected):
+    """A wrong dataset path passed check and failed at launch; check reads the data as the
+    ranks will, before any of them starts."""
+    path = write(tmp_path, replace(text, **change))
+    if "seq" in change:  # max_position_embeddings follows seq in the writer: set it back below
+        path_text = Path(path).read_text().replace("max_position_embeddings: 64", "max_position_embeddings: 16")
+        Path(path).write_text(path_text)
+    code, out, err = check(capsys, path)
+    assert code == 2 and out == "" and len(err) == 1, (out, err)
+    assert expected in err[0], err
+
+
+def test_the_example_writer_describes_its_options_and_refuses_a_bad_engine(capsys):
+    from integration.nanotron import example
+
+    with pytest.raises(SystemExit):
+        example.main(["--help"])
+    text = capsys.readouterr().out
+    assert "parallelism.pp_engine: nanotron's 1f1b or afab" in text and "tokens.sequence_length" in text
+    assert set(example.HELP) == {f.name for f in dataclasses.fields(TrainerConfig)} - {"save_initial_state",
+                                                                                       "init_from"}
+    assert example.main(["--engine", "caped_1f1b"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "unknown engine 'caped_1f1b' (did you mean capped_1f1b?)" in err[0]
