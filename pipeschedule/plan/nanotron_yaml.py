@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 
-from pipeschedule.plan.config import PlanConfig
+from pipeschedule.plan.config import MEASURED_MFU, PlanConfig
 from pipeschedule.plan.fitting import OffloadCandidate
 from pipeschedule.plan.assumptions import assumption_lines, host_link_words
 from pipeschedule.plan.memory import GiB
@@ -138,10 +138,12 @@ def config_text(mapping: dict) -> str:
 def beyond_yaml(config: PlanConfig, candidate) -> list[str]:
     """What the estimate assumed that nanotron's config has no key for, one line each."""
     lines = assumption_lines(config) + [
-        (f"times: {config.gpu_tflops:g} TFLOP/s at {config.mfu:g} of peak, pipeline messages at "
+        (f"times: {config.gpu_tflops:g} TFLOP/s at {config.mfu:g} of peak (--mfu), pipeline messages at "
          f"{config.p2p_bandwidth / 1e9:g} GB/s and {config.p2p_latency * 1e6:g} us, the data-parallel reduction at "
-         f"{config.dp_bandwidth / 1e9:g} GB/s, the optimizer step at {config.hbm_bandwidth / 1e12:g} TB/s: they "
-         "rank the plans; the seconds are estimates"),
+         f"{config.dp_bandwidth / 1e9:g} GB/s, the optimizer step at {config.hbm_bandwidth / 1e12:g} TB/s; the one "
+         f"run measured reached {MEASURED_MFU[0]:g} to {MEASURED_MFU[1]:g} of peak by this count (by its recompute: "
+         f"docs/users_case.md), so expect {MEASURED_MFU[0] / config.mfu:.2f}x to "
+         f"{MEASURED_MFU[1] / config.mfu:.2f}x the printed tokens/s"),
     ]
     if isinstance(candidate, OffloadCandidate):
         host = max(candidate.host_bytes, default=0.0)
