@@ -248,7 +248,8 @@ def _written_text(args, advice, written: str | None) -> str:
     flags = " ".join(Assumptions.from_args(args).flags())
     return (f"\nWrote {written}: {source}. Check it under the same assumptions, then train it "
             f"({nproc} processes):\n  pipeschedule check {written}{' ' + flags if flags else ''} --nproc {nproc}\n"
-            f"  pipeschedule train {written} --nproc {nproc}  (per node: --nproc times --nnodes = {nproc})\n")
+            f"  pipeschedule train {written} --nproc {nproc}  (on several nodes: --nproc per node, with torchrun's "
+            f"--nnodes; {nproc} processes in all)\n")
 
 
 __all__ = ["LAYOUT_DEFAULTS", "add_arguments", "config_from_args", "model_from_args", "resolve_layout", "run"]

@@ -1,4 +1,4 @@
-"""[Note: measured throughput] in pipeschedule/plan/config.py: the range the plan prints is
+"""What [Note: measured throughput] in pipeschedule/plan/config.py says: the range the plan prints is
 what `benchmarks.users_case` computes from the one measured run, and the planner's
 figures it rests on are the ones docs/users_case.md gives."""
 

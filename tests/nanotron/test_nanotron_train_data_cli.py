@@ -136,8 +136,8 @@ trainer.train(dummy_infinite_data_generator(
 
 
 def test_a_forks_script_on_nanotrons_dummy_data_runs_on_cpu_without_gpu_memory_lines(tmp_path):
-    """[Note: a CPU run's output] in patches/cpu_run.py: nanotron's dummy data drew from a
-    CUDA generator and failed on CPU; a CPU run printed 'Memory usage: 0.00MiB' lines and
+    """Patches of [Note: a CPU run's output] in patches/cpu_run.py: nanotron's dummy data drew
+    from a CUDA generator and failed on CPU; a CPU run printed 'Memory usage: 0.00MiB' lines and
     cuda_memory entries of 0. Neither is printed now."""
     script = tmp_path / "run_train.py"
     script.write_text(DUMMY_SCRIPT)
