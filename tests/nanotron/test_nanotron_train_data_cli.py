@@ -111,7 +111,7 @@ def test_a_users_own_script_runs_unchanged_with_our_engines(tmp_path, text_confi
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    engine = "engine: PipescheduleEngine ScheduleSpec(family='capped_1f1b', virtual=None, cap=1"
+    engine = "engine: PipescheduleEngine capped_1f1b:cap=1"
     assert engine in result.stdout, result.stdout[-2000:]
     assert len(re.findall(r"iteration: \d / 2 \| .*lm_loss: ", result.stdout)) == 2, result.stdout[-2000:]
 
