@@ -106,6 +106,7 @@ def fixed_nodes(nnodes: str) -> int | None:
 
 
 def _run(args, report: str) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -115,6 +116,10 @@ def _run(args, report: str) -> int:
     except ChildFailedError as failed:
         print(f"pipeschedule train: {first_failure(failed.failures, report)}", file=sys.stderr, flush=True)
         return 1
+    except SignalException as stopped:  # Ctrl-C or a scheduler's SIGTERM: torchrun has ended the ranks
+        name = signal.Signals(stopped.sigval).name
+        print(f"pipeschedule train: stopped by {name}; every rank was ended", file=sys.stderr, flush=True)
+        return 128 + int(stopped.sigval)
     finally:
         for name, level in quiet.items():
             logging.getLogger(name).setLevel(level)

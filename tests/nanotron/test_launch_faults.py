@@ -191,3 +191,21 @@ def test_torchrun_options_pass_and_train_s_own_are_refused():
     with pytest.raises(ParameterError, match="--bogus is no option of torchrun's"):
         torchrun_args(["--bogus"], 2, "c.yaml", "auto", None)
     assert fixed_nodes("2") == 2 and fixed_nodes("3:3") == 3 and fixed_nodes("1:4") is None
+
+
+@pytest.mark.spawn
+def test_the_launcher_stopped_by_a_signal_ends_every_rank_in_one_line(tmp_path):
+    process = train(tmp_path, write(tmp_path, replace(TINY, steps=10**4, checkpoint_interval=10**6), "long.yaml"))
+    deadline = time.monotonic() + 120
+    while len(ranks_of(process.pid)) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    ranks = ranks_of(process.pid)
+    time.sleep(2)  # into training
+    process.send_signal(signal.SIGTERM)
+    code, out, err = finished(process, timeout=60)
+    assert code == 128 + signal.SIGTERM and err[-1:] == ["pipeschedule train: stopped by SIGTERM; every rank was "
+                                                         "ended"], err[-5:]
+    assert not any("Traceback" in line for line in err)
+    for pid in ranks.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
