@@ -59,7 +59,9 @@ def launch(config_file: str, *, nproc: int, torchrun: list[str], backend: str = 
     config = read_config(config_file)
     if nnodes is not None:
         check_world(config, nproc * nnodes, "--nproc" + (f" * --nnodes = {nproc} * {nnodes}" if nnodes > 1 else ""))
-    preflight(config_file, config=config, memory=False, data=True)
+    found = preflight(config_file, config=config, memory=False, data=True)
+    for warning in found.warnings:  # it runs, but likely not as meant (a cap that binds on no rank)
+        print(f"pipeschedule train: warning: {warning}", file=sys.stderr, flush=True)
     report = tempfile.mkdtemp(prefix="pipeschedule-train-")
     os.environ[REPORT_ENV] = report
     try:

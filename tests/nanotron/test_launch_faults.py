@@ -209,3 +209,11 @@ def test_the_launcher_stopped_by_a_signal_ends_every_rank_in_one_line(tmp_path):
     assert not any("Traceback" in line for line in err)
     for pid in ranks.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.spawn
+def test_a_cap_that_binds_on_no_rank_is_said_before_the_ranks_start(tmp_path):
+    code, out, err = finished(train(tmp_path, write(tmp_path, replace(TINY, engine="capped_1f1b:cap=8", steps=1),
+                                                    "c.yaml")))
+    assert code == 0 and err[0].startswith("pipeschedule train: warning: cap 8 binds on no rank: capped_1f1b at pp=2, "
+                                           "m=4 holds at most 2/1 microbatches"), err[:3]
