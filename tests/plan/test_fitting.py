@@ -225,3 +225,21 @@ def test_partial_recompute_reaches_split_backward_and_v_shapes():
     # recomputed layers compute their weight gradients at B: W keeps less, B does more
     assert zbv.memory[0].terms[ACTIVATIONS] < plain.memory[0].terms[ACTIVATIONS]
     assert zbv.engine().startswith("zbv:split=") and ",recompute=" in zbv.engine() and len(zbv.recomputed) == 8
+
+
+def test_the_planner_is_what_the_levers_say_they_need():
+    """fitting.Planner, the typed interface the levers call the planner through: every
+    member it names is the planner's, with the same parameters."""
+    import inspect
+
+    from pipeschedule.plan import fitting
+    from pipeschedule.plan.planner import _Planner
+
+    members = [name for name, value in vars(fitting.Planner).items() if inspect.isfunction(value)
+               and not name.startswith("__")]
+    assert set(members) == {"schedule", "evaluate", "cost", "step", "tail", "shared"}
+    for name in members:
+        ours = inspect.signature(getattr(fitting.Planner, name)).parameters
+        assert list(ours) == list(inspect.signature(getattr(_Planner, name)).parameters), name
+    planner = _Planner(users())
+    assert isinstance(planner.config, PlanConfig) and hasattr(planner.cache, "offload_memo")
