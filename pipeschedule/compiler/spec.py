@@ -408,9 +408,15 @@ def inflight_unit(chunks: int) -> str:
 
 def _closest(name: str, known) -> str:
     """` (did you mean NAME?)` for the known name closest to a mistyped one (in any case),
-    if one is close (difflib's ratio at least 0.6); else nothing."""
+    if one is close (difflib's ratio at least 0.6); where the typo begins two or three known
+    names (`interleaved`, `zb_h`), all of them (`interleaved_1f1b or interleaved_zb`); else
+    nothing."""
     by_folded = {k.lower(): k for k in known}
-    close = difflib.get_close_matches(name.lower(), list(by_folded), n=1)
+    folded = name.lower()
+    starting = [k for f, k in by_folded.items() if f.startswith(folded) and f != folded] if folded else []
+    if 2 <= len(starting) <= 3:
+        return f" (did you mean {' or '.join(starting)}?)"
+    close = difflib.get_close_matches(folded, list(by_folded), n=1)
     return f" (did you mean {by_folded[close[0]]}?)" if close else ""
 
 

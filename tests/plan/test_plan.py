@@ -14,7 +14,7 @@ from pipeschedule.plan import Candidate, PlanConfig, head_seconds, layer_seconds
 from pipeschedule.plan.presets import MODELS
 
 L70 = MODELS["llama3-70b"]
-# integration/nanotron/pipeline/engine_spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
+# pipeschedule/compiler/spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
 # integer or integers joined by '/'.
 FAMILY_NAMES = ("1f1b|afab|ps_1f1b|ps_afab|capped_1f1b|interleaved_1f1b|zb_h1|zbv|v_half|v_min|zb_h2|dualpipev"
                 "|interleaved_zb|looped_bfs")
