@@ -17,11 +17,14 @@ and torchrun adds its own (ChildFailedError, a table per rank, "Root Cause ... e
                    they end at once, even inside a collective (a Python handler runs only
                    once the call returns)
     3. a failure   each rank that fails writes its one line (and its traceback, to a file
-                   beside it) into a report folder and prints nothing; torchrun's own
-                   logs and table are silenced. The first rank to fail is named in one
-                   line, once: a rank killed by a signal (it could say nothing) before
-                   one that failed by itself, and among those the first to fail. Exit 1;
-                   the report folder is kept where a traceback is in it.
+                   beside it) into a report folder and prints nothing; the ranks' stderr
+                   (the C++ warnings of a dying collective, say) goes to files there too
+                   (torchrun's --redirects 2, unless its --redirects, --tee or --log-dir
+                   is given); torchrun's own logs and table are silenced. The first rank
+                   to fail is named in one line, once: a rank killed by a signal (it could
+                   say nothing) before one that failed by itself, and among those the
+                   first to fail. Exit 1; the report folder is kept (removed after a run
+                   that ends well).
 
 torchrun ends every rank within its monitor interval of the first failure (a rank killed
 mid-step included); relaunching with `checkpoints.resume_checkpoint_path` continues from
@@ -63,12 +66,16 @@ def launch(config_file: str, *, nproc: int, torchrun: list[str], backend: str = 
     for warning in found.warnings:  # it runs, but likely not as meant (a cap that binds on no rank)
         print(f"pipeschedule train: warning: {warning}", file=sys.stderr, flush=True)
     report = tempfile.mkdtemp(prefix="pipeschedule-train-")
+    if args.log_dir is None and not _given(torchrun, ("-r", "--redirects", "-t", "--tee")):
+        args.log_dir, args.redirects = report, "2"  # the ranks' stderr (C++ and Python warnings) into files
     os.environ[REPORT_ENV] = report
+    code = 1
     try:
-        return _run(args, report)
+        code = _run(args, report)
+        return code
     finally:
         os.environ.pop(REPORT_ENV, None)
-        if not any(name.endswith(".traceback") for name in os.listdir(report)):
+        if code == 0:
             shutil.rmtree(report, ignore_errors=True)
 
 
@@ -97,6 +104,10 @@ def torchrun_args(torchrun: list[str], nproc: int, config_file: str, backend: st
     return parser.parse_args([*torchrun, "--nproc-per-node", str(nproc), "-m", TRAIN_MODULE, *rank_args])
 
 
+def _given(words: list[str], flags: tuple[str, ...]) -> bool:
+    return any(word.split("=", 1)[0] in flags for word in words)
+
+
 def fixed_nodes(nnodes: str) -> int | None:
     """torchrun's --nnodes as one count (`2`, `2:2`), or None for an elastic range."""
     low, _, high = str(nnodes).partition(":")
@@ -116,7 +127,8 @@ def _run(args, report: str) -> int:
     try:
         run(args)
     except ChildFailedError as failed:
-        print(f"pipeschedule train: {first_failure(failed.failures, report)}", file=sys.stderr, flush=True)
+        where = f" (each rank's stderr: {args.log_dir})" if args.log_dir == report else ""
+        print(f"pipeschedule train: {first_failure(failed.failures, report)}{where}", file=sys.stderr, flush=True)
         return 1
     except SignalException as stopped:  # Ctrl-C or a scheduler's SIGTERM: torchrun has ended the ranks
         name = signal.Signals(stopped.sigval).name
