@@ -38,7 +38,7 @@ import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once rep
 from integration.nanotron.pipeline import split as splits
 from benchmarks.common import CONTEXT_BYTES, FIT_SHARE, rotated
 from benchmarks.llama.model import ModelConfig
-from integration.nanotron.pipeline.registry import NANOTRON_ENGINES
+from integration.nanotron.pipeline.engine_spec import NANOTRON_ENGINES
 from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.errors import LaunchError
 

@@ -50,18 +50,60 @@ READINGS = {
 A = "A: fp32 accumulation, full recompute"
 
 
-def config(dp: int, microbatches: int = M, reserve: float = RESERVE, host: float | None = None,
+def config(dp: int, microbatches: int = M, reserve: float = RESERVE, host: float | None = None, mfu: float = 0.5,
            **setup) -> PlanConfig:
     st = TrainingSetup(tp=4, dp=dp, seq=8192, micro_batch=1, sequence_parallel=True, tp_async=True, **setup)
     return PlanConfig(MODEL, st, pp=4, microbatches=microbatches, gpu_memory=96 * GiB, reserve=reserve * GiB,
                       gpu_name="gh200", host_bandwidth=HOST_LINKS["gh200"] * 1e9,
-                      host_memory=None if host is None else host * GiB)
+                      host_memory=None if host is None else host * GiB, mfu=mfu)
 
 
-def default(dp: int, zero: int, microbatches: int = M, **setup):
+def default(dp: int, zero: int, microbatches: int = M, mfu: float = 0.5, **setup):
     """nanotron's own 1F1B engine with its split."""
-    cfg = config(dp, microbatches, zero_stage=zero, **setup)
+    cfg = config(dp, microbatches, zero_stage=zero, mfu=mfu, **setup)
     return nanotron_default(cfg, ScheduleCache(cfg.pp, cfg.microbatches), SPLIT)
+
+
+MEASURED = 780.0  # tokens/s per GPU the users measured at dp=1, m=16 (their discussion, beside the brief)
+SPEED_READINGS = {**READINGS, "D: bf16 gradients and Adam, selective recompute":
+                  {"fp32_grad_accum": False, "recompute": "selective"}}
+
+
+def mfu_for(tokens: float, microbatches: int, setup: dict) -> float:
+    """The fraction of peak at which the planner's step of nanotron's dp=1 default gives
+    `tokens` tokens/s per GPU (bisection: the step falls as the fraction grows)."""
+    low, high = 0.05, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        if default(1, 0, microbatches, mfu=mid, **setup).tokens_per_gpu < tokens:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def throughput() -> list[str]:
+    """The planner's tokens/s per GPU of nanotron's dp=1 default beside the one figure the
+    users measured, per reading, with the fraction of peak each reading needs to give it;
+    and the share of a layer's counted work that is attention (flash-attn's causal kernel
+    runs half of it)."""
+    out = ["", "## Throughput beside the one measured figure (dp=1, nanotron's 1F1B and split, ZeRO-0; the users "
+           f"measured about {MEASURED:.0f} tokens/s per GPU at m=16)", "",
+           "| reading | m | step s at 0.5 of 989 TFLOP/s | tokens/s per GPU | against the measured | fraction of peak "
+           f"that gives {MEASURED:.0f} |", "|---|---|---|---|---|---|"]
+    for name, setup in SPEED_READINGS.items():
+        for m in (M, 64):
+            cand = default(1, 0, m, **setup)
+            against = f"{cand.tokens_per_gpu / MEASURED - 1:+.0%}" if m == M else "(not measured)"
+            needed = f"{mfu_for(MEASURED, m, setup):.2f}" if m == M else ""
+            out.append(f"| {name} | {m} | {cand.step_time:.2f} | {cand.tokens_per_gpu:.0f} | {against} | {needed} |")
+    layer = MODEL.layer_params()
+    attention = 4 * 8192 * 8192 * MODEL.hidden  # what the planner counts per layer and sequence (config.layer_seconds)
+    share = attention / (2 * layer * 8192 + attention)
+    out += ["", f"Attention is {share:.1%} of a layer's counted forward work at seq 8192 (4 s^2 h of "
+            f"2 P s + 4 s^2 h); flash-attn's causal kernel computes about half of it, so the count is "
+            f"{share / 2:.1%} above the work done."]
+    return out
 
 
 def stages(cand) -> str:
@@ -197,7 +239,7 @@ def main() -> None:
     if args.quick:
         DPS = (1, 2)
     base = default(1, 0, **READINGS[A])
-    lines = observations() + slopes()
+    lines = observations() + slopes() + throughput()
     for reserve in (RESERVE,) if args.quick else (RESERVE, 2 * RESERVE):
         more, ours = recommendations(base, reserve)
         lines += more

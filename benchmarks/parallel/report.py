@@ -19,6 +19,7 @@ from __future__ import annotations
 import statistics
 
 from benchmarks.parallel.predict import cost_model, measured_bubble, predict, stage_costs
+from pipeschedule.compiler.spec import compile_spec, parse_spec
 
 # nanotron's engines run the same orders as these of ours: their prediction is that
 # order's under the costs our engine measured on the same layout.
@@ -28,10 +29,7 @@ REFERENCE = "ps_1f1b"
 
 def schedule_of(name: str, pp: int, m: int):
     """The compiled schedule engine `name` runs (nanotron's own: ours in its order)."""
-    from integration.nanotron.pipeline.engine import compile_spec
-    from integration.nanotron.pipeline.engine_spec import parse_engine
-
-    return compile_spec(parse_engine(SAME_ORDER.get(name, name)), pp=pp, microbatches=m)
+    return compile_spec(parse_spec(SAME_ORDER.get(name, name)), pp=pp, microbatches=m)
 
 
 def case_row(name: str, m: int, group: str, rounds: list[dict], schedule, link: dict,

@@ -14,7 +14,7 @@ tests' and benchmarks' helpers live in benchmarks/llama/). The top level holds t
 tools; the engine and the patches have a folder each:
 
     pipeline/     the engine: PipescheduleEngine (pipeline/engine.py), the pp_engine syntax
-                  (engine_spec, registry), one step (step, stage_call, boundary, block_graph),
+                  (engine_spec, over the core's), one step (step, stage_call, boundary, block_graph),
                   layouts (layout, layout_fix, split), grad_sync, recompute, and the adapter's
                   errors (pipeline/errors.py); it imports nothing else of the adapter
     patches/      every patch of nanotron's (and, over gloo, torch's) code, one module per
@@ -37,7 +37,14 @@ tools; the engine and the patches have a folder each:
     flash_attn_standin  a pure-torch flash-attn where the package is missing
 """
 
+import warnings
+
 from integration.nanotron.patches.import_cycle import import_nanotron
+
+# nanotron.dataloader warns on every rank when datasets or transformers is missing, whether
+# or not the run reads a dataset; a config that names one is refused in one line saying
+# what to install (data.py), so the warning says nothing a run needs.
+warnings.filterwarnings("ignore", message="Datasets and/or Transformers not installed")
 
 # nanotron 0.4's wheel imports only once repaired, so the repair runs before any module of
 # the adapter imports nanotron; the rest of the adapter then imports nanotron normally.

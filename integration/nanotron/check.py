@@ -19,10 +19,16 @@ at the first that would fail, with one line naming the value and the fix:
     4. schedule    the engine's schedule for (pp, m) compiled and verified against every
                    rule, as the engine compiles it at its first step (with its OFFLOAD /
                    RELOAD where it offloads)
-    5. memory      (`pipeschedule check` only) per rank, the planner's prediction for this
+    5. data        the dataset and tokenizer the run reads, loaded and checked as the
+                   launcher's ranks load them (`data.load`: the folder, the text column,
+                   the tokenizer loads, its tokens within the model's vocab_size, the
+                   sequence within max_position_embeddings); synthetic data needs none
+    6. memory      (`pipeschedule check` only) per rank, the planner's prediction for this
                    engine (`pipeschedule.plan.planner.engine_memory`) from the config as
-                   `pipeschedule plan --model-file` reads it, with the config's dtype and the
-                   attention the launcher runs; against the GPU's memory less 2 GiB with --gpu
+                   `pipeschedule plan --model-file` reads it (`plan.from_config.config_of_file`),
+                   under the same assumptions as the plan ([Note: shared assumptions] in
+                   pipeschedule/plan/assumptions.py: the same flags and defaults), against the
+                   GPU's memory less the reserve
 
 The model's blocks are read from numbers: nanotron's LlamaForTraining is an embedding, the
 decoder layers, final norm, LM head, cast to fp32 and loss, priced as its
@@ -34,10 +40,8 @@ layout and memory are not predicted (said in the report).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import io
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from nanotron.config import get_config_from_file  # (nanotron repaired and our names registered by the package)
 
@@ -48,12 +52,14 @@ from integration.nanotron.pipeline.layout_fix import LayoutFix, fitting_split
 from integration.nanotron.progress import EngineView, NANOTRON_FAMILIES, recomputed_layers
 from integration.nanotron.pipeline.split import nanotron_block_stages
 from pipeschedule import compile_schedule
-from pipeschedule.cli import plan as plan_cli
+from pipeschedule.compiler.spec import inflight_unit, unbound_cap
+from pipeschedule.plan.assumptions import Assumptions, assumption_lines
 from pipeschedule.plan.candidate import Candidate
+from pipeschedule.plan.config import PlanConfig
+from pipeschedule.plan.from_config import config_of_file
 from pipeschedule.plan.memory import GiB, ModelSpec
 from pipeschedule.plan.partition import llama_block_costs
 from pipeschedule.plan.planner import engine_memory
-from pipeschedule.plan.presets import GPUS, gpu_preset
 
 LLAMA_CONFIGS = ("LlamaConfig",)  # the model configs whose blocks `llama_blocks` describes
 
@@ -68,9 +74,10 @@ class Preflight:
     block_ranks: the rank of each of the model's blocks in forward order. world: (dp, tp,
     pp, expert parallel); nproc: the processes checked against (None: not given).
     instructions: of the verified schedule. memory: the planner's `Candidate` for the
-    engine (None: not predicted, and why in `notes`). gpu / budget: the GPU preset checked
-    against and the bytes the planner leaves the job on it, its memory less the plan's
-    reserve (None without --gpu)."""
+    engine (None: not predicted, and why in `notes`); plan: the PlanConfig it was
+    predicted under (its GPU and budget), assumptions: the flags' [Note: shared
+    assumptions]. warnings: what runs but is likely not what was meant (a cap that binds
+    on no rank)."""
 
     config_file: str
     model: str
@@ -80,9 +87,10 @@ class Preflight:
     nproc: int | None
     instructions: int | None
     memory: Candidate | None = None
-    gpu: str | None = None
-    budget: float | None = None
+    plan: PlanConfig | None = None
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    assumptions: Assumptions = Assumptions()
 
     @property
     def processes(self) -> int:
@@ -90,10 +98,8 @@ class Preflight:
         return dp * tp * pp * expert
 
     def over_budget(self) -> list:
-        """The ranks whose predicted memory exceeds the GPU's budget (none without --gpu)."""
-        if self.memory is None or self.budget is None:
-            return []
-        return [r for r in self.memory.memory if not r.fits]
+        """The ranks whose predicted memory exceeds the GPU's budget."""
+        return [] if self.memory is None else [r for r in self.memory.memory if not r.fits]
 
 
 def read_config(config_file: str):
@@ -204,13 +210,15 @@ def compiled(engine, view: EngineView):
     return compile_schedule(view.family, pp=view.pp, microbatches=view.microbatches)
 
 
-def preflight(config_file: str, *, nproc: int | None = None, source: str = "--nproc", gpu: str | None = None,
-              memory: bool = True, config=None) -> Preflight:
+def preflight(config_file: str, *, nproc: int | None = None, source: str = "--nproc",
+              assumptions: Assumptions | None = None, memory: bool = True, data: bool = True,
+              config=None) -> Preflight:
     """[Note: pre-flight]: the config checked step by step; raises PipescheduleError (one
     line naming the value and the fix) at the first step that would fail. `config`: what
-    `read_config` gave, where the caller has read it; `memory`: predict memory (step 5)."""
-    if gpu is not None:
-        _check_gpu(gpu)  # a name that is no preset is refused before the work
+    `read_config` gave, where the caller has read it; `data`: load and check the dataset
+    and tokenizer (step 5); `memory`: predict memory (step 6) under `assumptions` (None:
+    the defaults, as `pipeschedule plan`'s)."""
+    assumptions = assumptions or Assumptions()
     config = read_config(config_file) if config is None else config
     check_world(config, nproc, source)
     parallelism, model_config = config.parallelism, config.model.model_config
@@ -224,55 +232,72 @@ def preflight(config_file: str, *, nproc: int | None = None, source: str = "--np
     layout = engine_layout(engine, model_config, pp)
     view = engine_view(engine, layout, pp, config.tokens.batch_accumulation_per_replica)
     schedule = compiled(engine, view)
-    notes = _notes(engine, view, config)
-    predicted, budget = None, None
+    notes, warnings = _notes(engine, view, config, assumptions, data), _warnings(engine, view)
+    predicted, plan = None, None
     if memory and schedule is not None:
-        predicted, why = _memory(config_file, config, view, gpu)
+        predicted, plan, why = _memory(config_file, engine, view, assumptions)
         notes += (why,) if why else ()
-        budget = predicted.memory[0].budget if gpu is not None and predicted is not None else None
     return Preflight(config_file, kind, view, tuple(layout.block_ranks), world, nproc,
-                     None if schedule is None else sum(len(p) for p in schedule.programs), predicted, gpu, budget,
-                     notes)
+                     None if schedule is None else sum(len(p) for p in schedule.programs), predicted, plan, notes,
+                     warnings, assumptions)
 
 
-def _notes(engine, view: EngineView, config) -> tuple[str, ...]:
+def _notes(engine, view: EngineView, config, assumptions: Assumptions, data: bool) -> tuple[str, ...]:
     notes = []
     if getattr(engine, "auto", None) is not None:
         notes.append("auto chooses its engine after the first step, from what that step measures; shown: the "
                      "first step's")
     if view.offload is not None:
-        notes.append(f"offload ranks {'/'.join(map(str, view.offload))}: the memory shown keeps every stash on the "
-                     "device")
-    dataset = getattr(getattr(config, "data", None), "dataset", None)
-    notes.append("data: synthetic tokens" if dataset is None else
-                 "data: not checked here (the launcher loads the dataset and tokenizer and checks them first)")
+        notes.append(f"offload ranks {'/'.join(map(str, view.offload))}: the memory shown counts the stashes on the "
+                     "host as the planner does where the GPU's host link is known (gh200, h200) and lead is 1, "
+                     "else keeps every stash on the device")
+    if assumptions.attention == "flash-attn" and importlib.util.find_spec("flash_attn") is None:
+        notes.append("this machine has no flash-attn: a launch here runs the adapter's pure-torch stand-in "
+                     "(--attention sdpa-standin prices that); the memory shown assumes flash-attn, as on the GPUs "
+                     "the plan is for")
+    notes.append(_data_note(config) if data else "data: not checked")
     return tuple(notes)
 
 
-def _check_gpu(gpu: str) -> None:
-    """Refuses a --gpu that names no preset of the planner's."""
-    try:
-        gpu_preset(gpu)
-    except ParameterError:
-        raise ParameterError(f"--gpu {gpu!r} is no GPU preset; accepted: {', '.join(GPUS)}") from None
+def _data_note(config) -> str:
+    """Step 5 of [Note: pre-flight]: the run's dataset and tokenizer loaded and checked as
+    the ranks load them (`data.load`, which refuses in one line); what they are."""
+    from integration.nanotron import data
+
+    if importlib.util.find_spec("datasets") is not None:
+        import datasets
+
+        datasets.disable_progress_bars()  # (a check's output is its report and its one line)
+    text = data.load(config)
+    if text is None:
+        return "data: synthetic tokens (data.dataset: null)"
+    vocab = config.model.model_config.vocab_size
+    return (f"data: {text.source}, {len(text.raw)} texts, column {config.data.dataset.text_column_name!r}; tokenizer "
+            f"{config.tokenizer.tokenizer_name_or_path!r}, {len(text.tokenizer)} tokens within vocab_size {vocab}")
 
 
-def _memory(config_file: str, config, view: EngineView, gpu: str | None):
-    """(the planner's Candidate for the engine, None) or (None, why not): the config read
-    as `pipeschedule plan --model-file` reads it, with the dtype and attention of the run."""
-    parser = argparse.ArgumentParser()
-    plan_cli.add_arguments(parser)
-    args = parser.parse_args(["--model-file", config_file] + (["--gpu", gpu] if gpu else []))
-    args.attention = "flash-attn" if importlib.util.find_spec("flash_attn") else "sdpa-standin"  # as the launcher
-    args.recompute = "selective" if view.recompute == "selective" else "none"
+def _warnings(engine, view: EngineView) -> tuple[str, ...]:
+    """What runs but is likely not what was meant: a cap that binds on no rank."""
+    spec = getattr(engine, "spec", None)
+    if not isinstance(engine, PipescheduleEngine) or getattr(engine, "auto", None) is not None or spec is None:
+        return ()
+    unbound = unbound_cap(spec, pp=view.pp, microbatches=view.microbatches)
+    return (unbound,) if unbound else ()
+
+
+def _memory(config_file: str, engine, view: EngineView, assumptions: Assumptions):
+    """(the planner's Candidate for the engine, its PlanConfig, None) or (None, None, why
+    not): the config read as `pipeschedule plan --model-file` reads it, under `assumptions`."""
     try:
-        plan_config = plan_cli.config_from_args(plan_cli.resolve_layout(args, err=io.StringIO()))
-        itemsize = config.model.dtype.itemsize
-        plan_config = replace(plan_config, setup=replace(plan_config.setup, param_bytes=itemsize, act_bytes=itemsize))
-        return engine_memory(plan_config, view.name, view.family, view.cap, view.virtual, view.layers,
-                             recomputed=recomputed_layers(view)), None
+        plan = config_of_file(config_file, assumptions,
+                              recompute="selective" if view.recompute == "selective" else "none")
+        spec = engine.spec if isinstance(engine, PipescheduleEngine) else None
+        offload = spec.offload if spec is not None and spec.lead in (None, 1) else None  # the planner's lead: 1
+        return engine_memory(plan, view.name, view.family, view.cap, view.virtual, view.layers,
+                             recomputed=recomputed_layers(view), offload=offload,
+                             stream=None if offload is None else spec.stream), plan, None
     except PipescheduleError as err:
-        return None, f"memory not predicted: {' '.join(str(err).split())}"
+        return None, None, f"memory not predicted: {' '.join(str(err).split())}"
 
 
 def _engine_name(engine) -> str:
@@ -283,11 +308,13 @@ def _engine_name(engine) -> str:
 
 
 def report(found: Preflight) -> str:
-    """`pipeschedule check`'s text: what would run, and the memory per rank."""
+    """`pipeschedule check`'s text: what would run, the assumptions and the memory per
+    rank; its last line is the verdict (`would run`) where nothing is over the GPU, else
+    the report ends before the one line of the refusal (`main`)."""
     dp, tp, pp, expert = found.world
     sizes = f"dp {dp} * tp {tp} * pp {pp}" + (f" * expert {expert}" if expert != 1 else "")
     started = "" if found.nproc is None else f" (--nproc {found.nproc})"
-    lines = [f"{found.config_file}: would run", f"  world     {sizes} = {found.processes} processes{started}"]
+    lines = [f"{found.config_file}:", f"  world     {sizes} = {found.processes} processes{started}"]
     view = found.view
     if view is not None:
         who = "pipeschedule" if view.ours else "nanotron's own"
@@ -299,29 +326,35 @@ def report(found: Preflight) -> str:
         lines.append(f"  schedule  pp {view.pp}, m {view.microbatches} microbatches a step: " + (
             f"{found.instructions} instructions, verified against every rule" if found.instructions is not None
             else f"no schedule model of {view.name}: not compiled"))
+    lines += [f"  warning   {warning}" for warning in found.warnings]
     lines += [f"  note      {note}" for note in found.notes]
     if found.memory is not None:
+        lines += [f"  assumed   {line}" for line in assumption_lines(found.plan, offload=bool(view.offload))]
         lines += _memory_table(found)
+    if not found.over_budget():
+        lines.append(f"would run{_fits(found)}")
     return "\n".join(lines)
 
 
+def _fits(found: Preflight) -> str:
+    if found.memory is None:
+        return ""
+    peak = max(found.memory.memory, key=lambda r: r.total)
+    return (f": every rank within the {found.plan.gpu_name}'s {found.plan.budget / GiB:.1f} GiB (rank {peak.rank} "
+            f"the most, {_size(peak.total)})")
+
+
 def _memory_table(found: Preflight) -> list[str]:
-    against = (f"against {found.gpu}: {found.budget / GiB:.1f} GiB after {_reserve(found) / GiB:g} GiB kept back"
-               if found.budget is not None else "give --gpu to check them against a GPU")
-    lines = [f"  memory    per rank, predicted by pipeschedule's memory model ({against})",
-             "    rank  stages  layers  in flight  activations       total" + ("  fits" if found.budget else "")]
+    plan = found.plan
+    unit = inflight_unit(found.view.virtual if found.view is not None else 1)
+    lines = [f"  memory    per rank, predicted by pipeschedule's memory model against {plan.gpu_name}: "
+             f"{plan.budget / GiB:.1f} GiB after {plan.reserve / GiB:g} GiB kept back; in flight: {unit}",
+             "    rank  stages  layers  in flight  activations       total  fits"]
     for rank in found.memory.memory:
-        row = (f"    {rank.rank:>4}  {_joined(rank.stages):<6}  {_joined(rank.layers):>6}  {rank.inflight:>9}  "
-               f"{_size(rank.terms.get('activations', 0)):>11}  {_size(rank.total):>10}")
-        if found.budget is not None:
-            row += "  " + ("yes" if rank.fits else "NO")
-        lines.append(row)
+        lines.append(f"    {rank.rank:>4}  {_joined(rank.stages):<6}  {_joined(rank.layers):>6}  {rank.inflight:>9}  "
+                     f"{_size(rank.terms.get('activations', 0)):>11}  {_size(rank.total):>10}  "
+                     + ("yes" if rank.fits else "NO"))
     return lines
-
-
-def _reserve(found: Preflight) -> float:
-    """What the plan keeps back of the GPU's memory (CUDA context, NCCL, allocator slack)."""
-    return gpu_preset(found.gpu)["memory"] - found.budget
 
 
 def _joined(value) -> str:
@@ -335,19 +368,21 @@ def _size(nbytes: float) -> str:
     return f"{int(nbytes)} B"
 
 
-def main(config_file: str, *, nproc: int | None = None, gpu: str | None = None) -> int:
-    """`pipeschedule check`: the report on standard output, 0; or raises PipescheduleError
-    with the one line (the command prints it and exits 2), after the report when only the
-    memory does not fit the GPU."""
-    found = preflight(config_file, nproc=nproc, gpu=gpu)
+def main(config_file: str, *, nproc: int | None = None, assumptions: Assumptions | None = None) -> int:
+    """`pipeschedule check`: the report on standard output, its last line `would run`, 0;
+    or raises PipescheduleError with the one line (the command prints it and exits 2),
+    after the report when only the memory does not fit the GPU."""
+    found = preflight(config_file, nproc=nproc, assumptions=assumptions)
     print(report(found))
     over = found.over_budget()
     if over:
         worst = max(over, key=lambda r: r.total)
+        plan = found.plan
+        flags = " ".join(found.assumptions.flags())
         raise ParameterError(
-            f"rank {worst.rank} needs {worst.total / GiB:.2f} GiB (predicted), over the {found.gpu}'s "
-            f"{found.budget / GiB:.1f} GiB (its memory less {_reserve(found) / GiB:g} GiB kept back): see what fits "
-            f"with `pipeschedule plan --model-file {config_file} --gpu {found.gpu}`")
+            f"would not run: rank {worst.rank} needs {_size(worst.total)} (predicted), over the budget of "
+            f"{plan.gpu_name}, {_size(plan.budget)} (its memory less {plan.reserve / GiB:g} GiB kept back): "
+            f"see what fits with `pipeschedule plan --model-file {config_file}{' ' + flags if flags else ''}`")
     return 0
 
 

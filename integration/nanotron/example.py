@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 
 import yaml
 
+from integration.nanotron.pipeline.engine_spec import parse_engine
 from integration.nanotron.pipeline.errors import ParameterError
 from pipeschedule.checks import check_int
 
@@ -138,23 +139,53 @@ class TrainerConfig:
                 "dataset_overwrite_cache": False}
 
 
+HELP = {  # what each option of `main` sets, in nanotron's words
+    "engine": "parallelism.pp_engine: nanotron's 1f1b or afab, or one of pipeschedule's (capped_1f1b:cap=2, zbv, ...)",
+    "pp": "parallelism.pp: pipeline stages", "dp": "parallelism.dp: data-parallel replicas",
+    "tp": "parallelism.tp: tensor-parallel ranks", "tp_mode": "parallelism.tp_mode: ALL_REDUCE or REDUCE_SCATTER",
+    "tp_async": "parallelism.tp_linear_async_communication (true or false)",
+    "layers": "model_config.num_hidden_layers: decoder layers",
+    "microbatches": "tokens.batch_accumulation_per_replica: microbatches per step",
+    "steps": "tokens.train_steps", "zero_stage": "optimizer.zero_stage: 0 or 1",
+    "fp32_accumulation": "optimizer.accumulate_grad_in_fp32 (true or false; needs a half-precision dtype)",
+    "tie_embeddings": "model_config.tie_word_embeddings (true or false)",
+    "dtype": "model.dtype: float32, bfloat16 or float16", "clip_grad": "optimizer.clip_grad",
+    "hidden": "model_config.hidden_size", "ffn": "model_config.intermediate_size (default 2 * hidden)",
+    "heads": "model_config.num_attention_heads", "kv_heads": "model_config.num_key_value_heads",
+    "vocab": "model_config.vocab_size", "seq": "tokens.sequence_length (and max_position_embeddings)",
+    "micro_batch_size": "tokens.micro_batch_size: sequences per microbatch", "seed": "general.seed",
+    "dataset": "data.dataset.hf_dataset_or_datasets: a local folder or a Hugging Face name (default: synthetic data)",
+    "text_column": "data.dataset.text_column_name", "tokenizer": "tokenizer.tokenizer_name_or_path (needed with a "
+    "dataset: a folder written by save_pretrained, or a Hugging Face name)",
+    "loading_workers": "data.num_loading_workers", "log_level": "logging.log_level and log_level_replica",
+    "checkpoint_interval": "checkpoints.checkpoint_interval: steps between checkpoints",
+    "resume_from": "checkpoints.resume_checkpoint_path: a run's checkpoints to resume",
+    "lr_decay_steps": "optimizer.learning_rate_scheduler.lr_decay_steps (default: nanotron's)",
+}
+
+
 def main(argv=None) -> int:
-    """Print a config (the fields of `TrainerConfig` as options) to standard output."""
+    """Print a config (the fields of `TrainerConfig` as options) to standard output; a bad
+    value (an engine nanotron would refuse at load included) is one line, exit 2."""
     parser = argparse.ArgumentParser(prog="python -m integration.nanotron.example",
-                                     description="print a nanotron YAML config for its own Llama")
-    parser.add_argument("--checkpoints", default="checkpoints", help="checkpoints_path (default: checkpoints)")
+                                     description="Print a complete nanotron YAML config for nanotron's own Llama, "
+                                                 "from a few knobs (a small model on synthetic data by default). "
+                                                 "`pipeschedule plan --write` writes one for a planned model.")
+    parser.add_argument("--checkpoints", default="checkpoints", help="checkpoints.checkpoints_path (default: "
+                                                                    "checkpoints)")
     for field in fields(TrainerConfig):
         if field.name in ("save_initial_state", "init_from"):
             continue
         kind = {"bool": _boolean, "int": int, "float": float, "str": str}.get(str(field.type).split(" |")[0], str)
         parser.add_argument("--" + field.name.replace("_", "-"), type=kind, default=field.default,
-                            help=f"(default: {field.default})")
+                            help=f"{HELP[field.name]} (default: {field.default})")
     args = vars(parser.parse_args(argv))
     checkpoints = args.pop("checkpoints")
     try:
+        parse_engine(args["engine"])  # the value nanotron's loader will read (a typo was written into the YAML)
         config = TrainerConfig(**args)
     except (TypeError, ParameterError) as err:
-        print(f"integration.nanotron.example: {err}", file=sys.stderr)
+        print(f"integration.nanotron.example: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     sys.stdout.write(config.yaml(checkpoints))
     return 0
@@ -168,7 +199,7 @@ def _boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-__all__ = ["TrainerConfig", "main"]
+__all__ = ["HELP", "TrainerConfig", "main"]
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ import integration.nanotron  # noqa: F401  (first: repairs nanotron 0.4's import
 import torch
 from nanotron import distributed as dist
 from nanotron.parallel.pipeline_parallel.tensor_pointer import TensorPointer
-from integration.nanotron import data, flash_attn_standin, progress
+from integration.nanotron import data, flash_attn_standin, launch, progress
 from integration.nanotron.check import preflight, read_config
 from integration.nanotron.pipeline.errors import DataError, PipescheduleError
 from integration.nanotron.gloo import use_gloo
@@ -85,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="write DIR/rank{R}.json per rank: losses, step times, peak memory, the first step's stash")
     parser.add_argument("--record-weights", action="store_true",
                         help="with --record: also DIR/rank{R}-weights.pt, the weights after the last step")
+    parser.add_argument("--checked", action="store_true",
+                        help="the config was checked before the ranks started (pipeschedule train): no pre-flight here")
     return parser.parse_args(argv)
 
 
@@ -367,14 +369,17 @@ def train(config_file: str, *, record: bool = False, text: data.TextData | None 
     return trainer
 
 
-def run(config_file: str, *, backend: str = "auto", record: str | None = None, weights: bool = False) -> None:
+def run(config_file: str, *, backend: str = "auto", record: str | None = None, weights: bool = False,
+        checked: bool = False) -> None:
     """One process of the job: read and check the config ([Note: pre-flight]: its engine,
-    layout and schedule, and the world size torchrun started) and its data, prepare,
-    train, and write the record if asked."""
+    layout and schedule, and the world size torchrun started; not again where `checked`,
+    [Note: one launch] in launch.py) and its data, prepare, train, and write the record if
+    asked."""
     try:
         config = read_config(config_file)  # (the trainer reads it again: nanotron 0.4's takes a file, not a Config)
-        preflight(config_file, config=config, nproc=int(os.environ.get("WORLD_SIZE", "1")),
-                  source="torchrun's world size (WORLD_SIZE)", memory=False)
+        if not checked:
+            preflight(config_file, config=config, nproc=int(os.environ.get("WORLD_SIZE", "1")),
+                      source="torchrun's world size (WORLD_SIZE)", memory=False, data=False)
         text = data.load(config)
     except PipescheduleError as err:
         raise SameOnEveryRank(str(err)) from None
@@ -409,11 +414,14 @@ def _synthetic(config) -> bool:
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = os.environ.get("RANK", "?")
+    if launch.under_launch():  # [Note: one launch]: the launcher says what failed, once
+        return _main_under_launch(args, rank)
     _say_when_stopped(rank)
     # Until the config and data are checked, a SIGTERM means rank 0 refused them, and said so.
     _quiet["stopping"] = rank not in ("0", "?")
     try:
-        run(args.config_file, backend=args.backend, record=args.record, weights=args.record_weights)
+        run(args.config_file, backend=args.backend, record=args.record, weights=args.record_weights,
+            checked=args.checked)
     except (SameOnEveryRank, DataError) as err:
         _refuse_once(rank, err)
     except PipescheduleError as err:
@@ -422,6 +430,21 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001  (any failure ends every rank, never a silent hang)
         print(f"integration.nanotron.train rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         _abort(1)
+    return 0
+
+
+def _main_under_launch(args, rank: str) -> int:
+    """A rank started by `pipeschedule train` ([Note: one launch]): SIGTERM and SIGINT end it
+    at once, even inside a collective; a failure is written for the launcher to say, and
+    the rank leaves without a word."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+    try:
+        run(args.config_file, backend=args.backend, record=args.record, weights=args.record_weights,
+            checked=args.checked)
+    except Exception as err:  # noqa: BLE001  (any failure ends every rank: torchrun stops the others)
+        launch.rank_failed(rank, err)
+        _abort(2 if isinstance(err, PipescheduleError) else 1)
     return 0
 
 

@@ -3,18 +3,19 @@
 Compiles 1f1b, capped_1f1b (cap 2) and interleaved_1f1b (v=2) for pp=4 and 8
 microbatches, verifies each against every rule, simulates them under the default costs
 (a rank's share of the model: F=1, B=2) and prints their timelines and a table of bubble
-fraction and per-rank peak in-flight microbatches. Then, where torch and nanotron are
-installed (`pip install torch==2.13.0 -e '.[nanotron]'`), nanotron's own trainer trains
-nanotron's own Llama from a YAML file on CPU, pp=4 over 4 gloo processes, with
-nanotron's 1F1B and with our capped_1f1b (cap 2): equal losses, and the first stage's
-stash halved.
+fraction and per-rank peak in-flight stage-microbatches. Then what installed packages
+register after it ([Note: registered commands] in command.py): the nanotron adapter, where
+torch and nanotron are installed (`pip install torch==2.13.0 -e '.[nanotron]'`), has
+nanotron's own trainer train nanotron's own Llama from a YAML file on CPU, pp=4 over 4
+gloo processes, with nanotron's 1F1B and with our capped_1f1b (cap 2): equal losses, and
+the first stage's stash halved.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 from pipeschedule import compile_schedule
+from pipeschedule.cli.command import DEMO_GROUP, registered
+from pipeschedule.errors import ParameterError
 from pipeschedule.simulate import CostModel, simulate
 from pipeschedule.simulate.render import ascii_timeline
 
@@ -40,7 +41,8 @@ def run_demo() -> int:
         per_mb = [round(n / schedule.virtual, 2) for n in result.peak_inflight]
         rows.append((label, result.step_time, result.bubble_fraction, list(result.peak_inflight), per_mb))
 
-    header = ("schedule", "step time", "bubble", "peak in-flight per rank", "= microbatches' activations")
+    header = ("schedule", "step time", "bubble", "peak in-flight stage-microbatches per rank",
+              "= microbatches' activations")
     table = [header] + [(r[0], f"{r[1]:g}", f"{r[2]:.3f}", str(r[3]), str(r[4])) for r in rows]
     widths = [max(len(row[c]) for row in table) for c in range(len(header))]
     for row in table:
@@ -57,13 +59,21 @@ def run_demo() -> int:
 
 
 def _training_demo() -> int:
-    # The compiler imports no torch: only look for it here; integration/ does the rest.
-    missing = [name for name in ("torch", "nanotron", "einops") if importlib.util.find_spec(name) is None]
-    if missing:
-        print(f"\n(training part skipped: {', '.join(missing)} not installed; install it with "
-              f"`pip install torch==2.13.0 -e '.[nanotron]'`)")
+    """What installed packages register to run after the schedules ([Note: registered
+    commands] in command.py: the nanotron adapter's training on CPU); the compiler imports
+    no torch, so the part that needs it is theirs. Returns the first non-zero exit code."""
+    parts = registered(DEMO_GROUP)
+    if not parts:
+        print("\n(training part skipped: no installed package registers one; the nanotron adapter does once "
+              "installed with `pip install torch==2.13.0 -e '.[nanotron]'`)")
         return 0
-    from integration.nanotron.demo import run_training_demo  # repairs nanotron 0.4, registers our engines
-
-    print("\n== training: nanotron's trainer and Llama, its own 1F1B against pipeschedule's capped_1f1b (cap 2)")
-    return run_training_demo()
+    for name, entry in parts.items():
+        try:
+            part = entry.load()
+        except Exception as err:  # noqa: BLE001  (its module failing to import: said in one line)
+            raise ParameterError(f"demo part {name!r} is registered by {entry.value}, which cannot be loaded: "
+                                 f"{type(err).__name__}: {err} (reinstall: pip install -e .)") from None
+        code = part()
+        if code:
+            return code
+    return 0

@@ -1,15 +1,19 @@
 """The `pipeschedule` command.
 
-    pipeschedule compile NAME --pp P --microbatches M [--virtual V] [--cap C|C0,C1,..] --json PATH
+    pipeschedule compile SCHEDULE --pp P --microbatches M [--virtual V] [--cap C|C0,C1,..] --json PATH
                               [--offload fraction=F[,lead=L][,ranks=..]|auto[,budget=B]][,stream=MiB]]
                               [--host-bandwidth GB/s]
     pipeschedule verify PATH                  exit 0 valid, 1 invalid, 2 unusable input
-    pipeschedule simulate NAME|--schedule PATH [...] [--cost PATH] [--json] [--trace PATH] [--png PATH]
-    pipeschedule show NAME ...                ASCII timeline
+    pipeschedule simulate SCHEDULE|--schedule PATH [...] [--cost PATH] [--json] [--trace PATH] [--png PATH]
+    pipeschedule show SCHEDULE ...            ASCII timeline
     pipeschedule demo                         1f1b vs capped_1f1b vs interleaved, side by side
     pipeschedule plan ...                     what fits a GPU (see `pipeschedule plan -h`)
-    pipeschedule check CONFIG [--nproc N] [--gpu NAME]   a nanotron YAML, before launching it
+    pipeschedule check CONFIG ..., train CONFIG --nproc N ...   the nanotron adapter's commands
     pipeschedule --version
+
+SCHEDULE is any pp_engine value ([Note: pp_engine syntax] in compiler/spec.py):
+`capped_1f1b:cap=2`, `zbv`, `interleaved_1f1b:virtual=2`, a family's own name (`1f1b`);
+--virtual and --cap give the same parameters beside it.
 
 Every error the user can cause ends with one line on stderr and a non-zero exit code,
 never a traceback: 2 for bad input (naming the value, cut to a readable length, and what
@@ -18,9 +22,10 @@ that breaks a rule.
 
 [Note: one command, its own imports] `main` builds the arguments of the one subcommand
 it runs (`build_parser(command)`): `compile`, `verify`, `simulate` and `show` load the
-compiler and the simulator only, `plan` loads the planner (`pipeschedule.plan`), and
-`check` loads nanotron's adapter (`integration.nanotron`: torch and nanotron) only once
-it runs. `build_parser()` with no command builds them all (tests, help pages).
+compiler and the simulator only, `plan` loads the planner (`pipeschedule.plan`), and a
+registered command ([Note: registered commands] in command.py: nanotron's `check` and
+`train`) loads its own module, which loads torch and nanotron only once it runs.
+`build_parser()` with no command builds them all (tests, help pages).
 """
 
 from __future__ import annotations
@@ -31,18 +36,19 @@ import os
 import re
 import sys
 import textwrap
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from importlib import metadata
-from typing import Callable
 
-from pipeschedule import compile_schedule
 from pipeschedule.checks import (
     MAX_SHOWN, check_number, check_png_ranks, int_arg, number_arg, parse_int_list, path_arg, shown,
 )
+from pipeschedule.cli.command import Command, load_command, registered
 from pipeschedule.cli.demo import run_demo
-from pipeschedule.compiler.families import FAMILIES, family
+from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.compiler.ir import COMPUTE_OPS, Op, load
 from pipeschedule.compiler.offload_spec import AutoOffload, parse_offload
+from pipeschedule.compiler.spec import (ScheduleSpec, compile_spec, family_of, inflight_unit, parse_spec,
+                                        unbound_cap, value_name)
 from pipeschedule.compiler.passes import is_lowered, lower
 from pipeschedule.compiler.torch_csv import load_csv, write_csv
 from pipeschedule.compiler.verify import check_coverage, verify
@@ -79,23 +85,37 @@ def _virtual_help() -> str:
 
 
 def _schedule_args(parser: argparse.ArgumentParser, *, name_required: bool = True) -> None:
-    parser.add_argument("name", nargs=None if name_required else "?",
-                        help="schedule family: " + ", ".join(FAMILIES) + " (or its pp_engine name: ps_1f1b, ps_afab)")
+    parser.add_argument("name", nargs=None if name_required else "?", metavar="SCHEDULE",
+                        help="a pp_engine value: a family's name or engine name (" + ", ".join(FAMILIES)
+                             + "; ps_1f1b, ps_afab) with its parameters, e.g. capped_1f1b:cap=2 or "
+                               "interleaved_1f1b:virtual=2")
     parser.add_argument("--pp", type=int_arg("--pp"), default=None, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=int_arg("--microbatches"), default=None,
                         help="microbatches per step")
     parser.add_argument("--virtual", type=int_arg("--virtual"), default=None,
-                        help=f"chunks per rank ({_virtual_help()})")
+                        help=f"chunks per rank ({_virtual_help()}); as the value's virtual=")
     parser.add_argument("--cap", type=str, default=None,
                         help="in-flight cap: one int for all ranks, or one per rank as pp_engine writes it, "
-                             "C0/C1/... (C0,C1,... also)")
+                             "C0/C1/... (C0,C1,... also); as the value's cap=")
 
 
-def cli_family(name: str):
-    """The family NAME means: a family's name, or its pp_engine name (`ps_1f1b`, and the
-    names they share), as nanotron's YAML writes it (integration/nanotron/pipeline/registry.py)."""
-    by_engine = {f.engine: f for f in FAMILIES.values()}
-    return by_engine[name] if name not in FAMILIES and name in by_engine else family(name)
+def cli_spec(args) -> ScheduleSpec:
+    """The `ScheduleSpec` SCHEDULE names, with --virtual and --cap (where given) as its
+    parameters; a family that fixes its chunks takes --virtual of that count, as
+    `generate` does."""
+    if args.cap is not None:
+        parse_cap(args.cap)  # its own words for a cap that is no list of integers
+    flags = {"virtual": args.virtual, "cap": args.cap}
+    family = family_of(value_name(args.name) or "")
+    if family is not None and not family.takes_virtual and args.virtual == family.chunks():
+        flags["virtual"] = None  # zbv --virtual 2: its own count
+    given = {key: str(value) for key, value in flags.items() if value is not None}
+    beside = "".join(f" --{key} {value}" for key, value in given.items())
+    spec = parse_spec(args.name, given=given, shown_as=f"schedule {shown(args.name)}{beside}")
+    if not isinstance(spec, ScheduleSpec):
+        raise ParameterError(f"schedule {shown(args.name)}: auto is chosen by the engine at its first step, from "
+                             "what that step measures; name a schedule (capped_1f1b:cap=2, ps_1f1b, ...)")
+    return spec
 
 
 def warn_unfilled(schedule, err=None) -> None:
@@ -110,19 +130,24 @@ def warn_unfilled(schedule, err=None) -> None:
           file=err or sys.stderr)
 
 
-def _build(args, cost=None):
-    chosen = cli_family(args.name)  # an unknown name is refused first, with the accepted ones
+def _build(args, cost=None, err=None):
+    """The lowered, verified schedule SCHEDULE names at --pp, --microbatches (under `cost`
+    where given); on stderr, one line where its cap binds on no rank and one where it
+    names a split or recompute, which set the model's layout, not the schedule."""
+    spec = cli_spec(args)  # an unknown name is refused first, with the accepted ones
     missing = [flag for flag, value in (("--pp", args.pp), ("--microbatches", args.microbatches)) if value is None]
     if missing:
         raise ParameterError(f"{' and '.join(missing)} required to build schedule {shown(args.name)}")
-    if chosen.takes_virtual and args.virtual is None:
-        # as pp_engine requires virtual=V of it (integration/nanotron/pipeline/registry.py): without a
-        # count it would be one chunk per rank, 1F1B under another name
-        raise ParameterError(f"{chosen.name} needs --virtual V, the model chunks per rank (as pp_engine's "
-                             f"{chosen.engine}:virtual=V); --virtual 1 is 1F1B's order")
-    cap = parse_cap(args.cap) if args.cap is not None else None
-    return compile_schedule(chosen.name, pp=args.pp, microbatches=args.microbatches, virtual=args.virtual, cap=cap,
-                            cost=cost)
+    schedule = compile_spec(spec, pp=args.pp, microbatches=args.microbatches, cost=cost)
+    if cost is None:  # said once, for the first build
+        unbound = unbound_cap(spec, pp=args.pp, microbatches=args.microbatches)
+        if unbound:
+            print(f"pipeschedule: warning: {unbound}", file=err or sys.stderr)
+        layout = [key for key in ("split", "recompute") if getattr(spec, key) is not None]
+        if layout:
+            print(f"pipeschedule: note: {' and '.join(layout)} set the model's layout, not the schedule's order: "
+                  "the unit costs here do not see them (`pipeschedule plan` prices them)", file=err or sys.stderr)
+    return schedule
 
 
 def _load_any(path: str):
@@ -241,8 +266,7 @@ def cmd_verify(args) -> int:
 
 def _schedule_for(args):
     if args.schedule is not None:
-        if (args.schedule in FAMILIES or args.schedule in {f.engine for f in FAMILIES.values()}) \
-                and not os.path.exists(args.schedule):
+        if family_of(value_name(args.schedule) or "") is not None and not os.path.exists(args.schedule):
             raise ParameterError(f"--schedule takes a schedule file, and {shown(args.schedule)} is a schedule family: "
                                  f"give it as NAME, the first argument (pipeschedule {args.command} "
                                  f"{args.schedule} --pp 4 --microbatches 8)")
@@ -277,7 +301,8 @@ def cmd_simulate(args) -> int:
     if args.json:
         extra = {"offload": choice.to_dict()} if choice is not None else {}
         print(json.dumps(result.to_dict() | {"name": schedule.name, "pp": schedule.pp, "virtual": schedule.virtual,
-                                             "microbatches": schedule.microbatches} | extra))
+                                             "microbatches": schedule.microbatches,
+                                             "inflight_unit": inflight_unit(schedule.virtual)} | extra))
     else:
         print(_summary(schedule, result))
         if choice is not None:
@@ -291,7 +316,7 @@ def _summary(schedule, result) -> str:
         f"{schedule.name}: pp={schedule.pp} virtual={schedule.virtual} microbatches={schedule.microbatches}\n"
         f"  step time        {result.step_time:g}\n"
         f"  bubble fraction  {result.bubble_fraction:.4f}\n"
-        f"  peak in-flight   {list(result.peak_inflight)}\n"
+        f"  peak in-flight   {list(result.peak_inflight)} {inflight_unit(schedule.virtual)}\n"
         f"  peak bytes       {[round(b, 3) for b in result.peak_bytes]}"
     )
 
@@ -358,24 +383,6 @@ def _add_plan(p: argparse.ArgumentParser) -> None:
     p.set_defaults(run=plan.run)
 
 
-def _add_check(p: argparse.ArgumentParser) -> None:
-    from pipeschedule.cli import check  # its run loads nanotron's adapter ([Note: one command, its own imports])
-
-    check.add_arguments(p)
-    p.set_defaults(run=check.run)
-
-
-@dataclass(frozen=True)
-class Command:
-    """One subcommand: its line in `pipeschedule -h`, what its own -h says above and below
-    its options, and the function that adds its options and its run."""
-
-    help: str
-    description: str
-    examples: tuple[str, ...]
-    add: Callable[[argparse.ArgumentParser], None]
-
-
 COMMANDS = {
     "compile": Command(
         "build, lower and verify a schedule; write it as JSON, text or PyTorch's CSV",
@@ -406,8 +413,8 @@ COMMANDS = {
     "demo": Command(
         "1f1b vs capped_1f1b vs interleaved_1f1b at pp=4, 8 microbatches; then nanotron training on CPU",
         "Compile, verify and simulate 1f1b, capped_1f1b (cap 2) and interleaved_1f1b (virtual 2) side by side; "
-        "where torch and nanotron are installed, then train nanotron's Llama on CPU under nanotron's 1F1B and "
-        "pipeschedule's capped_1f1b.",
+        "then what installed packages register after it (the nanotron adapter, where torch and nanotron are "
+        "installed: nanotron's Llama trained on CPU under nanotron's 1F1B and pipeschedule's capped_1f1b).",
         ("pipeschedule demo",),
         _add_demo),
     "plan": Command(
@@ -415,17 +422,9 @@ COMMANDS = {
         "Evaluate nanotron's default and every schedule, cap and layer split for a model, a layout and a GPU: "
         "memory per rank, simulated throughput, and the pp_engine line of the fastest that fits.",
         ("pipeschedule plan --model llama3-70b --pp 4 --tp 4 --dp 2 --microbatches 8 --gpu gh200",
-         "pipeschedule plan --model-file config.yaml --gpu h100"),
+         "pipeschedule plan --model-file config.yaml --gpu h100 --write planned.yaml"),
         _add_plan),
-    "check": Command(
-        "check a nanotron YAML before launching it: engine, layout, world size, schedule, memory per stage",
-        "Read a nanotron config through nanotron's own loader (with pipeschedule's engines), parse its pp_engine, "
-        "lay its model out as the engine will, check the world size, compile and verify the schedule, and print "
-        "the predicted memory per stage (against a GPU with --gpu). No GPU and no processes are needed; torch and "
-        "nanotron are. Exit 0: it would run; 2: one line naming the value and the fix.",
-        ("pipeschedule check config.yaml", "pipeschedule check config.yaml --nproc 8 --gpu h100"),
-        _add_check),
-}
+}  # the core's own; others are registered ([Note: registered commands] in command.py)
 
 DESCRIPTION = """\
 Pipeline-parallel schedules for nanotron: each schedule is compiled ahead of time into
@@ -435,7 +434,8 @@ trainer through `parallelism.pp_engine` in its YAML (capped_1f1b:cap=2,
 interleaved_1f1b:virtual=2, zb_h1, zbv, ...)."""
 
 EPILOG = """\
-training (torch and nanotron installed):
+training (torch and nanotron installed; `check` and `train` are the nanotron adapter's commands):
+  pipeschedule train CONFIG --nproc N
   torchrun --nproc-per-node N -m integration.nanotron.train --config-file CONFIG
 
 examples:
@@ -457,6 +457,25 @@ def version() -> str:
         return "unknown (not installed: pip install -e .)"
 
 
+def all_commands(command: str | None = ALL) -> dict[str, Command]:
+    """The core's commands and the registered ones ([Note: registered commands]); a
+    registered command is loaded where it is `command` or ALL, or its help is listed (None)."""
+    out = dict(COMMANDS)
+    for name, entry in registered().items():
+        if name in COMMANDS:
+            raise ParameterError(f"{entry.value} registers a command {name!r}, which is the core's own")
+        if command in (ALL, None, name):
+            try:
+                out[name] = load_command(name, entry)
+            except ParameterError as err:
+                if command == name or command == ALL:
+                    raise
+                out[name] = Command(f"(cannot be loaded: {err})", "", (), lambda p: None)
+        else:
+            out[name] = Command("", "", (), lambda p: None)  # listed as a choice, not loaded
+    return out
+
+
 def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
     """The parser of every subcommand (ALL), or of `command` alone: the others are listed
     but take no options, and their modules are not loaded ([Note: one command, its own
@@ -466,7 +485,7 @@ def build_parser(command: str | None = ALL) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pipeschedule {version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     sub.required = True
-    for name, spec in COMMANDS.items():
+    for name, spec in all_commands(command).items():
         examples = "examples:\n" + "\n".join("  " + line for line in spec.examples)
         p = sub.add_parser(name, help=spec.help, description=textwrap.fill(spec.description, 88), epilog=examples,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -484,8 +503,7 @@ def command_of(argv) -> str | None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser(command_of(argv)).parse_args(argv)
-        return args.run(args)
+        return _run(argv)
     except ScheduleError as err:
         print(f"pipeschedule: invalid schedule: {str(err).splitlines()[0]}", file=sys.stderr)
         return EXIT_INVALID
@@ -505,6 +523,20 @@ def main(argv=None) -> int:
         # stdout at /dev/null so that the interpreter's last flush does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, as a shell reports it
+
+
+def _run(argv: list[str]) -> int:
+    """Parse `argv` and run its command; a command that passes unknown options on
+    (`Command.passes_unknown`) gets them as `args.passed`."""
+    name = command_of(argv)
+    parser = build_parser(name)
+    commands = all_commands(name) if name is not None and name not in COMMANDS else COMMANDS
+    if name in commands and commands[name].passes_unknown:
+        args, passed = parser.parse_known_args(argv)
+        args.passed = passed
+    else:
+        args = parser.parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@ from dataclasses import replace
 
 from pipeschedule.checks import (MAX_PLAN_DPS, PLAN_SEARCH_WORK, int_arg, int_list_arg, number_arg, path_arg,
                                 shown)
-from pipeschedule.errors import ParameterError
-from pipeschedule.plan.config import build_config
+from pipeschedule.errors import FormatError, ParameterError
 from pipeschedule.plan.advice import advise
-from pipeschedule.plan.memory import ACTIVATION_FORMULAS, ATTENTIONS, RECOMPUTE_MODES, ModelSpec
-from pipeschedule.plan.presets import (DTYPE_BYTES, GPUS, MODELS, NANOTRON_LAYOUT, load_mapping, load_model,
-                                       model_preset, nanotron_layout)
+from pipeschedule.plan.assumptions import Assumptions, add_arguments as add_assumptions
+from pipeschedule.plan.from_config import LAYOUT_DEFAULTS, layout_of, plan_config
+from pipeschedule.plan.memory import ATTENTIONS, RECOMPUTE_MODES, ModelSpec
+from pipeschedule.plan.nanotron_yaml import complete_config, config_text, merged_config
+from pipeschedule.plan.presets import DTYPE_BYTES, MODELS, load_mapping, load_model, model_preset
 from pipeschedule.plan.report import plan_png
 
 SIZE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab")
@@ -64,10 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nanotron tp_linear_async_communication (default off, nanotron's default)")
     layout.add_argument("--adam-fused", action=argparse.BooleanOptionalAction,
                         help="nanotron torch_adam_is_fused (default on); off adds foreach Adam's temporary")
-    layout.add_argument("--attention", choices=ATTENTIONS, default="flash-attn",
-                        help="attention kernel: flash-attn (nanotron's), the adapter's sdpa-standin, or eager (softmax "
-                             "scores materialised, under --activation-formula korthikanti or llama; selective "
-                             "recompute then reruns them); default flash-attn")
     layout.add_argument("--flash", "--no-flash", action=Removed, nargs=0, help=argparse.SUPPRESS)
     layout.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction,
                         help="nanotron tp_mode REDUCE_SCATTER (default on; a nanotron config without tp_mode: off, "
@@ -76,15 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nanotron accumulate_grad_in_fp32 (default on)")
     layout.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
                         help="nanotron model.dtype: the bytes of a weight and an activation (default bfloat16)")
-    layout.add_argument("--ddp-buckets", action=argparse.BooleanOptionalAction, default=True,
-                        help="count torch DDP's bf16 gradient buckets when dp > 1 (default on)")
-    layout.add_argument("--activation-formula", choices=ACTIVATION_FORMULAS, default="nanotron",
-                        help="per-layer activation count (default nanotron: its Llama's saved tensors)")
+    add_assumptions(parser)  # [Note: shared assumptions]: check takes the same
     gpu = parser.add_argument_group("GPU and costs")
-    gpu.add_argument("--gpu", default="gh200", help=f"preset: {', '.join(GPUS)} (default gh200)")
-    gpu.add_argument("--gpu-memory", type=number_arg("--gpu-memory"), help="GiB per GPU (overrides the preset)")
-    gpu.add_argument("--reserve", type=number_arg("--reserve"), default=2.0,
-                     help="GiB kept back for CUDA context, NCCL buffers, allocator slack (default 2)")
     gpu.add_argument("--gpu-tflops", type=number_arg("--gpu-tflops"), help="peak bf16 TFLOP/s (default: the preset's)")
     gpu.add_argument("--mfu", type=number_arg("--mfu"), default=0.5,
                      help="fraction of peak the matmuls reach (default 0.5)")
@@ -98,8 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="report what a given host offload adds to the recommendation (offload of whole ranks is "
                           "searched anyway where the host link is known): fraction=F[,lead=L][,ranks=..] or "
                           "auto[,budget=0.03]; add ,stream=MiB to stream stashes in chunks of that size")
-    gpu.add_argument("--host-bandwidth", metavar="GB/s", type=number_arg("--host-bandwidth"), default=None,
-                     help="host link per direction (default: the preset's, gh200 450, h200 55.4)")
     gpu.add_argument("--host-memory", metavar="GiB", type=number_arg("--host-memory"), default=None,
                      help="host memory per GPU that offloaded stashes may take; giving it lets a plan that offloads "
                           "be recommended where the link is only the GPU preset's datasheet figure (default: no "
@@ -120,40 +108,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     search.add_argument("--png", metavar="PATH", type=path_arg("--png"),
                         help="write a stacked bar chart of memory per stage")
-
-
-LAYOUT_DEFAULTS = {"pp": None, "tp": 1, "dp": [1], "zero": "auto", "microbatches": None, "seq": 8192, "micro_batch": 1,
-                   "tp_async": False, "adam_fused": True, "sequence_parallel": True, "fp32_grad_accum": True,
-                   "dtype": "bfloat16"}
+    search.add_argument("--write", metavar="OUT.yaml", type=path_arg("--write"),
+                        help="write a whole nanotron config that runs the recommendation: the --model-file config with "
+                             "every setting the estimate assumed merged in, or a complete one to start from; "
+                             "`pipeschedule check OUT.yaml` (with the same assumption flags) accepts it")
 
 
 def resolve_layout(args, err=None) -> argparse.Namespace:
     """`args` with every layout option set: the flag where given, else the value the
     nanotron config of --model-file names ([Note: a nanotron config's layout] in
-    plan/presets.py), else LAYOUT_DEFAULTS. What the file set is said on `err`, once."""
-    file_layout, resolved, taken = {}, vars(args).copy(), []
+    plan/presets.py), else LAYOUT_DEFAULTS (`plan.from_config.layout_of`). What the file
+    set is said on `err`, once."""
+    resolved = vars(args).copy()
+    mapping = None
     if args.model_file is not None:  # read once: model_from_args takes the sizes from the same mapping
-        resolved["model_mapping"] = load_mapping(args.model_file)
-        file_layout = nanotron_layout(resolved["model_mapping"], args.model_file)
-    for option, default in LAYOUT_DEFAULTS.items():
-        if resolved.get(option) is not None:
-            continue
-        if option in file_layout:
-            value, where = file_layout[option]
-            resolved[option] = value
-            shown_value = str(value).lower() if isinstance(value, bool) else value
-            taken.append(f"{option.replace('_', '-')} {shown_value} ({where})")
-        else:
-            resolved[option] = default
-    for option in ("pp", "microbatches"):
-        if resolved[option] is None:
-            raise ParameterError(f"give --{option}, or a nanotron config as --model-file (it names "
-                                 f"{'.'.join(NANOTRON_LAYOUT[option])})")
+        mapping = resolved["model_mapping"] = load_mapping(args.model_file)
+    layout, taken = layout_of(mapping, args.model_file, {option: resolved.get(option) for option in LAYOUT_DEFAULTS})
+    resolved.update(layout)
     if taken:
         print(f"plan: from the nanotron config {args.model_file} (flags override): {', '.join(taken)}",
               file=err or sys.stderr)
-    if not isinstance(resolved["dp"], list):  # one dp from the file
-        resolved["dp"] = [resolved["dp"]]
     for dp in resolved["dp"]:
         if dp < 1:
             raise ParameterError(f"--dp takes data-parallel sizes >= 1, got {dp}")
@@ -184,17 +158,11 @@ def model_from_args(args) -> ModelSpec:
 
 def config_from_args(args):
     """The PlanConfig of the resolved flags (`resolve_layout`), at the smallest dp asked."""
-    return build_config(
-        model_from_args(args), pp=args.pp, microbatches=args.microbatches, tp=args.tp, dp=min(args.dp),
-        zero_stage=0 if args.zero == "auto" else int(args.zero), seq=args.seq, micro_batch=args.micro_batch,
-        recompute="none" if args.recompute == "auto" else args.recompute, tp_async=args.tp_async,
-        attention=args.attention, dp_bandwidth=args.dp_bandwidth, adam_fused=args.adam_fused,
-        sequence_parallel=args.sequence_parallel, fp32_grad_accum=args.fp32_grad_accum,
-        ddp_buckets=args.ddp_buckets, activation_formula=args.activation_formula, gpu=args.gpu,
-        gpu_memory=args.gpu_memory, reserve=args.reserve, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
-        p2p_bandwidth=args.p2p_bandwidth, p2p_latency=args.p2p_latency, virtual=args.virtual,
-        node_limit=args.node_limit, offload=args.offload, host_bandwidth=args.host_bandwidth,
-        host_memory=args.host_memory, dtype=args.dtype,
+    return plan_config(
+        model_from_args(args), vars(args), Assumptions.from_args(args),
+        recompute="none" if args.recompute == "auto" else args.recompute, dp_bandwidth=args.dp_bandwidth,
+        gpu_tflops=args.gpu_tflops, mfu=args.mfu, p2p_bandwidth=args.p2p_bandwidth, p2p_latency=args.p2p_latency,
+        virtual=args.virtual, node_limit=args.node_limit, offload=args.offload, host_memory=args.host_memory,
     )
 
 
@@ -231,15 +199,57 @@ def run(args, out=None, err=None) -> int:
     finally:
         if progress is not None:
             progress.clear()
+    written = _write_config(args, advice) if args.write else None
     if args.json:
         for warning in advice.warnings:  # the text shows them; beside JSON they go to stderr too
             print(f"plan: warning: {warning}", file=err)
-        out.write(json.dumps(advice.to_dict()) + "\n")
+        data = advice.to_dict()
+        data["summary"]["written"] = written
+        out.write(json.dumps(data) + "\n")
     else:
         out.write(advice.to_text(tables=args.tables))
+        if args.write:
+            out.write(_written_text(args, advice, written))
     if args.png:  # the recommendation's plan, or the first dp's best when nothing fits
         plan_png(advice.plan_for_png, args.png)
     return 0 if advice.recommended is not None else 1
+
+
+def _write_config(args, advice) -> str | None:
+    """The recommendation's whole config at --write ([Note: written config] in
+    plan/nanotron_yaml.py: merged into the --model-file config where it is a nanotron
+    config); the path, or None where nothing fits (nothing is written)."""
+    rec = advice.recommended
+    if rec is None:
+        return None
+    mapping = getattr(args, "model_mapping", None)
+    if isinstance(mapping, dict) and isinstance(mapping.get("parallelism"), dict):
+        whole = merged_config(mapping, rec.config, rec.candidate, nanotron_default=rec.is_default)
+    else:
+        whole = complete_config(rec.config, rec.candidate, nanotron_default=rec.is_default)
+    text = config_text(whole)
+    try:
+        with open(args.write, "w", encoding="utf-8") as handle:
+            handle.write(text)
+    except OSError as err:
+        raise FormatError(f"cannot write {args.write}: {err.strerror or err}") from None
+    return args.write
+
+
+def _written_text(args, advice, written: str | None) -> str:
+    if written is None:
+        return f"\nNothing written to {args.write}: nothing fits.\n"
+    rec = advice.recommended
+    st = rec.config.setup
+    nproc = st.dp * st.tp * rec.config.pp
+    source = (f"{args.model_file} with the recommendation merged in" if isinstance(getattr(args, "model_mapping", None),
+              dict) and "parallelism" in args.model_mapping else "a complete config to start from (set its data, "
+              "tokenizer, learning rate and steps)")
+    flags = " ".join(Assumptions.from_args(args).flags())
+    return (f"\nWrote {written}: {source}. Check it under the same assumptions, then train it "
+            f"({nproc} processes):\n  pipeschedule check {written}{' ' + flags if flags else ''} --nproc {nproc}\n"
+            f"  pipeschedule train {written} --nproc {nproc}  (on several nodes: --nproc per node, with torchrun's "
+            f"--nnodes; {nproc} processes in all)\n")
 
 
 __all__ = ["LAYOUT_DEFAULTS", "add_arguments", "config_from_args", "model_from_args", "resolve_layout", "run"]

@@ -4,7 +4,7 @@ The record is the one place a family is described: what its generator takes (vir
 stages, a cap, a cost), where its stages run, whether it splits the backward, its
 default cap and the name of its nanotron engine. Everything else derives from `FAMILIES`:
 `generate` and the command line (names and checks), the nanotron adapter's config names
-and its engine (integration/nanotron/pipeline/registry.py, engine.py), the planner's candidates
+and its engine (the pp_engine grammar, compiler/spec.py), the planner's candidates
 and their config lines (plan/), and the tests' Hypothesis strategies. Adding a family
 is its generator module plus one entry below.
 """

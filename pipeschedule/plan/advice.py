@@ -183,8 +183,8 @@ def advice_text(advice: Advice, tables: str = "none") -> str:
     for warning in advice.warnings:
         out.append("Warning: " + warning)
     if rec is not None:
-        out += ["", "nanotron config of the recommendation (merge it into yours; pp_engine carries what nanotron's "
-                    "YAML has no key for):", ""]
+        out += ["", "nanotron config of the recommendation (--write OUT.yaml merges it into yours, or writes a "
+                    "whole one; pp_engine carries what nanotron's YAML has no key for):", ""]
         out += ["  " + line for line in rec.yaml()]
         out += ["", "Assumed by the estimate, with no key in nanotron's config:"]
         out += ["  " + line for line in beyond_yaml(rec.config, rec.candidate)]

@@ -9,7 +9,7 @@ holds besides its stash (measured at the first step, run with cap 1) and stash[r
 microbatch's stash (the ledger's), its peak is static[r] + min(c, pp - r, m) * stash[r].
 Fewer microbatches in flight never run faster under 1F1B's order, so the answer is each
 rank's largest cap that fits, made non-increasing along the pipeline (as capped_1f1b
-needs): 1F1B itself when every rank holds its pp - r, one uniform cap when that is what
+needs): 1F1B itself when every rank holds its min(pp - r, m), one uniform cap when that is what
 the caps are, else per-rank caps; nothing fits when a rank cannot hold one microbatch.
 
 [Note: auto offload] A cap buys memory with throughput (a capped first stage waits a
@@ -40,10 +40,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from pipeschedule.compiler.families import generate
 from pipeschedule.compiler.ir import BUFFERS
-from pipeschedule.compiler.offload import OffloadPolicy, add_offload
-from pipeschedule.compiler.passes import lower
+from pipeschedule.compiler.offload import add_offload
+from pipeschedule.compiler.spec import ScheduleSpec, compile_spec
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memory import GiB
 from pipeschedule.plan.offload import streamed_device_peak
@@ -54,16 +53,22 @@ STREAM_MIB = 64  # chunk of the streamed offload auto chooses (the H200 runs str
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """engine: the pp_engine value chosen; peaks: predicted bytes per rank; why: one line;
-    step_time: simulated seconds where candidates were set against each other (None
-    otherwise); offload: the ranks whose stashes stream to host memory."""
+    """spec: the schedule chosen (its pp_engine value: `engine`); peaks: predicted bytes
+    per rank; why: one line; step_time: simulated seconds where candidates were set
+    against each other (None otherwise); offload: the ranks whose stashes stream to host
+    memory."""
 
-    engine: str
+    spec: ScheduleSpec
     cap: int | tuple[int, ...] | None
     peaks: tuple[float, ...]
     why: str
     step_time: float | None = None
     offload: tuple[int, ...] = ()
+
+    @property
+    def engine(self) -> str:
+        """The pp_engine value that pins the choice."""
+        return self.spec.to_string()
 
 
 @dataclass(frozen=True)
@@ -117,13 +122,15 @@ def choose_cap(pp: int, microbatches: int, static: Sequence[float], stash: Seque
                 "more GPUs")
         caps.append(running)
     peaks = tuple(static[r] + inflight(pp, microbatches, caps[r], r) * stash[r] for r in range(pp))
-    if all(c == pp - r for r, c in enumerate(caps)):
-        return AutoChoice("ps_1f1b", None, peaks, "1F1B fits every rank")
+    if all(c >= min(pp - r, microbatches) for r, c in enumerate(caps)):  # what 1F1B holds at this m fits
+        peaks = tuple(static[r] + inflight(pp, microbatches, pp, r) * stash[r] for r in range(pp))
+        return AutoChoice(ScheduleSpec("1f1b"), None, peaks, "1F1B fits every rank")
     if all(c == min(caps[0], pp - r) for r, c in enumerate(caps)):
-        return AutoChoice(f"capped_1f1b:cap={caps[0]}", caps[0], peaks,
+        return AutoChoice(ScheduleSpec("capped_1f1b", cap=caps[0]), caps[0], peaks,
                           f"1F1B does not fit; cap {caps[0]} is the largest that does")
     text = "/".join(map(str, caps))
-    return AutoChoice(f"capped_1f1b:cap={text}", tuple(caps), peaks, f"the largest caps per rank that fit: {text}")
+    return AutoChoice(ScheduleSpec("capped_1f1b", cap=tuple(caps)), tuple(caps), peaks,
+                      f"the largest caps per rank that fit: {text}")
 
 
 def choose(pp: int, microbatches: int, measured: Measured) -> AutoChoice:
@@ -151,24 +158,24 @@ def _offload_candidate(pp: int, m: int, measured: Measured, cost: CostModel) -> 
     ([Note: auto offload])."""
     over = tuple(r for r in range(pp) if measured.static[r] + inflight(pp, m, pp, r) * measured.stash[r]
                  > measured.budget[r])
-    if any(measured.stash[r] / measured.host_bandwidth[r] > measured.forward_s[r] for r in over):
+    if not over or any(measured.stash[r] / measured.host_bandwidth[r] > measured.forward_s[r] for r in over):
         return None
-    policy = OffloadPolicy(1.0, over, 1, chunk=STREAM_MIB * 2**20)
+    spec = ScheduleSpec("1f1b", offload=over, stream=STREAM_MIB)
+    policy = spec.offload_policy()
     result = simulate(add_offload(_compiled(pp, m, None), policy), policy.cost(cost))
     peaks = tuple(measured.static[r] + (streamed_device_peak(result.peak_bytes[r], [measured.stash[r]]) if r in over
                                         else result.peak_bytes[r]) for r in range(pp))
     if any(p > b for p, b in zip(peaks, measured.budget)):
         return None
     ranks = "/".join(map(str, over))
-    return AutoChoice(f"ps_1f1b:offload={ranks},stream={STREAM_MIB}", None, peaks,
+    return AutoChoice(spec, None, peaks,
                       f"1F1B does not fit; 1F1B with rank {ranks}'s stashes streamed to host memory does",
                       result.step_time, over)
 
 
 def _compiled(pp: int, m: int, cap):
-    if cap is None:
-        return lower(generate("1f1b", pp=pp, microbatches=m))
-    return lower(generate("capped_1f1b", pp=pp, microbatches=m, cap=list(cap) if isinstance(cap, tuple) else cap))
+    spec = ScheduleSpec("1f1b") if cap is None else ScheduleSpec("capped_1f1b", cap=cap)
+    return compile_spec(spec, pp=pp, microbatches=m, check=False)
 
 
 def _cost(measured: Measured) -> CostModel:

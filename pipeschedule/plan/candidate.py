@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pipeschedule.compiler.families import FAMILIES
+from pipeschedule.compiler.spec import ForeignSpec, ScheduleSpec
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.memory import stage_footprints
 from pipeschedule.plan.memory import RankMemory
@@ -73,25 +74,24 @@ class Candidate:
             name += " rc=" + "/".join(str(n) for n in self.recomputed)
         return name
 
-    def engine(self, nanotron_default: bool = False) -> str:
-        """The `parallelism.pp_engine` value our nanotron integration reads (see
-        integration/nanotron/pipeline/engine_spec.py): nanotron's own engine when it is nanotron's
-        default, else pipeschedule's with virtual, cap and split inside the value."""
+    def spec(self, nanotron_default: bool = False) -> ScheduleSpec | ForeignSpec:
+        """The `parallelism.pp_engine` value that runs this candidate ([Note: pp_engine
+        syntax] in compiler/spec.py): nanotron's own `1f1b` when it is nanotron's default
+        without recompute, else pipeschedule's, with virtual, cap, the split (always
+        written: the memory counted is that split's, whatever the engine's default) and
+        recompute inside the value."""
         if (nanotron_default or self.nanotron_engine) and self.recompute == "none" and not self.recomputed:
-            return "1f1b"
+            return ForeignSpec("1f1b")
         family = FAMILIES[self.family]
-        params = []  # in the order the adapter writes them back (EngineSpec.to_string): virtual, cap, split, recompute
-        if family.takes_virtual:  # pp_engine requires it of such a family, 1 included
-            params.append(f"virtual={self.virtual}")
-        if self.cap is not None:
-            params.append(f"cap={cap_text(self.cap)}")
-        if self.split is not None and not self.split_kind.startswith("nanotron"):
-            params.append("split=" + "/".join(str(n) for n in self.split))
-        if self.recomputed:
-            params.append("recompute=" + "/".join(str(n) for n in self.recomputed))
-        elif self.recompute != "none":
-            params.append(f"recompute={self.recompute}")
-        return family.engine + (":" + ",".join(params) if params else "")
+        recompute = _one_or_many(self.recomputed) if self.recomputed else (
+            None if self.recompute == "none" else self.recompute)
+        return ScheduleSpec(self.family, virtual=self.virtual if family.takes_virtual else None,
+                            cap=_one_or_many(self.cap), split=None if self.split is None else tuple(self.split),
+                            recompute=recompute)
+
+    def engine(self, nanotron_default: bool = False) -> str:
+        """`spec(nanotron_default)` as nanotron's YAML writes it."""
+        return self.spec(nanotron_default).to_string()
 
     def yaml_lines(self, pp: int, nanotron_default: bool = False) -> list[str]:
         return ["parallelism:", f"  pp: {pp}", f"  pp_engine: {self.engine(nanotron_default)}"]
@@ -108,6 +108,14 @@ class Candidate:
             "recompute": self.recompute, "recomputed": list(self.recomputed) if self.recomputed else None,
             "memory": [r.to_dict() for r in self.memory],
         }
+
+
+def _one_or_many(value):
+    """A per-rank or per-stage list as the grammar holds it: one entry as an int, several
+    as a tuple (None stays None)."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if len(value) == 1 else tuple(value)
+    return value
 
 
 def cap_label(cap):

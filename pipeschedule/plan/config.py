@@ -11,6 +11,21 @@ the weight-gradient matmuls, 2 * P * s*b / tp, as W and the rest of the backward
 backward; the embedding lookup nothing. Seconds = FLOPs / (peak TFLOP/s * mfu). A message
 costs latency + bytes / bandwidth. The step time adds the data-parallel gradient
 reduction and the optimizer step ([Note: step tail] in dp_step.py).
+
+[Note: measured throughput] One run has been measured against these counts: the users'
+Llama3-70B at dp=1, pp=4, tp=4, m=16 on GH200s, about 780 tokens/s per GPU with
+nanotron's 1F1B (docs/users_case.md, `python -m benchmarks.users_case`). Their fork's
+recompute is not known, and it decides the count: recomputing every layer adds a
+forward to each backward (4F instead of 3F), and the run then reached 0.62 of 989 TFLOP/s
+by this count (the planner at 0.5: 633 tokens/s, 19% low); recomputing nothing (or only
+the attention core, which flash-attn makes free), 0.46 (843, 8% high). The bubble is in
+the simulated step either way (m=64 is 12% faster per GPU, as the users found). The
+memory observations point to the second reading (dp=1 fits "just barely" and each stage
+holds ~10 GB less than the one before: reading B there). `--mfu` stays 0.5, and the plan
+says the range: a run of the printed plan should give MEASURED_MFU / mfu of the printed
+tokens/s, 0.92x to 1.24x at 0.5. The attention count, 4 s^2 h per layer, is the full
+matrix; flash-attn's causal kernel computes about half of it (6.8% of a 70B layer's
+count at seq 8192), one of the things the fraction absorbs.
 """
 
 from __future__ import annotations
@@ -33,6 +48,9 @@ from pipeschedule.checks import (
     check_schedule_size,
     shown,
 )
+
+
+MEASURED_MFU = (0.46, 0.62)  # [Note: measured throughput]: the one measured run, by its two recompute readings
 
 
 @dataclass(frozen=True)
@@ -298,4 +316,5 @@ def build_config(
     )
 
 
-__all__ = ["PlanConfig", "build_config", "head_seconds", "layer_seconds", "virtual_counts", "weight_seconds"]
+__all__ = ["MEASURED_MFU", "PlanConfig", "build_config", "head_seconds", "layer_seconds", "virtual_counts",
+           "weight_seconds"]

@@ -14,7 +14,7 @@ the setup itself recomputes nothing.
 
 [Note: offload lever] The engine's `offload=RANKS[,stream=MiB]` moves every stash of the
 listed ranks to host memory after its F and back before its B (fraction 1, lead 1,
-integration/nanotron/pipeline/engine_spec.py). For a row that does not fit, the ranks that
+[Note: pp_engine syntax] in compiler/spec.py). For a row that does not fit, the ranks that
 overflow are offloaded, once with stashes moved whole and once streamed in chunks of
 STREAM_MIB; the device peak of saved activations is the simulator's with the OFFLOAD /
 RELOAD instructions in place (streamed: at least one stash, [Note: streamed offload floor]
@@ -37,11 +37,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from pipeschedule.compiler.offload import MIB, OffloadPolicy, add_offload
+from pipeschedule.compiler.spec import ScheduleSpec
 from pipeschedule.errors import ParameterError
+from pipeschedule.compiler.ir import Schedule
 from pipeschedule.plan.candidate import Candidate
-from pipeschedule.plan.config import virtual_counts
+from pipeschedule.plan.config import PlanConfig, virtual_counts
 from pipeschedule.plan.memory import (
     ACTIVATIONS,
     P2P,
@@ -54,9 +57,33 @@ from pipeschedule.plan.memory import (
 )
 from pipeschedule.plan.offload import streamed_device_peak
 from pipeschedule.plan.partition import nanotron_split
-from pipeschedule.simulate import simulate
+from pipeschedule.simulate import CostModel, simulate
 
 STREAM_MIB = 256  # chunk of streamed offload the planner tries: a few per layer stash of a large model
+
+
+class Planner(Protocol):
+    """What the levers need of a plan's planner (`planner._Planner` is one): its config, its
+    schedules and their memo, the candidate evaluation and the costs, step times and tails
+    it times them by."""
+
+    config: PlanConfig
+    cache: Any  # planner.ScheduleCache: `schedule(key)` and `offload_memo`
+
+    def schedule(self, family: str, cap, virtual: int) -> Schedule: ...
+
+    def evaluate(self, family: str, cap, virtual: int, split: Sequence[int], kind: str, proven=None,
+                 recomputed: Sequence[int] | None = None) -> Candidate: ...
+
+    def cost(self, split: Sequence[int], buffers=None, split_backward: bool = False,
+             recomputed: Sequence[int] | None = None) -> CostModel: ...
+
+    def step(self, family: str, cap, virtual: int, cost: CostModel) -> float: ...
+
+    def tail(self, schedule: Schedule, split: Sequence[int],
+             recomputed: Sequence[int] | None = None) -> tuple[float, dict]: ...
+
+    def shared(self, schedule: Schedule) -> tuple[int, ...]: ...
 ROUNDS = 6  # evaluations per fitted_recompute: each raises every overflowing rank's counts
 
 
@@ -75,17 +102,17 @@ class OffloadCandidate(Candidate):
         stream = f" s{self.stream}" if self.stream else ""
         return super().label + " off=" + "/".join(map(str, self.offload)) + stream
 
-    def engine(self, nanotron_default: bool = False) -> str:
-        base = super().engine(False)
-        params = ["offload=" + "/".join(map(str, self.offload))] + ([f"stream={self.stream}"] if self.stream else [])
-        return base + ("," if ":" in base else ":") + ",".join(params)
+    def spec(self, nanotron_default: bool = False) -> ScheduleSpec:
+        """The candidate's value with its offload (and stream) inside; always pipeschedule's
+        engine (nanotron's own has no offload)."""
+        return replace(super().spec(False), offload=tuple(self.offload), stream=self.stream or None)
 
     def to_dict(self) -> dict:
         return super().to_dict() | {"pp_engine": self.engine(), "offload": list(self.offload),
                                     "stream_mib": self.stream, "host_bytes": [float(x) for x in self.host_bytes]}
 
 
-def fitted_recompute(planner, cand: Candidate) -> Candidate | None:
+def fitted_recompute(planner: Planner, cand: Candidate) -> Candidate | None:
     """[Note: partial recompute]: the fewest layers per stage to recompute for `cand` (a row
     of the setup without recompute, evaluated) to fit; None when it cannot fit."""
     config = planner.config
@@ -121,7 +148,7 @@ def _raise(counts: list, split: Sequence[int], stages: Sequence[int], more: int)
                 more -= 1
 
 
-def offloaded(planner, cand: Candidate, ranks: Sequence[int], stream: int | None) -> OffloadCandidate:
+def offloaded(planner: Planner, cand: Candidate, ranks: Sequence[int], stream: int | None) -> OffloadCandidate:
     """`cand` (evaluated, one stage's stash per (stage, mb)) with every stash of `ranks`
     offloaded ([Note: offload lever]); memory and step time as `_Planner.evaluate` counts
     them, the saved activations and the pipeline time simulated with the offload."""
@@ -176,7 +203,7 @@ def _offload_runs(schedule, policy: OffloadPolicy, cost, timing_cost) -> tuple[_
     return _StashRun(stash.peak_bytes, stash.peak_inflight, stash.peak_host_bytes), timing.step_time
 
 
-def fitted_offload(planner, cand: Candidate) -> tuple[OffloadCandidate | None, str]:
+def fitted_offload(planner: Planner, cand: Candidate) -> tuple[OffloadCandidate | None, str]:
     """Offload of `cand`'s overflowing ranks that fits ([Note: offload lever]): stashes
     moved whole, else streamed; or None and why not. A rank whose memory without any
     activation is already over the budget rules offload out without a simulation."""
@@ -205,7 +232,7 @@ def fitted_offload(planner, cand: Candidate) -> tuple[OffloadCandidate | None, s
                   f"{row.peak.rank} is still {row.peak.overflow / GiB:.1f} GiB over")
 
 
-def least_offloaded(planner, cand: Candidate, ranks: Sequence[int]):
+def least_offloaded(planner: Planner, cand: Candidate, ranks: Sequence[int]):
     """The RankMemory of the rank of `ranks` furthest over the budget however its stashes
     go to the host, or None where none need be: each F leaves its stash on the device
     until the copy lands, so an offloading rank holds at least its stages' largest stash
@@ -224,7 +251,7 @@ def least_offloaded(planner, cand: Candidate, ranks: Sequence[int]):
     return max((memory[r] for r in ranks if not memory[r].fits), key=lambda m: m.overflow, default=None)
 
 
-def _unevaluated(planner, cand: Candidate) -> Candidate | None:
+def _unevaluated(planner: Planner, cand: Candidate) -> Candidate | None:
     """`cand` with its memory table: evaluated at its split when the split search left it
     without numbers (no split fits)."""
     if cand.memory:
@@ -234,7 +261,7 @@ def _unevaluated(planner, cand: Candidate) -> Candidate | None:
     return planner.evaluate(cand.family, cand.cap, cand.virtual, cand.split, cand.split_kind, cand.proven)
 
 
-def lever_rows(planner, candidates: Sequence[Candidate]) -> tuple[list[Candidate], list[tuple[str, str]]]:
+def lever_rows(planner: Planner, candidates: Sequence[Candidate]) -> tuple[list[Candidate], list[tuple[str, str]]]:
     """Rows fitted with partial recompute or offload ([Note: partial recompute], [Note:
     offload lever]) for the candidates that do not fit and could beat the fastest that
     does ([Note: lever bound]), the fastest first; and (lever, why) for what was not tried
@@ -283,7 +310,7 @@ def lever_rows(planner, candidates: Sequence[Candidate]) -> tuple[list[Candidate
     return rows, dropped
 
 
-def virtual_tried(planner) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
+def virtual_tried(planner: Planner) -> tuple[tuple[int, ...], tuple[tuple[str, str], ...]]:
     """[Note: virtual counts]: the chunk counts per rank the interleaved candidates are
     tried at, and (candidate, why) for the others up to `config.virtual`: the counts that
     give every chunk a layer (`config.virtual_counts`), from the fewest up, stopping at

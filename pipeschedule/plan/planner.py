@@ -58,7 +58,7 @@ from pipeschedule.plan.dp_step import rank_tail, step_tail
 from pipeschedule.plan.config import PlanConfig, build_config, head_seconds, layer_seconds, weight_seconds
 from pipeschedule.plan.memory import p2p_buffers, rank_memory, stash_buffers
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
-from pipeschedule.plan.fitting import OffloadCandidate, lever_rows, virtual_tried
+from pipeschedule.plan.fitting import OffloadCandidate, lever_rows, offloaded, virtual_tried
 from pipeschedule.plan.peaks import Peaks
 from pipeschedule.plan.memo import Memo
 from pipeschedule.plan.step_graph import MEMO_CELLS, StepGraph
@@ -547,10 +547,47 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
     ours_1f1b = planner.evaluate("1f1b", None, 1, base_split, "nanotron")
     if ours_1f1b.memory == default.memory:
         ours_1f1b = default
-    candidates = [default] if ours_1f1b is default else [default, ours_1f1b]
-    best = default.step_time if default.fits else math.inf  # a cutoff: the searches time the step, tail included
+    rows = _Rows([default] if ours_1f1b is default else [default, ours_1f1b],
+                 default.step_time if default.fits else math.inf)
     virtuals, virtual_dropped = virtual_tried(planner)
     families = _families(config, planner, virtuals)
+    _family_rows(planner, rows, families, ours_1f1b)
+    _capped_rows(planner, rows, [r.terms["p2p buffers"] for r in default.memory], len(families))
+    levered, lever_dropped = lever_rows(planner, rows.candidates)  # partial recompute and offload (plan/fitting.py)
+    base = default.tokens_per_gpu
+    candidates = [replace(c, relative=c.tokens_per_gpu / base if c.tokens_per_gpu else None)
+                  for c in rows.candidates + levered]
+    recommended, option = _chosen(config, candidates)
+    zero1 = None
+    if config.setup.dp > 1 and config.setup.zero_stage == 0:
+        zero1 = nanotron_default(replace(config, setup=replace(config.setup, zero_stage=1)), planner.cache, base_split)
+    planner.budget.plan_done()
+    stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.used),
+                 virtual_tried=list(virtuals))
+    # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
+    offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
+    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload,
+                dropped(config) + virtual_dropped + tuple(lever_dropped), offload_option=option)
+
+
+@dataclass
+class _Rows:
+    """A plan's candidates as they are found, and the step time of the fastest that fits
+    (the cutoff the searches prune by: they time the step, tail included)."""
+
+    candidates: list
+    best: float
+
+    def add(self, row: Candidate) -> None:
+        self.candidates.append(row)
+        if row.fits:
+            self.best = min(self.best, row.step_time)
+
+
+def _family_rows(planner: _Planner, rows: _Rows, families, ours_1f1b: Candidate) -> None:
+    """Per (family, cap, virtual): the row at nanotron's split (where one exists) and the
+    split search's row, one row where the search kept nanotron's split."""
+    config = planner.config
     for i, (family, cap, virtual) in enumerate(families):
         try:
             nanotron = nanotron_split(config.model, config.pp * virtual)
@@ -562,25 +599,27 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
                 same = ours_1f1b
             else:
                 same = planner.evaluate(family, cap, virtual, nanotron, "nanotron")
-                candidates.append(same)
+                rows.candidates.append(same)
             if same.fits:
-                best = min(best, same.step_time)
+                rows.best = min(rows.best, same.step_time)
         seeds = [nanotron] if nanotron else []
-        row = planner.optimise(family, cap, virtual, seeds, cutoff=best, left=(len(families) - i, len(families)))
+        row = planner.optimise(family, cap, virtual, seeds, cutoff=rows.best, left=(len(families) - i, len(families)))
         if same is not None and row.split == same.split and row.memory and row.split_kind != "best found":
             # The search kept nanotron's split (or proved nothing beats the rows before): one row.
-            kind = ("nanotron" if same is default
+            kind = ("nanotron" if same is rows.candidates[0]
                     else "nanotron=optimal" if row.split_kind == "optimal" else same.split_kind)
-            candidates[candidates.index(same)] = replace(same, split_kind=kind, proven=row.proven)
+            rows.candidates[rows.candidates.index(same)] = replace(same, split_kind=kind, proven=row.proven)
             continue
-        candidates.append(row)
-        if row.fits:
-            best = min(best, row.step_time)
-    # Per-rank caps: for each split found so far, the least capping that fits it (p2p
-    # buffers as 1F1B has them: the most a capped schedule holds).
-    p2p = [r.terms["p2p buffers"] for r in default.memory]
-    tried = {(c.family, c.cap) for c in candidates if c.virtual == 1}
-    splits = list(dict.fromkeys(c.split for c in list(candidates) if c.virtual == 1 and c.split))
+        rows.add(row)
+
+
+def _capped_rows(planner: _Planner, rows: _Rows, p2p: Sequence[float], families: int) -> None:
+    """Per-rank caps: for each one-stage-per-rank split found so far, the least capping
+    that fits it (`p2p`: each rank's p2p buffers as 1F1B has them, the most a capped
+    schedule holds), searched where no uniform cap or row already has it."""
+    config = planner.config
+    tried = {(c.family, c.cap) for c in rows.candidates if c.virtual == 1}
+    splits = list(dict.fromkeys(c.split for c in list(rows.candidates) if c.virtual == 1 and c.split))
     for i, split in enumerate(splits):
         caps = fitted_caps(config, split, p2p)
         if caps is None or caps == tuple(min(config.pp - r, config.microbatches) for r in range(config.pp)):
@@ -589,32 +628,20 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
         if uniform or ("capped_1f1b", caps) in tried:
             continue
         tried.add(("capped_1f1b", caps))
-        candidates.append(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=best,
-                                           left=(len(splits) - i, len(families))))
-        if candidates[-1].fits:
-            best = min(best, candidates[-1].step_time)
-    rows, lever_dropped = lever_rows(planner, candidates)  # partial recompute and offload (plan/fitting.py)
-    candidates += rows
-    base = default.tokens_per_gpu
-    candidates = [replace(c, relative=c.tokens_per_gpu / base if c.tokens_per_gpu else None) for c in candidates]
-    # The fastest that fits; among equals (1e-9) the earliest, i.e. the simplest change.
-    # Offload only where its link is trusted; otherwise the fastest offload is an option
-    # ([Note: offload advice] in config.py).
+        rows.add(planner.optimise("capped_1f1b", caps, 1, [split], cutoff=rows.best, left=(len(splits) - i, families)))
+
+
+def _chosen(config: PlanConfig, candidates: Sequence[Candidate]) -> tuple[Candidate | None, Candidate | None]:
+    """(the recommendation, the offload option): the fastest that fits, among equals (1e-9)
+    the earliest, i.e. the simplest change; offload only where its link is trusted,
+    otherwise the fastest offload that beats the recommendation is an option ([Note:
+    offload advice] in config.py)."""
     trusted = config.offload_recommendable
     recommended = _fastest([c for c in candidates if c.fits and (trusted or not isinstance(c, OffloadCandidate))])
     option = None if trusted else _fastest([c for c in candidates if c.fits and isinstance(c, OffloadCandidate)])
     if option is not None and recommended is not None and option.step_time >= recommended.step_time:
         option = None  # no faster than what is recommended: nothing to offer
-    zero1 = None
-    if config.setup.dp > 1 and config.setup.zero_stage == 0:
-        zero1 = nanotron_default(replace(config, setup=replace(config.setup, zero_stage=1)), planner.cache, base_split)
-    planner.budget.plan_done()
-    stats = dict(planner.stats, candidates=len(candidates), schedules=len(planner.used),
-                 virtual_tried=list(virtuals))
-    # Offload is reported for the recommendation, or for nanotron's default when nothing fits.
-    offload = offload_report(planner, recommended or candidates[0]) if config.offload is not None else None
-    return Plan(config, candidates[0], tuple(candidates), recommended, zero1, stats, offload,
-                dropped(config) + virtual_dropped + tuple(lever_dropped), offload_option=option)
+    return recommended, option
 
 
 def _fastest(candidates: Sequence[Candidate]) -> Candidate | None:
@@ -646,10 +673,17 @@ def evaluate_engine(planner: _Planner, engine: str, family: str, cap, virtual: i
 
 
 def engine_memory(config: PlanConfig, engine: str, family: str, cap, virtual: int, split: Sequence[int], *,
-                  recomputed: Sequence[int] | None = None) -> Candidate:
+                  recomputed: Sequence[int] | None = None, offload: Sequence[int] | None = None,
+                  stream: int | None = None) -> Candidate:
     """`evaluate_engine` under `config` alone (a planner of its own): the memory per rank
-    and the step time of the one engine a config names (`pipeschedule check`)."""
-    return evaluate_engine(_Planner(config), engine, family, cap, virtual, split, "given", recomputed)
+    and the step time of the one engine a config names (`pipeschedule check`), with the
+    stashes of `offload`'s ranks on the host as the planner counts them (`fitting.offloaded`,
+    streamed in `stream` MiB chunks) where the GPU's host link is known."""
+    planner = _Planner(config)
+    cand = evaluate_engine(planner, engine, family, cap, virtual, split, "given", recomputed)
+    if offload and config.host_bandwidth is not None:
+        return offloaded(planner, cand, tuple(offload), stream)
+    return cand
 
 
 def offload_report(planner: _Planner, candidate: Candidate) -> dict:

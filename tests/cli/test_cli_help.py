@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeschedule.cli import main
-from pipeschedule.cli.main import COMMANDS, build_parser, command_of
+from pipeschedule.cli.main import COMMANDS, all_commands, build_parser, command_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,23 +34,25 @@ def test_the_top_level_help_says_what_the_tool_is_for(capsys):
     text = capsys.readouterr().out
     assert "nanotron" in text and "pp_engine" in text
     assert "torchrun --nproc-per-node N -m integration.nanotron.train --config-file CONFIG" in text
-    for name, command in COMMANDS.items():
+    for name, command in all_commands().items():
         assert f"    {name}" in text and command.help.split()[0] in text
+    assert {"check", "train"} <= set(all_commands()) - set(COMMANDS)  # the nanotron adapter's, registered
 
 
-@pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.parametrize("name", list(all_commands()))
 def test_every_command_has_a_description_and_examples_the_parser_takes(capsys, name):
     with pytest.raises(SystemExit):
         main([name, "-h"])
     text = capsys.readouterr().out
-    command = COMMANDS[name]
+    command = all_commands()[name]
     assert command.help and command.description.split()[0] in text
     assert "examples:\n" in text and command.examples
     for example in command.examples:
         assert f"  {example}\n" in text + "\n"
         words = shlex.split(example)
         assert words[0] == "pipeschedule" and words[1] == name
-        args = build_parser().parse_args(words[1:])  # every flag and value of the example is accepted
+        parser = build_parser()  # every flag and value of the example is accepted (or passed on, where it may be)
+        args = parser.parse_known_args(words[1:])[0] if command.passes_unknown else parser.parse_args(words[1:])
         assert args.command == name
 
 
@@ -62,13 +64,17 @@ def test_a_parser_for_one_command_builds_that_command_alone():
     assert command_of(["--version"]) is None and command_of(["show", "1f1b"]) == "show"
 
 
-# A fresh interpreter in which torch, nanotron and the adapter cannot be imported (as
-# where the compiler alone is installed) runs one command and says what it loaded.
+# A fresh interpreter in which torch, nanotron and einops cannot be imported (as where
+# `pip install -e .` installed pipeschedule and its adapter without their dependencies)
+# runs one command and says what it loaded.
 LOADED = ("import json, sys\n"
-          "for name in ('torch', 'nanotron', 'einops', 'integration'):\n"
+          "for name in ('torch', 'nanotron', 'einops'):\n"
           "    sys.modules[name] = None  # import raises ImportError, find_spec says not installed\n"
           "from pipeschedule.cli import main\n"
-          "code = main(sys.argv[1:])\n"
+          "try:\n"
+          "    code = main(sys.argv[1:])\n"
+          "except SystemExit as stop:  # -h\n"
+          "    code = stop.code\n"
           "print(json.dumps([code, sorted(m for m, module in sys.modules.items() if module is not None and "
           "m.startswith('pipeschedule.plan'))]))\n")
 
@@ -80,7 +86,8 @@ LOADED = ("import json, sys\n"
     (["verify", "{tmp}/s.json"], False),
     (["simulate", "zbv", "--pp", "2", "-m", "4", "--json"], False),
     (["show", "capped_1f1b", "--pp", "2", "-m", "4"], False),
-    (["demo"], False),  # (its training part skipped: torch and nanotron are not there)
+    (["demo"], False),  # (its training part, the adapter's, skipped: torch and nanotron are not there)
+    (["-h"], False),  # every registered command listed: their modules load no planner, no torch
     (["plan", "--model", "llama3-8b", "--pp", "2", "--microbatches", "4", "--tables", "none", "--recompute",
       "none", "--zero", "0"], True),
 ])

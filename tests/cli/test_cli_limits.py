@@ -91,7 +91,9 @@ STAGES = "at most 8192 are accepted"
     (["compile", "1f1b", "--pp", "4", "-m", "8193", "--json", "x.json"], ["4 * 1 * 8193 = 32772", LIMIT]),
     (["simulate", "1f1b", "--pp", "257", "-m", "1", "--png", "x.png"], ["pp = 257", "at most 256"]),
     (["compile", "interleaved_1f1b", "--pp", "4", "--virtual", "100000000", "-m", "1", "--json", "x.json"],
-     ["4 * 100000000 = 400000000 stages", STAGES]),
+     ["virtual must be an integer in 1..1024", "got '100000000'"]),  # the grammar's bound, as pp_engine's
+    (["compile", "interleaved_1f1b", "--pp", "16", "--virtual", "1024", "-m", "1", "--json", "x.json"],
+     ["16 * 1024 = 16384 stages", STAGES]),
     (["show", "zbv", "--pp", "65536", "-m", "4"], ["65536 * 2 = 131072 stages", STAGES]),
     (["show", "zbv", "--pp", "4096", "-m", "5"], ["4096 * 2 * 5", LIMIT]),  # a V runs 2 stages per rank
     (["simulate", "1f1b", "--pp", "2", "-m", "99999999999999999999"], ["--microbatches has 20 digits", "at most 18"]),
@@ -115,8 +117,8 @@ STAGES = "at most 8192 are accepted"
     (["plan", "--model", "llama3-70b", "--pp", "4", "--tp", "4", "--microbatches", "8", "--offload",
       "auto,stream=0.001"],
      ["pieces", "at most 4096"]),
-    (["compile", "nosuch", "--json", "x.json"], ["unknown schedule 'nosuch'", "accepted: afab, 1f1b"]),
-    (["simulate", "nosuch"], ["unknown schedule 'nosuch'"]),
+    (["compile", "nosuch", "--json", "x.json"], ["unknown engine 'nosuch'", "Accepted: ps_afab"]),
+    (["simulate", "nosuch"], ["unknown engine 'nosuch'"]),
     (["compile", "1f1b", "--pp", "１２", "-m", "2", "--json", "x.json"], ["--pp", "'１２'", "ASCII digits"]),
     (["compile", "1f1b", "--pp", "1_0", "-m", "2", "--json", "x.json"], ["--pp", "'1_0'", "ASCII digits"]),
     (["compile", "1f1b", "--pp", "2", "-m", "2", "--cap", "１", "--json", "x.json"], ["--cap", "'１'"]),
@@ -177,8 +179,8 @@ def test_a_schedule_file_named_like_a_family_is_read(files):
 
 
 def test_an_echoed_value_is_cut(files):
-    line = refused(["compile", "x" * 5000, "--json", "x.json"], files, "unknown schedule", "...")
-    assert len(line) < 300
+    line = refused(["compile", "x" * 5000, "--json", "x.json"], files, "unknown engine", "...")
+    assert "x" * MAX_SHOWN not in line  # (the line goes on to list every accepted value)
     line = refused(["compile", "1f1b", "--pp", "2" * 5000, "-m", "2", "--json", "x.json"], files, "--pp", "...")
     assert len(line) < 300
     line = refused(["compile", "1f1b", "--pp", "2", "-m", "2", "--csv-form", "y" * 5000, "--csv", "x.csv"], files,

@@ -5,7 +5,7 @@ family's pp_engine name (`ps_1f1b`); `interleaved_1f1b` needs a chunk count on b
 sides. The schedule `pipeschedule compile` writes is the one nanotron's adapter compiles
 from the same values in either YAML form, and the planner's pp_engine values are what
 the adapter parses and writes back ([Note: list syntax] in pipeschedule/checks.py,
-[Note: pp_engine syntax] in integration/nanotron/pipeline/engine_spec.py).
+[Note: pp_engine syntax] in pipeschedule/compiler/spec.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pipeschedule.cli import main
 from pipeschedule.cli.main import parse_cap
 from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.compiler.ir import load
+from pipeschedule.compiler.spec import compile_spec, parse_spec
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.candidate import Candidate
 from pipeschedule.plan.fitting import OffloadCandidate
@@ -118,7 +119,7 @@ def test_interleaved_without_a_chunk_count_is_refused_as_pp_engine_refuses_it(co
                                                                       if command == "compile" else [])
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "interleaved_1f1b needs --virtual V" in err[0], err
+    assert len(err) == 1 and "interleaved_1f1b needs virtual=N" in err[0], err  # the one grammar's words
     with pytest.raises(ParameterError, match="interleaved_1f1b needs virtual=N"):
         parse_engine("interleaved_1f1b")
     assert main([command, "interleaved_1f1b", "--pp", "4", "-m", "8", "--virtual", "2"]
@@ -130,7 +131,7 @@ def test_a_pp_engine_name_is_a_schedule_name(tmp_path, capsys):
     assert main(["compile", "1f1b", "--pp", "4", "-m", "8", "--json", str(tmp_path / "b.json")]) == 0
     assert json.loads((tmp_path / "a.json").read_text()) == json.loads((tmp_path / "b.json").read_text())
     assert main(["compile", "ps_zbv", "--pp", "4", "-m", "8", "--json", str(tmp_path / "c.json")]) == 2
-    assert "unknown schedule 'ps_zbv'" in capsys.readouterr().err
+    assert "unknown engine 'ps_zbv'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["compile", "simulate", "show"])
@@ -191,7 +192,7 @@ def test_the_planners_engine_values_are_what_the_adapter_parses_and_writes(cand)
     assert spec.to_string() == value  # the adapter's canonical form: the same text
     assert spec.cap == cand.cap and spec.name == FAMILIES[cand.family].engine
     assert spec.virtual == (cand.virtual if FAMILIES[cand.family].takes_virtual else None)
-    assert spec.split == (None if cand.split_kind.startswith("nanotron") else cand.split)
+    assert spec.split == cand.split  # written whatever its kind: the memory counted is this split's
     if cand.recomputed:
         assert spec.recompute == (cand.recomputed if len(cand.recomputed) > 1 else cand.recomputed[0])
     else:
@@ -207,3 +208,61 @@ def test_the_round_trip_rejects_a_value_out_of_the_adapters_order():
     for value in ("interleaved_1f1b:recompute=full,virtual=2", "capped_1f1b:split=1/2/3/4,cap=2", "zbv:cap=02",
                   "ps_1f1b:offload=0,recompute=full"):
         assert parse_engine(value).to_string() != value
+
+
+# -- any pp_engine value names a schedule -------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["simulate", "show"])
+def test_a_pp_engine_value_is_a_schedule_with_its_flags_beside_it(command, capsys):
+    """`simulate 'capped_1f1b:cap=2'` said `unknown schedule`; the value and the flags it
+    stands for print the same, and a parameter given both ways must agree."""
+    assert main([command, "capped_1f1b:cap=2", "--pp", "4", "-m", "8"]) == 0
+    value = capsys.readouterr()
+    assert main([command, "capped_1f1b", "--cap", "2", "--pp", "4", "-m", "8"]) == 0
+    assert capsys.readouterr() == value and value.err == ""
+    assert main([command, "interleaved_1f1b:virtual=2", "--virtual", "2", "--pp", "4", "-m", "8"]) == 0
+    capsys.readouterr()
+    assert main([command, "capped_1f1b:cap=2", "--cap", "3", "--pp", "4", "-m", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cap given twice: cap=2 in the value and 3 beside it" in err[0], err
+    assert main([command, "auto", "--pp", "4", "-m", "8"]) == 2
+    assert "auto is chosen by the engine at its first step" in capsys.readouterr().err
+
+
+def test_a_cap_that_binds_on_no_rank_is_said_once(capsys, tmp_path):
+    for argv in (["compile", "capped_1f1b", "--cap", "9", "--json", str(tmp_path / "s.json")],
+                 ["simulate", "capped_1f1b:cap=8"], ["show", "capped_1f1b:cap=8"]):
+        assert main(argv + ["--pp", "4", "-m", "4"]) == 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("pipeschedule: warning: cap ") and "binds on no rank" in err[0]
+        assert "holds at most 4/3/2/1 microbatches in flight per rank without it" in err[0]
+    assert main(["simulate", "capped_1f1b:cap=2", "--pp", "4", "-m", "4"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_every_in_flight_figure_names_its_unit(capsys):
+    assert main(["simulate", "zbv", "--pp", "4", "-m", "8"]) == 0
+    assert "peak in-flight   [8, 8, 8, 8] stage-microbatches (2 stages a rank)" in capsys.readouterr().out
+    assert main(["simulate", "ps_1f1b", "--pp", "4", "-m", "8"]) == 0
+    assert "peak in-flight   [4, 3, 2, 1] microbatches\n" in capsys.readouterr().out
+    assert main(["simulate", "zbv", "--pp", "4", "-m", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["inflight_unit"] == "stage-microbatches (2 stages a rank)"
+
+
+def test_layout_parameters_are_taken_and_said_to_leave_the_order_alone(capsys):
+    assert main(["simulate", "capped_1f1b:cap=2,split=1/2/2/1,recompute=full", "--pp", "4", "-m", "8"]) == 0
+    out = capsys.readouterr()
+    assert main(["simulate", "capped_1f1b:cap=2", "--pp", "4", "-m", "8"]) == 0
+    assert capsys.readouterr().out == out.out
+    assert out.err.strip() == ("pipeschedule: note: split and recompute set the model's layout, not the schedule's "
+                               "order: the unit costs here do not see them (`pipeschedule plan` prices them)")
+
+
+
+def test_an_offload_in_the_value_is_in_the_schedule(tmp_path):
+    assert main(["compile", "ps_1f1b:offload=0", "--pp", "2", "-m", "4", "--json", str(tmp_path / "s.json")]) == 0
+    written = load(str(tmp_path / "s.json"))
+    assert written == compile_spec(parse_spec("ps_1f1b:offload=0"), pp=2, microbatches=4)
+    moved = [sum(i.op == "OFFLOAD" for i in p) for p in written.programs]
+    assert moved[0] > 0 and moved[1] == 0  # rank 0's stashes (those that wait longer than lead=1), rank 1's none

@@ -52,7 +52,7 @@ from benchmarks.llama.reference import clear_shared_state
 from block_chains import NanotronChain, NanotronNoGrad, NanotronSerialize
 from integration.nanotron.patches.cpu import cpu_p2p, cpu_parallel_context
 from integration.nanotron.gloo import CudaToCpu
-from integration.nanotron.pipeline.registry import NANOTRON_ENGINES
+from integration.nanotron.pipeline.engine_spec import NANOTRON_ENGINES
 from pipeschedule.runtime.launch import spawn
 
 MODELS = {"chain": NanotronChain, "no_grad": NanotronNoGrad, "serialize": NanotronSerialize}

@@ -10,11 +10,13 @@ import pytest
 from hypothesis import assume, given, settings, strategies as st
 
 from integration.nanotron.pipeline.engine_spec import parse_engine
-from integration.nanotron.pipeline.registry import AUTO_ENGINE, ENGINES, NANOTRON_ENGINES
+from integration.nanotron.pipeline.engine_spec import AUTO_ENGINE, NANOTRON_ENGINES
+from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.errors import ParameterError
 from strategies import examples
 
-KNOWN = (*NANOTRON_ENGINES, *ENGINES, AUTO_ENGINE)
+ENGINES = {f.engine: f for f in FAMILIES.values()} | {f.name: f for f in FAMILIES.values()}  # both name a family
+KNOWN = tuple(dict.fromkeys((*NANOTRON_ENGINES, *ENGINES, AUTO_ENGINE)))
 
 
 @st.composite
@@ -37,18 +39,19 @@ def test_a_mistyped_engine_name_gets_a_known_name_that_loads(case):
     name, typo = case
     with pytest.raises(ParameterError) as refused:
         parse_engine(typo)
-    said = re.search(r"did you mean (\S+)\?", str(refused.value))
+    said = re.search(r"did you mean (\S+(?: or \S+)*)\?", str(refused.value))
     if said is None:  # a short name a typo took far from every name (abab, 1b1b): the list of names follows
         assert "Accepted: " in str(refused.value) and len(name) <= 4
         return
-    suggested = said.group(1)
-    assert suggested in KNOWN
-    required = "virtual=2" if suggested in ENGINES and ENGINES[suggested].required else ""
-    assert parse_engine(suggested + (":" + required if required else "")).name == suggested
+    for suggested in said.group(1).split(" or "):  # several where the typo begins them (zb_h: zb_h1 or zb_h2)
+        assert suggested in KNOWN
+        required = "virtual=2" if suggested in ENGINES and ENGINES[suggested].takes_virtual else ""
+        assert parse_engine(suggested + (":" + required if required else "")).name == suggested
 
 
 def test_typos_of_the_issue_get_their_names():
-    for typo, name in (("caped_1f1b", "capped_1f1b"), ("1F1B", "1f1b"), ("interleaved", "interleaved_1f1b")):
+    for typo, name in (("caped_1f1b", "capped_1f1b"), ("1F1B", "1f1b"), ("interleaved", "interleaved_1f1b or "
+                                                                                     "interleaved_zb")):
         with pytest.raises(ParameterError, match=rf"unknown engine '{typo}' \(did you mean {name}\?\)"):
             parse_engine(typo)
     with pytest.raises(ParameterError, match=r"accepts: cap, split.* \(did you mean cap\?\)"):

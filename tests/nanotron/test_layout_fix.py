@@ -15,7 +15,7 @@ import integration.nanotron  # noqa: F401  (registers the engines, as a launch s
 from integration.nanotron.check import engine_layout
 from integration.nanotron.pipeline.errors import LayoutError
 from integration.nanotron.pipeline.layout_fix import even_split, fitting_split
-from integration.nanotron.pipeline.registry import NANOTRON_ENGINES
+from integration.nanotron.pipeline.engine_spec import NANOTRON_ENGINES
 from nanotron.config.models_config import LlamaConfig
 from nanotron.config.utils_config import cast_str_to_pipeline_engine
 from pipeschedule.compiler.families import FAMILIES

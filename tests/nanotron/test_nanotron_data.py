@@ -239,3 +239,28 @@ def test_two_engines_train_on_the_corpus_sharded_over_dp_and_resume_where_they_s
     assert {dp: mbs[per_step:] for dp, mbs in shards.items()} == reads(resumed)
     assert losses(resumed)[0]["step"] == 2
     assert [s["loss"] for s in losses(stopped) + losses(resumed)] == [s["loss"] for s in losses(ours)]
+
+
+def test_the_tokenizer_recipe_of_the_docs_makes_one_the_run_accepts(tmp_path, corpus, monkeypatch):
+    """docs/training.md's make_tokenizer.py, run as written on the tests' corpus: the
+    folder it writes loads as the launcher loads a tokenizer, and a config naming it with
+    a vocab_size its tokens fit passes `data.load`; one below them is refused."""
+    import re
+    import runpy
+    import sys
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "training.md").read_text()
+    script = re.search(r"```python\n(# make_tokenizer\.py.*?)```", page, re.S).group(1)
+    (tmp_path / "make_tokenizer.py").write_text(script)
+    folder, _ = corpus
+    monkeypatch.setattr(sys, "argv", ["make_tokenizer.py", str(folder), str(tmp_path / "mine"), "300"])
+    runpy.run_path(str(tmp_path / "make_tokenizer.py"), run_name="__main__")
+    tokenizer = data.load_tokenizer(str(tmp_path / "mine"))
+    assert 40 < len(tokenizer) <= 300 and tokenizer.eos_token == "</s>"
+    assert tokenizer.decode(tokenizer("w3 w17")["input_ids"]) == "w3 w17"  # byte-level BPE round-trips the text
+    fits = dataclasses.replace(data_config(tmp_path, corpus, vocab=len(tokenizer)), tokenizer=str(tmp_path / "mine"))
+    assert data.load(config_of(tmp_path, fits.yaml(str(tmp_path / "c")))).tokenizer is not None
+    short = dataclasses.replace(fits, vocab=len(tokenizer) - 1)
+    with pytest.raises(DataError, match=f"has {len(tokenizer)} tokens but model.model_config.vocab_size is"):
+        data.load(config_of(tmp_path, short.yaml(str(tmp_path / "c"))))

@@ -16,7 +16,7 @@ import yaml
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
 from integration.nanotron.pipeline.engine import PipescheduleEngine, build_engine
-from integration.nanotron.pipeline.engine_spec import EngineSpec
+from integration.nanotron.pipeline.engine_spec import ForeignSpec, ScheduleSpec, parse_engine
 from benchmarks.llama.reference import Job, Run, run_nanotron
 from benchmarks.llama.model import ModelConfig
 from integration.nanotron.stash import microbatches_worth
@@ -138,7 +138,7 @@ def test_yaml_config_instantiates_our_engine(tmp_path):
     path.write_text(yaml.safe_dump(data).replace("pp_engine: PLACE", "pp_engine: capped_1f1b:cap=2"))
     engine = get_config_from_file(str(path)).parallelism.pp_engine
     assert type(engine) is PipescheduleEngine
-    assert engine.spec == EngineSpec("capped_1f1b", cap=2)
+    assert engine.spec == ScheduleSpec("capped_1f1b", cap=2)
     assert engine.compile(pp=4, microbatches=8).params["cap"] == [2, 2, 2, 1]
     config = get_config_from_file(str(path))
     config.save_as_yaml(str(tmp_path / "saved.yaml"))  # nanotron re-reads what it wrote
@@ -147,17 +147,21 @@ def test_yaml_config_instantiates_our_engine(tmp_path):
 
 
 def test_engine_parameters_and_checks():
-    assert build_engine("capped_1f1b").cap(4) == 2 and build_engine("capped_1f1b").cap(5) == 3  # ceil(pp/2)
-    assert build_engine(EngineSpec("interleaved_1f1b")).virtual == 2  # a spec from Python without virtual
-    assert build_engine("interleaved_1f1b:virtual=3").virtual == 3
-    assert build_engine("ps_1f1b").compile(pp=4, microbatches=2).microbatches == 2  # below nanotron's pp-1
-    build_engine("ps_afab:split=1/3").check(pp=2, num_layers=4)
+    def build(value):
+        return build_engine(parse_engine(value))
+
+    assert build("capped_1f1b").cap(4) == 2 and build("capped_1f1b").cap(5) == 3  # ceil(pp/2)
+    with pytest.raises(ParameterError, match="interleaved_1f1b needs virtual"):
+        ScheduleSpec("interleaved_1f1b")  # from Python as from text: no default chunk count to disagree with
+    assert build("interleaved_1f1b:virtual=3").virtual == 3
+    assert build("ps_1f1b").compile(pp=4, microbatches=2).microbatches == 2  # below nanotron's pp-1
+    build("ps_afab:split=1/3").check(pp=2, num_layers=4)
     with pytest.raises(ParameterError, match="split lists 2 stages"):
-        build_engine("capped_1f1b:split=1/3").check(pp=4, num_layers=4)
+        build("capped_1f1b:split=1/3").check(pp=4, num_layers=4)
     with pytest.raises(ParameterError, match="pp \\* virtual"):
-        build_engine(EngineSpec("interleaved_1f1b", split=(2, 2))).check(pp=2, num_layers=4)
+        build_engine(ScheduleSpec("interleaved_1f1b", virtual=2, split=(2, 2))).check(pp=2, num_layers=4)
     with pytest.raises(ValueError, match="runs pipeschedule's engines"):
-        PipescheduleEngine(EngineSpec("1f1b"))  # nanotron's own
+        PipescheduleEngine(ForeignSpec("1f1b"))  # nanotron's own
 
 
 def test_offload_from_the_yaml_value():

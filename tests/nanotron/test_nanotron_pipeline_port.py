@@ -22,7 +22,7 @@ rank. Here, with every engine built through nanotron's config path:
   nanotron's `sync_tied_weights_gradients` they are, equal on the ranks sharing them, and
   the optimizer's fp32 gradient still views the buffer.
 
-The engines come from the registry, so a family added there is trained here; a model joins
+The engines come from the family records, so a family added there is trained here; a model joins
 by its class in pipeline_port.MODELS and an entry in PLACED_BY_TEST (placed as nanotron's
 test places it) or PLACED_BY_ENGINE (a shape each engine places).
 """
@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
-from integration.nanotron.pipeline.registry import ENGINES
+from pipeschedule.compiler.families import FAMILIES
 from pipeline_port import SEQUENTIAL, Job, Run, TiedJob, TiedRun, engine_of, run_pipelines, run_tied
 
 OPTIONS = ("recompute=full", "offload=0")  # each also drawn on top of one engine of each shape
@@ -69,7 +69,7 @@ def engine_values(pp: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Every registered engine (virtual=2 where it must be named), split into those that
     run one stage per rank and those that run two; then the options on the first of each
     kind, and capped 1F1B at cap 1."""
-    values = [name + (":virtual=2" if "virtual" in entry.required else "") for name, entry in ENGINES.items()]
+    values = [f.engine + (":virtual=2" if f.takes_virtual else "") for f in FAMILIES.values()]
     one = [v for v in values if len(engine_of(v, pp).placement(pp)) == pp]
     two = [v for v in values if v not in one]
     one += ["capped_1f1b:cap=1"] + [_with(one[0], option) for option in OPTIONS]

@@ -18,7 +18,7 @@ import yaml
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron, registers the engine names)
 from integration.nanotron.pipeline.engine import PipescheduleEngine, build_engine
-from integration.nanotron.pipeline.engine_spec import EngineSpec
+from integration.nanotron.pipeline.engine_spec import ScheduleSpec
 from benchmarks.llama.reference import Job, Run, run_nanotron
 from benchmarks.llama.model import ModelConfig
 from pipeschedule.errors import ParameterError
@@ -115,15 +115,15 @@ MINIMAL = {
 }
 
 ROUND_TRIPS = {
-    "zb_h1": EngineSpec("zb_h1"),
-    "zb_h1:cap=2": EngineSpec("zb_h1", cap=2),
-    "zbv": EngineSpec("zbv"),
-    "v_half": EngineSpec("v_half"),
-    "v_min:cap=4": EngineSpec("v_min", cap=4),
-    "v_half:cap=6/5/4/4,split=1/1/1/1/1/1/1/1": EngineSpec("v_half", cap=(6, 5, 4, 4), split=(1,) * 8),
-    "zb_h2:cap=5": EngineSpec("zb_h2", cap=5),
-    "dualpipev": EngineSpec("dualpipev"),
-    "interleaved_zb:virtual=2,cap=4": EngineSpec("interleaved_zb", cap=4, virtual=2),
+    "zb_h1": ScheduleSpec("zb_h1"),
+    "zb_h1:cap=2": ScheduleSpec("zb_h1", cap=2),
+    "zbv": ScheduleSpec("zbv"),
+    "v_half": ScheduleSpec("v_half"),
+    "v_min:cap=4": ScheduleSpec("v_min", cap=4),
+    "v_half:cap=6/5/4/4,split=1/1/1/1/1/1/1/1": ScheduleSpec("v_half", cap=(6, 5, 4, 4), split=(1,) * 8),
+    "zb_h2:cap=5": ScheduleSpec("zb_h2", cap=5),
+    "dualpipev": ScheduleSpec("dualpipev"),
+    "interleaved_zb:virtual=2,cap=4": ScheduleSpec("interleaved_zb", cap=4, virtual=2),
 }
 
 
@@ -166,8 +166,9 @@ def test_bad_values_are_rejected_naming_the_value(tmp_path, value, reason):
         get_config_from_file(write(tmp_path / "bad.yaml", value))
     message = str(caught.value)
     assert repr(value) in message and reason in message
-    for accepted in ("zb_h1", "zbv", "v_half", "v_min"):
-        assert accepted in message
+    if "unknown engine" in reason:  # the list of names where the name is at fault
+        for accepted in ("zb_h1", "zbv", "v_half", "v_min"):
+            assert accepted in message
 
 
 def test_v_engines_count_two_stages_per_rank():

@@ -111,5 +111,45 @@ def test_a_users_own_script_runs_unchanged_with_our_engines(tmp_path, text_confi
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "engine: PipescheduleEngine EngineSpec(name='capped_1f1b', cap=1" in result.stdout, result.stdout[-2000:]
+    engine = "engine: PipescheduleEngine capped_1f1b:cap=1"
+    assert engine in result.stdout, result.stdout[-2000:]
     assert len(re.findall(r"iteration: \d / 2 \| .*lm_loss: ", result.stdout)) == 2, result.stdout[-2000:]
+
+
+DUMMY_SCRIPT = '''\
+"""A fork's run_train.py on nanotron's own dummy data (run_train.py's `data: null` path)."""
+import argparse
+
+from nanotron.dataloader import dummy_infinite_data_generator
+from nanotron.parallel.pipeline_parallel.utils import get_input_output_pp_ranks
+from nanotron.trainer import DistributedTrainer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--config-file", required=True)
+trainer = DistributedTrainer(parser.parse_args().config_file)
+input_pp_rank, output_pp_rank = get_input_output_pp_ranks(model=trainer.model)
+trainer.train(dummy_infinite_data_generator(
+    micro_batch_size=trainer.micro_batch_size, sequence_length=trainer.sequence_length, input_pp_rank=input_pp_rank,
+    output_pp_rank=output_pp_rank, vocab_size=trainer.model_config.vocab_size, seed=trainer.config.data.seed,
+    parallel_context=trainer.parallel_context)())
+'''
+
+
+def test_a_forks_script_on_nanotrons_dummy_data_runs_on_cpu_without_gpu_memory_lines(tmp_path):
+    """Patches of [Note: a CPU run's output] in patches/cpu_run.py: nanotron's dummy data drew
+    from a CUDA generator and failed on CPU; a CPU run printed 'Memory usage: 0.00MiB' lines and
+    cuda_memory entries of 0. Neither is printed now."""
+    script = tmp_path / "run_train.py"
+    script.write_text(DUMMY_SCRIPT)
+    path = tmp_path / "config.yaml"
+    path.write_text(TrainerConfig(pp=2, layers=4, steps=2).yaml(str(tmp_path / "checkpoints")))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+               "-m", "integration.nanotron.run", str(script), "--config-file", str(path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(re.findall(r"iteration: \d / 2 \| .*lm_loss: ", result.stdout)) == 2, result.stdout[-2000:]
+    said = result.stdout + result.stderr
+    assert "Memory usage" not in said and "cuda_memory" not in said and "Datasets and/or" not in said

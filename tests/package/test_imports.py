@@ -1,9 +1,10 @@
 """The package's layering, read from the source (its imports, not running them): no
 import circle among pipeschedule, integration and benchmarks; the compiler, simulator
 and planner import no torch and no nanotron (only pipeschedule/runtime and integration/
-do); and pipeschedule reaches the nanotron adapter (integration/) only from the two
-commands that need it, inside the function that runs them (`pipeschedule check`,
-`pipeschedule demo`'s training part). What each command loads when it runs is
+do); and no file of pipeschedule/ imports anything of integration/, at module level or
+inside a function: the adapter's commands are registered by the adapter ([Note:
+registered commands] in pipeschedule/cli/command.py), and each entry point it registers
+names a module that imports no torch at load. What each command loads when it runs is
 tests/cli/test_cli_help.py's.
 
 An edge A -> B is an `import B` / `from B import name` anywhere in A (a name that is a
@@ -15,6 +16,7 @@ optional or heavy dependencies only (matplotlib, torch where it is optional).
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,16 +113,43 @@ def test_the_compiler_simulator_and_planner_import_no_torch_and_no_nanotron():
     assert not compiler_imports(("torch", "nanotron")), compiler_imports(("torch", "nanotron"))
 
 
-ADAPTER_DOORS = {"pipeschedule.cli.check", "pipeschedule.cli.demo"}  # the commands that run nanotron's adapter
+def adapter_imports(names: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module, imported name) for each import of integration/ by a module of pipeschedule/."""
+    return [(name, n) for name, path in names.items() if name.split(".")[0] == "pipeschedule"
+            for n, _ in imported_names(path) if n.split(".")[0] == "integration"]
 
 
-def test_pipeschedule_reaches_the_adapter_only_inside_the_commands_that_need_it():
-    found = []
-    for name, path in modules().items():
-        if name.startswith("pipeschedule"):
-            found += [(name, n, inside) for n, inside in imported_names(path) if n.split(".")[0] == "integration"]
-    assert found and {name for name, _, _ in found} <= ADAPTER_DOORS, found
-    assert all(inside for _, _, inside in found), [f for f in found if not f[2]]
+def test_no_file_of_pipeschedule_imports_the_adapter():
+    assert not adapter_imports(modules()), adapter_imports(modules())
+
+
+def test_the_rule_sees_an_import_of_the_adapter_inside_a_function(tmp_path):
+    path = tmp_path / "door.py"
+    path.write_text("def run():\n    from integration.nanotron.check import main\n    import integration\n")
+    assert adapter_imports({"pipeschedule.cli.door": path}) == [("pipeschedule.cli.door", "integration.nanotron.check"),
+                                                               ("pipeschedule.cli.door", "integration")]
+    assert adapter_imports({"benchmarks.door": path}) == []
+
+
+def registered_entry_points() -> dict[str, str]:
+    """`name: module:attribute` of every entry point pyproject.toml registers for pipeschedule."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {f"{group}:{name}": value for group, entries in project.get("entry-points", {}).items()
+            if group.startswith("pipeschedule.") for name, value in entries.items()}
+
+
+def test_every_registered_entry_point_names_a_module_that_imports_no_torch_at_load():
+    """`pipeschedule -h` loads them all: their modules import neither torch nor nanotron
+    at module level, nor a package whose __init__ does (integration.nanotron)."""
+    entries = registered_entry_points()
+    assert {"pipeschedule.commands:check", "pipeschedule.commands:train", "pipeschedule.demo:nanotron"} <= set(entries)
+    known = modules()
+    for value in entries.values():
+        module = value.split(":")[0]
+        assert module in known, value
+        heavy = [n for n, inside in imported_names(known[module]) if not inside
+                 and (n.split(".")[0] in ("torch", "nanotron") or n.startswith("integration.nanotron"))]
+        assert not heavy, (value, heavy)
 
 
 def test_the_circle_finder_finds_circles():

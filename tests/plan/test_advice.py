@@ -245,8 +245,8 @@ def test_the_text_shows_the_offload_option_with_its_link(capsys):
     assert "offload" not in recommended and "offload=" not in yaml_block(out)
     assert ("Not recommended, with host offload over a 450 GB/s link a direction (the GPU preset's datasheet figure; "
             "no offload plan has run over such a link; --host-memory GiB") in out
-    assert re.search(r"\n  dp=1, ZeRO-0, no recompute: interleaved_1f1b:virtual=2,offload=0/1/2/3\S*, \d\.\d{3}x, "
-                     r"\d+\.\d GiB a GPU on the host", out)
+    assert re.search(r"\n  dp=1, ZeRO-0, no recompute: interleaved_1f1b:virtual=2,split=\S*offload=0/1/2/3\S*, "
+                     r"\d\.\d{3}x, \d+\.\d GiB a GPU on the host", out)
     _, out, _ = run(argv + ["--host-memory", "100"], capsys)
     assert "offload=0/1/2/3" in yaml_block(out) and "Not recommended" not in out
     assert "host offload over a link of 450 GB/s a direction (the GPU preset's datasheet figure" in out

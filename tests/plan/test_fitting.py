@@ -38,7 +38,8 @@ def test_every_layer_recomputed_by_count_is_full_recompute_when_interleaved():
     assert [r.terms[ACTIVATIONS] for r in counted.memory] == [r.terms[ACTIVATIONS] for r in full.memory]
     assert [r.total for r in counted.memory] == pytest.approx([r.total for r in full.memory])
     assert counted.pipeline_time == pytest.approx(full.pipeline_time)
-    assert counted.engine() == "interleaved_1f1b:virtual=2,recompute=" + "/".join(map(str, split))
+    text = "/".join(map(str, split))
+    assert counted.engine() == f"interleaved_1f1b:virtual=2,split={text},recompute={text}"
 
 
 def test_partial_recompute_spreads_over_a_ranks_chunks_and_saves_what_it_says():
@@ -88,8 +89,9 @@ def test_offload_is_chosen_where_it_fits_fastest_with_its_yaml():
     result = plan(users(virtual=2))
     rec = result.recommended
     assert isinstance(rec, OffloadCandidate) and rec.fits
-    assert rec.engine() == "interleaved_1f1b:virtual=2,offload=0/1"
-    assert "pp_engine: interleaved_1f1b:virtual=2,offload=0/1" in result.to_text(tables="none")
+    split = "/".join(map(str, rec.split))
+    assert rec.engine() == f"interleaved_1f1b:virtual=2,split={split},offload=0/1"
+    assert f"pp_engine: {rec.engine()}" in result.to_text(tables="none")
     plain = next(c for c in result.candidates if (c.family, c.virtual, c.split) == (rec.family, 2, rec.split)
                  and not isinstance(c, OffloadCandidate))
     assert not plain.fits and rec.step_time >= plain.step_time  # offload never makes a step faster
@@ -222,4 +224,22 @@ def test_partial_recompute_reaches_split_backward_and_v_shapes():
     plain = _Planner(result.config).evaluate("zbv", None, 2, zbv.split, "nanotron")
     # recomputed layers compute their weight gradients at B: W keeps less, B does more
     assert zbv.memory[0].terms[ACTIVATIONS] < plain.memory[0].terms[ACTIVATIONS]
-    assert zbv.engine().startswith("zbv:recompute=") and len(zbv.recomputed) == 8
+    assert zbv.engine().startswith("zbv:split=") and ",recompute=" in zbv.engine() and len(zbv.recomputed) == 8
+
+
+def test_the_planner_is_what_the_levers_say_they_need():
+    """fitting.Planner, the typed interface the levers call the planner through: every
+    member it names is the planner's, with the same parameters."""
+    import inspect
+
+    from pipeschedule.plan import fitting
+    from pipeschedule.plan.planner import _Planner
+
+    members = [name for name, value in vars(fitting.Planner).items() if inspect.isfunction(value)
+               and not name.startswith("__")]
+    assert set(members) == {"schedule", "evaluate", "cost", "step", "tail", "shared"}
+    for name in members:
+        ours = inspect.signature(getattr(fitting.Planner, name)).parameters
+        assert list(ours) == list(inspect.signature(getattr(_Planner, name)).parameters), name
+    planner = _Planner(users())
+    assert isinstance(planner.config, PlanConfig) and hasattr(planner.cache, "offload_memo")

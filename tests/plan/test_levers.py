@@ -58,7 +58,8 @@ def test_partial_recompute_fits_what_no_recompute_does_not():
     assert partial and all(c.fits for c in partial)
     assert {c.family for c in partial} >= {"1f1b", "interleaved_1f1b"}  # every family, not only 1F1B
     cand = next(c for c in partial if c.family == "1f1b")
-    assert cand.engine().startswith("ps_1f1b:recompute=") and cand.recomputed[0] >= cand.recomputed[-1]
+    assert cand.engine().startswith("ps_1f1b:split=21/20/20/19,recompute=")
+    assert cand.recomputed[0] >= cand.recomputed[-1]
     full = planner.evaluate("1f1b", None, 1, (21, 20, 20, 19), "x", recomputed=(21, 20, 20, 19))
     everything = _Planner(config(recompute="full")).evaluate("1f1b", None, 1, (21, 20, 20, 19), "x")
     # recomputing every layer by count is full recompute: the same stash and time

@@ -15,7 +15,7 @@ from pipeschedule.plan.planner import searched_caps
 from pipeschedule.plan.presets import MODELS
 
 L70 = MODELS["llama3-70b"]
-# integration/nanotron/pipeline/engine_spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
+# pipeschedule/compiler/spec.py's grammar: NAME[:KEY=VALUE[,KEY=VALUE]...], VALUE an
 # integer or integers joined by '/'.
 FAMILY_NAMES = ("1f1b|afab|ps_1f1b|ps_afab|capped_1f1b|interleaved_1f1b|zb_h1|zbv|v_half|v_min|zb_h2|dualpipev"
                 "|interleaved_zb|looped_bfs|searched")
@@ -67,7 +67,7 @@ def test_dp2_without_zero_runs_nanotron_out_of_memory_on_stage_0_only():
     default = result.default
     assert [r.fits for r in default.memory] == [False, True, True, True]
     ours = next(c for c in result.candidates if c is not default and c.family == "1f1b" and c.split == default.split)
-    assert ours.fits and ours.engine() == "ps_1f1b:recompute=full"
+    assert ours.fits and ours.engine() == "ps_1f1b:split=21/20/20/19,recompute=full"
     fall = default.memory[0].total - ours.memory[0].total
     assert fall == pytest.approx(default.memory[0].terms[GRADS]) and fall > 6 * GiB
     rec = result.recommended
@@ -81,12 +81,12 @@ def test_dp2_without_zero_runs_nanotron_out_of_memory_on_stage_0_only():
 def test_candidate_engine_strings():
     one = Candidate("1f1b", None, 1, (21, 20, 20, 19), "nanotron")
     assert one.engine(nanotron_default=True) == "1f1b"
-    assert one.engine() == "ps_1f1b"
+    assert one.engine() == "ps_1f1b:split=21/20/20/19"  # the split counted, written even where it is nanotron's
     capped = Candidate("capped_1f1b", (4, 2, 2, 1), 1, (19, 21, 21, 19), "optimal")
     assert capped.engine() == "capped_1f1b:cap=4/2/2/1,split=19/21/21/19"
     inter = Candidate("interleaved_1f1b", 4, 2, (10,) * 8, "nanotron")
-    assert inter.engine() == "interleaved_1f1b:virtual=2,cap=4"
-    assert inter.yaml_lines(4) == ["parallelism:", "  pp: 4", "  pp_engine: interleaved_1f1b:virtual=2,cap=4"]
+    assert inter.engine() == "interleaved_1f1b:virtual=2,cap=4,split=10/10/10/10/10/10/10/10"
+    assert inter.yaml_lines(4) == ["parallelism:", "  pp: 4", f"  pp_engine: {inter.engine()}"]
 
 
 def test_compute_costs():

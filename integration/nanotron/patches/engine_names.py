@@ -29,7 +29,7 @@ once repaired, [Note: nanotron 0.4 import cycle] in patches/import_cycle.py):
 Why wrapping and not subclassing: dacite is called with `strict=True` and a fixed type
 hook for `PipelineEngine`, and the saver raises for unknown classes and writes any
 subclass of nanotron's 1F1B engine back as "1f1b", so neither side can be extended from
-outside. Syntax of the values: [Note: pp_engine syntax] in `engine_spec`.
+outside. Syntax of the values: [Note: pp_engine syntax] in pipeschedule/compiler/spec.py.
 
 [Note: pipeline_engine key] The design names the engine key `pipeline_engine`; nanotron's
 field is `pp_engine`, and dacite (strict) refuses any other key. The reader wrapper
@@ -46,7 +46,7 @@ import nanotron.config.utils_config as nanotron_utils_config
 from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
 
 from integration.nanotron.pipeline.engine import build_engine
-from integration.nanotron.pipeline.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.pipeline.engine_spec import AutoSpec, ScheduleSpec, is_nanotron_builtin, parse_engine
 from integration.nanotron.pipeline.errors import ConfigError
 from integration.nanotron.patches.base import EVERY_NANOTRON_MODULE, rebind
 
@@ -58,16 +58,16 @@ def cast_str_to_pipeline_engine(str_pp_engine):
     if isinstance(str_pp_engine, PipelineEngine):
         return str_pp_engine
     spec = parse_engine(str_pp_engine)
-    if spec.is_nanotron_builtin:
+    if is_nanotron_builtin(spec):
         return LOADER.original()(spec.name)
     return build_engine(spec)
 
 
 def cast_pipeline_engine_to_str(pp_engine):
-    """nanotron's saver, extended: an engine carrying an `EngineSpec` writes its canonical
+    """nanotron's saver, extended: an engine carrying a spec of ours writes its canonical
     string (`saved_spec` where it has one: `auto` saves as auto, not as what it chose)."""
     spec = getattr(pp_engine, "saved_spec", getattr(pp_engine, "spec", None))
-    if isinstance(spec, EngineSpec) and not spec.is_nanotron_builtin:
+    if isinstance(spec, (ScheduleSpec, AutoSpec)):
         return spec.to_string()
     return SAVER.original()(pp_engine)
 

@@ -4,7 +4,7 @@ calls `install()`; `gloo.use_gloo()` calls `install(gloo=True)`."""
 
 from __future__ import annotations
 
-from integration.nanotron.patches import checkpoint_metadata, engine_names, gloo, import_cycle, trainer
+from integration.nanotron.patches import checkpoint_metadata, cpu_run, engine_names, gloo, import_cycle, trainer
 from integration.nanotron.patches.base import Patch
 
 IMPORT_CYCLE = Patch(
@@ -12,7 +12,7 @@ IMPORT_CYCLE = Patch(
     check=lambda: None, apply=import_cycle.import_nanotron, undo=None,
     needed=lambda: import_cycle.was_repaired() or import_cycle.needs_logging_repair())
 PATCHES: tuple[Patch, ...] = (IMPORT_CYCLE, *checkpoint_metadata.PATCHES, *engine_names.PATCHES, *trainer.PATCHES)
-GLOO_PATCHES: tuple[Patch, ...] = gloo.PATCHES
+GLOO_PATCHES: tuple[Patch, ...] = gloo.PATCHES + cpu_run.PATCHES
 
 
 def install(*, gloo: bool = False) -> str:

@@ -3,8 +3,7 @@ pipeschedule family, and what it is made of. It imports nothing else of the adap
 the patches (../patches/) and the launch tools (train, check, demo, ...) build on it.
 
     engine        PipescheduleEngine, AutoEngine; build_engine
-    engine_spec   EngineSpec, parse_engine(): the pp_engine value syntax
-    registry      pp_engine name -> schedule family and parameters, from the family records
+    engine_spec   parse_engine(): the core's pp_engine grammar (pipeschedule.compiler.spec), nanotron's names kept
     errors        the adapter's errors, in pipeschedule's one hierarchy
     step          one step of it (Runner, ModelStages; the runtime's Executor with its hooks)
     stage_call    one stage per model call; block_graph: the blocks' dataflow

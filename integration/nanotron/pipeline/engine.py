@@ -1,15 +1,15 @@
 """The nanotron `PipelineEngine` that runs pipeschedule's compiled schedules: one class,
 `PipescheduleEngine`, for every schedule family. What differs between families (virtual
 stages, cap and its default, placement, split backward) comes from the family's record
-(`pipeschedule.compiler.families.FAMILIES`), and the config names from the registry:
+(`pipeschedule.compiler.families.FAMILIES`), and its `pp_engine` value is the core's
+`ScheduleSpec` ([Note: pp_engine syntax] in pipeschedule/compiler/spec.py):
 
     ps_afab            AFAB (nanotron's AllForwardAllBackward), pipeschedule's runtime
     ps_1f1b            1F1B (nanotron's OneForwardOneBackward), pipeschedule's runtime
     capped_1f1b        1F1B with at most `cap` microbatches in flight per rank; cap
                        defaults to the family's default_cap(pp) = ceil(pp/2) (cap = pp is
                        exactly 1F1B)
-    interleaved_1f1b   `virtual` chunks per rank, round-robin placement (a config must
-                       name virtual; a spec built from Python without it runs 2); optional cap
+    interleaved_1f1b   `virtual` chunks per rank (required), round-robin placement; optional cap
     zb_h1              zero-bubble ZB-H1: split backward (B input gradients, W weight
                        gradients), 1F1B's memory; optional cap
     zbv, v_half, v_min split backward on the V-shape placement (rank r runs stages r and
@@ -22,7 +22,7 @@ stages, cap and its default, placement, split backward) comes from the family's 
                        first step measures under the cap ([Note: searched engine]); optional cap
 
 Use: name the engine in nanotron's YAML (`parallelism.pp_engine: capped_1f1b:cap=2`,
-[Note: pp_engine syntax] in engine_spec) and start nanotron's trainer through
+[Note: pp_engine syntax]) and start nanotron's trainer through
 `python -m integration.nanotron.train --config-file CONFIG`, or import
 `integration.nanotron` first in your own launch script. nanotron then builds the model
 with the engine's split and placement ([Note: build hook] in patches/trainer.py) and its trainer
@@ -31,7 +31,7 @@ calls `train_batch_iter` as it does for its own engines.
 At its first step on a model the engine checks that the model is laid out as it runs
 ([Note: model layout] in layout.py); then each step runs the verified schedule for
 (pp, m) through pipeschedule's runtime: `train_batch_iter` hands the spec to
-`build_runner` (once per (pg, m), cached), which compiles it (`compile_spec`) and makes
+`build_runner` (once per (pg, m), cached), which compiles it (the core's `compile_spec`) and makes
 the `step.Runner`, which makes the runtime's `Executor` with the spec's offload settings.
 Returns what nanotron's engines return: on the rank of the loss block m dicts
 `{"loss": loss / m}` (detached), elsewhere m dicts `{"loss": TensorPointer(rank of the
@@ -60,17 +60,15 @@ import torch.distributed as dist
 import nanotron.models.base as nanotron_base
 from nanotron.parallel.pipeline_parallel.engine import PipelineEngine
 
-from integration.nanotron.pipeline.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.pipeline.engine_spec import AutoSpec, ScheduleSpec, parse_engine
 from integration.nanotron.pipeline.errors import EngineRuntimeError, ParameterError
 from integration.nanotron.pipeline.layout import ModelLayout, engine_layout, layer_mask, model_stages
 from integration.nanotron.pipeline.recompute import apply_recompute
-from integration.nanotron.pipeline.registry import AUTO_ENGINE, ENGINES
 from integration.nanotron.pipeline.step import Runner, pipeline_blocks, unwrap
-from pipeschedule import compile_schedule
 from pipeschedule.compiler.families import FAMILIES
+from pipeschedule.compiler.spec import compile_spec
 from pipeschedule.plan.auto import Measured, choose
 from pipeschedule.compiler.ir import Schedule
-from pipeschedule.compiler.offload import add_offload
 from pipeschedule.compiler.passes import forward_only
 from pipeschedule.runtime import DistTransport, HostStagedTransport
 from pipeschedule.compiler.verify import verify
@@ -80,16 +78,16 @@ _engines_built: dict[tuple[int, ...], itertools.count] = {}  # pp group -> engin
 
 
 SEARCHED = "searched"  # the family whose engine measures its costs first ([Note: searched engine])
-DEFAULT_VIRTUAL = 2  # chunks per rank of an interleaved spec built from Python without `virtual`
 
 
 class PipescheduleEngine(PipelineEngine):
     """Runs the schedules of one parsed `pp_engine` value (`spec`) of any family."""
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: ScheduleSpec):
         super().__init__()
-        if not isinstance(spec, EngineSpec) or spec.is_nanotron_builtin:
-            raise ParameterError(f"PipescheduleEngine runs pipeschedule's engines (accepted: {', '.join(ENGINES)}), "
+        if not isinstance(spec, ScheduleSpec):
+            names = ", ".join(f.engine for f in FAMILIES.values())
+            raise ParameterError(f"PipescheduleEngine runs pipeschedule's engines (a ScheduleSpec of {names}), "
                                  f"got {spec!r}")
         self.spec = spec
         self.family = FAMILIES[spec.family]
@@ -105,16 +103,17 @@ class PipescheduleEngine(PipelineEngine):
 
     @property
     def virtual(self) -> int:
-        return spec_virtual(self.spec)
+        """Model chunks per rank (the spec's, else the family's own)."""
+        return self.spec.chunks
 
     def cap(self, pp: int):
         """The spec's cap, else the family's default (capped_1f1b: ceil(pp/2)), else None."""
-        return spec_cap(self.spec, pp)
+        return self.spec.cap_at(pp)
 
     def placement(self, pp: int) -> list[int]:
         """Rank of each stage: the family's placement (round robin; the V shapes: rank r
         runs stages r and 2pp-1-r), which every schedule it compiles has."""
-        return list(self.family.placement(pp, self.virtual))
+        return self.spec.placement(pp)
 
     @property
     def splits(self) -> bool:
@@ -125,12 +124,13 @@ class PipescheduleEngine(PipelineEngine):
         return self.family.split_backward
 
     def check(self, *, pp: int, num_layers: int | None = None) -> None:
-        """`spec.check_against(pp=, num_layers=)`: cap and split lengths, split sum."""
-        self.spec.check_against(pp=pp, num_layers=num_layers, virtual=self.virtual)
+        """`check_spec(spec, pp=, num_layers=)`: cap and split lengths, split sum, and
+        what this adapter does not run."""
+        check_spec(self.spec, pp=pp, num_layers=num_layers)
 
     def compile(self, *, pp: int, microbatches: int) -> Schedule:
         """The lowered, verified schedule this engine runs for (pp, m), with the spec's
-        OFFLOAD / RELOAD when it has `offload`."""
+        OFFLOAD / RELOAD when it has `offload` (the core's `compile_spec`)."""
         return compile_spec(self.spec, pp=pp, microbatches=microbatches)
 
     # -- the model's layout ([Note: model layout]) ---------------------------------------
@@ -189,7 +189,7 @@ class PipescheduleEngine(PipelineEngine):
 
     # -- internals ---------------------------------------------------------------------
 
-    def _runner(self, spec: EngineSpec, model, pg, m: int, *, train: bool) -> Runner:
+    def _runner(self, spec: ScheduleSpec, model, pg, m: int, *, train: bool) -> Runner:
         """The runner of `spec` (this engine's) for (pg, m, train|eval), built at its first step."""
         key = (id(pg), m, train)
         if key not in self._runners:
@@ -272,8 +272,8 @@ class AutoEngine(PipescheduleEngine):
 
     DEFAULT_RESERVE = 2
 
-    def __init__(self, spec: EngineSpec):
-        super().__init__(EngineSpec("capped_1f1b", cap=1))
+    def __init__(self, spec: AutoSpec):
+        super().__init__(ScheduleSpec("capped_1f1b", cap=1))
         self.auto = spec
         self.choice = None
         self.figures: dict[str, tuple[float, ...]] = {}  # what the first step measured, per pp rank
@@ -284,7 +284,7 @@ class AutoEngine(PipescheduleEngine):
         return self.auto.name if self.choice is None else self.spec.name
 
     @property
-    def saved_spec(self) -> EngineSpec:
+    def saved_spec(self) -> AutoSpec:
         """What a saved config holds: the user's `auto...` value, not the engine it runs
         (a run resumed from a checkpoint's config.yaml chooses again)."""
         return self.auto
@@ -321,7 +321,7 @@ class AutoEngine(PipescheduleEngine):
         self.figures = {"static": statics, "stash": stashes, "budget": budgets,  # bytes per pp rank
                         "forward_s": forwards, "backward_s": backwards, "host_bandwidth": links}
         self.choice = choose(pg.size(), m, Measured(statics, stashes, budgets, forwards, backwards, links))
-        self.spec = parse_engine(self.choice.engine)
+        self.spec = self.choice.spec
         self.family = FAMILIES[self.spec.family]
         self._switch = True
         peaks = "/".join(f"{p / 2**30:.2f}" for p in self.choice.peaks)
@@ -356,7 +356,7 @@ class SearchedEngine(PipescheduleEngine):
     are logged with the order's simulated step time for them.
     """
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: ScheduleSpec):
         super().__init__(spec)
         self.cost: tuple[tuple[float, float, float], ...] | None = None  # per stage, at the first step
         self._switch = False
@@ -390,7 +390,7 @@ class SearchedEngine(PipescheduleEngine):
         warn_lines(f"pipeschedule pp_engine {self.spec.to_string()} (rank {dist.get_rank(pg)}): F/B/W ms per "
                    f"microbatch and stage measured at step 1: {ms}; from step 2 on the order searched for them")
 
-    def _runner(self, spec: EngineSpec, model, pg, m: int, *, train: bool) -> Runner:
+    def _runner(self, spec: ScheduleSpec, model, pg, m: int, *, train: bool) -> Runner:
         key = (id(pg), m, train)
         if key not in self._runners:
             self._runners[key] = build_runner(spec, self, model, pg, m, train=train,
@@ -406,44 +406,27 @@ def warn_lines(text: str) -> None:
         _LOG.warning("%s", line)
 
 
-def spec_virtual(spec: EngineSpec) -> int:
-    """Model chunks per rank of `spec`'s schedules (an interleaved spec without `virtual`:
-    DEFAULT_VIRTUAL)."""
-    family = FAMILIES[spec.family]
-    if family.takes_virtual and spec.virtual is None:
-        return DEFAULT_VIRTUAL
-    return family.chunks(spec.virtual)
+def check_spec(spec: ScheduleSpec, *, pp: int, num_layers: int | None = None) -> None:
+    """`spec.check_against(pp=, num_layers=)` (cap, split and recompute lengths, split sum,
+    offload ranks), and what this adapter does not run: several chunks per rank at pp = 1."""
+    spec.check_against(pp=pp, num_layers=num_layers)
+    if pp == 1 and spec.chunks > 1:
+        raise ParameterError(
+            f"pp_engine {spec.to_string()!r} runs {spec.chunks} model chunks per rank, which this adapter does not "
+            f"run at pp = 1 (one rank holds every chunk, and the data loader's tensors reach each chunk directly "
+            f"instead of through the stage before: the first step stopped with an internal error); at pp = 1 "
+            f"use ps_1f1b, capped_1f1b or nanotron's own 1f1b"
+        )
 
 
-def spec_cap(spec: EngineSpec, pp: int):
-    """`spec`'s cap, else its family's default (capped_1f1b: ceil(pp/2)), else None."""
-    family = FAMILIES[spec.family]
-    if spec.cap is not None or family.default_cap is None:
-        return spec.cap
-    return family.default_cap(pp)
-
-
-def compile_spec(spec: EngineSpec, *, pp: int, microbatches: int, cost=None) -> Schedule:
-    """The lowered, verified schedule of `spec` for (pp, m), with its OFFLOAD / RELOAD
-    when it has `offload`; `cost` (per-stage (F, B, W) times; None: unit costs) is what
-    a cost-aware family orders by ([Note: searched engine])."""
-    schedule = compile_schedule(spec.family, pp=pp, microbatches=microbatches, virtual=spec_virtual(spec),
-                                cap=spec_cap(spec, pp), cost=cost)
-    policy = spec.offload_policy()
-    if policy is not None:
-        schedule = add_offload(schedule, policy)
-        verify(schedule)
-    return schedule
-
-
-def build_runner(spec: EngineSpec, engine: PipescheduleEngine, model, pg, microbatches: int, *, train: bool,
+def build_runner(spec: ScheduleSpec, engine: PipescheduleEngine, model, pg, microbatches: int, *, train: bool,
                  transport: DistTransport, cost=None) -> Runner:
     """The runner of `spec` for (pg, m): its schedule checked against pp and compiled
     (evaluation: the forward half, lowered and verified as one, [Note: forward-only
     schedules]), run by an executor over `transport` with `spec`'s offload settings;
     `engine` checks and prepares the model at its first step ([Note: model layout])."""
     pp = pg.size()
-    spec.check_against(pp=pp, virtual=spec_virtual(spec))
+    check_spec(spec, pp=pp)
     schedule = compile_spec(spec, pp=pp, microbatches=microbatches, cost=cost)
     if not train:
         schedule = forward_only(schedule)
@@ -452,11 +435,11 @@ def build_runner(spec: EngineSpec, engine: PipescheduleEngine, model, pg, microb
                   offload_policy=spec.offload_policy())
 
 
-def build_engine(spec: EngineSpec | str) -> PipescheduleEngine:
-    """The engine of a pipeschedule `pp_engine` value (an `EngineSpec`, or its text,
-    parsed); what nanotron's config loader builds for our names."""
-    spec = spec if isinstance(spec, EngineSpec) else parse_engine(spec)
-    if spec.name == AUTO_ENGINE:
+def build_engine(spec: ScheduleSpec | AutoSpec | str) -> PipescheduleEngine:
+    """The engine of a pipeschedule `pp_engine` value (a spec, or its text, parsed by
+    `engine_spec.parse_engine`); what nanotron's config loader builds for our names."""
+    spec = parse_engine(spec) if isinstance(spec, str) else spec
+    if isinstance(spec, AutoSpec):
         return AutoEngine(spec)
     return SearchedEngine(spec) if spec.family == SEARCHED else PipescheduleEngine(spec)
 
@@ -502,5 +485,4 @@ def _device_of(model) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-__all__ = ["DEFAULT_VIRTUAL", "AutoEngine", "PipescheduleEngine", "SearchedEngine", "build_engine", "build_runner",
-           "compile_spec", "spec_cap", "spec_virtual"]
+__all__ = ["AutoEngine", "PipescheduleEngine", "SearchedEngine", "build_engine", "build_runner", "check_spec"]

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from integration.nanotron.pipeline.engine_spec import EngineSpec, parse_engine
+from integration.nanotron.pipeline.engine_spec import ScheduleSpec, parse_engine
 from pipeschedule.compiler.families import FAMILIES
 from pipeschedule.errors import PipescheduleError
 
@@ -84,8 +84,8 @@ def layout_fix(engine: str, layer_blocks: Sequence[bool], pp: int) -> LayoutFix 
         spec = parse_engine(engine)
     except PipescheduleError:
         return None
-    if spec.is_nanotron_builtin:
-        return None  # nanotron's own engines take no split
+    if not isinstance(spec, ScheduleSpec):
+        return None  # nanotron's own engines take no split; auto runs 1F1B's layout
     family = FAMILIES[spec.family]
     layers = sum(layer_blocks)
     head, tail = bool(layer_blocks) and not layer_blocks[0], bool(layer_blocks) and not layer_blocks[-1]
@@ -96,7 +96,7 @@ def layout_fix(engine: str, layer_blocks: Sequence[bool], pp: int) -> LayoutFix 
     tries += [(p, virtual if not family.takes_virtual else 1) for p in range(pp - 1, 0, -1)]
     for p, v in tries:
         split = fitting_split(layers, len(family.placement(p, v)), head=head, tail=tail)
-        if split is None or (p == 1 and v > 1):  # several chunks at pp = 1: refused (EngineSpec.check_against)
+        if split is None or (p == 1 and v > 1):  # several chunks at pp = 1: refused (engine.check_spec)
             continue
         fixed = _respecified(spec, p, v, split, pp, virtual)
         if fixed is not None:
@@ -104,8 +104,8 @@ def layout_fix(engine: str, layer_blocks: Sequence[bool], pp: int) -> LayoutFix 
     return None
 
 
-def _respecified(spec: EngineSpec, pp: int, virtual: int, split: tuple[int, ...], old_pp: int,
-                 old_virtual: int) -> EngineSpec | None:
+def _respecified(spec: ScheduleSpec, pp: int, virtual: int, split: tuple[int, ...], old_pp: int,
+                 old_virtual: int) -> ScheduleSpec | None:
     """`spec` with `split` (and `virtual` where the family takes it), if its per-rank and
     per-stage lists still fit pp and pp * virtual stages; else None."""
     if pp != old_pp and (isinstance(spec.cap, tuple) or (spec.offload is not None and max(spec.offload) >= pp)):
