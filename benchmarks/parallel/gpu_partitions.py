@@ -20,7 +20,7 @@ over rounds), each rank's busy time and bubble from CUDA events around every F, 
 simulator's step for the engine's schedule under the stage costs measured in these steps
 and a boundary copy measured here. A case that runs out of memory is reported, not run
 again. Before the table: the partitioned step's losses and gradients against the same
-step run without partitions (`InProcessPipeline`). Writes `--out`/gpu_partitions.json and
+step run without partitions (`InProcessPipeline`). Writes `--out`/parallel_gpu_partitions.json and
 .md and one Chrome trace per case; prints the table last.
 """
 
@@ -39,6 +39,7 @@ import torch
 from benchmarks.common import RESULTS, rotated, versions, write_results
 from benchmarks.parallel import report
 from benchmarks.parallel.predict import span_rows
+from pipeschedule.errors import RuntimeScheduleError
 
 ENGINES = ("ps_1f1b", "ps_afab", "capped_1f1b:cap=1", "capped_1f1b:cap=2", "capped_1f1b:cap=3", "zb_h1",
            "interleaved_1f1b:virtual=2", "interleaved_1f1b:virtual=3", "zbv", "v_half", "v_min",
@@ -134,7 +135,9 @@ class Group:
                     continue
                 try:
                     row = self.step(name, m)
-                except torch.cuda.OutOfMemoryError as err:
+                except (torch.cuda.OutOfMemoryError, RuntimeScheduleError) as err:
+                    if "out of memory" not in str(err):
+                        raise
                     self.failed[name, m] = f"out of memory: {str(err).splitlines()[0][:200]}"
                     self.pipelines.pop((name, m), None)
                     gc.collect()
@@ -312,14 +315,14 @@ def main(argv=None) -> int:
                 print(f"gpu_partitions: route {route}: {type(err).__name__}: {err}", file=sys.stderr)
         else:
             return 2
-    partial = None if args.smoke else args.out / "gpu_partitions.partial.json"
+    partial = None if args.smoke else args.out / "parallel_gpu_partitions.partial.json"
     if partial is not None:
         args.out.mkdir(parents=True, exist_ok=True)
     summary = measure(args, cfg, device, streams, partial)
     summary["versions"] = versions()
     markdown = render(summary)
     if not args.smoke:
-        stem = "gpu_partitions" if args.route != "streams" else "gpu_partitions_streams"
+        stem = "parallel_gpu_partitions" if args.route != "streams" else "parallel_gpu_partitions_streams"
         report.write_traces(summary, args.out / f"{stem}_traces")
         write_results(stem, summary, markdown, args.out)
     print(markdown)

@@ -22,7 +22,7 @@ partitions run side by side, `--parts` when they run one after another. Routes:
 
 The green routes are `sm_partitions`' (pipeschedule/runtime/partitioned.py), what the
 benchmarks run. All work of one timing is enqueued from one host thread before a single synchronize, so
-the GPU sets the pace. Writes sm_probe.json under --out (default: nothing written).
+the GPU sets the pace. Writes parallel_sm_probe.json under --out (default: nothing written).
 """
 
 from __future__ import annotations
@@ -187,7 +187,8 @@ def run_mps(parts: int, size: int, reps: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help="folder for sm_probe.json (default: print only)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for parallel_sm_probe.json (default: print only)")
     parser.add_argument("--parts", type=int, default=4, help="partitions (pipeline ranks), default 4")
     parser.add_argument("--size", type=int, default=8192, help="matmul size, default 8192")
     parser.add_argument("--reps", type=int, default=12, help="matmuls per partition per timing, default 12")
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
         rows.append(row)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "sm_probe.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
+        (args.out / "parallel_sm_probe.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1) + "\n")
     print(f"{'route':18} {'alone s':>8} {'together s':>10} {'overlap':>8}  (1.0 = side by side, {args.parts} = serial)")
     for row in rows:
         if row.get("ok"):

@@ -21,7 +21,7 @@ bitwise nanotron's 1F1B loss (CPU): checked and reported. Per (engine, m): the m
 step, each rank's busy time and bubble from the executor's timeline ([Note: measured
 timeline]), the ledger's peak live bytes per rank, and the simulator's step for the
 engine's own schedule under the stage costs measured in these steps and the gloo link
-measured here (benchmarks/parallel/predict.py). Writes `--out`/trainer_groups_pp{pp}.json
+measured here (benchmarks/parallel/predict.py). Writes `--out`/parallel_trainer_groups_pp{pp}.json
 (every raw figure and one step's spans per engine) and .md; prints the table last.
 """
 
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
             print(f"group {k}: {', '.join(group)} done in {runs[-1]['wall_s']:.0f} s", flush=True)
             if not args.smoke:  # what has run stays if a later group does not finish
                 args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / f"trainer_groups_pp{args.pp}.partial.json").write_text(json.dumps(runs))
+                (args.out / f"parallel_trainer_groups_pp{args.pp}.partial.json").write_text(json.dumps(runs))
         references = [name for name in ("1f1b", "ps_1f1b") if name in layouts[0]]
         if references and len(layouts) > 1:  # the machine's drift between the first and the last launch
             runs.append(run_group(references, args, Path(tmp), "again"))
@@ -360,8 +360,8 @@ def main(argv=None) -> int:
     summary["versions"] = versions()
     markdown = render(summary)
     if not args.smoke:
-        report.write_traces(summary, args.out / f"trainer_groups_pp{args.pp}_traces")
-        write_results(f"trainer_groups_pp{args.pp}", summary, markdown, args.out)
+        report.write_traces(summary, args.out / f"parallel_trainer_groups_pp{args.pp}_traces")
+        write_results(f"parallel_trainer_groups_pp{args.pp}", summary, markdown, args.out)
     print(markdown)
     return 0
 

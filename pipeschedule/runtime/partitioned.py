@@ -6,22 +6,27 @@ stepping] in inprocess) with one CUDA stream per rank, each made on its own SM p
 (`sm_partitions`: CUDA green contexts). The driver makes a rank's stream current while it
 runs that rank, so every kernel of the rank (autograd's backward follows its forward's
 stream) runs on its partition: the ranks compute side by side as on pp GPUs, and one
-rank's idle partition is not lent to another, so its bubble shows. Messages follow the
-semantics of NCCL's batched point-to-point:
+rank's idle partition is not lent to another, so its bubble shows. A message follows the
+simulator's semantics ([Note: simulated semantics] in simulate/engine.py):
 
-- posting records an event on the poster's stream (its work before the batch);
-- when the send and the receive have both been posted, the copy is enqueued on the
-  receiver's stream after the sender's event (the receiver's stream is already past its
-  own post), and an event after the copy marks the message done;
-- a rank's batch completes on the host as soon as all its messages are matched (the host
-  never waits for the device), and its stream then waits for each message's done event,
-  so nothing later on either side reads or reuses the message's memory before the copy.
+- a send copies its tensor on the sender's stream at post (the sender may reuse or free
+  its own at once) and records an event after the copy;
+- once the send and its receive have both been posted, the copy into the receive buffer
+  is enqueued on the receiver's stream after that event (the receiver's host is held at
+  its batch until then, so nothing of its later work is ahead of the copy), and the
+  staged tensor is marked used by that stream (`record_stream`) so that the allocator
+  does not hand its memory out again before the copy has read it;
+- a batch completes on the host as soon as all its messages are matched, and no stream
+  waits for another's copy: the sender goes on at once, as under NCCL's own stream, and
+  the receiver's next work follows the copy on its stream.
 
-So the host enqueues each rank's work as fast as it can run the executors and the device
-sets the pace. Tensors allocated on one rank's stream are only read by that rank's work
-and by copies its stream waited for, which the caching allocator's per-stream reuse
-orders correctly. Without CUDA (or with ordinary streams) it is the same arithmetic, so
-the losses and gradients equal those of `InProcessPipeline`.
+So the host enqueues each rank's work as fast as it can run the executors, and the device
+sets the pace. Waiting for the copy on the sender's stream too (a rendezvous, as a
+blocking send) held each sender to its receiver's pace: measured on an H100 before this
+rule, ZB-V's rank 0 lost about one forward before each of its warm-up forwards, 24% over
+the simulated step (benchmarks/results/parallel_gpu_partitions.md). Without CUDA (or with
+ordinary streams) it is the same arithmetic, so the losses and gradients equal those of
+`InProcessPipeline`.
 """
 
 from __future__ import annotations
@@ -40,11 +45,11 @@ from pipeschedule.runtime.transport import P2P
 
 
 class _DeviceMessage(_Message):
-    __slots__ = ("posted", "copied")
+    __slots__ = ("staged", "posted")
 
-    def __init__(self, op: P2P, rank: int, posted: torch.cuda.Event):
+    def __init__(self, op: P2P, rank: int, staged: torch.Tensor | None, posted: torch.cuda.Event | None):
         super().__init__(op, rank)
-        self.posted, self.copied = posted, None
+        self.staged, self.posted = staged, posted
 
 
 class DeviceWorld(InProcessWorld):
@@ -55,23 +60,22 @@ class DeviceWorld(InProcessWorld):
         self.streams = list(streams)
 
     def message(self, op: P2P, rank: int) -> _DeviceMessage:
+        if not op.send:
+            return _DeviceMessage(op, rank, None, None)
+        stream = self.streams[rank]
+        with torch.cuda.stream(stream):
+            staged = op.tensor.detach().clone(memory_format=torch.contiguous_format)
         posted = torch.cuda.Event()
-        posted.record(self.streams[rank])
-        return _DeviceMessage(op, rank, posted)
+        posted.record(stream)
+        return _DeviceMessage(op, rank, staged, posted)
 
     def deliver(self, send: _DeviceMessage, recv: _DeviceMessage) -> None:
         stream = self.streams[recv.rank]
         stream.wait_event(send.posted)
         with torch.cuda.stream(stream):
-            recv.op.tensor.copy_(send.op.tensor)
-        copied = torch.cuda.Event()
-        copied.record(stream)
-        send.copied = recv.copied = copied
-
-    def finish(self, messages) -> None:
-        stream = torch.cuda.current_stream()
-        for message in messages:
-            stream.wait_event(message.copied)
+            recv.op.tensor.copy_(send.staged)
+        send.staged.record_stream(stream)
+        send.staged = send.posted = None
 
     def lane(self, rank: int):
         """The context in which rank `rank` runs: its stream current."""
