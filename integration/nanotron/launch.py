@@ -21,10 +21,11 @@ and torchrun adds its own (ChildFailedError, a table per rank, "Root Cause ... e
                    (the C++ warnings of a dying collective, say) goes to files there too
                    (torchrun's --redirects 2, unless its --redirects, --tee or --log-dir
                    is given); torchrun's own logs and table are silenced. The first rank
-                   to fail is named in one line, once: a rank killed by a signal (it could
-                   say nothing) before one that failed by itself, and among those the
-                   first to fail. Exit 1; the report folder is kept (removed after a run
-                   that ends well).
+                   to fail is named in one line, once: a rank killed from outside (it
+                   could say nothing) before one that failed by itself, and among those
+                   the first to fail; a rank ended by SIGTERM, torchrun's own way of
+                   stopping the others, only when no rank failed by itself. Exit 1; the
+                   report folder is kept (removed after a run that ends well).
 
 torchrun ends every rank within its monitor interval of the first failure (a rank killed
 mid-step included); relaunching with `checkpoints.resume_checkpoint_path` continues from
@@ -156,20 +157,32 @@ def _quiet_torchrun() -> dict[str, int]:
 
 def first_failure(failures: dict, report: str) -> str:
     """The one line of the rank that failed first ([Note: one launch]): `failures` torchrun's
-    {global rank: ProcessFailure}, `report` the folder the ranks wrote to."""
+    {global rank: ProcessFailure}, `report` the folder the ranks wrote to.
+
+    SIGTERM is torchrun's own stop signal: once one rank fails, torchrun ends the others with
+    it (and reports them among the failures), so a rank ended by SIGTERM without a word is
+    named only when no rank failed by itself. A rank killed by any other signal without a
+    word (SIGKILL: the OOM killer, kill -9) was killed from outside: named first."""
     said = {rank: _said(report, rank) for rank in failures}
-    killed = [rank for rank, failure in failures.items() if failure.exitcode < 0 and said[rank] is None]
-    if killed:
-        rank = min(killed)
-        name = signal.Signals(-failures[rank].exitcode).name
-        return (f"rank {rank} was killed by {name} (it could say nothing: killed from outside, or out of host "
-                f"memory); every rank was stopped")
+    silent = {rank: failure for rank, failure in failures.items() if failure.exitcode < 0 and said[rank] is None}
+    outside = [rank for rank, failure in silent.items() if -failure.exitcode != signal.SIGTERM]
+    if outside:
+        return _killed(min(outside), silent)
     speaking = sorted((entry["time"], rank) for rank, entry in said.items() if entry is not None)
     if speaking:
         rank = speaking[0][1]
         return f"rank {rank}: {said[rank]['line']}"
-    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
-    return f"rank {rank} ended with exit code {failure.exitcode} without saying why"
+    by_itself = {rank: failure for rank, failure in failures.items() if failure.exitcode > 0}
+    if by_itself:
+        rank, failure = min(by_itself.items(), key=lambda item: item[1].timestamp)
+        return f"rank {rank} ended with exit code {failure.exitcode} without saying why"
+    return _killed(min(silent), silent)
+
+
+def _killed(rank: int, silent: dict) -> str:
+    name = signal.Signals(-silent[rank].exitcode).name
+    return (f"rank {rank} was killed by {name} (it could say nothing: killed from outside, or out of host "
+            f"memory); every rank was stopped")
 
 
 def _said(report: str, rank: int) -> dict | None:

@@ -180,6 +180,15 @@ def test_the_first_failure_is_the_killed_rank_then_the_first_to_speak(tmp_path):
     assert first_failure({0: Failure(1), 2: Failure(1)}, str(tmp_path)) == "rank 2: ValueError: first"
     assert first_failure({3: Failure(1, 5), 4: Failure(7, 4)}, str(tmp_path)) == (
         "rank 4 ended with exit code 7 without saying why")
+    # SIGTERM is how torchrun stops the other ranks once one failed (and it lists them among
+    # the failures): the rank that failed by itself is named, whether it spoke or not
+    assert first_failure({5: Failure(-15), 2: Failure(1)}, str(tmp_path)) == "rank 2: ValueError: first"
+    assert first_failure({5: Failure(-15), 3: Failure(7)}, str(tmp_path)) == (
+        "rank 3 ended with exit code 7 without saying why")
+    assert first_failure({5: Failure(-15), 1: Failure(-9), 2: Failure(1)}, str(tmp_path)).startswith(
+        "rank 1 was killed by SIGKILL")
+    assert first_failure({5: Failure(-15), 4: Failure(-15)}, str(tmp_path)).startswith(  # nobody failed by itself
+        "rank 4 was killed by SIGTERM")
 
 
 def test_torchrun_options_pass_and_train_s_own_are_refused():
