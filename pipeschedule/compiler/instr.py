@@ -1,5 +1,5 @@
-"""Instructions: the op codes and `Instr`, one instruction of a rank's program, with
-its text form.
+"""Instructions: `Instr`, one instruction of a rank's program, with its text form. The
+op codes (`Op`) and what each op does are in effects.py ([Note: instruction effects]).
 
 Text form of one instruction (PyTorch style, extended so that it round-trips):
 
@@ -41,63 +41,23 @@ earlier one).
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from pipeschedule.checks import is_int, shown
+from pipeschedule.compiler.effects import (  # noqa: F401  (re-exported: an op and its row live in effects.py)
+    BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Op, edge_side,
+)
 from pipeschedule.errors import FormatError
-
-
-class Op(str, enum.Enum):
-    """Instruction kinds; the value is the short code used in the text form."""
-
-    F = "F"
-    B = "B"
-    W = "W"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-    FREE = "FREE"
-    OFFLOAD = "OFFLOAD"
-    RELOAD = "RELOAD"
-
-    def __str__(self) -> str:
-        return self.value
-
-    # Enum's own __hash__ is written in Python; instructions are hashed millions of times
-    # by the passes and the verifier, and a str enum hashes like its value anyway.
-    __hash__ = str.__hash__
-
-
-COMPUTE_OPS = frozenset({Op.F, Op.B, Op.W})
-SEND_OPS = frozenset({Op.SEND_F, Op.SEND_B})
-RECV_OPS = frozenset({Op.RECV_F, Op.RECV_B})
-COMM_OPS = SEND_OPS | RECV_OPS
-# Ops that name one buffer of (stage, mb): FREE releases it; OFFLOAD starts moving its
-# storage to host memory and RELOAD back to the device, both asynchronously (a use of the
-# buffer waits for the RELOAD to land).
-BUF_OPS = frozenset({Op.FREE, Op.OFFLOAD, Op.RELOAD})
-BUFFERS = ("act_in", "act_out", "stash", "grad_out", "grad_in")
-# The side of the edge `peer_stage` lies on ([Note: peer stage]): +1 after the stage, -1 before it.
-_LATER = frozenset({"SEND_F", "RECV_B", "act_out", "grad_out"})
-_EARLIER = frozenset({"RECV_F", "SEND_B", "act_in", "grad_in"})
-
-
-def edge_side(op: Op, buf: str | None) -> int:
-    """+1 where the instruction's peer stage comes after its stage, -1 before, 0 where it
-    names no edge (compute, the stash)."""
-    key = buf if op in BUF_OPS else op.value
-    return 1 if key in _LATER else -1 if key in _EARLIER else 0
 
 
 @dataclass(frozen=True, slots=True)
 class Instr:
     """One instruction of a rank's program.
 
-    `peer` is set exactly for communication ops, `buf` exactly for FREE, OFFLOAD, RELOAD;
+    `peer` is set exactly for communication ops, `buf` exactly for the ops that name a
+    buffer (FREE, OFFLOAD, RELOAD: `BUF_OPS`, [Note: instruction effects]);
     `peer_stage` may be set where the instruction belongs to an edge, and is None for the
     neighbour stage ([Note: peer stage]).
     """
@@ -230,6 +190,8 @@ class _UncheckedInstr:
 make_instr = _UncheckedInstr
 
 
+# Every op's code, the longest first (SEND_F before F): an op's text form comes with its member of `Op`.
+_OPS = "|".join(sorted((op.value for op in Op), key=len, reverse=True))
 _TOKEN = re.compile(
-    r"^([0-9]{1,18})(SEND_F|RECV_F|SEND_B|RECV_B|FREE|OFFLOAD|RELOAD|F|B|W)([0-9]{1,18})(?:@([0-9]{1,18}))?(?:([<>])([0-9]{1,18}))?(?::([a-z_]+))?$"
+    rf"^([0-9]{{1,18}})({_OPS})([0-9]{{1,18}})(?:@([0-9]{{1,18}}))?(?:([<>])([0-9]{{1,18}}))?(?::([a-z_]+))?$"
 )

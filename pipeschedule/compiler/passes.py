@@ -15,11 +15,13 @@ from bisect import bisect_left
 from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.timing import asap_packed, durations_of, stage_times
+from pipeschedule.compiler.effects import (
+    EFFECTS, HANDED, LOADER, SEND, SEND_OPS, SIDE, covered_ops, first_reader, keys_of, received_by,
+)
 from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Op, Schedule, edge_end
 from pipeschedule.compiler.program import Program, Template, Templates, packed
 
-F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
-SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+FREE = Op.FREE
 
 
 # [Note: message placement] The compute order is first timed as soon as possible
@@ -99,42 +101,35 @@ class _Lowering:
         self.send_free: dict[int, int] = {}  # a send's template id -> its FREE's (that of its edge's buffer)
         self.frees = frees
         if frees:
+            ops = covered_ops(schedule)
+            self.read = {role for op in ops for role in EFFECTS[op].reads}  # buffer kinds some compute reads
+            self.last = {role: op for op in ops for role in EFFECTS[op].reads}  # ... and the last that reads each
             for k, t in enumerate(templates):
                 self.after[k] = self._frees_after(t)
 
     def _frees_after(self, t: Template) -> tuple[int, ...]:
         """add_frees' FREEs right after an instruction of template `t` (none after
-        communication: those go after its run)."""
+        communication: those go after its run): each buffer it reads that no later compute
+        of the order reads (B: act_in, grad_out, and the stash unless W follows; W: the
+        stash; F of a forward-only schedule: act_in), then each it makes that nothing reads
+        (F of a forward-only schedule: the stash), from its row ([Note: instruction
+        effects] in effects.py). A send's buffer goes after the send's run."""
         schedule, free = self.schedule, self.table.id
-        if t.op is F and schedule.forward_only:  # nothing is kept for a backward
-            return (*self._act_in_frees(t.stage), free(FREE, t.stage, None, "stash"))
-        if t.op is B:
-            out = list(self._act_in_frees(t.stage))
-            if not schedule.split_backward:  # else W frees the stash
-                out.append(free(FREE, t.stage, None, "stash"))
-            out += [free(FREE, t.stage, None, "grad_out", edge_end(t.stage, c)) for c in self._consumers(t.stage)]
-            return tuple(out)
-        if t.op is W:
-            return (free(FREE, t.stage, None, "stash"),)
-        if t.op is SEND_F or t.op is SEND_B:
-            self.send_free[self.table.id(*t)] = free(FREE, t.stage, None, "act_out" if t.op is SEND_F else "grad_in",
-                                                     t.peer_stage)
-        return ()
-
-    def _act_in_frees(self, stage: int) -> list[int]:
-        """The FREEs of a stage's act_in: one per producer ([Note: buffers]), stage 0's one."""
-        producers = self._producers(stage)
-        return [self.table.id(FREE, stage, None, "act_in", edge_end(stage, p)) for p in producers] or \
-            [self.table.id(FREE, stage, None, "act_in")]
-
-    def _producers(self, stage: int) -> tuple[int, ...]:
-        """The stage's producers, () for a stage past the last (a template no program uses)."""
-        graph = self.schedule.graph
-        return graph.producers[stage] if stage < graph.num_stages else ()
-
-    def _consumers(self, stage: int) -> tuple[int, ...]:
-        graph = self.schedule.graph
-        return graph.consumers[stage] if stage < graph.num_stages else ()
+        row = EFFECTS[t.op]
+        if t.stage >= schedule.num_stages:  # a template no program uses
+            return ()
+        if row.kind == SEND:
+            self.send_free[self.table.id(*t)] = free(FREE, t.stage, None, row.buffer, t.peer_stage)
+            return ()
+        if row.kind != "compute":
+            return ()
+        keys = keys_of(schedule, t.op, t.stage)
+        out = [free(FREE, s, None, kind, other) for kind, s, other in keys.reads if self.last.get(kind) is t.op]
+        unread = [role for role in row.makes if role not in HANDED and role != LOADER and role not in self.read]
+        if unread:
+            out += [free(FREE, s, None, kind, other) for kind, s, other in keys_of(schedule, t.op, t.stage).makes
+                    if kind in unread]
+        return tuple(out)
 
     def place(self, cost) -> list:
         """gaps[r][pc] of `add_communication` for the compute order: every message in the
@@ -207,34 +202,34 @@ class _Lowering:
         id of the FREE after the send's run (None where the pass adds no FREEs), that
         rank, its place among the template's messages, the template's next message or
         None): a template's messages as a chain of tuples, so that the common case, one
-        message, costs the loop in `_send_and_due` no list. The consumer of F(s)'s
-        message to stage t is F(t); of B(t)'s to stage s, B(s)."""
+        message, costs the loop in `_send_and_due` no list. A compute sends each buffer
+        it makes of a sent kind ([Note: instruction effects] in effects.py) to every stage on
+        that kind's side on another rank, whose first compute to read it is the consumer:
+        F(s)'s act_out to stage t is read by F(t), B(t)'s grad_in to stage s by B(s)."""
         schedule, table = self.schedule, self.table
         placement = schedule.placement
+        sent = self._sent_kinds()
         kinds: list = []
         for t in list(table.list):
             s = t.stage
-            if s >= schedule.num_stages:  # a template no program uses (`_timed` refused any other)
-                kinds.append(None)
-                continue
-            if t.op is F:
-                others, cost, ops, buf, consumer = schedule.remote_consumers(s), durations.forward[s], \
-                    (SEND_F, RECV_F), "act_out", F
-            elif t.op is B:
-                others, cost, ops, buf, consumer = schedule.remote_producers(s), durations.backward[s], \
-                    (SEND_B, RECV_B), "grad_in", B
-            else:
-                others = ()
-            if not others:
+            row = EFFECTS[t.op]
+            if s >= schedule.num_stages or row.kind != "compute":  # (a template no program uses: `_timed`)
                 kinds.append(None)
                 continue
             messages = []
-            for place, other in enumerate(others):
-                peer, here, there = placement[other], edge_end(s, other), edge_end(other, s)
-                free = table.id(FREE, s, None, buf, here) if self.frees else None
-                messages.append((peer, (consumer, other), cost, table.id(ops[0], s, peer, None, here),
-                                 table.id(ops[1], other, placement[s], None, there), free, placement[s], place))
-            kinds.append(messages)
+            for role in row.makes:
+                if role not in sent:
+                    continue
+                send, receive, consumer = sent[role]
+                others = schedule.remote_producers(s) if SIDE[role] < 0 else schedule.remote_consumers(s)
+                cost = getattr(durations, row.time)[s]
+                for other in others:
+                    peer, here, there = placement[other], edge_end(s, other), edge_end(other, s)
+                    free = table.id(FREE, s, None, role, here) if self.frees else None
+                    messages.append((peer, (consumer, other), cost, table.id(send, s, peer, None, here),
+                                     table.id(receive, other, placement[s], None, there), free, placement[s],
+                                     len(messages)))
+            kinds.append(messages or None)
         consumers = self._consumer_pcs({kind[1] for messages in kinds if messages for kind in messages})
         out = []
         for messages in kinds:  # each as a chain of its messages: (..., place, the next one or None)
@@ -242,6 +237,18 @@ class _Lowering:
             for kind in reversed(messages or ()):
                 chained = (kind[0], consumers[kind[1]], *kind[2:], chained)
             out.append(chained)
+        return out
+
+    def _sent_kinds(self) -> dict:
+        """Per buffer kind a compute sends (act_out, grad_in): its send op, the receive op
+        of the kind it arrives as, and the compute that first reads that one."""
+        ops = covered_ops(self.schedule)
+        out = {}
+        for role, arrives in HANDED.items():
+            send = next((op for op in SEND_OPS if EFFECTS[op].buffer == role), None)
+            consumer = next((op for op in ops if first_reader(op, arrives, ops)), None)
+            if send is not None and consumer is not None:
+                out[role] = (send, received_by(arrives), consumer)
         return out
 
     def _consumer_pcs(self, wanted: set) -> dict:
@@ -336,6 +343,7 @@ def add_frees(schedule: Schedule, *, cost=None) -> Schedule:
 
 
 PASSES = (add_communication, add_frees)
+_FORWARD_COMPUTES = frozenset(op for op in COMPUTE_OPS if EFFECTS[op].phase == "forward")  # F
 
 
 @gc_paused
@@ -353,7 +361,7 @@ def forward_only(schedule: Schedule, *, cost=None) -> Schedule:
     and a joined batch can wait on a partner that waits on it (rule 4); placing them on
     the forward order alone keeps the proof of [Note: message placement], whose only
     premise, an acyclic compute order, holds for any part of an acyclic one."""
-    forwards = tuple(tuple(i for i in program if i.op is F) for program in schedule.programs)
+    forwards = tuple(tuple(i for i in program if i.op in _FORWARD_COMPUTES) for program in schedule.programs)
     order = Schedule(schedule.name, schedule.pp, schedule.virtual, schedule.microbatches, schedule.placement,
                      forwards, dict(schedule.params), forward_only=True, edges=schedule.edges)
     return lower(order, cost)

@@ -35,13 +35,16 @@ from __future__ import annotations
 from pipeschedule.compiler.gcpause import gc_paused
 
 from pipeschedule.errors import ScheduleError
-from pipeschedule.compiler.ir import BUFFERS, Instr, Op, Schedule, edge_end
-from pipeschedule.compiler.walk import message_edge, needed_per_microbatch, passes
+from pipeschedule.compiler.effects import (
+    BACKWARD, COMM_OPS, COVERED, EFFECTS, SEND, SEND_OPS, SIDE, Op, allowed, covered_ops, first_reader, handed_by,
+    keys_of, maker_of, received_by,
+)
+from pipeschedule.compiler.ir import BUFFERS, Instr, Schedule, edge_end
+from pipeschedule.compiler.walk import message_edge, needed_per_microbatch, passes, recorded_ops
 
-# Plain names for the ops: enum attribute lookups dominate loops over a million steps.
-F, B, W, FREE = Op.F, Op.B, Op.W, Op.FREE
-OFFLOAD, RELOAD = Op.OFFLOAD, Op.RELOAD
-SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+# What each rule reads of the rows ([Note: instruction effects] in effects.py), by op.
+_INFLIGHT = {op: row.inflight for op, row in EFFECTS.items()}  # rule 6
+_GRADIENT = {op: row.phase == BACKWARD for op, row in EFFECTS.items()}  # a message's tensor: [Note: tensor ints]
 
 def grid(schedule: Schedule, rank: int, index: int, window: int = 4) -> str:
     """The steps around `index` of every rank, one column per rank, the bad cell marked."""
@@ -84,9 +87,14 @@ def check_coverage(schedule: Schedule) -> None:
     backward), in the order F, B, W; communication names a peer in range, not itself.
     A forward-only schedule: exactly one F, and no B, W, SEND_B or RECV_B
     ([Note: forward-only schedules])."""
-    S, m, pp, split = schedule.num_stages, schedule.microbatches, schedule.pp, schedule.split_backward
+    S, m, pp = schedule.num_stages, schedule.microbatches, schedule.pp
     placement = schedule.placement
     forward_only = schedule.forward_only
+    ops = covered_ops(schedule)
+    previous = {op: ops[k - 1] if k else None for k, op in enumerate(ops)}  # a compute -> the one it follows
+    for op, row in EFFECTS.items():  # one of the order the schedule does not have (W without a split): once
+        if row.order is not None and op not in previous:
+            previous[op] = None
     for rank, program in enumerate(schedule.programs):
         seen: dict[tuple[Op, int, int], int] = {}
         for index, i in enumerate(program):
@@ -99,24 +107,25 @@ def check_coverage(schedule: Schedule) -> None:
             peer = i.peer
             if peer is not None and (peer >= pp or peer == rank):
                 raise _fail(schedule, "coverage", rank, index, f"peer {peer} is not another rank in 0..{pp - 1}")
-            if forward_only and (op is B or op is W or op is SEND_B or op is RECV_B):
+            if forward_only and not allowed(schedule, op):
+                accepted = ", ".join(o.value for o in Op if allowed(schedule, o))
                 raise _fail(schedule, "coverage", rank, index,
                             f"{op.value} of (stage {stage}, mb {mb}) in a forward-only schedule, which runs no "
-                            "backward (accepted: F, SEND_F, RECV_F, FREE, OFFLOAD, RELOAD)")
-            if op is F or op is B or op is W:
+                            f"backward (accepted: {accepted})")
+            before = previous.get(op, False)
+            if before is not False:  # a compute of the order: [Note: instruction effects]
                 key = (op, stage, mb)
                 if key in seen:
                     raise _fail(schedule, "coverage", rank, index,
                                 f"second {op.value} of (stage {stage}, mb {mb}); the first is at step {seen[key]}")
                 seen[key] = index
-                if op is B and (F, stage, mb) not in seen:
-                    raise _fail(schedule, "coverage", rank, index, f"B of (stage {stage}, mb {mb}) before its F")
-                if op is W and (B, stage, mb) not in seen:
-                    raise _fail(schedule, "coverage", rank, index, f"W of (stage {stage}, mb {mb}) before its B")
-        ops = (F,) if forward_only else (F, B, W) if split else (F, B)
+                if before is not None and (before, stage, mb) not in seen:
+                    raise _fail(schedule, "coverage", rank, index,
+                                f"{op.value} of (stage {stage}, mb {mb}) before its {before.value}")
         stages = schedule.stages_of(rank)
         # Every key of `seen` is one of the len(ops) * len(stages) * m wanted (checked
-        # above, and a W anywhere makes the schedule split), each once: when the counts
+        # above, a B in a forward-only schedule refused, and a W anywhere makes the
+        # schedule split), each once: when the counts
         # agree nothing is missing, and the search below for what is can be skipped.
         if len(seen) == len(ops) * len(stages) * m:
             continue
@@ -139,30 +148,28 @@ def check_dependencies(schedule: Schedule) -> None:
     the liveness of act_out and grad_in, checked by check_liveness.) A forward-only
     schedule has only the forward half of this ([Note: forward-only schedules])."""
     S, placement, graph = schedule.num_stages, schedule.placement, schedule.graph
-    # For each stage: what its F and its B wait for, as keys without the mb: (op, stage, peer_stage).
-    f_needs = [tuple((RECV_F, t, edge_end(t, s)) if placement[s] != placement[t] else (F, s, None)
-                     for s in graph.producers[t]) for t in range(S)]
-    b_needs = [tuple((RECV_B, s, edge_end(s, t)) if placement[s] != placement[t] else (B, t, None)
-                     for t in graph.consumers[s]) for s in range(S)]
+    # For each recorded compute and stage: what it waits for, (op, stage, peer_stage, what
+    # arrives) with the keys without the mb ([Note: instruction effects]).
+    recorded = recorded_ops(schedule)
+    needs = {op: [_needs(schedule, op, s) for s in range(S)] for op in recorded}
     for rank, program in enumerate(schedule.programs):
         done: set[tuple] = set()  # (op, stage, mb, peer_stage)
         add = done.add
         for index, i in enumerate(program):
             op = i.op
-            if op is FREE or op is W:
-                continue  # nothing below waits for them (W's place is rule 1's business)
+            message = op in COMM_OPS
+            if not message and op not in needs:
+                continue  # nothing below waits for it (W's place is rule 1's business; FREE, copies: no message)
             s, mb = i.stage, i.mb
-            if op is F or op is B:
-                for need, stage, other in (f_needs if op is F else b_needs)[s]:
+            if not message:
+                for need, stage, other, what in needs[op][s]:
                     if (need, stage, mb, other) not in done:
-                        what = "its input arrives" if op is F else "its output gradient arrives"
-                        edge = "" if other is None else f" {'from' if op is F else 'for'} stage {other}"
+                        arrives, side = _ARRIVES[what]
+                        edge = "" if other is None else f" {side} stage {other}"
                         raise _fail(schedule, "dependency", rank, index,
-                                    f"{op.value}(stage {s}, mb {mb}) runs before {what}: no {need.value} of (stage "
+                                    f"{op.value}(stage {s}, mb {mb}) runs before {arrives}: no {need.value} of (stage "
                                     f"{stage}, mb {mb}){edge} earlier on rank {rank}")
             else:
-                if op is OFFLOAD or op is RELOAD:
-                    continue  # moves between device and host: no data dependency, no message
                 edge, other = message_edge(i)
                 if not 0 <= other < S or edge not in graph.index or placement[other] == rank:
                     raise _fail(schedule, "dependency", rank, index, _no_edge(schedule, i, edge, other))
@@ -187,9 +194,9 @@ def check_dependencies(schedule: Schedule) -> None:
         if len(done) == needed_per_microbatch(schedule, stages) * schedule.microbatches:
             continue
         for s in stages:
-            sends = [(SEND_F, t) for t in schedule.remote_consumers(s)]
-            if not schedule.forward_only:
-                sends += [(SEND_B, p) for p in schedule.remote_producers(s)]
+            sends = [(op, other) for op in sorted(SEND_OPS) if allowed(schedule, op)
+                     for other in (schedule.remote_producers(s) if SIDE[EFFECTS[op].buffer] < 0
+                                   else schedule.remote_consumers(s))]
             for op, other in sends:
                 for mb in range(schedule.microbatches):
                     if (op, s, mb, edge_end(s, other)) not in done:
@@ -197,6 +204,29 @@ def check_dependencies(schedule: Schedule) -> None:
                         raise _fail(schedule, "dependency", rank, len(program),
                                     f"no {op.value} of (stage {s}, mb {mb}){edge}: its consumer on another rank never "
                                     "gets it")
+
+
+# What a compute waits for by the kind of buffer it reads: what arrives, and how an edge is named.
+_ARRIVES = {"act_in": ("its input arrives", "from"), "grad_out": ("its output gradient arrives", "for")}
+
+
+def _needs(schedule: Schedule, op: Op, s: int) -> tuple:
+    """What compute `op` of stage s waits for (rule 2): for each buffer it reads first among
+    the computes of the order that arrives over an edge (act_in, grad_out), the receive of
+    it from another rank or the compute of the stage at the other end that hands it over
+    on this one; each as (op, stage, peer_stage, kind), without the mb."""
+    out = []
+    ops = covered_ops(schedule)
+    for kind, stage, other in keys_of(schedule, op, s).reads:
+        if kind not in _ARRIVES or not first_reader(op, kind, ops) or other is None and not (
+                0 <= stage + SIDE[kind] < schedule.num_stages):
+            continue  # not an edge's (the data loader's act_in), or read first by an earlier compute
+        end = stage + SIDE[kind] if other is None else other
+        if schedule.placement[end] != schedule.placement[stage]:
+            out.append((received_by(kind), stage, other, kind))
+        else:
+            out.append((handed_by(kind), end, None, kind))
+    return tuple(out)
 
 
 def _edge_text(i: Instr) -> str:
@@ -241,7 +271,7 @@ def _communication(schedule: Schedule):
         run_start = run_end = batch = -1  # the current run of communication steps: [run_start, run_end)
         for index, i in enumerate(program):
             op = i.op
-            if op is not SEND_F and op is not SEND_B and op is not RECV_F and op is not RECV_B:
+            if op not in COMM_OPS:
                 continue
             if index != run_end:  # not right after the previous comm step: a new batch
                 if run_end >= 0:
@@ -250,8 +280,8 @@ def _communication(schedule: Schedule):
                 mine.append(batch)
             run_end = index + 1
             (a, b), _ = message_edge(i)
-            tensor = (((a * S + b) * m + i.mb) << 1) | (op is SEND_B or op is RECV_B)  # [Note: tensor ints]
-            if op is SEND_F or op is SEND_B:
+            tensor = (((a * S + b) * m + i.mb) << 1) | _GRADIENT[op]  # [Note: tensor ints]
+            if op in SEND_OPS:
                 tensors, at = sends.setdefault((rank, i.peer), ([], []))
             else:
                 tensors, at = recvs.setdefault((i.peer, rank), ([], []))
@@ -265,7 +295,7 @@ def _communication(schedule: Schedule):
 
 def _step_of_message(schedule: Schedule, rank: int, peer: int, sending: bool, k: int) -> int:
     """The step of rank's k-th send to `peer` (or k-th receive from it)."""
-    ops = (SEND_F, SEND_B) if sending else (RECV_F, RECV_B)
+    ops = SEND_OPS if sending else COMM_OPS - SEND_OPS
     steps = [index for index, i in enumerate(schedule.programs[rank]) if i.op in ops and i.peer == peer]
     return steps[k]
 
@@ -387,13 +417,15 @@ def check_liveness(schedule: Schedule) -> None:
     like FREE they end a run of communication (so a pass must not put them inside one,
     which would split its batch).
 
-    Each instruction produces its buffers, then uses its inputs, in the order of
-    [Note: buffers] (`_LIVENESS_STEPS`); the first failing check names the error.
+    Each instruction produces its buffers, then uses its inputs, then frees, then moves,
+    as its op's row says ([Note: instruction effects] in effects.py: `_liveness_step`);
+    the first failing check names the error.
     """
+    resolved: dict = {}  # what each instruction does to buffers, by its (op, stage, peer_stage, buf)
     for rank, program in enumerate(schedule.programs):
         buffers = _RankBuffers(schedule, rank)
         for index, i in enumerate(program):
-            _LIVENESS_STEPS[i.op](buffers, index, i, (i.stage, i.mb, i.peer_stage))
+            _liveness_step(buffers, index, i, resolved)
         leak = buffers.first_leak()
         if leak is not None:
             raise leak
@@ -428,7 +460,7 @@ class _RankBuffers:
         self.host = -(len(schedule.programs[rank]) + 1)  # states <= host: on the host
         self.frees = 0
 
-    def error(self, index: int, buf: str, key, what: str) -> ScheduleError:
+    def error(self, index: int, buf: str, key, what: str, op: Op | None = None) -> ScheduleError:
         state, host = self.states[buf].get(key), self.host
         if state is None:
             where = "never produced"
@@ -438,7 +470,8 @@ class _RankBuffers:
             where = f"freed at step {~state}"
         else:
             where = f"on the device (produced or reloaded at step {state})"
-        send, producer = ("SEND_F", "F") if buf == "act_out" else ("SEND_B", "B")
+        maker = maker_of(buf, COVERED)
+        send, producer = (op.value if op is not None else "", maker.value if maker is not None else "")
         message = _LIVENESS_MESSAGES[what].format(
             buf=buf, s=key[0], mb=key[1], edge=buffer_edge(buf, key[0], key[2]), where=where, send=send,
             producer=producer,
@@ -451,30 +484,30 @@ class _RankBuffers:
             raise self.error(index, buf, key, "twice")
         self.states[buf][key] = index
 
-    def use(self, index: int, buf: str, key, unknown: str = "use") -> None:
+    def use(self, index: int, buf: str, key, unknown: str = "use", op: Op | None = None) -> None:
         """A read of the buffer; `unknown` names the error when it was never produced."""
         state = self.states[buf].get(key)
         if state is None or state < 0:
-            raise self.error(index, buf, key, unknown if state is None else "use")
+            raise self.error(index, buf, key, unknown if state is None else "use", op)
 
-    def release(self, index: int, i: Instr, key) -> None:  # FREE: either copy may go
-        state = self.states[i.buf].get(key)
+    def release(self, index: int, buf: str, key) -> None:  # FREE: either copy may go
+        state = self.states[buf].get(key)
         if state is None or self.host < state < 0:
-            raise self.error(index, i.buf, key, "free")
-        self.states[i.buf][key] = ~index
+            raise self.error(index, buf, key, "free")
+        self.states[buf][key] = ~index
         self.frees += 1
 
-    def offload(self, index: int, i: Instr, key) -> None:
-        state = self.states[i.buf].get(key)
+    def offload(self, index: int, buf: str, key) -> None:
+        state = self.states[buf].get(key)
         if state is None or state < 0:
-            raise self.error(index, i.buf, key, "offload")
-        self.states[i.buf][key] = self.host - index
+            raise self.error(index, buf, key, "offload")
+        self.states[buf][key] = self.host - index
 
-    def reload(self, index: int, i: Instr, key) -> None:
-        state = self.states[i.buf].get(key)
+    def reload(self, index: int, buf: str, key) -> None:
+        state = self.states[buf].get(key)
         if state is None or state > self.host:
-            raise self.error(index, i.buf, key, "reload")
-        self.states[i.buf][key] = index
+            raise self.error(index, buf, key, "reload")
+        self.states[buf][key] = index
 
     def first_leak(self) -> ScheduleError | None:
         """The first buffer never freed, in program order (the buffers one instruction
@@ -492,58 +525,32 @@ class _RankBuffers:
                      f"{buf} of (stage {s}, mb {mb}){buffer_edge(buf, s, other)} is never freed{where} (a leak)")
 
 
-def _liveness_forward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
-    """F produces its stash, the data loader's act_in on stage 0, and for each consumer
-    its act_out (sent) or the consumer's act_in (a local hand-off); then reads its act_in
-    (each producer's)."""
-    schedule, s, mb = buffers.schedule, key[0], key[1]
-    graph, placement = schedule.graph, schedule.placement
-    buffers.produce(index, "stash", key)
-    if s == 0:
-        buffers.produce(index, "act_in", key)
-    for t in graph.consumers[s]:
-        if placement[t] != placement[s]:
-            buffers.produce(index, "act_out", (s, mb, edge_end(s, t)))
-        else:
-            buffers.produce(index, "act_in", (t, mb, edge_end(t, s)))
-    for p in graph.producers[s]:
-        buffers.use(index, "act_in", (s, mb, edge_end(s, p)))
-    if s == 0:
-        buffers.use(index, "act_in", key)
-
-
-def _liveness_backward(buffers: _RankBuffers, index: int, i: Instr, key) -> None:
-    """B produces for each producer its grad_in (sent) or the producer's grad_out (a local
-    hand-off); then reads its act_in (each producer's), stash and grad_out (each
-    consumer's; none on the last stage: the loss is there)."""
-    schedule, s, mb = buffers.schedule, key[0], key[1]
-    graph, placement = schedule.graph, schedule.placement
-    for p in graph.producers[s]:
-        if placement[p] != placement[s]:
-            buffers.produce(index, "grad_in", (s, mb, edge_end(s, p)))
-        else:
-            buffers.produce(index, "grad_out", (p, mb, edge_end(p, s)))
-    for p in graph.producers[s]:
-        buffers.use(index, "act_in", (s, mb, edge_end(s, p)))
-    if s == 0:
-        buffers.use(index, "act_in", key)
-    buffers.use(index, "stash", key)
-    for t in graph.consumers[s]:
-        buffers.use(index, "grad_out", (s, mb, edge_end(s, t)))
-
-
-_LIVENESS_STEPS = {
-    Op.F: _liveness_forward,
-    Op.B: _liveness_backward,
-    Op.W: lambda buffers, index, i, key: buffers.use(index, "stash", key),
-    Op.RECV_F: lambda buffers, index, i, key: buffers.produce(index, "act_in", key),
-    Op.RECV_B: lambda buffers, index, i, key: buffers.produce(index, "grad_out", key),
-    Op.SEND_F: lambda buffers, index, i, key: buffers.use(index, "act_out", key, unknown="early"),
-    Op.SEND_B: lambda buffers, index, i, key: buffers.use(index, "grad_in", key, unknown="early"),
-    Op.FREE: _RankBuffers.release,
-    Op.OFFLOAD: _RankBuffers.offload,
-    Op.RELOAD: _RankBuffers.reload,
-}
+def _liveness_step(buffers: _RankBuffers, index: int, i: Instr, resolved: dict) -> None:
+    """What instruction i does to buffers, checked: it makes, reads, frees and moves the
+    buffers its op's row names ([Note: instruction effects] in effects.py), in that order.
+    F makes its stash, the data loader's act_in on stage 0, and for each consumer its
+    act_out (sent) or the consumer's act_in (a local hand-off), then reads its act_in
+    (each producer's); B makes for each producer its grad_in (sent) or the producer's
+    grad_out (a local hand-off), then reads its act_in, stash and grad_out (each
+    consumer's; none on the last stage: the loss is there); a send reads its buffer, a
+    receive makes it; FREE releases, OFFLOAD and RELOAD move the buffer they name.
+    `resolved` keeps the keys per (op, stage, peer_stage, buf)."""
+    op, mb = i.op, i.mb
+    found = resolved.get((op, i.stage, i.peer_stage, i.buf))
+    if found is None:
+        found = resolved[op, i.stage, i.peer_stage, i.buf] = keys_of(buffers.schedule, op, i.stage, i.peer_stage,
+                                                                     i.buf)
+    makes, reads, frees, moves = found
+    for buf, s, other in makes:
+        buffers.produce(index, buf, (s, mb, other))
+    unknown = "early" if EFFECTS[op].kind == SEND else "use"  # a send before the compute that makes its buffer
+    for buf, s, other in reads:
+        buffers.use(index, buf, (s, mb, other), unknown, op)
+    for buf, s, other in frees:
+        buffers.release(index, buf, (s, mb, other))
+    for buf, s, other in moves:
+        move = buffers.offload if EFFECTS[op].moves_to == "host" else buffers.reload
+        move(index, buf, (s, mb, other))
 
 
 # -- rule 6: caps ----------------------------------------------------------------------
@@ -559,13 +566,12 @@ def check_caps(schedule: Schedule) -> None:
     for rank, program in enumerate(schedule.programs):
         inflight = 0
         for index, i in enumerate(program):
-            if i.op is F:
-                inflight += 1
+            step = _INFLIGHT[i.op]  # [Note: instruction effects]: +1 for F, -1 for B
+            if step:
+                inflight += step
                 if inflight > caps[rank]:
                     raise _fail(schedule, "cap", rank, index,
                                 f"{inflight} microbatch-stages in flight, cap is {caps[rank]}")
-            elif i.op is B:
-                inflight -= 1
 
 
 RULES = (check_coverage, check_dependencies, check_matching, check_deadlock, check_liveness, check_caps)

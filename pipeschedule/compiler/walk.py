@@ -57,38 +57,53 @@ schedule is left to the separate rules (False): evaluation schedules are small a
 
 from __future__ import annotations
 
-from pipeschedule.compiler.instr import BUFFERS, Op
-from pipeschedule.compiler.ir import Schedule, edge_end
+from pipeschedule.compiler.effects import (
+    BACKWARD, COMM_OPS, COPY, COVERED, EFFECTS, HANDED, INSTANT, NAMED, SEND, SIDE, allowed, covered_ops, keys_of,
+)
+from pipeschedule.compiler.instr import BUFFERS
+from pipeschedule.compiler.ir import Schedule
 from pipeschedule.compiler.program import Template, packed, used_ids
 from pipeschedule.errors import FormatError
 
-F, B, W, FREE, OFFLOAD, RELOAD = Op.F, Op.B, Op.W, Op.FREE, Op.OFFLOAD, Op.RELOAD
-SEND_F, RECV_F, SEND_B, RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
-
-# What the walk does with an instruction, by its template: messages last (`>= _SEND`).
-_FREE, _COMPUTE, _OFFLOAD, _RELOAD, _SEND, _RECV = range(6)
-_BUFFER_ACTS = {FREE: _FREE, OFFLOAD: _OFFLOAD, RELOAD: _RELOAD}
-# A message's buffer, its neighbour stage (+1 or -1) and whether it sends.
-_MESSAGES = {SEND_F: ("act_out", 1, True), RECV_B: ("grad_out", 1, False),
-             RECV_F: ("act_in", -1, False), SEND_B: ("grad_in", -1, True)}
+# What the walk does with an instruction, by its template's row ([Note: instruction
+# effects] in effects.py): messages last (`>= _SEND`). _COMPUTE: a compute that frees
+# nothing (F, B, W); _USE: any other op that makes, reads or frees buffers, checked the
+# same way, but slower; _FREE: an op that frees its named buffer and does nothing else.
+_FREE, _COMPUTE, _USE, _OFFLOAD, _RELOAD, _SEND, _RECV = range(7)
 
 
 def message_edge(i) -> tuple[tuple[int, int], int]:
     """(the edge (producer, consumer) message `i` (an Instr or a Template) travels on, the
     stage at its other end): its `peer_stage`, or the neighbour ([Note: peer stage])."""
-    step = _MESSAGES[i.op][1]
+    step = SIDE[EFFECTS[i.op].buffer]
     other = i.stage + step if i.peer_stage is None else i.peer_stage
     return ((i.stage, other) if step == 1 else (other, i.stage)), other
 
 
+def recorded_ops(schedule: Schedule) -> tuple:
+    """The computes check_dependencies records, those a compute of another stage may wait
+    for: each covered compute that hands a buffer over (F, B; [Note: instruction effects])."""
+    return tuple(op for op in covered_ops(schedule) if any(role in HANDED for role in EFFECTS[op].makes))
+
+
+def messages_per_microbatch(schedule: Schedule, stages) -> int:
+    """The messages a rank running `stages` sends and receives per microbatch: one of each
+    message op the schedule may hold per edge across ranks on its buffer's side (two per
+    edge in training, one in a forward-only schedule)."""
+    total = 0
+    for op in sorted(COMM_OPS):
+        if allowed(schedule, op):
+            side = SIDE[EFFECTS[op].buffer]
+            total += sum(len(schedule.remote_producers(s) if side < 0 else schedule.remote_consumers(s))
+                         for s in stages)
+    return total
+
+
 def needed_per_microbatch(schedule: Schedule, stages) -> int:
     """How many of F, B and transfers (what check_dependencies records) a rank running
-    `stages` has per microbatch: F and B of each stage, and each stage's messages (two
-    per edge to another rank, one in a forward-only schedule)."""
-    remote = sum(len(schedule.remote_producers(s)) + len(schedule.remote_consumers(s)) for s in stages)
-    if schedule.forward_only:
-        return len(stages) + remote
-    return 2 * len(stages) + 2 * remote
+    `stages` has per microbatch: the recorded computes of each stage (`recorded_ops`), and
+    each stage's messages (`messages_per_microbatch`)."""
+    return len(recorded_ops(schedule)) * len(stages) + messages_per_microbatch(schedule, stages)
 
 
 def passes(schedule: Schedule) -> bool:
@@ -136,7 +151,7 @@ class _Walk:
         longest = max(map(len, self.ids))
         self.never, self.host = -(longest + 1), -(longest + 2)
         self.states: dict = {buf: {} for buf in BUFFERS}  # [buf][stage, peer_stage] -> the states by mb
-        self.done = {op: [[False] * m for _ in range(S)] for op in (F, B, W)}
+        self.done = {op: [[False] * m for _ in range(S)] for op in COVERED}
         self.channels: dict[tuple[int, int], tuple[list, list]] = {}  # (src, dst) -> tensors sent, received
         self.owner, self.act, self.arg = [], [], []
         for t in self.templates:
@@ -166,19 +181,35 @@ class _Walk:
 
     def _template(self, t: Template) -> tuple:
         """(the rank where instructions of `t` may run, or -1 for none; what they do;
-        with which tables)."""
-        schedule, done = self.schedule, self.done
-        S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
-        s = t.stage
-        if s >= S:
+        with which tables), from its row ([Note: instruction effects])."""
+        schedule = self.schedule
+        s, row = t.stage, EFFECTS[t.op]
+        if s >= schedule.num_stages:
             return -1, None, None
-        owner = placement[s]
-        if t.op is FREE or t.op is OFFLOAD or t.op is RELOAD:
-            return owner, _BUFFER_ACTS[t.op], self.state(t.buf, s, t.peer_stage)
-        if t.op is F or t.op is B or t.op is W:
-            makes, uses = _buffers(schedule, t.op, s, self.state)
-            return owner, _COMPUTE, (done[t.op][s], makes, uses, done[B][s] if t.op is W else None)
-        buf, _, sending = _MESSAGES[t.op]
+        owner = schedule.placement[s]
+        if row.message:
+            return self._message(t, row, owner)
+        keys = keys_of(schedule, t.op, s, t.peer_stage, t.buf)
+        state = self.state
+        if row.kind == COPY:
+            return owner, _OFFLOAD if row.moves_to == "host" else _RELOAD, state(*keys.moves[0])
+        makes, uses = tuple(state(*key) for key in keys.makes), tuple(state(*key) for key in keys.reads)
+        if row.kind == INSTANT and row.frees == (NAMED,) and not makes and not uses:
+            return owner, _FREE, state(*keys.frees[0])
+        flags = before = None
+        if row.order is not None:
+            flags = self.done[t.op][s]
+            before = self._before(t.op, s)
+        if row.frees or flags is None or row.kind != "compute":
+            return owner, _USE, (flags, makes, uses, before, tuple(state(*key) for key in keys.frees))
+        return owner, _COMPUTE, (flags, makes, uses, before)
+
+    def _message(self, t: Template, row, owner: int) -> tuple:
+        """`_template` of a message: its buffer's states, its channel's two lists of tensors,
+        its tensor ([Note: tensor ints] in verify.py), its peer."""
+        schedule = self.schedule
+        S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+        sending = row.kind == SEND
         edge, other = message_edge(t)
         if not 0 <= other < S or edge not in schedule.graph.index or placement[other] == owner or t.peer == owner:
             # no such edge, or none between ranks; or a message to its own rank, which the
@@ -187,13 +218,27 @@ class _Walk:
             return -1, None, None
         sent, received = self.channels.setdefault((owner, t.peer) if sending else (t.peer, owner), ([], []))
         mine, theirs = (sent, received) if sending else (received, sent)
-        tensor = (((edge[0] * S + edge[1]) * m) << 1) | (t.op is SEND_B or t.op is RECV_B)  # [Note: tensor ints]
-        return owner, _SEND if sending else _RECV, (self.state(buf, s, t.peer_stage), mine, theirs, tensor, t.peer)
+        tensor = (((edge[0] * S + edge[1]) * m) << 1) | (row.phase == BACKWARD)  # [Note: tensor ints]
+        return owner, _SEND if sending else _RECV, (self.state(row.buffer, t.stage, t.peer_stage), mine, theirs,
+                                                     tensor, t.peer)
+
+    def _before(self, op, s: int):
+        """The flags (by mb) of the compute that must run before `op` on stage s (rule
+        coverage: the one before it in order), or None where reading a buffer only that
+        one makes already proves it ran (B reads the stash F makes; W reads nothing B makes)."""
+        ops = covered_ops(self.schedule)
+        k = ops.index(op) if op in ops else 0
+        if k == 0:
+            return None
+        prev = EFFECTS[ops[k - 1]]
+        if any(role in prev.makes and SIDE.get(role) == 0 for role in EFFECTS[op].reads):
+            return None
+        return self.done[ops[k - 1]][s]
 
     def _steps(self, capped: bool) -> list[int]:
-        """Per template, what an instruction of it adds to its rank's in-flight count
-        (+1 for F, -1 for B, 0 for the rest or without caps)."""
-        return [(1 if t.op is F else -1 if t.op is B else 0) if capped and act == _COMPUTE else 0
+        """Per template, what an instruction of it adds to its rank's in-flight count (its
+        row's `inflight`: +1 for F, -1 for B, 0 for the rest; 0 for every one without caps)."""
+        return [EFFECTS[t.op].inflight if capped and (act == _COMPUTE or act == _USE) else 0
                 for t, act in zip(self.templates, self.act)]
 
     def _placed(self, rank: int) -> bool:
@@ -272,6 +317,16 @@ class _Walk:
                     at[:] = pc, computes, messages, made, moves, inflight
                     return True
                 continue
+            elif a == _USE:
+                if not self.use(arg[k], mbs[pc], pc, steps[k], inflight, cap):
+                    return False
+                flags, makes, _, _, frees = arg[k]
+                made += len(makes) - len(frees)  # a buffer freed here is one less for a FREE to free
+                if flags is not None:
+                    computes += 1
+                else:
+                    moves += 1  # (not a FREE: the count of FREEs at the end leaves it out)
+                inflight += steps[k]
             else:  # OFFLOAD needs the buffer on the device, RELOAD on the host
                 states_of = arg[k]
                 mb = mbs[pc]
@@ -284,33 +339,36 @@ class _Walk:
         self.finished += 1
         return self._counts_agree(r, computes, messages, made, n - computes - messages - moves)
 
-    def _counts_agree(self, rank: int, computes: int, messages: int, made: int, frees: int) -> bool:
-        """The counts at a rank's end ([Note: one walk]): every F, B (and W) there, every
-        message, and as many FREEs as buffers made."""
-        schedule = self.schedule
-        m, split = schedule.microbatches, schedule.split_backward
-        stages = self.stages[rank]
-        if computes != (3 if split else 2) * len(stages) * m:  # coverage: an F, B or W missing
+    def use(self, arg, mb: int, pc: int, step: int, inflight: int, cap: int) -> bool:
+        """The checks of an instruction of `_USE` ([Note: instruction effects]): once, after
+        the compute before it (where its op has an order), each buffer it makes never made
+        before (the walk's proof takes every buffer's producer to be unique: a second one
+        is left to the rules), each it reads live, each it frees neither never made nor
+        freed, the cap."""
+        flags, makes, uses, before, frees = arg
+        if flags is not None:
+            if flags[mb] or (before is not None and not before[mb]):
+                return False
+            flags[mb] = True
+        for states_of in makes:
+            if states_of[mb] != self.never:
+                return False
+            states_of[mb] = pc
+        if any(states_of[mb] < 0 for states_of in uses):
             return False
-        if messages != (needed_per_microbatch(schedule, stages) - 2 * len(stages)) * m:  # dependency
+        for states_of in frees:
+            if self.host < states_of[mb] < 0:
+                return False
+            states_of[mb] = ~pc
+        return inflight + step <= cap
+
+    def _counts_agree(self, rank: int, computes: int, messages: int, made: int, frees: int) -> bool:
+        """The counts at a rank's end ([Note: one walk]): every covered compute there (F, B,
+        and W where split), every message, and as many FREEs as buffers made."""
+        schedule = self.schedule
+        stages = self.stages[rank]
+        if computes != len(covered_ops(schedule)) * len(stages) * schedule.microbatches:  # coverage: one missing
+            return False
+        if messages != messages_per_microbatch(schedule, stages) * schedule.microbatches:  # dependency
             return False  # a message missing, or one too many
         return made == frees  # liveness: a leak
-
-
-def _buffers(schedule: Schedule, op: Op, s: int, state) -> tuple[tuple, tuple]:
-    """What F, B or W of stage s does to buffers ([Note: buffers] in instr.py): the
-    states of the buffers it makes (another stage's, for a hand-off on its rank), and of
-    those it then reads. `state(buf, stage, peer_stage)`: `_Walk.state`."""
-    graph, placement = schedule.graph, schedule.placement
-    producers, consumers, rank = graph.producers[s], graph.consumers[s], placement[s]
-    inputs = tuple(state("act_in", s, edge_end(s, p)) for p in producers) or (state("act_in", s, None),)
-    if op is F:
-        onward = tuple(state("act_out", s, edge_end(s, t)) if placement[t] != rank else
-                       state("act_in", t, edge_end(t, s)) for t in consumers)
-        return (state("stash", s, None),) + (inputs if s == 0 else ()) + onward, inputs
-    if op is B:
-        makes = tuple(state("grad_in", s, edge_end(s, p)) if placement[p] != rank else
-                      state("grad_out", p, edge_end(p, s)) for p in producers)
-        return makes, inputs + (state("stash", s, None),) + tuple(state("grad_out", s, edge_end(s, t))
-                                                                   for t in consumers)
-    return (), (state("stash", s, None),)
