@@ -290,6 +290,33 @@ def maker_of(role: str, ops) -> Op | None:
     return next((o for o in ops if role in EFFECTS[o].makes), None)
 
 
+def waits(op: Op, ops) -> tuple[tuple[Op, int], ...]:
+    """The computes whose end compute `op` waits for, among the covered computes `ops` (in
+    their order), each as (op, side): side 0 its own stage, -1 each producer, +1 each
+    consumer. For each buffer it reads, the compute that makes it: the stash's maker on
+    its own stage; for a kind that arrives over an edge and that `op` reads first, the
+    compute at the other end that hands it over (F of each producer for act_in, B of each
+    consumer for grad_out); and the compute before it in order (W after its B). Of its
+    own stage's, only the latest in order (it ended after the others): F waits for F of
+    each producer, B for F and for B of each consumer, W for B."""
+    out, own = [], []
+    row = EFFECTS[op]
+    for role in row.reads:
+        if SIDE.get(role, 0) == 0:
+            maker = maker_of(role, ops)
+            if maker is not None and maker is not op:
+                own.append(maker)
+        elif first_reader(op, role, ops):
+            maker = handed_by(role)
+            if maker is not None and maker in ops:
+                out.append((maker, SIDE[role]))
+    if op in ops and ops.index(op) > 0:
+        own.append(ops[ops.index(op) - 1])
+    if own:
+        out.insert(0, (max(own, key=ops.index), 0))
+    return tuple(out)
+
+
 def last_readers(schedule) -> dict[str, Op]:
     """Per buffer kind, the last of `schedule`'s covered computes (in their order) that
     reads it through its edges: where add_frees puts its FREE (act_in, stash, grad_out:
@@ -306,5 +333,5 @@ __all__ = [
     "BACKWARD", "BACKWARD_OPS", "BUFFERS", "BUF_OPS", "COMM_OPS", "COMPUTE", "COMPUTE_OPS", "COPY", "COPY_OPS",
     "COVERED", "EFFECTS", "Effects", "FORWARD", "HANDED", "INSTANT", "Key", "LOADED", "LOADER", "NAMED", "Op", "RECV",
     "RECV_OPS", "Resolved", "SEND", "SEND_OPS", "SIDE", "allowed", "covered_ops", "edge_side", "first_reader",
-    "handed_by", "keys_of", "last_readers", "maker_of", "ops_where", "received_by",
+    "handed_by", "keys_of", "last_readers", "maker_of", "ops_where", "received_by", "waits",
 ]

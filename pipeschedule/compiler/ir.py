@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from pipeschedule.checks import check_schedule_size, is_int, shown
+from pipeschedule.compiler.effects import covered_ops, keys_of
 from pipeschedule.compiler.instr import (
     BUF_OPS, BUFFERS, COMM_OPS, COMPUTE_OPS, RECV_OPS, SEND_OPS, Instr, Op, make_instr,
 )
@@ -157,15 +158,15 @@ class Schedule:
         """Every buffer a (stage, mb) owns as (buf, peer_stage), peer_stage as an
         instruction writes it ([Note: peer stage]: None for the neighbour, and for stage
         0's act_in), in the order of [Note: buffers]: act_in per producer, act_out per
-        remote consumer, stash, grad_out per consumer, grad_in per remote producer."""
-        producers, consumers = self.graph.producers[stage], self.graph.consumers[stage]
-        out = [("act_in", edge_end(stage, s)) for s in producers] if producers else [("act_in", None)]
-        out += [("act_out", edge_end(stage, t)) for t in self.remote_consumers(stage)]
-        out.append(("stash", None))
-        if not self.forward_only:
-            out += [("grad_out", edge_end(stage, t)) for t in consumers]
-            out += [("grad_in", edge_end(stage, s)) for s in self.remote_producers(stage)]
-        return tuple(out)
+        remote consumer, stash, grad_out per consumer, grad_in per remote producer. They
+        are the buffers of this stage that its computes make or read ([Note: instruction
+        effects] in effects.py)."""
+        found: dict = {}
+        for op in covered_ops(self):
+            made, read, _, _ = keys_of(self, op, stage)
+            found.update((key, None) for key in made + read if key[1] == stage)
+        order = {buf: k for k, buf in enumerate(BUFFERS)}
+        return tuple((buf, other) for buf, _, other in sorted(found, key=lambda key: order[key[0]]))
 
     def caps(self) -> list[int] | None:
         """Per-rank in-flight caps from params, or None when uncapped."""

@@ -16,7 +16,7 @@ from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.compiler.timing import asap_packed, durations_of, stage_times
 from pipeschedule.compiler.effects import (
-    EFFECTS, HANDED, LOADER, SEND, SEND_OPS, SIDE, covered_ops, first_reader, keys_of, received_by,
+    EFFECTS, HANDED, LOADER, SEND, SEND_OPS, SIDE, covered_ops, first_reader, keys_of, last_readers, received_by,
 )
 from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Op, Schedule, edge_end
 from pipeschedule.compiler.program import Program, Template, Templates, packed
@@ -101,9 +101,7 @@ class _Lowering:
         self.send_free: dict[int, int] = {}  # a send's template id -> its FREE's (that of its edge's buffer)
         self.frees = frees
         if frees:
-            ops = covered_ops(schedule)
-            self.read = {role for op in ops for role in EFFECTS[op].reads}  # buffer kinds some compute reads
-            self.last = {role: op for op in ops for role in EFFECTS[op].reads}  # ... and the last that reads each
+            self.last = last_readers(schedule)  # per buffer kind a compute reads, the last that reads it
             for k, t in enumerate(templates):
                 self.after[k] = self._frees_after(t)
 
@@ -125,7 +123,7 @@ class _Lowering:
             return ()
         keys = keys_of(schedule, t.op, t.stage)
         out = [free(FREE, s, None, kind, other) for kind, s, other in keys.reads if self.last.get(kind) is t.op]
-        unread = [role for role in row.makes if role not in HANDED and role != LOADER and role not in self.read]
+        unread = [role for role in row.makes if role not in HANDED and role != LOADER and role not in self.last]
         if unread:
             out += [free(FREE, s, None, kind, other) for kind, s, other in keys_of(schedule, t.op, t.stage).makes
                     if kind in unread]

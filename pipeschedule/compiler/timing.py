@@ -12,6 +12,8 @@ import math
 from typing import NamedTuple, Sequence
 
 from pipeschedule.checks import is_finite, shown
+from pipeschedule.compiler.effects import COVERED, EFFECTS, waits
+from pipeschedule.compiler.graph import StageGraph
 from pipeschedule.compiler.ir import Instr, Op
 from pipeschedule.compiler.program import Program, check_stages, packed
 from pipeschedule.errors import ParameterError
@@ -137,11 +139,26 @@ def asap(num_stages: int, programs: Sequence[Sequence[Instr]], cost=None, graph=
     return asap_packed(num_stages, *packed(programs), _per_stage(programs, num_stages, cost), graph)
 
 
+# [Note: asap waits] What a compute waits for is its row's (`effects.waits`: the makers of
+# the buffers it reads, the compute before it in order); its time is its row's `time`.
+# `_asap_general` reads both per template. The chain's loop below is its fast path, written
+# for the waits F, B and W have: taken where the order holds nothing else and the graph is
+# the chain (tests/compiler/test_graph.py pins the two together on chain graphs).
+_CHAIN_WAITS = {Op.F: ((Op.F, -1),), Op.B: ((Op.F, 0), (Op.B, 1)), Op.W: ((Op.B, 0),)}
+_CHAIN_FAST = all(waits(op, COVERED) == _CHAIN_WAITS.get(op) for op in COVERED) and set(COVERED) == set(_CHAIN_WAITS)
+
+
+def _durations(durations: StageTimes, templates, num_stages: int) -> list:
+    """Per template, its compute's time at its stage (its row's `time`: forward, backward
+    or weight), None for a stage past the last (a template no program uses)."""
+    return [getattr(durations, EFFECTS[t.op].time)[t.stage] if t.stage < num_stages else None for t in templates]
+
+
 def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations: StageTimes, graph=None):
     """`asap` of a compute order given as `packed` columns ([Note: packed programs]),
     timed with per-stage `durations`, on `graph` (None: the chain)."""
-    if graph is not None and not graph.chain:
-        return _asap_graph(num_stages, templates, ids_by_rank, mbs_by_rank, durations, graph)
+    if not (graph is None or graph.chain) or not _CHAIN_FAST or any(t.op not in _CHAIN_WAITS for t in templates):
+        return _asap_general(num_stages, templates, ids_by_rank, mbs_by_rank, durations, graph)
     F, B = Op.F, Op.B
     check_stages(num_stages, templates, ids_by_rank, mbs_by_rank)
     mbs_by_rank, span = _dense(mbs_by_rank)
@@ -149,8 +166,7 @@ def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations:
     # duration (None for a stage past the last: a template no program uses, `check_stages`)
     ops = [t.op for t in templates]
     base = [t.stage * span for t in templates]
-    spend = [(durations.forward if t.op is F else durations.backward if t.op is B else durations.weight)[t.stage]
-             if t.stage < num_stages else None for t in templates]
+    spend = _durations(durations, templates, num_stages)
     f_end, b_end = [None] * ((num_stages + 1) * span), [None] * ((num_stages + 1) * span)  # [Note: asap keys]
     f_parked, b_parked = [None] * len(f_end), [None] * len(b_end)  # ranks waiting for that end
     pp = len(ids_by_rank)
@@ -206,23 +222,28 @@ def asap_packed(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations:
     return starts, stuck
 
 
-def _asap_graph(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations: StageTimes, graph):
-    """`asap_packed` on a stage graph that is not the chain: the chain's loop, with F
-    waiting for every producer's F and B for every consumer's B, each wait parked on the
-    first end not yet known ([Note: asap worklist]). tests/compiler/test_graph.py pins it
-    to the chain's loop on chain graphs (`_asap_graph` given the chain)."""
-    F, B = Op.F, Op.B
+def _asap_general(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations: StageTimes, graph=None):
+    """`asap_packed` on any stage graph (None: the chain), for any computes: each waits for
+    the ends its row names ([Note: asap waits]), parked on the first not yet known
+    ([Note: asap worklist]). tests/compiler/test_graph.py pins it to the chain's loop on
+    chain graphs."""
+    if graph is None:
+        graph = StageGraph.of(num_stages)
     check_stages(num_stages, templates, ids_by_rank, mbs_by_rank)
+    for t in templates:
+        if EFFECTS[t.op].time is None or EFFECTS[t.op].order is None:
+            raise ParameterError(f"asap times a compute order: {t.op.value} is not a compute that runs once per "
+                                 f"(stage, mb) ([Note: instruction effects])")
     mbs_by_rank, span = _dense(mbs_by_rank)
-    ops = [t.op for t in templates]
+    ops = tuple(op for op in COVERED if any(t.op is op for t in templates))
+    table = {op: k for k, op in enumerate(COVERED)}  # each compute's ends: one flat list ([Note: asap keys])
     base = [t.stage * span for t in templates]
-    spend = [(durations.forward if t.op is F else durations.backward if t.op is B else durations.weight)[t.stage]
-             if t.stage < num_stages else None for t in templates]
-    # per template: the key offsets (stage difference * span) of the ends it waits for
-    waits = [tuple((s - t.stage) * span for s in (graph.producers if t.op is F else graph.consumers)[t.stage])
-             if t.stage < num_stages and t.op in (F, B) else () for t in templates]
-    f_end, b_end = [None] * ((num_stages + 1) * span), [None] * ((num_stages + 1) * span)
-    f_parked, b_parked = [None] * len(f_end), [None] * len(b_end)
+    spend = _durations(durations, templates, num_stages)
+    # per template: the (end list, key offset) of each end it waits for, in its row's order
+    waited = [_waited(t, ops, graph, span, table) if t.stage < num_stages else () for t in templates]
+    writes = [table[t.op] for t in templates]
+    ends = [[None] * ((num_stages + 1) * span) for _ in COVERED]
+    parked = [[None] * ((num_stages + 1) * span) for _ in COVERED]
     pp = len(ids_by_rank)
     pcs, free_at = [0] * pp, [0] * pp
     starts = [[None] * len(ids) for ids in ids_by_rank]
@@ -233,59 +254,40 @@ def _asap_graph(num_stages: int, templates, ids_by_rank, mbs_by_rank, durations:
         n = len(ids)
         while pc < n:
             k = ids[pc]
-            op, key = ops[k], base[k] + mbs[pc]
-            if op is F:
-                ready = 0
-                for offset in waits[k]:  # F of each producer
-                    end = f_end[key + offset]
-                    if end is None:
-                        _park(f_parked, key + offset, r)
-                        break
-                    if end > ready:
-                        ready = end
-                else:
-                    start = ready if ready > t_free else t_free
-                    t_free = f_end[key] = start + spend[k]
-                    if f_parked[key] is not None:
-                        worklist += f_parked[key]
-                        f_parked[key] = None
-                    rank_starts[pc] = start
-                    pc += 1
-                    continue
-                break
-            if op is B:
-                ready = f_end[key]
-                if ready is None:
-                    _park(f_parked, key, r)
+            key = base[k] + mbs[pc]
+            ready = 0
+            for which, offset in waited[k]:
+                end = ends[which][key + offset]
+                if end is None:
+                    _park(parked[which], key + offset, r)
                     break
-                for offset in waits[k]:  # B of each consumer
-                    end = b_end[key + offset]
-                    if end is None:
-                        _park(b_parked, key + offset, r)
-                        break
-                    if end > ready:
-                        ready = end
-                else:
-                    start = ready if ready > t_free else t_free
-                    t_free = b_end[key] = start + spend[k]
-                    if b_parked[key] is not None:
-                        worklist += b_parked[key]
-                        b_parked[key] = None
-                    rank_starts[pc] = start
-                    pc += 1
-                    continue
-                break
-            ready = b_end[key]
-            if ready is None:
-                _park(b_parked, key, r)
-                break
-            start = ready if ready > t_free else t_free
-            t_free = start + spend[k]
-            rank_starts[pc] = start
-            pc += 1
+                if end > ready:
+                    ready = end
+            else:
+                start = ready if ready > t_free else t_free
+                t_free = start + spend[k]
+                w = writes[k]
+                ends[w][key] = t_free
+                if parked[w][key] is not None:
+                    worklist += parked[w][key]
+                    parked[w][key] = None
+                rank_starts[pc] = start
+                pc += 1
+                continue
+            break
         pcs[r], free_at[r] = pc, t_free
     stuck = [r for r, ids in enumerate(ids_by_rank) if pcs[r] < len(ids)]
     return starts, stuck
+
+
+def _waited(t, ops, graph, span: int, table: dict) -> tuple:
+    """(end list, key offset) of each end a compute of template `t` waits for ([Note: asap
+    waits]): (op, 0) its own stage's, (op, -1) each producer's, (op, +1) each consumer's."""
+    out = []
+    for op, side in waits(t.op, ops):
+        others = (t.stage,) if side == 0 else graph.producers[t.stage] if side < 0 else graph.consumers[t.stage]
+        out += [(table[op], (other - t.stage) * span) for other in others]
+    return tuple(out)
 
 
 def _park(parked: list, key: int, rank: int) -> None:
@@ -329,9 +331,8 @@ def finish_time(programs: Sequence[Sequence[Instr]], timing, cost: StageTimes | 
     starts, _ = timing
     if cost is None:
         cost = unit_stage_times(programs, 1 + max((i.stage for p in programs for i in p), default=0))
-    durations = {Op.F: cost.forward, Op.B: cost.backward, Op.W: cost.weight}
     return max(
-        (rank_starts[-1] + durations[program[-1].op][program[-1].stage]
+        (rank_starts[-1] + getattr(cost, EFFECTS[program[-1].op].time)[program[-1].stage]
          for program, rank_starts in zip(programs, starts) if program),
         default=0,
     )

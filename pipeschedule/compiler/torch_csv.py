@@ -67,15 +67,22 @@ from collections.abc import Iterable
 
 from pipeschedule.compiler import passes
 from pipeschedule.errors import FormatError
+from pipeschedule.compiler.effects import BACKWARD, EFFECTS, covered_ops
 from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Schedule
 from pipeschedule.checks import MAX_STAGES, check_at_most, check_schedule_size
 
 FORMS = ("compute_only", "compute_comms")
 
-_PIPELINE_TYPES = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+# Our ops by their PyTorch action ([Note: instruction effects] in effects.py: a row's `torch`),
+# and PyTorch's name of a backward that leaves the weight gradients to a W (ours: B).
+_BY_NAME = {row.torch: op for op, row in EFFECTS.items() if row.torch is not None}
+_INPUT_ONLY = {"B": "I"}
+_COMPUTE_TYPES = frozenset(name for name, op in _BY_NAME.items() if op in COMPUTE_OPS) | frozenset(
+    _INPUT_ONLY.values())
+_COMM_TYPES = frozenset(name for name, op in _BY_NAME.items() if op in COMM_OPS)
+_PIPELINE_TYPES = tuple(sorted(_COMPUTE_TYPES, key=("F", "B", "I", "W").index)) + tuple(
+    name for name in ("SEND_F", "RECV_F", "SEND_B", "RECV_B") if name in _COMM_TYPES)
 _SKIPPED_TYPES = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
-_COMPUTE_TYPES = frozenset({"F", "B", "I", "W"})
-_COMM_TYPES = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
 _LOWERED_ONLY_TYPES = frozenset({"UNSHARD", "RESHARD"})  # [Note: CSV form]
 
 # Matched whole (fullmatch), so `1F` or `1F0x` are refused where PyTorch's own
@@ -221,18 +228,14 @@ def _peer(cell: _Cell, placement: tuple[int, ...]) -> int:
 
 def _to_instrs(cell: _Cell, split: bool, placement: tuple[int, ...]) -> list[Instr]:
     kind = cell.kind
-    if kind == "F":
-        return [Instr(Op.F, cell.stage, cell.mb)]
-    if kind == "B":
-        if split:  # a full backward in a split schedule: input half, then weight half
-            return [Instr(Op.B, cell.stage, cell.mb), Instr(Op.W, cell.stage, cell.mb)]
-        return [Instr(Op.B, cell.stage, cell.mb)]
-    if kind == "I":
-        return [Instr(Op.B, cell.stage, cell.mb)]
-    if kind == "W":
-        return [Instr(Op.W, cell.stage, cell.mb)]
+    if kind == "B" and split:  # a full backward in a split schedule: input half, then weight half
+        return [Instr(Op.B, cell.stage, cell.mb), Instr(Op.W, cell.stage, cell.mb)]
+    if kind in _INPUT_ONLY.values():  # PyTorch's input half of a backward: our B of a split one
+        kind = next(name for name, half in _INPUT_ONLY.items() if half == kind)
     if kind in _COMM_TYPES:
-        return [Instr(Op(kind), cell.stage, cell.mb, peer=_peer(cell, placement))]
+        return [Instr(_BY_NAME[kind], cell.stage, cell.mb, peer=_peer(cell, placement))]
+    if kind in _BY_NAME:
+        return [Instr(_BY_NAME[kind], cell.stage, cell.mb)]
     return []  # UNSHARD, RESHARD, REDUCE_GRAD: [Note: torch cells]
 
 
@@ -319,8 +322,10 @@ def is_compute_comms(schedule: Schedule) -> bool:
 
 
 def _cell(instr: Instr, split: bool) -> str:
-    op = "I" if instr.op is Op.B and split else instr.op.value
-    return f"{instr.stage}{op}{instr.mb}"
+    name = EFFECTS[instr.op].torch
+    if split:
+        name = _INPUT_ONLY.get(name, name)
+    return f"{instr.stage}{name}{instr.mb}"
 
 
 def write_csv(schedule: Schedule, *, form: str = "compute_only") -> str:
@@ -344,9 +349,10 @@ def write_csv(schedule: Schedule, *, form: str = "compute_only") -> str:
     if form == "compute_comms" and compute_only:
         schedule = passes.add_communication(schedule)
     comms = form == "compute_comms"
-    keep = COMPUTE_OPS | (COMM_OPS if comms else frozenset())
+    keep = frozenset(op for op in COMPUTE_OPS | (COMM_OPS if comms else frozenset()) if EFFECTS[op].torch)
     split = schedule.split_backward
-    reduced = Op.W if split else Op.B  # what PyTorch counts to m ([Note: REDUCE_GRAD])
+    # what PyTorch counts to m ([Note: REDUCE_GRAD]): the last compute of the backward, W or B (none without one)
+    reduced = next((op for op in reversed(covered_ops(schedule)) if EFFECTS[op].phase == BACKWARD), None)
     out = io.StringIO()
     writer = csv.writer(out)
     for program in schedule.programs:

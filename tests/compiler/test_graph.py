@@ -16,7 +16,7 @@ from pipeschedule import (
 )
 from pipeschedule.compiler.graph import StageGraph, chain_edges
 from pipeschedule.compiler.offload import add_offload, OffloadPolicy
-from pipeschedule.compiler.timing import _asap_graph, asap
+from pipeschedule.compiler.timing import _asap_general, asap
 from pipeschedule.compiler.program import packed
 from pipeschedule.compiler.timing import unit_stage_times
 from pipeschedule.compiler.torch_csv import write_csv
@@ -162,7 +162,7 @@ def test_asap_on_a_graph_is_the_chain_loop_on_the_chain():
         S = order.num_stages
         columns = packed(order.programs)
         times = unit_stage_times(order.programs, S)
-        assert _asap_graph(S, *columns, times, StageGraph.of(S)) == asap(S, order.programs)
+        assert _asap_general(S, *columns, times, StageGraph.of(S)) == asap(S, order.programs)
 
 
 def test_asap_on_the_diamond_waits_for_both_producers():
