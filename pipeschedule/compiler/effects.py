@@ -72,7 +72,7 @@ runs it through verify, simulate and the executor).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -128,22 +128,19 @@ class Effects:
     releases_stash: bool = False
     label: str = ""
     torch: str | None = None
+    # Found from the fields above on construction (the passes read them per template):
+    message: bool = field(init=False, repr=False)  # a send or a receive
+    named: bool = field(init=False, repr=False)  # its instructions name a buffer (`buf`)
+    buffer: str | None = field(init=False, repr=False)  # a message's: the one a send reads, a receive makes
+    direct: bool = field(init=False, repr=False)  # every role is its own edge's or its named buffer
 
-    @property
-    def message(self) -> bool:
-        return self.kind == SEND or self.kind == RECV
-
-    @property
-    def named(self) -> bool:
-        """Whether its instructions name a buffer (`buf`)."""
-        return NAMED in self.makes + self.reads + self.frees or self.moves_to is not None
-
-    @property
-    def buffer(self) -> str | None:
-        """A message's buffer kind: the one a send reads, the one a receive makes."""
-        if not self.message:
-            return None
-        return self.reads[0] if self.kind == SEND else self.makes[0]
+    def __post_init__(self) -> None:
+        message = self.kind == SEND or self.kind == RECV
+        roles = self.makes + self.reads + self.frees
+        object.__setattr__(self, "message", message)
+        object.__setattr__(self, "named", NAMED in roles or self.moves_to is not None)
+        object.__setattr__(self, "buffer", (self.reads[0] if self.kind == SEND else self.makes[0]) if message else None)
+        object.__setattr__(self, "direct", message or all(role == NAMED for role in roles))
 
 
 EFFECTS: dict[Op, Effects] = {
@@ -226,6 +223,10 @@ def keys_of(schedule, op: Op, stage: int, peer_stage: int | None = None, buf: st
     them) does to buffers in `schedule`, its roles resolved ([Note: instruction effects]).
     `stage` must be one of the schedule's."""
     row = EFFECTS[op]
+    if row.direct:  # a message's buffer, or the one named: (kind, stage, peer stage)
+        return Resolved(*(tuple((buf if role == NAMED else role, stage, peer_stage) for role in roles)
+                          for roles in (row.makes, row.reads, row.frees)),
+                        ((buf, stage, peer_stage),) if row.moves_to is not None else ())
     resolve = _Resolver(schedule, stage, peer_stage, buf, row.message)
     return Resolved(resolve(row.makes), resolve(row.reads), resolve(row.frees),
                     resolve((NAMED,)) if row.moves_to is not None else ())

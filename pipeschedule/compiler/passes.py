@@ -125,8 +125,7 @@ class _Lowering:
         out = [free(FREE, s, None, kind, other) for kind, s, other in keys.reads if self.last.get(kind) is t.op]
         unread = [role for role in row.makes if role not in HANDED and role != LOADER and role not in self.last]
         if unread:
-            out += [free(FREE, s, None, kind, other) for kind, s, other in keys_of(schedule, t.op, t.stage).makes
-                    if kind in unread]
+            out += [free(FREE, s, None, kind, other) for kind, s, other in keys.makes if kind in unread]
         return tuple(out)
 
     def place(self, cost) -> list:

@@ -70,6 +70,9 @@ from pipeschedule.errors import FormatError
 # nothing (F, B, W); _USE: any other op that makes, reads or frees buffers, checked the
 # same way, but slower; _FREE: an op that frees its named buffer and does nothing else.
 _FREE, _COMPUTE, _USE, _OFFLOAD, _RELOAD, _SEND, _RECV = range(7)
+# The ops of _FREE: instant, freeing the buffer they name and touching no other (FREE).
+_FREES_ONLY = frozenset(op for op, row in EFFECTS.items()
+                        if row.kind == INSTANT and row.frees == (NAMED,) and not row.makes and not row.reads)
 
 
 def message_edge(i) -> tuple[tuple[int, int], int]:
@@ -86,17 +89,21 @@ def recorded_ops(schedule: Schedule) -> tuple:
     return tuple(op for op in covered_ops(schedule) if any(role in HANDED for role in EFFECTS[op].makes))
 
 
-def messages_per_microbatch(schedule: Schedule, stages) -> int:
+def message_sides(schedule: Schedule) -> tuple[int, ...]:
+    """The side of the edge of each message op `schedule` may hold (SEND_F: +1, ...)."""
+    return tuple(SIDE[EFFECTS[op].buffer] for op in COMM_OPS if allowed(schedule, op))
+
+
+def messages_per_microbatch(schedule: Schedule, stages, sides=None) -> int:
     """The messages a rank running `stages` sends and receives per microbatch: one of each
     message op the schedule may hold per edge across ranks on its buffer's side (two per
-    edge in training, one in a forward-only schedule)."""
-    total = 0
-    for op in sorted(COMM_OPS):
-        if allowed(schedule, op):
-            side = SIDE[EFFECTS[op].buffer]
-            total += sum(len(schedule.remote_producers(s) if side < 0 else schedule.remote_consumers(s))
-                         for s in stages)
-    return total
+    edge in training, one in a forward-only schedule). `sides`: `message_sides(schedule)`."""
+    sides = message_sides(schedule) if sides is None else sides
+    if not sides:
+        return 0
+    producers = sum(len(schedule.remote_producers(s)) for s in stages) if min(sides) < 0 else 0
+    consumers = sum(len(schedule.remote_consumers(s)) for s in stages) if max(sides) > 0 else 0
+    return sum(producers if side < 0 else consumers for side in sides)
 
 
 def needed_per_microbatch(schedule: Schedule, stages) -> int:
@@ -152,6 +159,9 @@ class _Walk:
         self.never, self.host = -(longest + 1), -(longest + 2)
         self.states: dict = {buf: {} for buf in BUFFERS}  # [buf][stage, peer_stage] -> the states by mb
         self.done = {op: [[False] * m for _ in range(S)] for op in COVERED}
+        self.covered = covered_ops(schedule)  # the computes each (stage, mb) runs, in order
+        self.sides = message_sides(schedule)
+        self.after = {op: self._before(op) for op in self.covered}  # a compute -> the one it must follow, or None
         self.channels: dict[tuple[int, int], tuple[list, list]] = {}  # (src, dst) -> tensors sent, received
         self.owner, self.act, self.arg = [], [], []
         for t in self.templates:
@@ -189,8 +199,10 @@ class _Walk:
         owner = schedule.placement[s]
         if row.message:
             return self._message(t, row, owner)
-        keys = keys_of(schedule, t.op, s, t.peer_stage, t.buf)
         state = self.state
+        if t.op in _FREES_ONLY:
+            return owner, _FREE, state(t.buf, s, t.peer_stage)  # FREE (most templates): nothing to resolve
+        keys = keys_of(schedule, t.op, s, t.peer_stage, t.buf)
         if row.kind == COPY:
             return owner, _OFFLOAD if row.moves_to == "host" else _RELOAD, state(*keys.moves[0])
         makes, uses = tuple(state(*key) for key in keys.makes), tuple(state(*key) for key in keys.reads)
@@ -199,7 +211,8 @@ class _Walk:
         flags = before = None
         if row.order is not None:
             flags = self.done[t.op][s]
-            before = self._before(t.op, s)
+            after = self.after.get(t.op)
+            before = self.done[after][s] if after is not None else None
         if row.frees or flags is None or row.kind != "compute":
             return owner, _USE, (flags, makes, uses, before, tuple(state(*key) for key in keys.frees))
         return owner, _COMPUTE, (flags, makes, uses, before)
@@ -209,8 +222,9 @@ class _Walk:
         its tensor ([Note: tensor ints] in verify.py), its peer."""
         schedule = self.schedule
         S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
-        sending = row.kind == SEND
-        edge, other = message_edge(t)
+        sending, step, s = row.kind == SEND, SIDE[row.buffer], t.stage
+        other = s + step if t.peer_stage is None else t.peer_stage
+        edge = (s, other) if step == 1 else (other, s)  # `message_edge`, inlined
         if not 0 <= other < S or edge not in schedule.graph.index or placement[other] == owner or t.peer == owner:
             # no such edge, or none between ranks; or a message to its own rank, which the
             # rules refuse anyway (it waits on itself) but which would break the count of
@@ -222,18 +236,18 @@ class _Walk:
         return owner, _SEND if sending else _RECV, (self.state(row.buffer, t.stage, t.peer_stage), mine, theirs,
                                                      tensor, t.peer)
 
-    def _before(self, op, s: int):
-        """The flags (by mb) of the compute that must run before `op` on stage s (rule
-        coverage: the one before it in order), or None where reading a buffer only that
-        one makes already proves it ran (B reads the stash F makes; W reads nothing B makes)."""
-        ops = covered_ops(self.schedule)
-        k = ops.index(op) if op in ops else 0
+    def _before(self, op):
+        """The compute that must run before `op` on its (stage, mb) (rule coverage: the one
+        before it in order), or None where reading a buffer only that one makes already
+        proves it ran (B reads the stash F makes; W reads nothing B makes)."""
+        ops = self.covered
+        k = ops.index(op)
         if k == 0:
             return None
         prev = EFFECTS[ops[k - 1]]
         if any(role in prev.makes and SIDE.get(role) == 0 for role in EFFECTS[op].reads):
             return None
-        return self.done[ops[k - 1]][s]
+        return ops[k - 1]
 
     def _steps(self, capped: bool) -> list[int]:
         """Per template, what an instruction of it adds to its rank's in-flight count (its
@@ -367,8 +381,8 @@ class _Walk:
         and W where split), every message, and as many FREEs as buffers made."""
         schedule = self.schedule
         stages = self.stages[rank]
-        if computes != len(covered_ops(schedule)) * len(stages) * schedule.microbatches:  # coverage: one missing
+        if computes != len(self.covered) * len(stages) * schedule.microbatches:  # coverage: one missing
             return False
-        if messages != messages_per_microbatch(schedule, stages) * schedule.microbatches:  # dependency
+        if messages != messages_per_microbatch(schedule, stages, self.sides) * schedule.microbatches:  # dependency
             return False  # a message missing, or one too many
         return made == frees  # liveness: a leak

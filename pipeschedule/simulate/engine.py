@@ -126,14 +126,11 @@ from typing import Iterator, NamedTuple, Sequence
 from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.simulate.hostlink import HostLink
-from pipeschedule.compiler.ir import BUFFERS, COMM_OPS, SEND_OPS, Instr, Op, Schedule, edge_end
+from pipeschedule.compiler.effects import COPY, EFFECTS, INSTANT, RECV, SEND, keys_of
+from pipeschedule.compiler.ir import COMM_OPS, SEND_OPS, Instr, Schedule
 from pipeschedule.compiler.program import Template, check_stages, packed, used_ids
 
-MOVE_OPS = frozenset({Op.OFFLOAD, Op.RELOAD})
-# Plain names for the ops: an enum attribute costs about 80 ns, a global a few, and the
-# run loop reads them a million times.
-F, B, W, FREE, OFFLOAD, RELOAD = Op.F, Op.B, Op.W, Op.FREE, Op.OFFLOAD, Op.RELOAD
-SEND_F, SEND_B, RECV_F, RECV_B = Op.SEND_F, Op.SEND_B, Op.RECV_F, Op.RECV_B
+MOVE_OPS = frozenset(op for op, row in EFFECTS.items() if row.kind == COPY)  # OFFLOAD, RELOAD
 
 
 class Event(NamedTuple):
@@ -341,7 +338,7 @@ class _Replay:
     def __init__(self, templates, ids, act, nbytes) -> None:
         self.templates, self.ids, self.act, self.nbytes = templates, ids, act, nbytes
         # per template, the change of live bytes an instruction of it makes
-        self.change = [-b if a == _FREE else b if a == _F or a == _B or a == _RECV else 0 for a, b in zip(act, nbytes)]
+        self.change = [-b if a == _FREE else b if a == _COMPUTE or a == _RECV else 0 for a, b in zip(act, nbytes)]
 
     def peak(self, ids) -> float:
         """The most live bytes of a rank whose program has these template ids: the
@@ -357,13 +354,13 @@ class _Replay:
             a = act[k]
             if a == _FREE:
                 live -= nbytes[k]
-            elif a == _F or a == _B:
-                if not nbytes[k]:
+            elif a == _COMPUTE:
+                if not nbytes[k]:  # W: no bytes
                     continue
                 live += nbytes[k]
             elif a == _RECV:
                 live += nbytes[k]
-            else:  # W, SEND_F, SEND_B: no bytes (OFFLOAD, RELOAD: never replayed)
+            else:  # SEND_F, SEND_B: no bytes (OFFLOAD, RELOAD: never replayed)
                 continue
             times.append(t)
             values.append(live)
@@ -405,10 +402,34 @@ class _RankState:
         self.pc = self.t = self.live = self.peak = self.inflight = self.peak_inflight = self.busy = 0
 
 
-# What the run does with an instruction, by its template's op.
-_FREE, _F, _B, _W, _SEND, _RECV, _OFFLOAD, _RELOAD = range(8)
-_ACTS = {FREE: _FREE, F: _F, B: _B, W: _W, SEND_F: _SEND, SEND_B: _SEND, RECV_F: _RECV, RECV_B: _RECV,
-         OFFLOAD: _OFFLOAD, RELOAD: _RELOAD}
+# What the run does with an instruction, by its template's row ([Note: instruction effects]
+# in compiler/effects.py): _FREE releases bytes (an instant op that frees); _COMPUTE takes
+# its time, with the bytes it makes counted from its start and its in-flight step (a
+# compute, or an instant op that frees nothing: no time, no bytes); messages; copies.
+_FREE, _COMPUTE, _SEND, _RECV, _OFFLOAD, _RELOAD = range(6)
+
+
+def bytes_of(table, keys) -> float:
+    """The bytes of the buffers `keys` (kind, stage, peer stage) under `table` (a cost's
+    buffer bytes: kind -> per stage), added in their order."""
+    total = 0
+    for kind, stage, _ in keys:
+        total += table[kind][stage]
+    return total
+
+
+def message_time(cost, nbytes) -> float:
+    """A message's time: latency + bytes / bandwidth. Infinite bandwidth adds exactly
+    `latency`, so exact (e.g. Fraction) costs stay exact."""
+    return cost.latency + nbytes / cost.bandwidth if cost.bandwidth != math.inf else cost.latency
+
+
+def _act(row) -> int:
+    if row.kind == SEND or row.kind == RECV:
+        return _SEND if row.kind == SEND else _RECV
+    if row.kind == COPY:
+        return _OFFLOAD if row.moves_to == "host" else _RELOAD
+    return _FREE if row.kind == INSTANT and row.frees else _COMPUTE
 
 
 class _Run:
@@ -423,46 +444,19 @@ class _Run:
     whatever the schedule (tests compare the two)."""
 
     def __init__(self, schedule: Schedule, cost, general: bool = False) -> None:
-        self.schedule, pp, stages, placement = schedule, schedule.pp, schedule.num_stages, schedule.placement
-        act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
-        graph = schedule.graph
-        # Bytes that appear at the start of F(s) and B(s): [Note: when bytes count]. On
-        # the chain, sums of one term each, so exactly the chain's own figures.
-        self.f_alloc, self.b_alloc = [], []
-        for s in range(stages):
-            remote_out = len(schedule.remote_consumers(s))
-            local_out = [t for t in graph.consumers[s] if placement[t] == placement[s]]
-            self.f_alloc.append((act_in[s] if s == 0 else 0) + stash[s] + (act_out[s] * remote_out if remote_out else 0)
-                                + (sum(act_in[t] for t in local_out) if local_out else 0))
-            remote_in = len(schedule.remote_producers(s))
-            local_in = [p for p in graph.producers[s] if placement[p] == placement[s]]
-            self.b_alloc.append((grad_in[s] * remote_in if remote_in else 0)
-                                + (sum(grad_out[p] for p in local_in) if local_in else 0))
-        # The edge buffers (buf, peer stage) F and B of each stage read, for the host link's
-        # wait on their RELOAD (the others are `HostLink.ready`'s own): none on the chain.
-        self.edge_reads = {op: [() for _ in range(stages)] for op in ("F", "B", "W")}
-        if not graph.chain:
-            for s in range(stages):
-                inputs = tuple(("act_in", edge_end(s, p)) for p in graph.producers[s] if edge_end(s, p) is not None)
-                self.edge_reads["F"][s] = inputs
-                self.edge_reads["B"][s] = inputs + tuple(("grad_out", edge_end(s, t)) for t in graph.consumers[s]
-                                                         if edge_end(s, t) is not None)
+        self.schedule, pp = schedule, schedule.pp
+        stash = cost.buffer_bytes["stash"]
         self.stash = stash
         self.free_bytes = dict(cost.buffer_bytes)
         self.b_shrink = None  # per stage: bytes a B releases at its end, < 0 for growth ([Note: when bytes count])
         if cost.weight_stash is not None and schedule.split_backward:
             self.b_shrink = [whole - kept for whole, kept in zip(stash, cost.weight_stash)]
             self.free_bytes["stash"] = cost.weight_stash
-        # Message time of SEND_F / SEND_B by stage. Infinite bandwidth adds exactly `latency`,
-        # so exact (e.g. Fraction) costs stay exact.
-        latency, bandwidth = cost.latency, cost.bandwidth
-        self.msg_f = [latency + b / bandwidth if bandwidth != math.inf else latency for b in act_out]
-        self.msg_b = [latency + b / bandwidth if bandwidth != math.inf else latency for b in grad_in]
-        self.costs = cost.forward, cost.backward, cost.weight
+        self.cost = cost
         self.programs = schedule.programs
         self.templates, self.ids, self.mbs = packed(schedule.programs)
         self.used = used_ids(schedule.programs, self.ids)  # per rank, the templates its program uses
-        self.act, self.nbytes, self.spend = self._per_template(act_in, grad_out)
+        self.act, self.nbytes, self.spend, self.steps, self.reads = self._per_template()
         # channel (src << 32 | dst) -> (post times of its sends, their message times, post
         # times of its receives); entry k of each belongs to the channel's k-th message.
         # A peer that is not a rank gets a channel nobody posts to, so it deadlocks.
@@ -485,33 +479,42 @@ class _Run:
         moves = any(not moving.isdisjoint(used) for used in self.used)
         self.plain = not (general or moves or any(self.special))  # [Note: replayed memory]
 
-    def _per_template(self, act_in, grad_out) -> tuple[list, list, list]:
-        """Per template: what its instructions do; their bytes (F, B: allocated at the
-        start; RECV: its buffer; FREE, OFFLOAD, RELOAD: the buffer's); their time (F, B,
-        W: the stage's; SEND: the message's). Raises ScheduleError for an instruction of a
-        stage the schedule does not have (a template no program uses has no bytes or time)."""
-        fcost, bcost, wcost = self.costs
-        acts, nbytes, spends = [], [], []
-        S = self.schedule.num_stages
+    def _per_template(self) -> tuple[list, list, list, list, list]:
+        """Per template, from its row ([Note: instruction effects] in compiler/effects.py):
+        what its instructions do; their bytes (a compute's: those it makes, allocated at
+        its start ([Note: when bytes count]); RECV: its buffer's; FREE, OFFLOAD, RELOAD: the
+        buffer's); their time (a compute's: its stage's cost, `time`; SEND: the message's);
+        their in-flight step; the buffers they read (keys less the mb). Raises
+        ScheduleError for an instruction of a stage the schedule does not have (a
+        template no program uses has no bytes or time)."""
+        cost, schedule, free_bytes = self.cost, self.schedule, self.free_bytes
+        acts, nbytes, spends, steps, reads = [], [], [], [], []
+        S = schedule.num_stages
+        by_op = {op: (_act(row), row, getattr(cost, row.time) if row.time is not None else None)
+                 for op, row in EFFECTS.items()}
         for t in self.templates:
-            a, s = _ACTS[t.op], t.stage
+            a, row, times = by_op[t.op]
+            s = t.stage
             acts.append(a)
+            steps.append(row.inflight)
             if s >= S:
-                nbytes.append(None), spends.append(None)
-            elif a == _F:
-                nbytes.append(self.f_alloc[s]), spends.append(fcost[s])
-            elif a == _B:
-                nbytes.append(self.b_alloc[s]), spends.append(bcost[s])
-            elif a == _W:
-                nbytes.append(0), spends.append(wcost[s])
-            elif a == _SEND:
-                nbytes.append(0), spends.append(self.msg_f[s] if t.op is SEND_F else self.msg_b[s])
-            elif a == _RECV:
-                nbytes.append(act_in[s] if t.op is RECV_F else grad_out[s]), spends.append(0)
-            else:
-                nbytes.append(self.free_bytes[t.buf][s]), spends.append(0)
+                nbytes.append(None), spends.append(None), reads.append(())
+                continue
+            if row.direct and a != _COMPUTE:  # a message's buffer, or the one it names (most templates)
+                reads.append(())
+                if a == _SEND:
+                    nbytes.append(0), spends.append(message_time(cost, cost.buffer_bytes[row.buffer][s]))
+                else:
+                    nbytes.append(cost.buffer_bytes[row.buffer][s] if a == _RECV else
+                                  free_bytes[t.buf][s] if row.frees or row.moves_to else 0)
+                    spends.append(0)
+                continue
+            made, read, freed, moved = keys_of(schedule, t.op, s, t.peer_stage, t.buf)
+            reads.append(read)
+            nbytes.append(bytes_of(cost.buffer_bytes, made) if a == _COMPUTE else bytes_of(free_bytes, freed or moved))
+            spends.append(times[s] if times is not None else 0)
         check_stages(S, self.templates, self.ids, self.mbs)
-        return acts, nbytes, spends
+        return acts, nbytes, spends, steps, reads
 
     def _rank_channels(self, r: int) -> dict:
         """Rank r's channel of each message template its program holds, by template id (a
@@ -549,7 +552,7 @@ class _Run:
         """`advance` for a schedule where nothing moves ([Note: replayed memory]): time,
         in-flight counts and busy time; the bytes are counted once the run ends."""
         ids, rank_ends, chan, act, spends = self.ids[r], self.ends[r], self.chan[r], self.act, self.spend
-        waiting, stack, state = self.waiting, self.stack, self.states[r]
+        waiting, stack, state, steps = self.waiting, self.stack, self.states[r], self.steps
         pc, t, inflight, peak_inflight, busy = state.pc, state.t, state.inflight, state.peak_inflight, state.busy
         if self.parked[r] is not None:  # resumed: every partner of the parked batch has posted
             ops, batch_end, _ = self.parked[r]
@@ -562,13 +565,12 @@ class _Run:
             if a == _FREE:
                 pc += 1
                 continue
-            if a <= _W:
-                if a == _F:
-                    inflight += 1
+            if a == _COMPUTE:
+                step = steps[k]
+                if step:
+                    inflight += step
                     if inflight > peak_inflight:
                         peak_inflight = inflight
-                elif a == _B:
-                    inflight -= 1
                 spend = spends[k]
                 t += spend
                 busy += spend
@@ -625,7 +627,7 @@ class _Run:
         """Runs rank r's program from where it stands until it parks on a batch whose
         partners have not all posted, or ends."""
         ids, mbs, rank_ends, mem_t, mem_v, link = self.parts[r]
-        act, nbytes, spends, templates = self.act, self.nbytes, self.spend, self.templates
+        act, nbytes, spends, templates, steps = self.act, self.nbytes, self.spend, self.templates, self.steps
         state, moved, special = self.states[r], link.moved, self.special[r]
         pc, t, live, peak = state.pc, state.t, state.live, state.peak
         inflight, peak_inflight, busy = state.inflight, state.peak_inflight, state.busy
@@ -648,16 +650,15 @@ class _Run:
                     live -= nbytes[k]
                     mem_t.append(t)
                     mem_v.append(live)
-            elif a <= _W:
+            elif a == _COMPUTE:
                 grow, spend = nbytes[k], spends[k]
-                if a == _F:
-                    inflight += 1
+                step = steps[k]
+                if step:
+                    inflight += step
                     if inflight > peak_inflight:
                         peak_inflight = inflight
-                elif a == _B:
-                    inflight -= 1
                 if moved or special:  # copies to or from the host, a streamed or resized stash
-                    t, live, peak, spend = self.compute_aside(r, pc, templates[k], mbs[pc], grow, spend, t, live, peak)
+                    t, live, peak, spend = self.compute_aside(r, pc, k, mbs[pc], grow, spend, t, live, peak)
                 else:
                     if grow:
                         live += grow
@@ -684,23 +685,26 @@ class _Run:
         state.pc, state.t, state.live, state.peak = pc, t, live, peak
         state.inflight, state.peak_inflight, state.busy = inflight, peak_inflight, busy
 
-    def compute_aside(self, r: int, pc: int, tpl: Template, mb: int, grow, spend, t, live, peak):
-        """F, B or W (of template `tpl`, microbatch `mb`) on a rank with moved buffers,
+    def compute_aside(self, r: int, pc: int, k: int, mb: int, grow, spend, t, live, peak):
+        """A compute (of template k, microbatch `mb`) on a rank with moved buffers,
         streamed stashes or stashes resized at B: it waits for the reloads of what it
         reads and lands finished copies ([Note: host link]), streams its stash ([Note:
-        simulated streaming]) or shrinks it at its end ([Note: when bytes count]).
+        simulated streaming]: out during the compute that makes it, F, back during the one
+        that releases it, B) or shrinks it at its end ([Note: when bytes count]).
         Returns (t, live, peak, busy time spent)."""
         link, streams, (mem_t, mem_v), rank_ends = self.links[r], self.streamed[r], self.memory[r], self.ends[r]
-        op, s = tpl.op, tpl.stage
-        stream = streams is not None and (s, mb) in streams and op is not W
-        if stream and op is F:
+        tpl = self.templates[k]
+        row, s = EFFECTS[tpl.op], tpl.stage
+        out = "stash" in row.makes  # F: its stash streams out as it saves it
+        stream = streams is not None and (s, mb) in streams and (out or row.releases_stash)
+        if stream and out:
             grow -= self.stash[s]  # its pieces count as they are produced
         if link.moved:
-            ready = link.ready(op.value, s, mb, t, self.edge_reads[op.value][s])
+            ready = link.ready(self.reads[k], mb, t)
             if ready != t:
                 link.waited[pc] = t = ready
             live = link.drain(t, live)
-            if not (stream and op is F):  # a streamed F is stretched once, with its own copies
+            if not (stream and out):  # a streamed F is stretched once, with its own copies
                 spend = link.stretch(t, spend)
         if grow:
             live += grow
@@ -708,7 +712,7 @@ class _Run:
                 peak = live
             mem_t.append(t)
             mem_v.append(live)
-        if stream and op is F:
+        if stream and out:
             live, peak, spend = link.stream_out(("stash", s, mb), self.stash[s], t, spend, live, peak)
             t += spend
         elif stream:
@@ -716,7 +720,7 @@ class _Run:
         else:
             t += spend
         rank_ends[pc] = t
-        if self.b_shrink is not None and op is B and self.b_shrink[s]:
+        if self.b_shrink is not None and row.releases_stash and self.b_shrink[s]:
             live -= self.b_shrink[s]
             if live > peak:
                 peak = live
@@ -745,8 +749,7 @@ class _Run:
                 j = len(mine)
                 if moved:  # a reloaded buffer is read once it lands
                     tpl = self.templates[k]
-                    buf = "act_out" if tpl.op is SEND_F else "grad_in"
-                    mine.append(link.ready_buffer(_moved_key(tpl, mbs[pc], buf), post))
+                    mine.append(link.ready_buffer(_moved_key(tpl, mbs[pc], EFFECTS[tpl.op].buffer), post))
                 else:
                     mine.append(post)
                 rank_ends[pc] = post  # sends do not hold the sender up ([Note: simulated semantics])

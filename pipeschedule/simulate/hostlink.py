@@ -26,9 +26,6 @@ OUT, HOST, IN, BACK = "out", "host", "in", "back"
 # released every piece (a stash kept for W ends as BACK instead).
 STREAMED, RELOADING, GONE = "streamed", "reloading", "gone"
 
-# Which buffers of its own (stage, mb) each compute op reads ([Note: buffers] in compiler/instr.py).
-USES = {"F": ("act_in",), "B": ("act_in", "stash", "grad_out"), "W": ("stash",)}
-
 
 class HostLink:
     """One rank's copies to and from host memory, queued per direction in program order."""
@@ -136,13 +133,14 @@ class HostLink:
             self.host -= entry[2]
         return live, (0 if state is HOST else nbytes)
 
-    def ready(self, op, stage, mb, t, edges=()):
-        """When compute `op` of (stage, mb) may start: not before any RELOAD of a buffer
-        it reads has landed (of a streamed stash, the piece it consumes first). `edges`:
-        the (buf, peer stage) of the buffers of edges it reads besides those of `USES`
-        (keyed (buf, stage, mb, peer stage) here)."""
+    def ready(self, reads, mb, t):
+        """When a compute may start: not before any RELOAD of a buffer it reads has landed
+        (of a streamed stash, the piece it consumes first). `reads`: the buffers it reads,
+        as (buf, stage, peer stage) less the mb (its row's, [Note: instruction effects] in
+        compiler/effects.py), keyed here (buf, stage, mb) or, for an edge that is not the
+        neighbour's, (buf, stage, mb, peer stage)."""
         moved = self.moved
-        keys = [(buf, stage, mb) for buf in USES[op]] + [(buf, stage, mb, other) for buf, other in edges]
+        keys = [(buf, stage, mb) if other is None else (buf, stage, mb, other) for buf, stage, other in reads]
         for key in keys:
             entry = moved.get(key)
             if entry is None:

@@ -412,7 +412,7 @@ def test_a_streamed_stash_kept_for_w_stays_until_its_free():
     live, peak, end = link.stream_b(key, 10, 3, link.drain(10, live), peak, keep=True)  # no RELOAD: at the B
     # window 1: piece 3 lands at 11, piece 2 issued then lands 12, piece 1 lands 13
     assert (live, end) == (300, 14)
-    assert link.ready("W", 0, 0, 12) == 14  # W waits for the whole stash
+    assert link.ready((("stash", 0, None),), 0, 12) == 14  # W (which reads the stash) waits for the whole stash
     assert link.free(key, 300, 20, live) == (300, 300)
 
 
