@@ -269,6 +269,15 @@ def _edge_end(stage: int, other: int) -> int | None:
     return None if other == stage + 1 or other == stage - 1 else other
 
 
+def bytes_of(table, keys) -> float:
+    """The bytes of the buffers `keys` ((kind, stage, peer stage) each) under `table` (kind
+    -> bytes per stage, as a cost model's `buffer_bytes`), added in their order."""
+    total = 0
+    for kind, stage, _ in keys:
+        total += table[kind][stage]
+    return total
+
+
 def received_by(kind: str) -> Op | None:
     """The op that receives a buffer of `kind` by message (act_in: RECV_F), or None."""
     return next((op for op, row in EFFECTS.items() if row.kind == RECV and row.buffer == kind), None)
@@ -333,6 +342,6 @@ def last_readers(schedule) -> dict[str, Op]:
 __all__ = [
     "BACKWARD", "BACKWARD_OPS", "BUFFERS", "BUF_OPS", "COMM_OPS", "COMPUTE", "COMPUTE_OPS", "COPY", "COPY_OPS",
     "COVERED", "EFFECTS", "Effects", "FORWARD", "HANDED", "INSTANT", "Key", "LOADED", "LOADER", "NAMED", "Op", "RECV",
-    "RECV_OPS", "Resolved", "SEND", "SEND_OPS", "SIDE", "allowed", "covered_ops", "edge_side", "first_reader",
-    "handed_by", "keys_of", "last_readers", "maker_of", "ops_where", "received_by", "waits",
+    "RECV_OPS", "Resolved", "SEND", "SEND_OPS", "SIDE", "allowed", "bytes_of", "covered_ops", "edge_side",
+    "first_reader", "handed_by", "keys_of", "last_readers", "maker_of", "ops_where", "received_by", "waits",
 ]

@@ -17,37 +17,40 @@ share it, and their activations do not change with dp or the ZeRO stage.
 
 from __future__ import annotations
 
+from pipeschedule.compiler.effects import COPY, EFFECTS, bytes_of, keys_of
 from pipeschedule.compiler.gcpause import gc_paused
-from pipeschedule.compiler.ir import BUFFERS, Op, Schedule
+from pipeschedule.compiler.ir import BUFFERS, Schedule
 from pipeschedule.compiler.program import Template, packed
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memo import Memo, plain
 
 MEMO_CELLS = 2**20  # numbers each memo of a Peaks keeps ([Note: run-wide memos])
 
-# What each instruction changes, as an index into the table `_deltas` builds per cost.
-_F, _B, _SHRINK, _RECV_F, _RECV_B = range(5)
-_FREE = {buf: 5 + i for i, buf in enumerate(BUFFERS)}
+# What each instruction changes, as an index into the table `_deltas` builds per cost: a
+# block of S entries (one per stage) for what each op that makes buffers allocates, one for
+# the stash a B shrinks at its end, one per buffer kind for what a FREE releases.
+_ALLOCATING = tuple(op for op, row in EFFECTS.items() if row.makes and row.kind != COPY)  # F, B, RECV_F, RECV_B
+_ALLOC = {op: k for k, op in enumerate(_ALLOCATING)}
+_SHRINK = len(_ALLOCATING)
+_RELEASING = frozenset(_ALLOC[op] for op in _ALLOCATING if EFFECTS[op].releases_stash)  # B's block
+_FREE = {buf: _SHRINK + 1 + i for i, buf in enumerate(BUFFERS)}
 
 
-def _effect(t: Template, S: int) -> tuple[tuple[int, ...], int] | None:
-    """What an instruction of template `t` does here: its changes (table * S + stage, in
-    the order they happen) and its in-flight move (+1 for F, -1 for B); None for OFFLOAD
-    and RELOAD, which this does not model."""
-    op, s = t.op, t.stage
-    if op is Op.FREE:
-        return (_FREE[t.buf] * S + s,), 0
-    if op is Op.F:
-        return (_F * S + s,), 1
-    if op is Op.B:
-        return (_B * S + s, _SHRINK * S + s), -1
-    if op is Op.RECV_F:
-        return (_RECV_F * S + s,), 0
-    if op is Op.RECV_B:
-        return (_RECV_B * S + s,), 0
-    if op is Op.OFFLOAD or op is Op.RELOAD:
+def _effect(t: Template, schedule: Schedule) -> tuple[tuple[int, ...], int] | None:
+    """What an instruction of template `t` does here, from its row ([Note: instruction
+    effects] in compiler/effects.py): its changes (table * S + stage, in the order they
+    happen: what it makes, a B's stash shrinking, what it frees) and its in-flight move
+    (+1 for F, -1 for B); None for OFFLOAD and RELOAD, which this does not model."""
+    row, s, S = EFFECTS[t.op], t.stage, schedule.num_stages
+    if row.kind == COPY:
         return None
-    return (), 0  # W, SEND_F, SEND_B: no bytes
+    changes = (_ALLOC[t.op] * S + s,) if t.op in _ALLOC else ()
+    if row.releases_stash:
+        changes += (_SHRINK * S + s,)
+    if row.frees:
+        freed = keys_of(schedule, t.op, s, t.peer_stage, t.buf).frees
+        changes += tuple(_FREE[buf] * S + stage for buf, stage, _ in freed)
+    return changes, row.inflight
 
 
 class Peaks:
@@ -61,7 +64,9 @@ class Peaks:
         self.changes = []  # per rank: table * S + stage per change, in program order
         self.inflight = []  # per rank: +1 / -1 per F / B
         templates, ids_by_rank, mbs_by_rank = packed(schedule.programs)  # [Note: packed programs]
-        effects = [_effect(t, S) for t in templates]  # per template: its changes and its in-flight move
+        effects = [_effect(t, schedule) for t in templates]  # per template: its changes and its in-flight move
+        # per op of _ALLOCATING and stage, the buffers it makes ([Note: when bytes count])
+        self.made = [[keys_of(schedule, op, s).makes for s in range(S)] for op in _ALLOCATING]
         for r, ids in enumerate(ids_by_rank):
             changes, moves = [], []
             for pc, k in enumerate(ids):
@@ -80,19 +85,16 @@ class Peaks:
     def _deltas(self, cost) -> list:
         """The signed change of each table entry, as the simulator's `_Run` tables make them."""
         sched, S = self.schedule, self.schedule.num_stages
-        act_in, act_out, stash, grad_out, grad_in = (cost.buffer_bytes[k] for k in BUFFERS)
-        placement = sched.placement
-        local = [s + 1 < S and placement[s + 1] == placement[s] for s in range(S)]
-        f_alloc = [(act_in[s] if s == 0 else 0) + stash[s] + (act_out[s] if sched.sends_forward(s) else 0)
-                   + (act_in[s + 1] if local[s] else 0) for s in range(S)]
-        b_alloc = [(grad_in[s] if sched.sends_backward(s) else 0) + (grad_out[s - 1] if s > 0 and local[s - 1]
-                   else 0) for s in range(S)]
+        stash = cost.buffer_bytes["stash"]
+        table = []
+        for made in self.made:  # what each op that makes buffers allocates at its start, per stage
+            table += [bytes_of(cost.buffer_bytes, keys) for keys in made]
         free = dict(cost.buffer_bytes)
         shrink = [0] * S
         if cost.weight_stash is not None and sched.split_backward:
             shrink = [-(whole - kept) for whole, kept in zip(stash, cost.weight_stash)]
             free["stash"] = cost.weight_stash
-        table = f_alloc + b_alloc + shrink + list(act_in) + list(grad_out)
+        table += shrink
         for buf in BUFFERS:
             table += [-x for x in free[buf]]
         return table
@@ -148,7 +150,7 @@ class Peaks:
             live = top = 0
             for i in changes:
                 live += table[i]
-                if i // S == _B:
+                if i // S in _RELEASING:  # B: its allocation, at its start
                     top = max(top, live - stash[i % S])
             out.append(top)
         return tuple(out)

@@ -25,8 +25,9 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 
+from pipeschedule.compiler.effects import COPY, EFFECTS, SEND
 from pipeschedule.compiler.gcpause import gc_paused
-from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.compiler.ir import Schedule
 from pipeschedule.compiler.program import Template, packed
 from pipeschedule.errors import ParameterError, ScheduleError
 from pipeschedule.plan.memo import Memo, plain
@@ -37,16 +38,22 @@ POST, DONE, BOTH = 1, 2, 3  # what an entry of StepGraph.order evaluates: the po
 _OTHER, _COMPUTE, _SEND, _RECV, _MOVE = "other", "compute", "send", "recv", "move"  # what a template is to the graph
 
 
+TIMES = ("forward", "backward", "weight")  # the flat costs' parts, as `step` takes them
+
+
 def _kind(t: Template, S: int) -> tuple[str, int | None]:
-    """What instructions of template `t` are to the step graph, and for a compute its
-    flat cost index kind * S + stage (F, B, W)."""
-    if t.op is Op.F or t.op is Op.B or t.op is Op.W:
-        return _COMPUTE, (0 if t.op is Op.F else 1 if t.op is Op.B else 2) * S + t.stage
-    if t.op is Op.SEND_F or t.op is Op.SEND_B:
-        return _SEND, None
-    if t.op is Op.RECV_F or t.op is Op.RECV_B:
-        return _RECV, None
-    return (_OTHER if t.op is Op.FREE else _MOVE), None
+    """What instructions of template `t` are to the step graph, by its row ([Note:
+    instruction effects] in compiler/effects.py), and for a compute its flat cost index
+    part * S + stage (its `time`: forward, backward, weight). An op of no time (FREE) is
+    "other"."""
+    row = EFFECTS[t.op]
+    if row.message:
+        return (_SEND if row.kind == SEND else _RECV), None
+    if row.kind == COPY:
+        return _MOVE, None
+    if row.time is not None:
+        return _COMPUTE, TIMES.index(row.time) * S + t.stage
+    return _OTHER, None
 
 
 class StepGraph:
@@ -59,8 +66,8 @@ class StepGraph:
     batch, -1 for none). `tail[r]`: the computes after rank r's last batch, `last[r]`
     its last batch (-1 for none). `order`: (batch, POST / DONE / BOTH) in an order
     that evaluates the post of every batch holding a send before the end of the batch
-    receiving it. `messages[i]`: (op, stage) of the
-    send of message i, which sets its time.
+    receiving it. `messages[i]`: (buffer kind, stage) of
+    the send of message i, which sets its time.
     """
 
     @gc_paused  # many small tuples and lists, none in a cycle (compiler/gcpause.py)
@@ -77,7 +84,7 @@ class StepGraph:
             computes, batch, prev = [], None, -1
             for pc, k in enumerate(ids):
                 kind, cost = kinds[k]
-                if kind is _OTHER:  # FREE
+                if kind is _OTHER:  # FREE, an op of no time
                     batch = None
                 elif kind is _COMPUTE:
                     batch = None
@@ -92,7 +99,7 @@ class StepGraph:
                         computes, prev = [], batch
                     t = templates[k]
                     if kind is _SEND:
-                        sends[r, t.peer].append((batch, t.op, t.stage))
+                        sends[r, t.peer].append((batch, EFFECTS[t.op].buffer, t.stage))
                     else:
                         pending[t.peer, r].append((batch, len(self.recvs[batch])))
                         self.recvs[batch].append(None)
@@ -108,9 +115,9 @@ class StepGraph:
             if len(out) != len(into):
                 raise ScheduleError(f"rule matching: rank {channel[0]} sends {len(out)} messages to rank "
                                     f"{channel[1]}, which receives {len(into)}", rule="matching")
-            for (src, op, stage), (batch, slot) in zip(out, into):
+            for (src, buf, stage), (batch, slot) in zip(out, into):
                 self.recvs[batch][slot] = (src, len(self.messages))
-                self.messages.append((op, stage))
+                self.messages.append((buf, stage))
         self.recvs = [tuple(x) for x in self.recvs]
         self.order = self._order()
         # [Note: run-wide memos]: a message tuple is kept once, and the steps refer to it
@@ -170,9 +177,10 @@ class StepGraph:
         return self.message_memo.get(key, lambda: self._message_times(*key))
 
     def _message_times(self, act_out: tuple, grad_in: tuple, latency: float, bandwidth: float) -> tuple:
+        sizes = {"act_out": act_out, "grad_in": grad_in}  # by the buffer a message sends
         out = []
-        for op, stage in self.messages:
-            size = act_out[stage] if op is Op.SEND_F else grad_in[stage]
+        for buf, stage in self.messages:
+            size = sizes[buf][stage]
             out.append(latency + size / bandwidth if bandwidth != math.inf else latency)
         return tuple(out)
 

@@ -17,8 +17,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeschedule.compiler.ir import COMM_OPS, RECV_OPS, SEND_OPS, Op, Schedule
+from pipeschedule.compiler.effects import EFFECTS
+from pipeschedule.compiler.ir import COMM_OPS, RECV_OPS, SEND_OPS, Schedule
 from pipeschedule.compiler.program import instructions
+
+# Ops that take no time on their rank, which a chain steps over: FREE (instant), OFFLOAD and
+# RELOAD (copies; a compute that waits for one is not modelled here), an op with no time.
+_TIMELESS = frozenset(op for op, row in EFFECTS.items() if not row.message and row.time is None)
 
 
 @dataclass(frozen=True)
@@ -93,10 +98,10 @@ def critical_path(schedule: Schedule, result, cost) -> CriticalPath:
     programs, stages = [instructions(p) for p in schedule.programs], schedule.num_stages
     times = [result.events.times(r) for r in range(schedule.pp)]
     first, partner = _structure(schedule)
-    counts = {Op.F: [0] * stages, Op.B: [0] * stages, Op.W: [0] * stages}
+    counts = {"forward": [0] * stages, "backward": [0] * stages, "weight": [0] * stages}  # by a compute's `time`
 
     def message(instr) -> float:
-        size = cost.buffer_bytes["act_out" if instr.op is Op.SEND_F else "grad_in"][instr.stage]
+        size = cost.buffer_bytes[EFFECTS[instr.op].buffer][instr.stage]
         return cost.latency + (size / cost.bandwidth if cost.bandwidth != float("inf") else 0)
 
     # A send's event lasts until its message completes, but the rank does not wait for it
@@ -108,13 +113,13 @@ def critical_path(schedule: Schedule, result, cost) -> CriticalPath:
     messages = 0.0
     while True:
         j = i - 1
-        while j >= 0 and programs[r][j].op is Op.FREE:
+        while j >= 0 and programs[r][j].op in _TIMELESS:
             j -= 1
         if j < 0:
             break
         instr = programs[r][j]
         if instr.op not in COMM_OPS:
-            counts[instr.op][instr.stage] += 1
+            counts[EFFECTS[instr.op].time][instr.stage] += 1
             i = j
             continue
         starts, ends = times[r]
@@ -131,7 +136,7 @@ def critical_path(schedule: Schedule, result, cost) -> CriticalPath:
             i = f
         else:
             r, i = p, first[p][q]
-    return CriticalPath(tuple(counts[Op.F]), tuple(counts[Op.B]), tuple(counts[Op.W]), messages)
+    return CriticalPath(tuple(counts["forward"]), tuple(counts["backward"]), tuple(counts["weight"]), messages)
 
 
 __all__ = ["CriticalPath", "critical_path"]

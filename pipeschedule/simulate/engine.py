@@ -126,7 +126,7 @@ from typing import Iterator, NamedTuple, Sequence
 from pipeschedule.errors import ScheduleError
 from pipeschedule.compiler.offload import streamed_stashes
 from pipeschedule.simulate.hostlink import HostLink
-from pipeschedule.compiler.effects import COPY, EFFECTS, INSTANT, RECV, SEND, keys_of
+from pipeschedule.compiler.effects import COPY, EFFECTS, INSTANT, RECV, SEND, bytes_of, keys_of
 from pipeschedule.compiler.ir import COMM_OPS, SEND_OPS, Instr, Schedule
 from pipeschedule.compiler.program import Template, check_stages, packed, used_ids
 
@@ -407,15 +407,6 @@ class _RankState:
 # its time, with the bytes it makes counted from its start and its in-flight step (a
 # compute, or an instant op that frees nothing: no time, no bytes); messages; copies.
 _FREE, _COMPUTE, _SEND, _RECV, _OFFLOAD, _RELOAD = range(6)
-
-
-def bytes_of(table, keys) -> float:
-    """The bytes of the buffers `keys` (kind, stage, peer stage) under `table` (a cost's
-    buffer bytes: kind -> per stage), added in their order."""
-    total = 0
-    for kind, stage, _ in keys:
-        total += table[kind][stage]
-    return total
 
 
 def message_time(cost, nbytes) -> float:

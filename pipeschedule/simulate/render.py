@@ -12,12 +12,18 @@ from typing import Any
 
 from pipeschedule.checks import check_png_ranks, check_timeline_cells, shown
 from pipeschedule.errors import PipescheduleError
-from pipeschedule.compiler.ir import COMPUTE_OPS, Op, SEND_OPS, Schedule
+from pipeschedule.compiler.effects import COMPUTE, COPY, EFFECTS, INSTANT
+from pipeschedule.compiler.ir import COMPUTE_OPS, SEND_OPS, Schedule
 from pipeschedule.simulate import SimResult
 
 # The fill after a block's label shows its chunk (the rank's k-th stage) when virtual > 1.
 CHUNK_FILLS = " -=~+:*#"
-LABEL_PREFIX = {Op.F: "", Op.B: "b", Op.W: "w"}
+# What a compute shows ([Note: instruction effects] in compiler/effects.py): its row's label
+# before the microbatch ("" F, "b" B, "w" W), the letter of a summary cell, its PNG colour.
+LABEL_PREFIX = {op: EFFECTS[op].label for op in COMPUTE_OPS}
+LETTER = {op: op.value[0] for op in COMPUTE_OPS}
+PALETTE = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")  # by the compute's order
+OP_COLORS = {op: PALETTE[(EFFECTS[op].order or 0) % len(PALETTE)] for op in COMPUTE_OPS}
 
 
 def _label(instr) -> str:
@@ -95,8 +101,8 @@ def _summary_row(blocks, scale: float, cells: int) -> str:
         for cell in range(int(lo), min(cells, math.ceil(hi))):
             cover = busy.get(cell)
             if cover is None:
-                cover = busy[cell] = dict.fromkeys("FBW", 0.0)
-            cover[instr.op.value] += min(hi, cell + 1) - max(lo, cell)
+                cover = busy[cell] = dict.fromkeys(LETTER.values(), 0.0)
+            cover[LETTER[instr.op]] += min(hi, cell + 1) - max(lo, cell)
     row = ["."] * cells
     for cell, cover in busy.items():
         total = sum(cover.values())
@@ -168,13 +174,13 @@ def chrome_trace(schedule: Schedule, result: SimResult, *, time_unit_us: float =
         }
 
     for e in result.events:
-        op = e.instr.op
-        if op is Op.FREE:
+        kind = EFFECTS[e.instr.op].kind
+        if kind == INSTANT:  # no time (FREE)
             continue
-        if op in COMPUTE_OPS:
+        if kind == COMPUTE:
             events.append(event(e, "compute", e.rank))
         else:
-            category = "copy" if op is Op.OFFLOAD or op is Op.RELOAD else "comm"
+            category = "copy" if kind == COPY else "comm"
             side.setdefault((e.rank, category), []).append((float(e.start), float(e.end), e))
     next_tid = pp
     for rank in range(pp):
@@ -196,9 +202,6 @@ def chrome_trace(schedule: Schedule, result: SimResult, *, time_unit_us: float =
         "displayTimeUnit": "ms",
         "otherData": {"schedule": schedule.name, **result.to_dict()},
     }
-
-
-OP_COLORS = {Op.F: "#4c72b0", Op.B: "#dd8452", Op.W: "#55a868"}
 
 
 def png(schedule: Schedule, result: SimResult, path) -> None:
