@@ -278,6 +278,21 @@ def bytes_of(table, keys) -> float:
     return total
 
 
+def boundary_keys(schedule) -> frozenset[Key]:
+    """Every buffer a message of `schedule` sends or receives, as (kind, stage, peer stage):
+    per edge between ranks, the buffer of each message op the schedule may hold on that
+    edge's side (act_out and grad_out per remote consumer, act_in and grad_in per remote
+    producer; the runtime's pool serves exactly these)."""
+    out = set()
+    sides = {EFFECTS[op].buffer: SIDE[EFFECTS[op].buffer] for op in EFFECTS if EFFECTS[op].message
+             and allowed(schedule, op)}
+    for s in range(schedule.num_stages):
+        for kind, side in sides.items():
+            others = schedule.remote_producers(s) if side < 0 else schedule.remote_consumers(s)
+            out.update((kind, s, _edge_end(s, o)) for o in others)
+    return frozenset(out)
+
+
 def received_by(kind: str) -> Op | None:
     """The op that receives a buffer of `kind` by message (act_in: RECV_F), or None."""
     return next((op for op, row in EFFECTS.items() if row.kind == RECV and row.buffer == kind), None)
@@ -342,6 +357,7 @@ def last_readers(schedule) -> dict[str, Op]:
 __all__ = [
     "BACKWARD", "BACKWARD_OPS", "BUFFERS", "BUF_OPS", "COMM_OPS", "COMPUTE", "COMPUTE_OPS", "COPY", "COPY_OPS",
     "COVERED", "EFFECTS", "Effects", "FORWARD", "HANDED", "INSTANT", "Key", "LOADED", "LOADER", "NAMED", "Op", "RECV",
-    "RECV_OPS", "Resolved", "SEND", "SEND_OPS", "SIDE", "allowed", "bytes_of", "covered_ops", "edge_side",
-    "first_reader", "handed_by", "keys_of", "last_readers", "maker_of", "ops_where", "received_by", "waits",
+    "RECV_OPS", "Resolved", "SEND", "SEND_OPS", "SIDE", "allowed", "boundary_keys", "bytes_of", "covered_ops",
+    "edge_side", "first_reader", "handed_by", "keys_of", "last_readers", "maker_of", "ops_where", "received_by",
+    "waits",
 ]

@@ -115,7 +115,10 @@ from torch.autograd.variable import Variable
 
 from pipeschedule.checks import check_int, is_int, is_number, shown
 from pipeschedule.errors import ParameterError
-from pipeschedule.compiler.ir import COMM_OPS, COMPUTE_OPS, Instr, Op, Schedule, edge_end
+from pipeschedule.compiler.effects import (
+    BACKWARD_OPS, COMPUTE_OPS, EFFECTS, RECV_OPS, SEND_OPS, boundary_keys, edge_side,
+)
+from pipeschedule.compiler.ir import COMM_OPS, Instr, Op, Schedule, edge_end
 from pipeschedule.compiler.passes import is_lowered
 from pipeschedule.compiler.program import instructions
 from pipeschedule.runtime.agreement import Agreement, ScheduleSummary
@@ -134,7 +137,10 @@ from pipeschedule.runtime.transport import P2P, Pending, Transport
 
 _LOG = logging.getLogger("pipeschedule.runtime")
 MEASURE_STASH = ("first", "every")
-GRADIENT_OPS = frozenset((Op.B, Op.W))  # the instructions `around_gradients` wraps
+GRADIENT_OPS = COMPUTE_OPS & BACKWARD_OPS  # the instructions `around_gradients` wraps: B, W
+# Receives of an activation (RECV_F): the tensor requires grad as the sender's did, and its
+# shape is learnt at the first step ([Note: first-use metadata]; a gradient has its output's).
+ACTIVATION_RECEIVES = frozenset(op for op in RECV_OPS if EFFECTS[op].buffer == "act_in")
 STASH_SIZES_KEPT = 256  # measured stash sizes kept across steps, at most (then measured afresh)
 
 
@@ -234,11 +240,12 @@ class Executor:
         self.split_mode: dict[int, str] = {}  # stage -> "split" | "full", from its first F
         self.split_report: dict[int, SplitReport] = {}
         self.pool = BufferPool(schedule, rank, self.device) if pool else None
-        self._pooled = self._boundaries(schedule)  # (buf, stage) the pool serves
-        self.offloads = any(i.op is Op.OFFLOAD for i in self.program)  # F packs saved tensors in holders
+        self._pooled = boundary_keys(schedule)  # (buf, stage, peer stage) the pool serves
+        # F packs saved tensors in holders where the program moves buffers to the host
+        self.offloads = any(EFFECTS[i.op].moves_to == "host" for i in self.program)
         self.offloader = Offloader(self.device, self.ledger, offload_chunk, reload_window)
         self._streamed = streamed_stashes(self.program) if offload_chunk is not None else frozenset()
-        self._dispatch = {
+        self._dispatch = {  # one handler per op ([Note: instruction effects] in compiler/effects.py)
             Op.F: self._forward, Op.B: self._backward, Op.W: self._weight, Op.FREE: self._free,
             Op.SEND_F: self._send_f, Op.RECV_F: self._recv_f, Op.SEND_B: self._send_b, Op.RECV_B: self._recv_b,
             Op.OFFLOAD: self._offload, Op.RELOAD: self._reload,
@@ -381,7 +388,7 @@ class Executor:
         for pending, ops, pcs in posted:
             _finish(pending, {op.peer for op in ops})
             for op, pc in zip(ops, pcs):
-                if op.instr.op is Op.RECV_F:
+                if op.instr.op in ACTIVATION_RECEIVES:
                     op.tensor.requires_grad_(self.shapes[self._boundary_at[pc]].requires_grad)
         self.times.transport_s += time.perf_counter() - start
         self._waiting = None
@@ -395,7 +402,7 @@ class Executor:
         self._waiting = [(len(self.program), "the sends of this step")]
         if not pending.ready():
             yield pending
-        _finish(pending, {i.peer for i in self.program if i.op in (Op.SEND_F, Op.SEND_B)})
+        _finish(pending, {i.peer for i in self.program if i.op in SEND_OPS})
         self._waiting = None
 
     def _split_unknown(self, batch):
@@ -404,9 +411,9 @@ class Executor:
         channel delivers in order), waits ([Note: first-use metadata])."""
         now, later, waiting_peers = [], [], set()
         for pc, instr in batch:
-            if instr.op is Op.RECV_F and self._boundary_at[pc] not in self.shapes:
+            if instr.op in ACTIVATION_RECEIVES and self._boundary_at[pc] not in self.shapes:
                 waiting_peers.add(instr.peer)
-            is_recv = instr.op is Op.RECV_F or instr.op is Op.RECV_B
+            is_recv = instr.op in RECV_OPS
             (later if is_recv and instr.peer in waiting_peers else now).append((pc, instr))
         return now, later
 
@@ -506,7 +513,7 @@ class Executor:
     def _boundary(self, i: Instr):
         """The boundary message i carries, as `Shapes` names it: the producing stage on a
         chain, the edge (producer, consumer) on any other graph."""
-        step = 1 if i.op is Op.SEND_F or i.op is Op.RECV_B else -1
+        step = edge_side(i.op, i.buf)  # +1: the peer stage is the consumer (SEND_F, RECV_B)
         other = i.stage + step if i.peer_stage is None else i.peer_stage
         producer, consumer = (i.stage, other) if step > 0 else (other, i.stage)
         return producer if self.chain else (producer, consumer)
@@ -682,18 +689,6 @@ class Executor:
             inputs = held.get(("act_in", s, mb)) if self.chain else [
                 held.get(buffer_key("act_in", s, mb, edge_end(s, p))) for p in self.graph.producers[s]]
             _release(value, inputs)  # the sent output
-
-    @staticmethod
-    def _boundaries(schedule: Schedule) -> frozenset[tuple[str, int, int | None]]:
-        """Every (buf, stage, peer stage) that is a boundary buffer, which the pool serves
-        ([Note: buffer pool]): what a stage receives or sends, per edge between ranks."""
-        out = set()
-        for s in range(schedule.num_stages):
-            for t in schedule.remote_consumers(s):
-                out |= {("act_out", s, edge_end(s, t)), ("grad_out", s, edge_end(s, t))}
-            for p in schedule.remote_producers(s):
-                out |= {("act_in", s, edge_end(s, p)), ("grad_in", s, edge_end(s, p))}
-        return frozenset(out)
 
     # -- host offload ([Note: host offload]) ---------------------------------------------
 

@@ -37,66 +37,51 @@ from collections import defaultdict
 
 import torch
 
-from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.compiler.effects import boundary_keys, keys_of
+from pipeschedule.compiler.ir import Schedule
 from pipeschedule.errors import RuntimeScheduleError
 from pipeschedule.runtime.shapes import TensorMeta
 
 POOLED = ("act_in", "grad_out", "act_out", "grad_in")
+AUTOGRAD_READS = ("act_in", "grad_out")  # what autograd may read until the stash of its (stage, mb) goes
 
 
 def capacity(schedule: Schedule, rank: int) -> dict[str, int]:
     """Peak number of pooled buffers of each kind live at once on `rank`
-    ([Note: buffer pool]): produced at RECV_F (act_in), RECV_B (grad_out), F of a stage whose output is
-    sent (act_out), B of a stage whose input gradient is sent (grad_in); back at their
-    FREE, act_in and grad_out not before the FREE of their (stage, mb)'s stash."""
+    ([Note: buffer pool]): each boundary buffer (`boundary_keys`) counts from the
+    instruction that makes it (RECV_F: act_in, RECV_B: grad_out, F of a stage whose output
+    is sent: act_out, B of a stage whose input gradient is sent: grad_in; the rows of
+    [Note: instruction effects] in compiler/effects.py) to its FREE, act_in and grad_out not
+    before the FREE of their (stage, mb)'s stash."""
     live = dict.fromkeys(POOLED, 0)
     peak = dict(live)
+    boundary = boundary_keys(schedule)
     stashes: set[tuple[int, int]] = set()
     parked: dict[tuple[int, int], list[str]] = defaultdict(list)
-
-    def add(kind: str) -> None:
-        live[kind] += 1
-        peak[kind] = max(peak[kind], live[kind])
-
-    sends = [len(schedule.remote_consumers(s)) for s in range(schedule.num_stages)]
-    gradients = [len(schedule.remote_producers(s)) for s in range(schedule.num_stages)]
+    resolved: dict = {}  # per (op, stage, peer_stage, buf): what it makes and frees
     for i in schedule.programs[rank]:
-        key = (i.stage, i.mb)
-        if i.op is Op.RECV_F:
-            add("act_in")
-        elif i.op is Op.RECV_B:
-            add("grad_out")
-        elif i.op is Op.F:
-            stashes.add(key)
-            for _ in range(sends[i.stage]):
-                add("act_out")
-        elif i.op is Op.B:
-            for _ in range(gradients[i.stage]):
-                add("grad_in")
-        elif i.op is Op.FREE:
-            if i.buf == "stash":
+        template = (i.op, i.stage, i.peer_stage, i.buf)
+        keys = resolved.get(template)
+        if keys is None:
+            keys = resolved[template] = keys_of(schedule, *template)
+        for kind, s, other in keys.makes:
+            if kind == "stash":
+                stashes.add((s, i.mb))
+            elif (kind, s, other) in boundary:
+                live[kind] += 1
+                peak[kind] = max(peak[kind], live[kind])
+        for kind, s, other in keys.frees:
+            key = (s, i.mb)
+            if kind == "stash":
                 stashes.discard(key)
-                for kind in parked.pop(key, ()):
-                    live[kind] -= 1
-            elif i.buf in ("act_in", "grad_out") and received(schedule, i.buf, i.stage, i.peer_stage):
-                if key in stashes:
-                    parked[key].append(i.buf)
+                for held in parked.pop(key, ()):
+                    live[held] -= 1
+            elif (kind, s, other) in boundary:
+                if kind in AUTOGRAD_READS and key in stashes:
+                    parked[key].append(kind)
                 else:
-                    live[i.buf] -= 1
-            elif i.buf == "act_out" or (i.buf == "grad_in"):
-                live[i.buf] -= 1
+                    live[kind] -= 1
     return peak
-
-
-def received(schedule: Schedule, buf: str, stage: int, other: int | None) -> bool:
-    """Whether act_in or grad_out of `stage` on the edge to peer stage `other` (as an
-    instruction writes it: None for the neighbour, or stage 0's data) arrives by message
-    (so it is pooled), not by local hand-off or the data loader."""
-    step = -1 if buf == "act_in" else 1
-    peer = stage + step if other is None else other
-    edge = (peer, stage) if step < 0 else (stage, peer)
-    placement = schedule.placement
-    return edge in schedule.graph.index and placement[peer] != placement[stage]
 
 
 class BufferPool:
