@@ -12,6 +12,13 @@ the walk never raises: at any failed check it returns False and `verify` runs th
 one by one, which raise the right error. False is therefore always safe (only slower);
 True must come back only when every rule would pass.
 
+What each instruction does is its op's row ([Note: instruction effects] in effects.py),
+resolved once per template: the buffers it makes, reads and frees, its message, its
+copy, its place in the order of computes, its in-flight step. The checks below name the
+ops there are today; an op with other effects is checked by what its row says (`_USE`:
+each buffer it makes never made before, each it reads live, each it frees neither never
+made nor freed, once per (stage, mb) where it has an order).
+
 What the walk checks, and where:
 - once per template of each rank's program, before the walk: its stage runs on that
   rank (coverage), a message's edge is one of the stage graph's, its other stage runs
@@ -51,7 +58,8 @@ so a count that agrees means nothing is missing; and since every buffer is produ
 (above), a rank whose FREEs (each of a produced buffer, once) number its productions has
 no leak. tests/compiler/test_verify_walk.py pins this walk to the rules (a differential
 test on valid and edited schedules of every family, with offload and caps, and every
-single edit of small ones); each check above, removed in turn, fails it. A forward-only
+single edit of small ones); each check above, removed in turn, fails it;
+tests/compiler/test_effects.py adds an op and checks both on it. A forward-only
 schedule is left to the separate rules (False): evaluation schedules are small and rare.
 """
 
