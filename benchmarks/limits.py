@@ -4,11 +4,12 @@ that any accepted input must finish in ([Note: size limits] in pipeschedule/chec
 
     python -m benchmarks.limits            # every case, writes results/limits.{json,md}
     python -m benchmarks.limits --quick    # the cases under 2 s at small sizes, nothing written
-    python -m benchmarks.limits --only compile
+    python -m benchmarks.limits --only compile   # or verify, simulate, trace, png, show, plan, check, demo
     python -m benchmarks.limits --smoke    # one small compile and its refusal: the plumbing, nothing written
 
-The sizes come from the limits themselves (`pipeschedule.checks`), so a changed limit is
-measured by the next run: "worst accepted" is the largest pp (stages), the largest
+The sizes come from the limits themselves (`pipeschedule.checks`: a schedule's pairs and
+stages, a Chrome trace's and a PNG's pairs, a timeline's cells, the planner's), so a
+changed limit is measured by the next run: "worst accepted" is the largest pp (stages), the largest
 microbatch count, and the families, outputs and searches that cost the most per
 (stage, microbatch) pair. Each accepted case must exit 0; beside it, the input one past
 the limit must be refused (exit 2) in one line naming the value. Files that `verify`,
@@ -41,12 +42,14 @@ from pipeschedule.checks import (
     MAX_PLAN_STAGE_MICROBATCHES,
     MAX_PLAN_WORK,
     MAX_PNG_RANKS,
+    MAX_PNG_STAGE_MICROBATCHES,
     MAX_SEARCH_NODES,
     MAX_SEARCH_PAIRS,
     MAX_SEARCH_STAGES,
     MAX_STAGE_MICROBATCHES,
     MAX_STAGES,
     MAX_TIMELINE_CELLS,
+    MAX_TRACE_STAGE_MICROBATCHES,
     PLAN_SEARCH_WORK,
 )
 
@@ -54,8 +57,11 @@ LIMIT_S = 10.0
 TIMEOUT_S = 300.0  # a case past it is reported as over (its time ">= TIMEOUT_S")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-P = MAX_STAGE_MICROBATCHES  # (stage, microbatch) pairs of one schedule
+P = MAX_STAGE_MICROBATCHES  # (stage, microbatch) pairs of one schedule: compile, verify, simulate, show
 S = MAX_STAGES  # stages (pp * virtual) of one schedule
+PT = MAX_TRACE_STAGE_MICROBATCHES  # pairs of a Chrome trace
+PG = MAX_PNG_STAGE_MICROBATCHES  # pairs of a PNG
+ISSUE = (64, 2, 512)  # interleaved 1F1B at pp=64, virtual=2, m=512: accepted by compile, verify, simulate
 
 
 @dataclass
@@ -74,9 +80,12 @@ class Case:
 
 
 def cases(tmp: str, quick: bool = False) -> list[Case]:
-    p, s = (2**12, 2**10) if quick else (P, S)
+    p, s, pt, pg = (2**12, 2**10, 2**11, 2**11) if quick else (P, S, PT, PG)
     f = lambda name: os.path.join(tmp, name)  # noqa: E731
     big = ["zbv", "--pp", "64", "-m", str(p // 128)]  # the split-backward V: the most instructions per pair
+    pp, v, m = ISSUE if not quick else (16, 2, 64)
+    issue = ["interleaved_1f1b", "--pp", str(pp), "--virtual", str(v), "-m", str(m)]
+    what = f"interleaved_1f1b pp={pp}, virtual={v}, m={m} ({pp * v * m} pairs)"
     out = [
         Case("compile", f"1f1b pp={s} (most stages), m={p // s}, JSON",
              ["compile", "1f1b", "--pp", str(s), "-m", str(p // s), "--json", f("a.json")],
@@ -89,6 +98,9 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
         Case("compile", f"interleaved_1f1b pp=16, virtual=8, m={p // 128}, JSON",
              ["compile", "interleaved_1f1b", "--pp", "16", "--virtual", "8", "-m", str(p // 128),
               "--json", f("i.json")]),
+        Case("compile", f"{what}, JSON", ["compile", *issue, "--json", f("ii.json")],
+             refused=["compile", "interleaved_1f1b", "--pp", "64", "--virtual", "2", "-m", str(P // 128 + 1),
+                      "--json", f("r.json")]),
         Case("compile", f"zb_h1 pp=128, m={p // 128}, JSON",
              ["compile", "zb_h1", "--pp", "128", "-m", str(p // 128), "--json", f("h.json")]),
         Case("compile", f"zbv pp=64 (128 stages), m={p // 128}, JSON + text + CSV",
@@ -130,16 +142,26 @@ def cases(tmp: str, quick: bool = False) -> list[Case]:
              setup=[["compile", *big, "--csv", f("vv.csv")]]),
         Case("verify", f"JSON of 1f1b pp={s}, m={p // s}", ["verify", f("va.json")],
              setup=[["compile", "1f1b", "--pp", str(s), "-m", str(p // s), "--json", f("va.json")]]),
-        Case("simulate", f"zbv pp=64, m={p // 128}, --json --trace",
-             ["simulate", *big, "--json", "--trace", f("t.json")]),
-        Case("simulate", f"1f1b pp={s}, m={p // s}, --trace",
-             ["simulate", "1f1b", "--pp", str(s), "-m", str(p // s), "--trace", f("ta.json")]),
+        Case("verify", f"JSON of {what}", ["verify", f("vi.json")],
+             setup=[["compile", *issue, "--json", f("vi.json")]]),
+        Case("simulate", f"zbv pp=64, m={p // 128}, --json", ["simulate", *big, "--json"],
+             refused=["simulate", "zbv", "--pp", "64", "-m", str(P // 128 + 1)]),
+        Case("simulate", f"{what}, --json", ["simulate", *issue, "--json"]),
         Case("simulate", f"--schedule zbv pp=64, m={p // 128} (JSON file)", ["simulate", "--schedule", f("vs.json")],
              setup=[["compile", *big, "--json", f("vs.json")]]),
-        Case("simulate", f"1f1b pp={MAX_PNG_RANKS} (most ranks drawn), m={p // MAX_PNG_RANKS}, --png",
-             ["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS), "-m", str(p // MAX_PNG_RANKS), "--png", f("a.png")],
+        Case("trace", f"simulate zbv pp=64, m={pt // 128}, --json --trace",
+             ["simulate", "zbv", "--pp", "64", "-m", str(pt // 128), "--json", "--trace", f("t.json")],
+             refused=["simulate", "zbv", "--pp", "64", "-m", str(PT // 128 + 1), "--trace", f("r.json")]),
+        Case("trace", f"simulate 1f1b pp={s} (most stages), m={pt // s}, --trace",
+             ["simulate", "1f1b", "--pp", str(s), "-m", str(pt // s), "--trace", f("ta.json")]),
+        Case("trace", f"simulate v_min pp={s // 2} (most stages), m={pt // s}, --trace",
+             ["simulate", "v_min", "--pp", str(s // 2), "-m", str(pt // s), "--trace", f("tv.json")]),
+        Case("png", f"simulate 1f1b pp={MAX_PNG_RANKS} (most ranks drawn), m={pg // MAX_PNG_RANKS}, --png",
+             ["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS), "-m", str(pg // MAX_PNG_RANKS), "--png", f("a.png")],
              refused=["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS + 1), "-m", "1", "--png", f("r.png")]),
-        Case("simulate", f"zbv pp=64, m={p // 128}, --png", ["simulate", *big, "--png", f("v.png")]),
+        Case("png", f"simulate zbv pp=64, m={pg // 128}, --png", ["simulate", "zbv", "--pp", "64", "-m", str(pg // 128),
+                                                                  "--png", f("v.png")],
+             refused=["simulate", "zbv", "--pp", "64", "-m", str(PG // 128 + 1), "--png", f("r.png")]),
         Case("show", f"zbv pp=64, m={p // 128}", ["show", *big]),
         Case("show", f"1f1b pp={s}, m={p // s}, --width {MAX_TIMELINE_CELLS // s} (the most cells)",
              ["show", "1f1b", "--pp", str(s), "-m", str(p // s), "--width", str(MAX_TIMELINE_CELLS // s)],
@@ -335,7 +357,8 @@ def main(argv=None) -> int:
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "machine": info, "nproc": os.cpu_count(), "limit_s": LIMIT_S,
-        "limits": {"MAX_STAGE_MICROBATCHES": P, "MAX_STAGES": S, "MAX_PNG_RANKS": MAX_PNG_RANKS,
+        "limits": {"MAX_STAGE_MICROBATCHES": P, "MAX_STAGES": S, "MAX_TRACE_STAGE_MICROBATCHES": PT,
+                   "MAX_PNG_STAGE_MICROBATCHES": PG, "MAX_PNG_RANKS": MAX_PNG_RANKS,
                    "MAX_TIMELINE_CELLS": MAX_TIMELINE_CELLS,
                    "MAX_PLAN_STAGE_MICROBATCHES": MAX_PLAN_STAGE_MICROBATCHES,
                    "MAX_PLAN_LAYER_STAGES": MAX_PLAN_LAYER_STAGES, "MAX_PLAN_DPS": MAX_PLAN_DPS,

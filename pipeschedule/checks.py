@@ -6,15 +6,26 @@ length for messages.
 
 [Note: size limits] Every limit here is chosen so that any input it accepts finishes
 within 10 s on a 2-core machine, measured command by command at the largest accepted
-input by `python -m benchmarks.limits` (benchmarks/results/limits.md). Work and memory
-grow with the (stage, microbatch) pairs of a schedule (about 11 lowered instructions each;
-at 2**18 pairs compile, verify and simulate took 14 to 57 s, a Chrome trace the most),
-and, beyond that, with its stages alone (templates, tracks and messages per stage: 1F1B
-at pp=32768, m=1 took 7 s to compile; v_min at 2**14 stages 8 s, its Chrome trace 9 s of
-CPU), so stages have a bound of their own; a PNG draws every rank (MAX_PNG_RANKS), and an
-ASCII timeline (`show`) ranks x cells of time, which grows as pp**2 (1F1B at pp=16384, 35 s
-of CPU for a 1.6 GB text), so it is bounded by its size
-(MAX_TIMELINE_CELLS; --width narrows it; a cell of a summary row costs about 1 us).
+input by `python -m benchmarks.limits` (benchmarks/results/limits.md), each command's
+limit as high as that allows. Work and memory grow with the (stage, microbatch) pairs of
+a schedule (about 11 lowered instructions each) and, beyond that, with its stages alone
+(templates, tracks and messages per stage: 1F1B at pp=32768, m=1 took 7 s to compile;
+v_min at 2**14 stages 8 s, its Chrome trace 9 s of CPU), so stages have a bound of their
+own. Per command (CPU seconds on 2 cores, measured at 2026-12-07 on the worst families
+and outputs; wall time follows it on a quiet machine):
+- compile, verify, simulate, show: MAX_STAGE_MICROBATCHES pairs, MAX_STAGES stages: the
+  slowest at 98,304 pairs, zbv compiled with --cost (its list schedule timed) or to JSON,
+  text and CSV at once, took 6.4 and 4.3 s, v_min at 8192 stages 5.6 s, verify of its text
+  form 4.1 s, show 4.6 s; at 2**17 pairs those took 8.0, 7.0, 7.0, 5.6 and 6.2 s, too near
+  10 s for a machine that is not idle (pp=64, v=2, m=512 is 65,536 pairs);
+- a Chrome trace (`simulate --trace`, an event per instruction, tracks per rank) and a
+  PNG (`simulate --png`, a bar per compute) cost more per pair: MAX_TRACE_STAGE_MICROBATCHES
+  and MAX_PNG_STAGE_MICROBATCHES, at which the trace of 1F1B at pp=8192 took 7.4 s and the
+  PNG of zbv 5.5 s; a PNG draws every rank (MAX_PNG_RANKS);
+- an ASCII timeline (`show`) holds ranks x cells of time, which grows as pp**2 (1F1B at
+  pp=16384, 35 s of CPU for a 1.6 GB text), so it is bounded by its size
+  (MAX_TIMELINE_CELLS; --width narrows it; a cell of a summary row costs about 1 us);
+- `plan`: below.
 The planner's work grows with its candidates times their size
 and with the layers it splits times the stages, times the plans of its lever search (3
 recompute modes, and 2 ZeRO stages where dp > 1) for each data-parallel size it compares.
@@ -31,8 +42,9 @@ Every entry point checks here, before it allocates or loops: the command line (i
 parsers, `parse_int` and `parse_number`), `generate` and `compile_schedule`
 (`check_common`), the loaders (`Schedule`, the CSV reader), the planner (`PlanConfig`,
 `ModelSpec`, `TrainingSetup`), the streamed offload (`CostModel`), the offload search
-(`choose_offload`: ranks x leads x 8 simulations, so it has a bound of its own) and the
-PNG writers. A refusal is one line naming the value, the limit and the arithmetic.
+(`choose_offload`: ranks x leads x 8 simulations, so it has a bound of its own), the
+Chrome trace and PNG writers. A refusal is one line naming the value, the limit, the
+arithmetic and what to change.
 """
 
 from __future__ import annotations
@@ -43,8 +55,10 @@ from numbers import Real
 
 from pipeschedule.errors import ArgumentError, ParameterError
 
-MAX_STAGE_MICROBATCHES = 2**15  # pp * virtual * microbatches of one schedule
+MAX_STAGE_MICROBATCHES = 3 * 2**15  # pp * virtual * microbatches of one schedule: compile, verify, simulate, show
 MAX_STAGES = 2**13  # pp * virtual of one schedule
+MAX_TRACE_STAGE_MICROBATCHES = 3 * 2**14  # pairs of a schedule whose Chrome trace `simulate --trace` writes
+MAX_PNG_STAGE_MICROBATCHES = 3 * 2**14  # pairs of a schedule one PNG draws (`simulate --png`)
 MAX_PNG_RANKS = 256  # ranks one PNG draws (a row each)
 MAX_TIMELINE_CELLS = 2**22  # characters of one ASCII timeline (`show`): ranks x cells of time
 MAX_PLAN_STAGE_MICROBATCHES = 2**10  # pp * microbatches of a plan (it simulates ~50 candidates)
@@ -121,12 +135,13 @@ def check_schedule_size(pp: int, virtual: int, microbatches: int, error=Paramete
     stages = pp * virtual
     if stages > MAX_STAGES:
         raise error(f"pp * virtual = {_num(pp)} * {_num(virtual)} = {_num(stages)} stages; at most {MAX_STAGES} "
-                    f"are accepted")
+                    f"are accepted: give fewer ranks or chunks per rank")
     total = stages * microbatches
     if total > MAX_STAGE_MICROBATCHES:
         raise error(
             f"pp * virtual * microbatches = {_num(pp)} * {_num(virtual)} * {_num(microbatches)} = {_num(total)} "
-            f"(stage, microbatch) pairs; at most {MAX_STAGE_MICROBATCHES} are accepted"
+            f"(stage, microbatch) pairs; at most {MAX_STAGE_MICROBATCHES} are accepted: give fewer microbatches"
+            + (" or stages" if stages > 1 else "")
         )
 
 
@@ -178,7 +193,31 @@ def check_png_ranks(ranks: int, error=ParameterError) -> None:
     """Refuses a PNG of more than MAX_PNG_RANKS ranks (one row each)."""
     if ranks > MAX_PNG_RANKS:
         raise error(f"--png draws one row per rank: pp = {_num(ranks)}; at most {MAX_PNG_RANKS} are accepted "
-                    f"(--trace writes a Chrome trace of any size)")
+                    f"(--trace writes a Chrome trace of up to {MAX_TRACE_STAGE_MICROBATCHES} (stage, microbatch) "
+                    f"pairs)")
+
+
+def check_png_size(pp: int, virtual: int, microbatches: int, error=ParameterError) -> None:
+    """Refuses a PNG of more than MAX_PNG_RANKS ranks or MAX_PNG_STAGE_MICROBATCHES
+    (stage, microbatch) pairs ([Note: size limits]: a bar per compute)."""
+    check_png_ranks(pp, error)
+    _check_drawn("--png draws a bar per compute", pp, virtual, microbatches, MAX_PNG_STAGE_MICROBATCHES, "--png",
+                 error)
+
+
+def check_trace_size(pp: int, virtual: int, microbatches: int, error=ParameterError) -> None:
+    """Refuses a Chrome trace of more than MAX_TRACE_STAGE_MICROBATCHES (stage,
+    microbatch) pairs ([Note: size limits]: an event per instruction)."""
+    _check_drawn("--trace writes an event per instruction", pp, virtual, microbatches, MAX_TRACE_STAGE_MICROBATCHES,
+                 "--trace", error)
+
+
+def _check_drawn(what: str, pp: int, virtual: int, microbatches: int, limit: int, flag: str, error) -> None:
+    total = pp * virtual * microbatches
+    if total > limit:
+        raise error(f"{what}: pp * virtual * microbatches = {_num(pp)} * {_num(virtual)} * {_num(microbatches)} = "
+                    f"{_num(total)} (stage, microbatch) pairs; at most {limit} are accepted there (simulate alone "
+                    f"takes {MAX_STAGE_MICROBATCHES}): give fewer microbatches, or leave out {flag}")
 
 
 def check_timeline_cells(ranks: int, cells: int, error=ParameterError) -> None:

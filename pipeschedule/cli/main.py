@@ -40,7 +40,7 @@ from dataclasses import replace
 from importlib import metadata
 
 from pipeschedule.checks import (
-    MAX_SHOWN, check_number, check_png_ranks, int_arg, number_arg, parse_int_list, path_arg, shown,
+    MAX_SHOWN, check_number, check_png_size, check_trace_size, int_arg, number_arg, parse_int_list, path_arg, shown,
 )
 from pipeschedule.cli.command import Command, load_command, registered
 from pipeschedule.cli.demo import run_demo
@@ -284,9 +284,10 @@ def _schedule_for(args):
 
 
 def cmd_simulate(args) -> int:
+    if args.schedule is None and args.name and args.pp is not None and args.microbatches is not None:
+        _check_drawings(args, args.pp, cli_family(args.name).chunks(args.virtual), args.microbatches)  # before any work
     schedule = _schedule_for(args)
-    if args.png:
-        check_png_ranks(schedule.pp)  # before the simulation
+    _check_drawings(args, schedule.pp, schedule.virtual, schedule.microbatches)  # before the simulation
     warn_unfilled(schedule)
     cost = _with_host_link(args, load_cost(args.cost, schedule) if args.cost else CostModel.default(schedule))
     choice = None
@@ -309,6 +310,14 @@ def cmd_simulate(args) -> int:
             print(f"  peak host bytes  {[round(b, 3) for b in result.peak_host_bytes]}")
             print("  " + _offload_line(choice))
     return 0
+
+
+def _check_drawings(args, pp: int, virtual: int, microbatches: int) -> None:
+    """--png and --trace within their sizes ([Note: size limits])."""
+    if args.png:
+        check_png_size(pp, virtual, microbatches)
+    if args.trace:
+        check_trace_size(pp, virtual, microbatches)
 
 
 def _summary(schedule, result) -> str:

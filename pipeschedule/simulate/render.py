@@ -10,7 +10,7 @@ import heapq
 import math
 from typing import Any
 
-from pipeschedule.checks import check_png_ranks, check_timeline_cells, shown
+from pipeschedule.checks import check_png_size, check_timeline_cells, check_trace_size, shown
 from pipeschedule.errors import PipescheduleError
 from pipeschedule.compiler.effects import COMPUTE, COPY, EFFECTS, INSTANT
 from pipeschedule.compiler.ir import COMPUTE_OPS, SEND_OPS, Schedule
@@ -154,6 +154,7 @@ def chrome_trace(schedule: Schedule, result: SimResult, *, time_unit_us: float =
     are in microseconds: one time unit of the cost model is written as `time_unit_us`
     of them (pass 1e6 when costs are in seconds).
     """
+    check_trace_size(schedule.pp, schedule.virtual, schedule.microbatches)  # [Note: size limits]
     us = float(time_unit_us)
     pp = schedule.pp
     events: list[dict[str, Any]] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": schedule.name}}]
@@ -207,7 +208,7 @@ def chrome_trace(schedule: Schedule, result: SimResult, *, time_unit_us: float =
 def png(schedule: Schedule, result: SimResult, path) -> None:
     """Write a PNG: the timeline (one bar row per rank, microbatch labels where they fit)
     above the live buffer bytes of every rank. Needs matplotlib."""
-    check_png_ranks(schedule.pp)  # [Note: size limits]
+    check_png_size(schedule.pp, schedule.virtual, schedule.microbatches)  # [Note: size limits]
     pp, step = schedule.pp, float(result.step_time) or 1.0
     blocks = _compute_blocks(schedule, result)
     fig = new_figure(figsize=(12, 2.5 + 0.45 * min(pp, 40)), dpi=100)

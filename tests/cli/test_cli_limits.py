@@ -72,10 +72,12 @@ def files(tmp_path):
     big = json.loads(schedule.to_json())
     big["microbatches"] = 10**9
     (tmp_path / "big.json").write_text(json.dumps(big))
+    past = dict(big, pp=64, virtual=2, microbatches=769, placement=[s % 64 for s in range(128)], programs=[])
+    (tmp_path / "past.json").write_text(json.dumps(past))  # one past the limit: refused before its programs
     return tmp_path
 
 
-LIMIT = "at most 32768 are accepted"
+LIMIT = "at most 98304 are accepted"
 STAGES = "at most 8192 are accepted"
 
 
@@ -88,14 +90,21 @@ STAGES = "at most 8192 are accepted"
     (["compile", "v_min", "--pp", "4097", "-m", "1", "--json", "x.json"], ["4097 * 2 = 8194 stages", STAGES]),
     (["show", "1f1b", "--pp", "8192", "-m", "4"],
      ["8192 ranks x 49170 cells", "at most 4194304", "--width) of at most 512"]),
-    (["compile", "1f1b", "--pp", "4", "-m", "8193", "--json", "x.json"], ["4 * 1 * 8193 = 32772", LIMIT]),
+    (["compile", "1f1b", "--pp", "4", "-m", "24577", "--json", "x.json"],
+     ["4 * 1 * 24577 = 98308", LIMIT, "fewer microbatches"]),
+    (["simulate", "interleaved_1f1b", "--pp", "64", "--virtual", "2", "-m", "769"], ["64 * 2 * 769 = 98432", LIMIT]),
+    (["verify", "past.json"], ["64 * 2 * 769 = 98432", LIMIT]),
+    (["simulate", "zbv", "--pp", "64", "-m", "385", "--trace", "x.json"],
+     ["--trace writes an event per instruction", "64 * 2 * 385 = 49280", "at most 49152", "leave out --trace"]),
+    (["simulate", "zbv", "--pp", "64", "-m", "385", "--png", "x.png"],
+     ["--png draws a bar per compute", "64 * 2 * 385 = 49280", "at most 49152", "leave out --png"]),
     (["simulate", "1f1b", "--pp", "257", "-m", "1", "--png", "x.png"], ["pp = 257", "at most 256"]),
     (["compile", "interleaved_1f1b", "--pp", "4", "--virtual", "100000000", "-m", "1", "--json", "x.json"],
      ["virtual must be an integer in 1..1024", "got '100000000'"]),  # the grammar's bound, as pp_engine's
     (["compile", "interleaved_1f1b", "--pp", "16", "--virtual", "1024", "-m", "1", "--json", "x.json"],
      ["16 * 1024 = 16384 stages", STAGES]),
     (["show", "zbv", "--pp", "65536", "-m", "4"], ["65536 * 2 = 131072 stages", STAGES]),
-    (["show", "zbv", "--pp", "4096", "-m", "5"], ["4096 * 2 * 5", LIMIT]),  # a V runs 2 stages per rank
+    (["show", "zbv", "--pp", "4096", "-m", "13"], ["4096 * 2 * 13", LIMIT]),  # a V runs 2 stages per rank
     (["simulate", "1f1b", "--pp", "2", "-m", "99999999999999999999"], ["--microbatches has 20 digits", "at most 18"]),
     (["plan", "--model", "llama3-70b", "--pp", "4", "--microbatches", "100000"],
      ["pp * microbatches = 4 * 100000", "at most 1024"]),

@@ -130,3 +130,17 @@ def test_a_text_line_given_twice_is_refused(doubled, fragment):
     line = next(line for line in lines if line.startswith(doubled))
     with pytest.raises(FormatError, match=fragment):
         Schedule.from_text("\n".join(lines + [line]))
+
+
+def test_the_size_limits_accept_interleaved_pp64_v2_m512():
+    """65,536 (stage, microbatch) pairs: compile, verify and simulate take it ([Note: size
+    limits]; timed by benchmarks.limits), a Chrome trace or a PNG of it is refused."""
+    from pipeschedule.checks import check_png_size, check_schedule_size, check_trace_size
+    from pipeschedule.compiler.families import generate
+    from pipeschedule.errors import ParameterError
+
+    check_schedule_size(64, 2, 512)
+    assert generate("interleaved_1f1b", pp=64, virtual=2, microbatches=512).num_stages == 128
+    for check in (check_trace_size, check_png_size):
+        with pytest.raises(ParameterError, match="65536 .* at most 49152"):
+            check(64, 2, 512)
