@@ -44,8 +44,9 @@ from pipeschedule.checks import (
 )
 from pipeschedule.cli.command import Command, load_command, registered
 from pipeschedule.cli.demo import run_demo
+from pipeschedule.compiler.effects import COPY_OPS
 from pipeschedule.compiler.families import FAMILIES
-from pipeschedule.compiler.ir import COMPUTE_OPS, Op, load
+from pipeschedule.compiler.ir import COMPUTE_OPS, load
 from pipeschedule.compiler.offload_spec import AutoOffload, parse_offload
 from pipeschedule.compiler.spec import (ScheduleSpec, compile_spec, family_of, inflight_unit, parse_spec,
                                         unbound_cap, value_name)
@@ -225,7 +226,7 @@ def cmd_compile(args) -> int:
         _write(args.text, schedule.to_text())
     if args.csv:
         _write(args.csv, write_csv(schedule, form=args.csv_form))
-        moved = sum(i.op in (Op.OFFLOAD, Op.RELOAD) for program in schedule.programs for i in program)
+        moved = sum(i.op in COPY_OPS for program in schedule.programs for i in program)
         if moved:
             print(f"pipeschedule: note: PyTorch's CSV has no OFFLOAD or RELOAD: {args.csv} leaves out the "
                   f"schedule's {moved} (the --json and --text forms keep them)", file=sys.stderr)
@@ -285,7 +286,7 @@ def _schedule_for(args):
 
 def cmd_simulate(args) -> int:
     if args.schedule is None and args.name and args.pp is not None and args.microbatches is not None:
-        _check_drawings(args, args.pp, cli_family(args.name).chunks(args.virtual), args.microbatches)  # before any work
+        _check_drawings(args, args.pp, cli_spec(args).chunks(), args.microbatches)  # before any work
     schedule = _schedule_for(args)
     _check_drawings(args, schedule.pp, schedule.virtual, schedule.microbatches)  # before the simulation
     warn_unfilled(schedule)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from pipeschedule.compiler.gcpause import gc_paused
-from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.compiler.effects import COPY_OPS
+from pipeschedule.compiler.ir import Schedule
 from pipeschedule.compiler.passes import is_lowered, lower
 from pipeschedule.errors import ParameterError
 from pipeschedule.simulate.cost import CostModel, load_cost
@@ -96,7 +97,7 @@ def simulate(schedule: Schedule, cost: CostModel | None = None) -> SimResult:
         )
     if cost.weight_stash is not None and schedule.split_backward:
         moved = next(((r, i) for r, program in enumerate(schedule.programs) for i in program
-                      if i.op is Op.OFFLOAD), None)
+                      if i.op in COPY_OPS), None)
         if moved is not None:
             raise ParameterError(f"cost 'weight_stash' (a stash resized at its B) is not modelled together with "
                                  f"OFFLOAD (rank {moved[0]} runs {moved[1]}); leave one of them out")
