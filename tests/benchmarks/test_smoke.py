@@ -37,6 +37,7 @@ SCRIPTS = [
     ("benchmarks.grad_fold", ["--smoke"], "smoke: 2 engines ran"),
     ("benchmarks.real_data", ["--smoke"], "smoke: 2 engines trained on text"),
     ("benchmarks.limits", ["--smoke"], "smoke: 1 case, ok, refused one past: True"),
+    ("benchmarks.phase_times", ["interleaved", "simulate", "--repeat", "1"], "simulate interleaved"),
     ("benchmarks.auto_engine", ["--smoke"], "pp_engine auto on one GPU"),
     ("benchmarks.diagnostics.growth", ["--smoke"], "capped_1f1b:cap=1"),
     ("benchmarks.diagnostics.engine_profile", ["--smoke", "--ranks", "0"], "ps_afab"),
