@@ -227,41 +227,44 @@ def keys_of(schedule, op: Op, stage: int, peer_stage: int | None = None, buf: st
         return Resolved(*(tuple((buf if role == NAMED else role, stage, peer_stage) for role in roles)
                           for roles in (row.makes, row.reads, row.frees)),
                         ((buf, stage, peer_stage),) if row.moves_to is not None else ())
-    resolve = _Resolver(schedule, stage, peer_stage, buf, row.message)
-    return Resolved(resolve(row.makes), resolve(row.reads), resolve(row.frees),
-                    resolve((NAMED,)) if row.moves_to is not None else ())
+    graph, placement = schedule.graph, schedule.placement
+    sides = (graph.producers[stage], graph.consumers[stage])  # the stages at the other end, per side (-1, +1)
+    rank = placement[stage]
+    return Resolved(*(_roles(roles, stage, sides, placement, rank, peer_stage, buf) if roles else ()
+                      for roles in (row.makes, row.reads, row.frees)),
+                    ((buf, stage, peer_stage),) if row.moves_to is not None else ())
 
 
-class _Resolver:
-    """Roles of one instruction -> keys ([Note: instruction effects])."""
-
-    def __init__(self, schedule, stage: int, peer_stage, buf, message: bool) -> None:
-        self.graph, self.placement = schedule.graph, schedule.placement
-        self.stage, self.peer_stage, self.buf, self.message = stage, peer_stage, buf, message
-
-    def __call__(self, roles) -> tuple[Key, ...]:
-        out: list[Key] = []
-        for role in roles:
-            out += self.role(role)
-        return tuple(out)
-
-    def role(self, role: str) -> list[Key]:
-        s = self.stage
+def _roles(roles, s: int, sides, placement, rank: int, peer_stage, buf) -> tuple[Key, ...]:
+    """The keys of `roles` for an instruction of a compute (or any op but a message) at
+    stage s ([Note: instruction effects]): one per edge on each role's side, a sent kind
+    toward a stage on the same rank as that stage's receive buffer (the hand-off); the
+    peer stage of each as an instruction writes it (None for a neighbour)."""
+    out: list[Key] = []
+    for role in roles:
         if role == NAMED:
-            return [(self.buf, s, self.peer_stage)]
+            out.append((buf, s, peer_stage))
+            continue
         if role == LOADER:
-            return [] if self.graph.producers[s] else [("act_in", s, None)]
-        if self.message:  # the buffer of the message's own edge
-            return [(role, s, self.peer_stage)]
+            if not sides[0]:
+                out.append(("act_in", s, None))
+            continue
         side = SIDE[role]
         if side == 0:
-            return [(role, s, None)]
-        others = self.graph.producers[s] if side < 0 else self.graph.consumers[s]
+            out.append((role, s, None))
+            continue
+        others = sides[side > 0]
         if not others:
-            return [(role, s, None)] if role in LOADED else []
-        handed, rank = HANDED.get(role), self.placement[s]
-        return [(handed, o, _edge_end(o, s)) if handed is not None and self.placement[o] == rank
-                else (role, s, _edge_end(s, o)) for o in others]
+            if role in LOADED:
+                out.append((role, s, None))
+            continue
+        handed = HANDED.get(role)
+        for o in others:
+            if handed is not None and placement[o] == rank:
+                out.append((handed, o, None if o - s == 1 or s - o == 1 else s))
+            else:
+                out.append((role, s, None if o - s == 1 or s - o == 1 else o))
+    return tuple(out)
 
 
 def _edge_end(stage: int, other: int) -> int | None:

@@ -167,6 +167,7 @@ class _Walk:
         self.never, self.host = -(longest + 1), -(longest + 2)
         self.states: dict = {buf: {} for buf in BUFFERS}  # [buf][stage, peer_stage] -> the states by mb
         self.done = {op: [[False] * m for _ in range(S)] for op in COVERED}
+        self.S, self.m, self.placement, self.edges = S, m, schedule.placement, schedule.graph.index
         self.covered = covered_ops(schedule)  # the computes each (stage, mb) runs, in order
         self.sides = message_sides(schedule)
         self.after = {op: self._before(op) for op in self.covered}  # a compute -> the one it must follow, or None
@@ -194,23 +195,22 @@ class _Walk:
         stage]), made on first use."""
         found = self.states[buf].get((stage, other))
         if found is None:
-            found = self.states[buf][stage, other] = [self.never] * self.schedule.microbatches
+            found = self.states[buf][stage, other] = [self.never] * self.m
         return found
 
     def _template(self, t: Template) -> tuple:
         """(the rank where instructions of `t` may run, or -1 for none; what they do;
         with which tables), from its row ([Note: instruction effects])."""
-        schedule = self.schedule
         s, row = t.stage, EFFECTS[t.op]
-        if s >= schedule.num_stages:
+        if s >= self.S:
             return -1, None, None
-        owner = schedule.placement[s]
+        owner = self.placement[s]
         if row.message:
             return self._message(t, row, owner)
         state = self.state
         if t.op in _FREES_ONLY:
             return owner, _FREE, state(t.buf, s, t.peer_stage)  # FREE (most templates): nothing to resolve
-        keys = keys_of(schedule, t.op, s, t.peer_stage, t.buf)
+        keys = keys_of(self.schedule, t.op, s, t.peer_stage, t.buf)
         if row.kind == COPY:
             return owner, _OFFLOAD if row.moves_to == "host" else _RELOAD, state(*keys.moves[0])
         makes, uses = tuple(state(*key) for key in keys.makes), tuple(state(*key) for key in keys.reads)
@@ -228,12 +228,11 @@ class _Walk:
     def _message(self, t: Template, row, owner: int) -> tuple:
         """`_template` of a message: its buffer's states, its channel's two lists of tensors,
         its tensor ([Note: tensor ints] in verify.py), its peer."""
-        schedule = self.schedule
-        S, m, placement = schedule.num_stages, schedule.microbatches, schedule.placement
+        S, m, placement = self.S, self.m, self.placement
         sending, step, s = row.kind == SEND, SIDE[row.buffer], t.stage
         other = s + step if t.peer_stage is None else t.peer_stage
         edge = (s, other) if step == 1 else (other, s)  # `message_edge`, inlined
-        if not 0 <= other < S or edge not in schedule.graph.index or placement[other] == owner or t.peer == owner:
+        if not 0 <= other < S or edge not in self.edges or placement[other] == owner or t.peer == owner:
             # no such edge, or none between ranks; or a message to its own rank, which the
             # rules refuse anyway (it waits on itself) but which would break the count of
             # partners `advance` keeps per parked rank: a partner is another rank
