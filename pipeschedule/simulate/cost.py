@@ -46,7 +46,10 @@ class CostModel:
     """Time and memory costs, indexed by global stage ([Note: simulated semantics] in engine.py).
 
     forward / backward / weight: per-stage time of F, B (input and weight gradients, or
-    input gradients only when the schedule has W) and W. buffer_bytes: bytes of one
+    input gradients only when the schedule has W) and W: each compute's row names the
+    field its time is read from (`Effects.time`, [Note: instruction effects] in
+    compiler/effects.py), so an op with a time of its own adds its field here, the cost
+    rule that adding it takes. buffer_bytes: bytes of one
     microbatch's buffer of each kind ("act_in", "act_out", "stash", "grad_out",
     "grad_in"), per stage; a kind left out holds no bytes. latency: fixed time per
     message; bandwidth: bytes per time unit (math.inf: transfers are free).
