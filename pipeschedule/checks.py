@@ -11,18 +11,18 @@ limit as high as that allows. Work and memory grow with the (stage, microbatch) 
 a schedule (about 11 lowered instructions each) and, beyond that, with its stages alone
 (templates, tracks and messages per stage: 1F1B at pp=32768, m=1 took 7 s to compile;
 v_min at 2**14 stages 8 s, its Chrome trace 9 s of CPU), so stages have a bound of their
-own. Per command (CPU seconds on 2 cores at the limit, benchmarks/results/limits.md of
-2026-12-07; wall time follows CPU time on a machine that runs the command alone):
-- compile, verify, simulate, show: MAX_STAGE_MICROBATCHES pairs, MAX_STAGES stages: v_min
-  at 8192 stages compiled in 6.5 s, zbv with --cost (its list schedule timed) 6.3 s and to
-  JSON, text and CSV at once 4.5 s, verify of its text form 4.1 s, the 8192-rank timeline
-  6.0 s; at 2**17 pairs the first three took 7.0, 8.0 and 7.0 s, too near 10 s for a
-  machine that is not idle (interleaved 1F1B at pp=64, v=2, m=512 is 65,536 pairs: 1.7 s
-  to compile);
+own. Per command (seconds on 2 cores at the limit, benchmarks/results/limits.md of
+2026-12-07):
+- compile, verify, simulate, show: MAX_STAGE_MICROBATCHES pairs, MAX_STAGES stages: zbv
+  compiled with --cost (its list schedule timed) took 6.3 s, to JSON, text and CSV at once
+  4.6 s, v_min at 8192 stages 5.4 s, verify of zbv's text form 4.2 s, the 8192-rank
+  timeline 5.7 s; at 2**17 pairs the first three took 8.0, 7.0 and 7.0 s of CPU on a busy
+  machine, too near 10 s (interleaved 1F1B at pp=64, v=2, m=512 is 65,536 pairs: 1.6 s to
+  compile);
 - a Chrome trace (`simulate --trace`, an event per instruction and tracks per rank) and a
   PNG (`simulate --png`, a bar per compute) cost more per pair: MAX_TRACE_STAGE_MICROBATCHES
-  and MAX_PNG_STAGE_MICROBATCHES, at which the trace of v_min at 8192 stages took 7.35 s and
-  the PNGs 4.8 s; a PNG draws every rank (MAX_PNG_RANKS);
+  and MAX_PNG_STAGE_MICROBATCHES, at which the trace of v_min at 8192 stages took 6.4 s and
+  the PNGs 4.2 s; a PNG draws every rank (MAX_PNG_RANKS);
 - an ASCII timeline (`show`) holds ranks x cells of time, which grows as pp**2 (1F1B at
   pp=16384, 35 s of CPU for a 1.6 GB text), so it is bounded by its size
   (MAX_TIMELINE_CELLS; --width narrows it; a cell of a summary row costs about 1 us);
