@@ -286,7 +286,7 @@ def _schedule_for(args):
 
 def cmd_simulate(args) -> int:
     if args.schedule is None and args.name and args.pp is not None and args.microbatches is not None:
-        _check_drawings(args, args.pp, cli_spec(args).chunks(), args.microbatches)  # before any work
+        _check_drawings(args, args.pp, cli_spec(args).chunks, args.microbatches)  # before any work
     schedule = _schedule_for(args)
     _check_drawings(args, schedule.pp, schedule.virtual, schedule.microbatches)  # before the simulation
     warn_unfilled(schedule)
