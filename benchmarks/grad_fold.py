@@ -40,7 +40,7 @@ from integration.nanotron.example import TrainerConfig
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.memory import (GRADS, OPTIMIZER_STEP, GiB, ModelSpec, TrainingSetup, largest_param,
                                       stage_params)
-from pipeschedule.plan.planner import _Planner, evaluate_engine
+from pipeschedule.plan.evaluation import Evaluator, evaluate_engine
 
 PP, MICROBATCHES, STEPS, WARMUP = 4, 4, 3, 1
 PARAM_HEAVY = dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=12, vocab=32000, seq=32, micro_batch_size=1)
@@ -82,7 +82,7 @@ def predict(sizes: dict, runs: dict) -> dict:
     for engine, run in runs.items():
         family, cap, virtual = ENGINES[engine]
         recompute = "full" if "recompute=full" in engine else "none"
-        planner = _Planner(PlanConfig(model, replace(setup, recompute=recompute), pp=PP, microbatches=MICROBATCHES,
+        planner = Evaluator(PlanConfig(model, replace(setup, recompute=recompute), pp=PP, microbatches=MICROBATCHES,
                                       gpu_memory=139 * GiB))
         split = split_of(run["block_ranks"], PP)
         cand = evaluate_engine(planner, engine, family, cap, virtual, split)

@@ -20,7 +20,7 @@ from pathlib import Path
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.memory import GiB, ModelSpec, TrainingSetup
 from pipeschedule.plan.partition import nanotron_split
-from pipeschedule.plan.planner import _Planner, evaluate_engine
+from pipeschedule.plan.evaluation import Evaluator, evaluate_engine
 
 RESULTS = Path(__file__).parent / "results"
 ENGINES = {"1f1b": ("1f1b", None, 1), "capped_1f1b:cap=2": ("capped_1f1b", 2, 1),
@@ -52,7 +52,7 @@ def rows() -> list[tuple]:
     model = model_of(trainer)
     setup = TrainingSetup(tp=1, seq=trainer["model"]["seq"], sequence_parallel=False, attention="sdpa-standin",
                           adam_fused=False)
-    planner = _Planner(PlanConfig(model, setup, pp=trainer["pp"], microbatches=trainer["microbatches"],
+    planner = Evaluator(PlanConfig(model, setup, pp=trainer["pp"], microbatches=trainer["microbatches"],
                                   gpu_memory=139 * GiB))
     for name, record in trainer["engines"].items():
         family, cap, virtual = ENGINES[name]
@@ -68,7 +68,7 @@ def rows() -> list[tuple]:
                           adam_fused=False)
     for row in growth["rows"]:
         family, cap, virtual = ENGINES[row["engine"]]
-        planner = _Planner(PlanConfig(model, setup, pp=growth["pp"], microbatches=row["m"], gpu_memory=139 * GiB))
+        planner = Evaluator(PlanConfig(model, setup, pp=growth["pp"], microbatches=row["m"], gpu_memory=139 * GiB))
         cand = evaluate_engine(planner, row["engine"], family, cap, virtual, nanotron_split(model, growth["pp"]))
         for rank in row["ranks"]:
             if rank["dp_rank"]:

@@ -35,7 +35,7 @@ from benchmarks.plan_calibration import split_of
 from integration.nanotron.example import TrainerConfig
 from pipeschedule.plan import PlanConfig
 from pipeschedule.plan.memory import OPTIMIZER_STEP, GiB, ModelSpec, TrainingSetup
-from pipeschedule.plan.planner import _Planner, evaluate_engine
+from pipeschedule.plan.evaluation import Evaluator, evaluate_engine
 
 ENGINES = {"1f1b": ("1f1b", None, 1), "capped_1f1b:cap=2": ("capped_1f1b", 2, 1)}
 PP, MICROBATCHES, WARMUP = 4, 8, 2
@@ -108,7 +108,7 @@ def predicted(sizes: dict, runs: dict) -> dict:
                       kv_heads=sizes["kv_heads"], ffn=sizes["ffn"], vocab=sizes["vocab"])
     setup = TrainingSetup(tp=1, seq=sizes["seq"], micro_batch=sizes["micro_batch_size"], sequence_parallel=False,
                           attention="sdpa-standin", adam_fused=False)
-    planner = _Planner(PlanConfig(model, setup, pp=PP, microbatches=MICROBATCHES, gpu_memory=139 * GiB))
+    planner = Evaluator(PlanConfig(model, setup, pp=PP, microbatches=MICROBATCHES, gpu_memory=139 * GiB))
     out = {}
     for engine, result in runs.items():
         family, cap, virtual = ENGINES[engine]

@@ -31,7 +31,7 @@ The planner's work grows with its candidates times their size
 and with the layers it splits times the stages, times the plans of its lever search (3
 recompute modes, and 2 ZeRO stages where dp > 1) for each data-parallel size it compares.
 Its split searches share one budget per run, PLAN_SEARCH_WORK nodes x layers x pp
-([Note: plan search budget] in plan/planner.py; deterministic, no clock; a cut's columns
+([Note: plan search budget] in plan/splits.py; deterministic, no clock; a cut's columns
 count as nodes). The plans of one run share their schedules and keep what they compute
 ([Note: run-wide memos] in plan/memo.py), and what remains grows with the plans times
 their candidates (about one per pipeline rank: the caps of capped and interleaved 1F1B)

@@ -24,7 +24,7 @@ at the first that would fail, with one line naming the value and the fix:
                    the tokenizer loads, its tokens within the model's vocab_size, the
                    sequence within max_position_embeddings); synthetic data needs none
     6. memory      (`pipeschedule check` only) per rank, the planner's prediction for this
-                   engine (`pipeschedule.plan.planner.engine_memory`) from the config as
+                   engine (`pipeschedule.plan.evaluation.engine_memory`) from the config as
                    `pipeschedule plan --model-file` reads it (`plan.from_config.config_of_file`),
                    under the same assumptions as the plan ([Note: shared assumptions] in
                    pipeschedule/plan/assumptions.py: the same flags and defaults), against the
@@ -59,7 +59,7 @@ from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.from_config import config_of_file
 from pipeschedule.plan.memory import GiB, ModelSpec
 from pipeschedule.plan.partition import llama_block_costs
-from pipeschedule.plan.planner import engine_memory
+from pipeschedule.plan.evaluation import engine_memory
 
 LLAMA_CONFIGS = ("LlamaConfig",)  # the model configs whose blocks `llama_blocks` describes
 

@@ -24,7 +24,9 @@ from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.levers import LeverPlan, baseline, levers_text, plan_levers
 from pipeschedule.plan.memory import RECOMPUTE_MODES, GiB
 from pipeschedule.plan.nanotron_yaml import beyond_yaml, host_link_words, plan_yaml
-from pipeschedule.plan.planner import Plan, ScheduleCache, SearchBudget
+from pipeschedule.plan.planner import Plan
+from pipeschedule.plan.schedule_cache import ScheduleCache
+from pipeschedule.plan.splits import SearchBudget
 from pipeschedule.plan.report import memory_table, offload_lines
 
 RECOMPUTE_WORDS = {"none": "no recompute", "selective": "selective recompute", "full": "full recompute",

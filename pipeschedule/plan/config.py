@@ -62,7 +62,7 @@ class PlanConfig:
     pipeline message. virtual: the most chunks per rank of the interleaved candidates
     (each count up to it is tried, [Note: virtual counts]). node_limit:
     search nodes of each optimal split, within the budget a plan's searches share
-    ([Note: plan search budget] in planner.py). offload / host_bandwidth: the offload to report
+    ([Note: plan search budget] in splits.py). offload / host_bandwidth: the offload to report
     for the recommended candidate (None: none) and the host link it runs over (bytes/s
     per direction), which the offload lever also runs over. host_memory: bytes per GPU
     the offloaded stashes may take on the host (None: no bound). host_link_source: where

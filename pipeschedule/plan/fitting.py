@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Protocol
 
 from pipeschedule.compiler.offload import MIB, OffloadPolicy, add_offload
 from pipeschedule.compiler.spec import ScheduleSpec
@@ -57,18 +57,19 @@ from pipeschedule.plan.memory import (
 )
 from pipeschedule.plan.offload import streamed_device_peak
 from pipeschedule.plan.partition import nanotron_split
+from pipeschedule.plan.schedule_cache import ScheduleCache
 from pipeschedule.simulate import CostModel, simulate
 
 STREAM_MIB = 256  # chunk of streamed offload the planner tries: a few per layer stash of a large model
 
 
 class Planner(Protocol):
-    """What the levers need of a plan's planner (`planner._Planner` is one): its config, its
-    schedules and their memo, the candidate evaluation and the costs, step times and tails
-    it times them by."""
+    """What the levers need of a plan's planner (`evaluation.Evaluator` is one): its config,
+    its schedules and their memo, the candidate evaluation and the costs, step times and
+    tails it times them by."""
 
     config: PlanConfig
-    cache: Any  # planner.ScheduleCache: `schedule(key)` and `offload_memo`
+    cache: ScheduleCache  # `schedule(key)` and `offload_memo`
 
     def schedule(self, family: str, cap, virtual: int) -> Schedule: ...
 
@@ -150,7 +151,7 @@ def _raise(counts: list, split: Sequence[int], stages: Sequence[int], more: int)
 
 def offloaded(planner: Planner, cand: Candidate, ranks: Sequence[int], stream: int | None) -> OffloadCandidate:
     """`cand` (evaluated, one stage's stash per (stage, mb)) with every stash of `ranks`
-    offloaded ([Note: offload lever]); memory and step time as `_Planner.evaluate` counts
+    offloaded ([Note: offload lever]); memory and step time as `Evaluator.evaluate` counts
     them, the saved activations and the pipeline time simulated with the offload."""
     config = planner.config
     schedule = planner.schedule(cand.family, cand.cap, cand.virtual)

@@ -20,7 +20,9 @@ from dataclasses import dataclass, replace
 from pipeschedule.checks import check_plan_run
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.memory import RECOMPUTE_MODES, GiB
-from pipeschedule.plan.planner import Plan, ScheduleCache, SearchBudget, plan
+from pipeschedule.plan.planner import Plan, plan
+from pipeschedule.plan.schedule_cache import ScheduleCache
+from pipeschedule.plan.splits import SearchBudget
 from pipeschedule.plan.report import offload_lines
 
 
@@ -67,7 +69,7 @@ def plan_levers(config: PlanConfig, zero=None, recompute=None, progress=None,
     given, is called before the k-th of the n plans (k from 1). `schedules`: a
     ScheduleCache of the config's pp and microbatches to share (None: one of its own).
     `budget`: the search nodes shared with the plans after these ([Note: plan search
-    budget] in planner.py; None: one budget for these plans)."""
+    budget] in splits.py; None: one budget for these plans)."""
     zeros = zero if zero is not None else ((0, 1) if config.setup.dp > 1 else (0,))
     modes = recompute if recompute is not None else RECOMPUTE_MODES
     if budget is None:  # planned alone, not within advise's run (which checks all of its plans)

@@ -2,7 +2,7 @@
 
 [Note: run-wide memos] One `pipeschedule plan` run plans every data-parallel size, ZeRO
 stage and recompute mode it compares (levers.py, advice.py), and they share one
-ScheduleCache (planner.py), so one step graph and one Peaks per schedule. Much of what
+ScheduleCache (schedule_cache.py), so one step graph and one Peaks per schedule. Much of what
 those plans compute repeats exactly: the pipeline does not change with dp or the ZeRO
 stage (only the tail after it and the memory do), the activation bytes do not change
 with them either, and the memory of a split problem does not change with dp under

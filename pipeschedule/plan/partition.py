@@ -42,7 +42,7 @@ stops at `node_limit` nodes (0: at once, the seeds alone; the columns it builds 
 simulations it runs count as nodes too, `Search.work`) and then says so
 (`proven=False`); a `cutoff` (the best time a planner already has) prunes harder. A
 planner's searches share one budget of nodes ([Note: plan search budget] in
-planner.py). Memory is exact: rank bytes are additive over a rank's stages and no split
+splits.py). Memory is exact: rank bytes are additive over a rank's stages and no split
 that overflows is accepted.
 """
 

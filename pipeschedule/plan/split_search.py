@@ -188,7 +188,7 @@ class Search:
     (cuts found outside a run, by seeds or the relaxation, cost nothing until then).
     Building one cut's columns writes S x (L + 1) numbers, as many as `column_work` nodes
     scan (a node scans up to one boundary per layer, L x pp as the budget counts it,
-    [Note: plan search budget] in planner.py), so `nodes` counts each build as that many
+    [Note: plan search budget] in splits.py), so `nodes` counts each build as that many
     nodes; likewise each simulation after the seeds' (`seeded`: a leaf, a probe, a
     relaxation's split; `Evaluator.simulations`) walks the step graph's batches,
     `simulation_work` nodes. `work`, all of it in nodes, is
