@@ -11,6 +11,8 @@
     candidate      one evaluated way to run the pipeline; caps that fit a split
     offload        what the planner counts for a rank that streams its stashes to the host
     planner        `plan(config)`: every candidate evaluated, the recommendation
+    evaluation     one candidate's memory and step time (schedule_cache, stage_costs)
+    splits         the split searches of a plan; alternatives: what it tries; choice: its pick
     report         a plan as text, JSON and a PNG
     presets        model and GPU presets (with host links), model files
 """
