@@ -36,6 +36,15 @@ class Removed(argparse.Action):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """plan's flags, group by group, in the order `--help` lists them."""
+    _model_arguments(parser)
+    _layout_arguments(parser)
+    add_assumptions(parser)  # [Note: shared assumptions]: check takes the same
+    _gpu_arguments(parser)
+    _search_arguments(parser)
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (a preset, a file, or the sizes)")
     model.add_argument("--model", help=f"preset: {', '.join(MODELS)}")
     model.add_argument("--model-file", type=path_arg("--model-file"),
@@ -43,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in SIZE_FLAGS:
         name = "--" + flag.replace("_", "-")
         model.add_argument(name, type=int_arg(name), help=f"model {flag} (overrides the preset)")
+
+
+def _layout_arguments(parser: argparse.ArgumentParser) -> None:
     layout = parser.add_argument_group("layout and training")
     # The layout's defaults are LAYOUT_DEFAULTS, applied after a nanotron config's values
     # (`resolve_layout`): None here means "not given".
@@ -73,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="nanotron accumulate_grad_in_fp32 (default on)")
     layout.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
                         help="nanotron model.dtype: the bytes of a weight and an activation (default bfloat16)")
-    add_assumptions(parser)  # [Note: shared assumptions]: check takes the same
+
+
+def _gpu_arguments(parser: argparse.ArgumentParser) -> None:
     gpu = parser.add_argument_group("GPU and costs")
     gpu.add_argument("--gpu-tflops", type=number_arg("--gpu-tflops"), help="peak bf16 TFLOP/s (default: the preset's)")
     gpu.add_argument("--mfu", type=number_arg("--mfu"), default=0.5,
@@ -92,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="host memory per GPU that offloaded stashes may take; giving it lets a plan that offloads "
                           "be recommended where the link is only the GPU preset's datasheet figure (default: no "
                           "bound, and such plans are shown as options)")
+
+
+def _search_arguments(parser: argparse.ArgumentParser) -> None:
     search = parser.add_argument_group("search and output")
     search.add_argument("--virtual", type=int_arg("--virtual"), default=4,
                         help="the most chunks per rank tried for interleaved candidates: every count from 2 up to it "
