@@ -1,14 +1,12 @@
-"""A plan's rows and its choice: the candidates as the planner finds them, with the step
-time of the fastest that fits (`Rows`, the cutoff the split searches prune by), the
-recommendation and the offload option among them (`chosen`), and what host offload adds to
-the recommendation (`offload_report`).
+"""A plan's choice among its rows: their tokens/s against nanotron's default (`relative`),
+the recommendation and the offload option among them (`chosen`), and what host offload adds
+to the recommendation (`offload_report`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from pipeschedule.compiler.offload_spec import AutoOffload
 from pipeschedule.plan.candidate import Candidate
@@ -17,27 +15,6 @@ from pipeschedule.plan.fitting import OffloadCandidate, Planner
 from pipeschedule.plan.memory import stage_footprints, stash_buffers
 from pipeschedule.simulate import simulate
 from pipeschedule.simulate.offload_search import choose_offload, evaluate_offload
-
-
-@dataclass
-class Rows:
-    """A plan's candidates as they are found, and the step time of the fastest that fits
-    (the cutoff the searches prune by: they time the step, tail included)."""
-
-    candidates: list
-    best: float
-
-    @classmethod
-    def first(cls, default: Candidate, ours_1f1b: Candidate) -> Rows:
-        """The rows a plan starts from: nanotron's default, and pipeschedule's 1F1B with
-        nanotron's split where it is another row (it folds gradients differently)."""
-        return cls([default] if ours_1f1b is default else [default, ours_1f1b],
-                   default.step_time if default.fits else math.inf)
-
-    def add(self, row: Candidate) -> None:
-        self.candidates.append(row)
-        if row.fits:
-            self.best = min(self.best, row.step_time)
 
 
 def relative(candidates: Sequence[Candidate], default: Candidate) -> list[Candidate]:
@@ -101,4 +78,4 @@ def offload_report(planner: Planner, candidate: Candidate) -> dict:
     }
 
 
-__all__ = ["Rows", "chosen", "offload_report", "relative"]
+__all__ = ["chosen", "offload_report", "relative"]

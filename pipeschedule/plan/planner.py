@@ -16,8 +16,8 @@ otherwise the fastest offload is `offload_option`).
 The parts, each through a typed interface: `ScheduleCache` (schedule_cache.py: what
 depends on the schedule alone), `StageCosts` (stage_costs.py: the config's times),
 `Evaluator` (evaluation.py: one candidate's memory and step time; `fitting.Planner` is
-what the levers need of it), `SplitSearches` within a `SearchBudget` (splits.py), `Rows`
-(choice.py: the rows found and the cutoff the searches prune by). Costs follow [Note:
+what the levers need of it), `SplitSearches` within a `SearchBudget` and `Rows` (splits.py:
+the rows found and the cutoff the searches prune by), `chosen` (choice.py). Costs follow [Note:
 compute costs] and the config, candidates and their nanotron config lines live in
 config.py and candidate.py.
 """
@@ -30,14 +30,14 @@ from pipeschedule.compiler.gcpause import gc_paused
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.alternatives import alternatives, dropped, searched_caps
 from pipeschedule.plan.candidate import Candidate
-from pipeschedule.plan.choice import Rows, chosen, offload_report, relative
+from pipeschedule.plan.choice import chosen, offload_report, relative
 from pipeschedule.plan.config import PlanConfig, build_config
 from pipeschedule.plan.evaluation import Evaluator, engine_memory, evaluate_engine, nanotron_default
 from pipeschedule.plan.fitting import lever_rows, virtual_tried
 from pipeschedule.plan.partition import nanotron_split
 from pipeschedule.plan.report import plan_to_dict, plan_to_text
 from pipeschedule.plan.schedule_cache import ScheduleCache
-from pipeschedule.plan.splits import SearchBudget, SplitSearches, capped_rows, family_rows
+from pipeschedule.plan.splits import Rows, SearchBudget, SplitSearches, capped_rows, family_rows
 from pipeschedule.plan.step_graph import MEMO_CELLS as MEMO_CELLS  # what the memos hold (0: nothing)
 
 _Planner = Evaluator  # the name tests and measurements of one candidate know it by
@@ -84,14 +84,14 @@ def plan(config: PlanConfig | None = None, *, schedules: ScheduleCache | None = 
     searches = SplitSearches(evaluator, budget if budget is not None else SearchBudget(config))
     base_split = nanotron_split(config.model, config.pp)
     default = nanotron_default(config, evaluator.cache, base_split)
+    zero1 = None  # nanotron's default again with ZeRO-1, beside a dp > 1 without it
+    if config.setup.dp > 1 and config.setup.zero_stage == 0:
+        zero1 = nanotron_default(replace(config, setup=replace(config.setup, zero_stage=1)), evaluator.cache,
+                                 base_split)
     rows, virtuals, virtual_dropped = _searched_rows(searches, default, base_split)
     levered, lever_dropped = lever_rows(evaluator, rows.candidates)  # partial recompute and offload (fitting.py)
     candidates = relative(rows.candidates + levered, default)
     recommended, option = chosen(config, candidates)
-    zero1 = None
-    if config.setup.dp > 1 and config.setup.zero_stage == 0:
-        zero1 = nanotron_default(replace(config, setup=replace(config.setup, zero_stage=1)), evaluator.cache,
-                                 base_split)
     searches.budget.plan_done()
     stats = dict(evaluator.stats, **searches.stats, candidates=len(candidates), schedules=len(evaluator.used),
                  virtual_tried=list(virtuals))

@@ -1,6 +1,7 @@
 """The split searches of a plan: each candidate's layer split found by `optimal_split`
 (partition.py) on its evaluator's split problem, within a share of the run's search
-budget, and turned into a row (`SplitSearches.row`); the rows of each family at nanotron's
+budget, and turned into a row (`SplitSearches.row`); a plan's rows as they are found, with
+the step time the searches prune by (`Rows`); the rows of each family at nanotron's
 split and at the split its search finds (`family_rows`), and of the per-rank caps that fit
 the splits found (`capped_rows`).
 """
@@ -9,18 +10,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from pipeschedule.checks import PLAN_SEARCH_WORK
 from pipeschedule.errors import ParameterError
 from pipeschedule.plan.candidate import Candidate, cap_label, fitted_caps
-from pipeschedule.plan.choice import Rows
 from pipeschedule.plan.config import PlanConfig
 from pipeschedule.plan.evaluation import Evaluator
 from pipeschedule.plan.memory import GiB
 from pipeschedule.plan.partition import SplitInfeasible, SplitResult, nanotron_split, optimal_split
 
 NO_BETTER = "no split of this schedule beats the best candidate before it"
+
+
+@dataclass
+class Rows:
+    """A plan's candidates as they are found, and the step time of the fastest that fits
+    (the cutoff the searches prune by: they time the step, tail included)."""
+
+    candidates: list
+    best: float
+
+    @classmethod
+    def first(cls, default: Candidate, ours_1f1b: Candidate) -> Rows:
+        """The rows a plan starts from: nanotron's default, and pipeschedule's 1F1B with
+        nanotron's split where it is another row (it folds gradients differently)."""
+        return cls([default] if ours_1f1b is default else [default, ours_1f1b],
+                   default.step_time if default.fits else math.inf)
+
+    def add(self, row: Candidate) -> None:
+        self.candidates.append(row)
+        if row.fits:
+            self.best = min(self.best, row.step_time)
 
 
 class SearchBudget:
@@ -178,4 +199,4 @@ def capped_rows(searches: SplitSearches, rows: Rows, p2p: Sequence[float], famil
         rows.add(searches.row("capped_1f1b", caps, 1, [split], cutoff=rows.best, left=(len(splits) - i, families)))
 
 
-__all__ = ["SearchBudget", "SplitSearches", "capped_rows", "family_rows"]
+__all__ = ["Rows", "SearchBudget", "SplitSearches", "capped_rows", "family_rows"]
