@@ -27,6 +27,7 @@ SCRIPTS = [
     ("benchmarks.zero_bubble_table", ["--pp", "2", "-m", "4"], "zbv"),
     ("benchmarks.pytorch_orders", ["--smoke"], "| ScheduleDualPipeV | dualpipev | 2 | 2 | 4 |"),
     ("benchmarks.searched_schedule", ["--smoke"], "| searched (seed"),
+    ("benchmarks.searched_bound", ["--smoke"], "bound 167.79 (proven"),
     ("benchmarks.gpu", ["--smoke"], "## Checks"),
     ("benchmarks.gpu_overhead", ["--smoke", "--steps", "1"], "executor"),
     ("benchmarks.offload", ["--smoke"], "## Offload chosen in `pp_engine`"),

@@ -40,7 +40,13 @@ of stage 0's c slots is held from an F to its W, the pipeline's whole F and B ch
 long, so a step takes at least m / c such round trips (at pp=4, m=8, cap 2 under those
 costs: 4 x 72.3 ms after the first F, 298 ms, if no two microbatches ever met in a
 queue); the split backward shortens each round trip by the W of every stage but the
-first, and the search chooses which of two ready instructions a rank runs first.
+first, and the search chooses which of two ready instructions a rank runs first. No two
+microbatches can avoid meeting there: the least time of any order within rank 0's
+memory at capped_1f1b's peak (2 stashes held from F to W, since a third F with two
+stashes shrunk to their W's part would exceed it) and rule 6's 2 on every rank, even
+with the other ranks' Ws free to wait, is 326.5 ms in the search model, proven by an
+exact program (benchmarks/searched_bound.py), 7.0% below capped_1f1b; the search finds
+that order (327.1 ms simulated), and the issue's 10% is out of reach at that memory.
 
 Cost: one simulation per candidate (about ten) and the annealing's budget; the size is
 bounded by MAX_SEARCH_PAIRS and MAX_SEARCH_STAGES ([Note: size limits] in checks.py;
