@@ -82,6 +82,8 @@ def test_a_text_column_the_dataset_lacks_is_refused_once_by_rank_0(tmp_path, tex
 USER_SCRIPT = '''\
 """A user's own launch script: nanotron imported first, no pipeschedule import line."""
 import argparse
+import os
+import sys
 
 from nanotron import logging  # the nanotron 0.4 wheel alone cannot import this (its import cycle)
 from nanotron.trainer import DistributedTrainer
@@ -91,7 +93,10 @@ from integration.nanotron import data
 parser = argparse.ArgumentParser()
 parser.add_argument("--config-file", required=True)
 trainer = DistributedTrainer(parser.parse_args().config_file)
-print("engine:", type(trainer.config.parallelism.pp_engine).__name__, trainer.config.parallelism.pp_engine.spec)
+engine = trainer.config.parallelism.pp_engine
+if os.environ["RANK"] == "0":  # one rank, one write: two ranks' prints share the pipe and may interleave
+    sys.stdout.flush()
+    print(f"engine: {type(engine).__name__} {engine.spec}", flush=True)
 trainer.train(data.train_dataloader(trainer, data.load(trainer.config)))
 '''
 
