@@ -36,6 +36,7 @@ SCRIPTS = [
      "| smoke | 4 | `1f1b` | `ps_1f1b` |"),
     ("benchmarks.trainer", ["--smoke", "--rounds", "1"], "capped_1f1b:cap=2"),
     ("benchmarks.grad_fold", ["--smoke"], "smoke: 2 engines ran"),
+    ("benchmarks.zero1_step", ["--smoke"], "smoke: ZeRO-1 ran on 4 ranks"),
     ("benchmarks.real_data", ["--smoke"], "smoke: 2 engines trained on text"),
     ("benchmarks.limits", ["--smoke"], "smoke: 1 case, ok, refused one past: True"),
     ("benchmarks.phase_times", ["interleaved", "simulate", "--repeat", "1"], "simulate interleaved"),
