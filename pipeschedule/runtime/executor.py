@@ -476,7 +476,7 @@ class Executor:
             if signature is not None:
                 self._stash_bytes[signature] = stash_bytes
         if weights is not None:
-            weights.close_forward()
+            weights.close_forward(y)
             self._report_split(i.stage, weights)
         root, meta = self._emit_output(i, y, x)
         landed = 0

@@ -59,10 +59,21 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.autograd.variable import Variable
-from torch.overrides import TorchFunctionMode
 
-_LINEAR = torch._C._nn.linear  # what F.linear and nn.Linear dispatch as
-_plain = threading.local()  # .depth: how many not_deferring() blocks this thread is in
+_LINEAR = F.linear  # torch._C._nn.linear, as torch binds it (what nn.Linear calls through F.linear)
+_ACCUMULATE = torch._C._functions.AccumulateGrad
+_DISABLED = torch._C._disabled_torch_function_impl
+
+
+class _ThreadState(threading.local):
+    store: WeightGrads | None = None  # the store this thread's F defers into
+    depth = 0  # how many not_deferring() blocks this thread is in
+
+
+_state = _ThreadState()
+_route_lock = threading.Lock()
+_route_users = 0  # deferring() blocks open, in every thread: F.linear is routed while > 0
+_route_original = _LINEAR  # what F.linear was when the route went in
 
 
 @dataclass(frozen=True)
@@ -119,7 +130,7 @@ class _DeferredLinear(torch.autograd.Function):
             x_ = x.detach()
             if x.requires_grad:
                 x_.requires_grad_()
-            y_ = F.linear(x_, weight, bias)
+            y_ = _route_original(x_, weight, bias)
         # Only the private output's grad_fn is kept (as the root of B and W): its storage
         # belongs to the returned output, which the stage may release.
         record.x = record.leaf = x_
@@ -152,43 +163,89 @@ def _grad(roots, grads, inputs, *, keep_graph: bool):
     )
 
 
-class _Deferring(TorchFunctionMode):
-    def __init__(self, store: WeightGrads):
-        super().__init__()
-        self.store = store
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not torch.is_grad_enabled():
-            return func(*args, **kwargs)
-        if func is _LINEAR and not types and not getattr(_plain, "depth", 0):
-            out = self.store.defer(*args, **kwargs)
-            if out is not None:
-                return out
-        out = func(*args, **kwargs)
-        if _differentiable(out):  # a use autograd will differentiate (not .grad, .shape, .detach())
-            self.store.note_uses(args, kwargs)
-        return out
+def _routed_linear(input, weight, bias=None):  # noqa: A002  (F.linear's names)
+    """F.linear while a deferring() block is open in any thread: this thread's store's
+    route, or the plain op where this thread defers into none."""
+    store = _state.store
+    if store is None:
+        return _route_original(input, weight, bias)
+    return store.linear(input, weight, bias)
 
 
-def _differentiable(out) -> bool:
-    if isinstance(out, torch.Tensor):
-        return out.grad_fn is not None
-    if isinstance(out, (list, tuple)):
-        return any(isinstance(item, torch.Tensor) and item.grad_fn is not None for item in out)
-    return False
+def _route_in() -> None:
+    global _route_users, _route_original
+    with _route_lock:
+        if _route_users == 0:
+            _route_original = F.linear
+            F.linear = _routed_linear
+        _route_users += 1
+
+
+def _route_out() -> None:
+    global _route_users
+    with _route_lock:
+        _route_users -= 1
+        if _route_users == 0 and F.linear is _routed_linear:  # (whoever rebound it since keeps theirs)
+            F.linear = _route_original
+
+
+_PLAIN_TYPES: dict[type, bool] = {torch.Tensor: True, torch.nn.Parameter: True}
+
+
+def _plain_type(tensor) -> bool:
+    """Whether `tensor` is a Tensor with no `__torch_function__` of its own (Parameter and
+    its subclasses, nanotron's included, disable theirs)."""
+    cls = type(tensor)
+    plain = _PLAIN_TYPES.get(cls)
+    if plain is None:
+        plain = _PLAIN_TYPES[cls] = issubclass(cls, torch.Tensor) and cls.__torch_function__ is _DISABLED
+    return plain
+
+
+def _tensors(value) -> Iterator[torch.Tensor]:
+    """The tensors of a stage's outputs: a tensor, or dicts, lists and tuples of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _used_elsewhere(outputs, params: dict[int, torch.Tensor]) -> set[int]:
+    """Ids of `params` whose AccumulateGrad node the backward from `outputs` reaches
+    through an edge other than a deferred linear's weight or bias edge."""
+    deferred_node = _DeferredLinear._backward_cls
+    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    seen, found = set(stack), set()
+    while stack:
+        node = stack.pop()
+        edges = node.next_functions
+        if type(node) is deferred_node:
+            edges = edges[:1]  # (input, weight, bias): the input's edge is B's, the others W's
+        for child, _ in edges:
+            if child is None or child in seen:
+                continue
+            seen.add(child)
+            if type(child) is _ACCUMULATE:
+                if id(child.variable) in params:
+                    found.add(id(child.variable))
+            else:
+                stack.append(child)
+    return found
 
 
 @contextlib.contextmanager
 def not_deferring() -> Iterator[None]:
     """Every F.linear of the body runs plain, inside `WeightGrads.deferring()` too: its
     weight gradient is computed at B ([Note: split backward], activation checkpointing)."""
-    depth = getattr(_plain, "depth", 0)
-    _plain.depth = depth + 1
+    _state.depth += 1
     try:
         yield
     finally:
-        _plain.depth = depth
+        _state.depth -= 1
 
 
 class WeightGrads:
@@ -207,35 +264,48 @@ class WeightGrads:
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
-        with _Deferring(self):
+        """F.linear of this thread defers into this store until the block ends."""
+        _route_in()
+        outer, _state.store = _state.store, self
+        try:
             yield
+        finally:
+            _state.store = outer
+            _route_out()
 
-    def defer(self, input=None, weight=None, bias=None):  # noqa: A002  (F.linear's names)
-        """F.linear(input, weight, bias) with its weight half deferred, or None when it
-        cannot be (then the caller runs the plain op)."""
+    def linear(self, input, weight, bias=None):  # noqa: A002  (F.linear's names)
+        """F.linear(input, weight, bias) inside `deferring()`: deferred where it can be,
+        else the plain op, whose leaf arguments count as uses (a tie) if it is differentiable."""
+        if not torch.is_grad_enabled():
+            return _route_original(input, weight, bias)
+        if not _state.depth and self._deferrable(input, weight, bias):
+            record = _Record(weight, bias)
+            self.records.append(record)
+            return _DeferredLinear.apply(input, weight, bias, record)
+        out = _route_original(input, weight, bias)
+        if getattr(out, "grad_fn", None) is not None:
+            self._used.update(id(t) for t in (input, weight, bias)
+                              if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad)
+        return out
+
+    @staticmethod
+    def _deferrable(input, weight, bias) -> bool:  # noqa: A002
         if not (isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor)):
-            return None
-        if not (weight.is_leaf and weight.requires_grad):
-            return None
-        if bias is not None and not (isinstance(bias, torch.Tensor) and bias.is_leaf):
-            return None
-        record = _Record(weight, bias)
-        self.records.append(record)
-        return _DeferredLinear.apply(input, weight, bias, record)
+            return False
+        if not (weight.is_leaf and weight.requires_grad and _plain_type(input) and _plain_type(weight)):
+            return False
+        return bias is None or (isinstance(bias, torch.Tensor) and bias.is_leaf and _plain_type(bias))
 
-    def note_uses(self, args, kwargs) -> None:
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, (list, tuple)):
-                for item in value:
-                    if isinstance(item, torch.Tensor) and item.is_leaf and item.requires_grad:
-                        self._used.add(id(item))
-            elif isinstance(value, torch.Tensor) and value.is_leaf and value.requires_grad:
-                self._used.add(id(value))
-
-    def close_forward(self) -> None:
-        """After F: linears whose weight another op also used compute it at B."""
+    def close_forward(self, outputs=None) -> None:
+        """After F: linears whose weight another differentiable op also used compute it at
+        B. The uses are found in the graph of `outputs` (the stage's outputs: a tensor, or
+        dicts, lists and tuples of them) and among the plain F.linear calls of F."""
+        params = {id(p): p for record in self.records for p in record.params()}
+        used = self._used
+        if outputs is not None and params:
+            used = used | _used_elsewhere(outputs, params)
         for record in self.records:
-            if any(id(p) in self._used for p in record.params()):
+            if any(id(p) in used for p in record.params()):
                 record.at_b = True
                 self._tied.update(id(p) for p in record.params())
         self._used = set()
