@@ -1,12 +1,12 @@
 """Split backward: B computes input gradients, W the weight gradients it deferred.
 
 [Note: split backward] In a schedule with W instructions (`Schedule.split_backward`)
-the executor runs every F of a stage under `WeightGrads.deferring()`, a
-`TorchFunctionMode` that catches each `F.linear` (what `nn.Linear` calls, and what
-nanotron's tensor-parallel linears call in their non-async modes) whose weight is a leaf
-requiring grad, with grad mode on. Such a call becomes one `_DeferredLinear` node that
-owns a private autograd graph of the very same `F.linear`, on a detached alias `x_` of
-the input:
+the executor runs every F of a stage inside `WeightGrads.deferring()`, which rebinds
+`torch.nn.functional.linear` (what `nn.Linear` calls, and what nanotron's tensor-parallel
+linears call in their non-async modes, both looking it up at call time) to a router.
+The thread's store catches each call whose weight is a leaf requiring grad, with grad
+mode on. Such a call becomes one `_DeferredLinear` node that owns a private autograd
+graph of the very same op, on a detached alias `x_` of the input:
 
     F   y_ = F.linear(x_, weight, bias) (private graph);  the stage sees y = y_.detach(),
         whose grad_fn is the _DeferredLinear node
@@ -26,23 +26,42 @@ outer graph keep their relative creation order, so contributions meeting in one
 gradient (an input feeding two linears) are summed in the same order too.
 
 What does not defer, and is computed at B as before:
-- parameters not used through `F.linear` (norm weights, embeddings, convolutions);
+- parameters not used through `F.linear` (norm weights, embeddings, convolutions), and
+  linears the router never sees: torch's op called directly, or a `linear` bound from
+  `torch.nn.functional` at import (a module global of torch.nn.functional itself is the
+  rebound one);
 - `F.linear` inside a custom autograd Function (grad mode is off there: nanotron's
   async-communication tensor-parallel linears), under `no_grad`, on tensor subclasses
   with their own `__torch_function__`, or with a weight that is not a leaf;
-- a weight also used by some other differentiable op during the same F (a tied weight:
-  an op whose output has a grad_fn; reading `.grad`, `.shape` or `.detach()` does not
-  count): its gradient must be summed with the other use's before it reaches `.grad`, as
-  in the reference, so its linears compute their weight half at B (decided once F has
-  returned).
+- a weight also used by some other differentiable op (a tied weight): its gradient must
+  be summed with the other use's before it reaches `.grad`, as in the reference, so its
+  linears compute their weight half at B. `close_forward(outputs)` decides it once F has
+  returned, by a walk of the graph from the stage's outputs: a deferred parameter whose
+  AccumulateGrad node is reached through any edge but a `_DeferredLinear` node's weight
+  or bias edge (an op on the weight, a linear the router missed, the weight as another
+  linear's input) is tied. Plain `F.linear` calls seen by the router (under
+  `not_deferring()`, grad-free inputs...) note their leaf arguments as uses too, which is
+  all `close_forward()` without outputs finds.
 A stage where nothing defers runs the full backward at B and its W runs nothing; the
 executor records that in `split_mode` and logs it once ([Note: executor semantics]).
+
+Why a rebinding and not a `TorchFunctionMode` (the route until issue 40): a mode puts
+every torch function of F through Python, 678 calls per F of six of the project's Llama
+layers (hidden 384, seq 256), which cost F +6.9% at 1 thread and +8.1% at 2 on a 2-core
+CPU; the fixed cost per call grows against ops made faster by threads (+37% at 4 threads
+per rank of nanotron's Llama on 16 cores). The rebinding adds one Python call per linear
+(30 per such F) and the walk one visit per graph node (343, about 0.4 ms): +2-3% at 1
+and 2 threads there (`python -m benchmarks.split_forward`). The router is installed
+while any thread's `deferring()` is open (a lock and a count; the last to leave puts
+back what it found, unless someone rebound it since) and reads a thread-local store, so
+other threads (a data loader, ranks run as threads) run their linears plain or into their own
+store.
 
 Memory: from B to W a deferred linear holds its input (saved by the private matmul)
 and its output gradient; `held_bytes` counts their storages (parameters and the given
 `exclude` left out), which the ledger charges to the stash from B until W frees it.
 Activation checkpointing inside a deferred stage must run its forward, both times, under
-`not_deferring()` (its recomputation runs at B, outside the mode, and must save what the
+`not_deferring()` (its recomputation runs at B, outside `deferring()`, and must save what the
 first run saved): its linears then compute their weight gradients at B. Layer recompute
 does (integration/nanotron/pipeline/recompute.py). Their uses are still noted, so a deferred linear
 sharing a weight with them computes at B too, as a tied weight does.

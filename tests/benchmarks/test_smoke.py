@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = [
     ("benchmarks.compile_speed", ["--quick"], "compile speed: interleaved_1f1b"),
     ("benchmarks.executor_overhead", ["--quick"], "in-process"),
+    ("benchmarks.split_forward", ["--smoke", "--threads", "1"], "route gradients bitwise: True"),
     ("benchmarks.plan_speed", ["--quick"], "Plan speed:"),
     ("benchmarks.plan_calibration", [], "trainer.json"),
     ("benchmarks.users_case", ["--quick"], "## The recommendation"),
