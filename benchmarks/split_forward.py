@@ -193,8 +193,9 @@ def markdown(result: dict) -> str:
         per_call = 1e3 * (ms["mode"] - ms["plain"]) / census_["torch_function_calls"]
         lines.append(f"| {row['under']} | {row['threads']} | {ms['plain']:.2f} | {ms['mode']:.2f} | {ms['route']:.2f} "
                      f"| {ratio['mode']:.3f} | {ratio['route']:.3f} | {per_call:.2f} | {row['walk_ms']:.3f} |")
-    lines += ["", "Ratios are medians of the per-round ratios. On a shared machine other processes slow every "
-                  "variant; compare ratios of one run, not across runs."]
+    lines += ["", "Ratios are medians of the per-round ratios. On a shared machine other processes (the load "
+                  "average above) slow every variant and the figures carry that load; compare ratios of one run, "
+                  "not across runs."]
     return "\n".join(lines) + "\n"
 
 
