@@ -48,11 +48,11 @@ executor records that in `split_mode` and logs it once ([Note: executor semantic
 Why a rebinding and not a `TorchFunctionMode` (the route until issue 40): a mode puts
 every torch function of F through Python, 678 calls per F of six of the project's Llama
 layers (hidden 384, seq 256, fp32), a fixed cost per call that grows against ops made
-faster by threads: F +5.2% at 1 thread and +8.4% at 2 on a 2-core CPU (+6.8% and +11.3%
+faster by threads: F +3.9% at 1 thread and +8.0% at 2 on a 2-core CPU (+6.4% and +10.0%
 under nanotron's CPU mode `CudaToCpu`, whose calls it doubles); +37% at 4 threads per
 rank of nanotron's Llama on 16 cores. The rebinding adds one Python call per linear (30
-per such F) and the walk one visit per graph node (343, 0.3-0.4 ms): +1.8% and +3.4%
-(+2.8% and +4.5% under `CudaToCpu`), medians of 60 paired rounds
+per such F) and the walk one visit per graph node (343, 0.3-0.5 ms): +1.5% and +3.1%
+(+2.5% and +4.3% under `CudaToCpu`), medians of 60 paired rounds
 (`python -m benchmarks.split_forward`, benchmarks/results/split_forward.md). The router is installed
 while any thread's `deferring()` is open (a lock and a count; the last to leave puts
 back what it found, unless someone rebound it since) and reads a thread-local store, so
