@@ -194,3 +194,25 @@ def test_the_route_is_restored_when_the_forward_raises():
             raise RuntimeError("boom")
     assert F.linear is torch._C._nn.linear
     assert len(store.records) == 1
+
+
+def test_a_deferring_block_inside_another_defers_into_its_own_store_until_it_ends():
+    torch.manual_seed(3)
+    first, second, third = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    outer, inner = WeightGrads(), WeightGrads()
+    with outer.deferring():
+        h = first(x)
+        with inner.deferring():
+            h = second(h)
+        y = third(h)
+    assert [r.weight for r in outer.records] == [first.weight, third.weight]
+    assert [r.weight for r in inner.records] == [second.weight]
+    assert F.linear is torch._C._nn.linear
+    for store in (outer, inner):
+        store.close_forward(y)
+    y.sum().backward()
+    assert all(p.grad is None for p in (first.weight, second.weight, third.weight))
+    outer.run()
+    inner.run()
+    assert all(p.grad is not None for p in (first.weight, second.weight, third.weight))
