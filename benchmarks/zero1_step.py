@@ -104,7 +104,7 @@ def rows(runs: dict) -> list[dict]:
             out.append({"zero": name, "pp_rank": rank["pp_rank"], "dp_rank": rank["dp_rank"],
                         "measured": measured, "measured_pipeline": rank["peak_allocated_pipeline"],
                         "predicted": pred["total"], "predicted_pipeline": pred["pipeline"],
-                        "optimizer_term": pred["optimizer_step"],
+                        "optimizer_term": pred["optimizer_step"], "reserved": rank["peak_reserved"],
                         "error": pred["total"] / measured - 1 if measured else None})
     return out
 
@@ -121,14 +121,14 @@ def render(report: dict) -> str:
              "'optimizer step (transient, above the pipeline)'.", "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
              "| ZeRO | pp rank | dp rank | measured step peak (GiB) | predicted total | error | measured pipeline peak "
-             "| predicted pipeline | optimizer-step term (GiB) | measured step - pipeline |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| predicted pipeline | optimizer-step term (GiB) | measured step - pipeline | peak reserved (GiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         lines.append(f"| {row['zero']} | {row['pp_rank']} | {row['dp_rank']} | {row['measured'] / GiB:.3f} "
                      f"| {row['predicted'] / GiB:.3f} | {100 * row['error']:+.1f}% "
                      f"| {row['measured_pipeline'] / GiB:.3f} | {row['predicted_pipeline'] / GiB:.3f} "
                      f"| {row['optimizer_term'] / GiB:.3f} "
-                     f"| {(row['measured'] - row['measured_pipeline']) / GiB:.3f} |")
+                     f"| {(row['measured'] - row['measured_pipeline']) / GiB:.3f} | {row['reserved'] / GiB:.3f} |")
     worst = max((abs(r["error"]) for r in report["rows"] if r["zero"] == "zero1"), default=None)
     if worst is not None:
         verdict = "met" if worst <= GOAL else "missed"
@@ -141,18 +141,27 @@ def render(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _stages(text: str) -> list[int]:
+    stages = [s.strip() for s in text.split(",")]
+    if not stages or any(s not in ("0", "1") for s in stages):
+        raise argparse.ArgumentTypeError(f"--zero takes 0 and 1, comma-separated; got {text!r}")
+    return [int(s) for s in stages]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.zero1_step", description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")
     parser.add_argument("--commit", help="commit to record (the device machine's tree may lack git history)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where zero1_step.json and .md go")
+    parser.add_argument("--zero", type=_stages, default=[1],
+                        help="ZeRO stages to run, comma-separated from 0 and 1 (default 1)")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         print("benchmarks.zero1_step: no CUDA GPU here; use --smoke on a CPU", file=sys.stderr)
         return 2
     sizes = {**SMOKE_TRAINER, "ffn": 64, "layers": 4} if args.smoke else PARAM_HEAVY
     steps = WARMUP + 1 if args.smoke else STEPS
-    runs = run_all(sizes, steps, (1,) if args.smoke else (1, 0))
+    runs = run_all(sizes, steps, (1,) if args.smoke else tuple(args.zero))
     report = {"versions": versions(args.commit), "model": sizes, "pp": PP, "dp": DP, "microbatches": MICROBATCHES,
               "steps": steps, "runs": runs, "rows": rows(runs) if not args.smoke else []}
     if args.smoke:
