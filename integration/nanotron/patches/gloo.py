@@ -63,6 +63,58 @@ def _without_grad(name: str):
     return run
 
 
+class _CopiedBack:
+    """The handle of `_flat_all_reduce_coalesced(async_op=True)`: `wait()` waits for the
+    flat all-reduce, then copies its result back into the tensors, once."""
+
+    def __init__(self, work, flat: torch.Tensor, tensors: list[torch.Tensor]):
+        self.work, self.flat, self.tensors = work, flat, tensors
+
+    def wait(self, timeout=None) -> bool:
+        if self.flat is not None:
+            self.work.wait() if timeout is None else self.work.wait(timeout)
+            _copy_back(self.flat, self.tensors)
+            self.flat = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.flat is None or self.work.is_completed()
+
+
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for tensor, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
+            tensor.copy_(reduced)
+
+
+def flat_all_reduce(tensors, op, group, async_op: bool):
+    """All-reduce `tensors` as one flat buffer (one `dist.all_reduce`), the result copied
+    back into them: at once, or at the returned handle's `wait()` with `async_op`."""
+    with torch.no_grad():
+        flat = torch._utils._flatten_dense_tensors(tensors)
+        work = torch.distributed.all_reduce(flat, op=op, group=group, async_op=async_op)
+    if async_op:
+        return _CopiedBack(work, flat, list(tensors))
+    _copy_back(flat, tensors)
+    return None
+
+
+def _all_reduce_coalesced(tensors, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+    """nanotron's `all_reduce_coalesced` over gloo, under torch.no_grad. gloo's coalesced
+    all-reduce takes CPU tensors only ("ProcessGroupGloo::allreduce_coalesced: unsupported
+    device type cuda": nanotron's fp32-accumulation DDP hook under ZeRO-0 with dp > 1 and
+    ranks sharing a GPU); CUDA tensors go through one flat `all_reduce`, which gloo stages
+    through the host, and back."""
+    if tensors and tensors[0].is_cuda:
+        if group is None:
+            group = torch.distributed.distributed_c10d._get_default_group()
+        if group.size() == 1:
+            return None
+        return flat_all_reduce(tensors, op, group, async_op)
+    with torch.no_grad():
+        return _all_reduce_coalesced.__pipeschedule_original__(tensors, op=op, group=group, async_op=async_op)
+
+
 def _set_device(self) -> None:
     """`ParallelContext.set_device` for ranks sharing the GPUs of a machine, or none."""
     if torch.cuda.is_available():
@@ -123,7 +175,10 @@ SET_DEVICE = rebind(ParallelContext, "set_device", _set_device, parameters=("sel
 NO_GRAD_COLLECTIVES = tuple(
     rebind(nanotron_dist, name, _without_grad(name), why="gloo refuses an in-place collective on a leaf that "
            "requires grad: nanotron's collectives run under torch.no_grad")
-    for name in COLLECTIVES)
+    for name in COLLECTIVES if name != "all_reduce_coalesced") + (
+    rebind(nanotron_dist, "all_reduce_coalesced", _all_reduce_coalesced,
+           why="under torch.no_grad as the other collectives; CUDA tensors (ranks sharing a GPU) through one flat "
+               "all_reduce: gloo's coalesced all-reduce takes CPU tensors only"),)
 LLAMA_P2P = rebind("nanotron.models.llama", "P2P", _gloo_p2p,
                    why="nanotron's Llama builds CpuP2P (CPU) or HostStagedP2P (a shared GPU) for its gloo pipe group")
 ROTARY_ON_CPU = rebind("nanotron.models.llama:RotaryEmbedding", "init_rotary_embeddings", _init_rotary_on_cpu,
