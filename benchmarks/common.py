@@ -31,7 +31,13 @@ MICROBATCH_SIZE = 1
 WARMUP = 1  # steps (or rounds) of the GPU benchmarks before the measured ones
 MODEL = dict(hidden=2048, layers=16, heads=16, kv_heads=8, ffn=5632, vocab=32000, seq=4096)
 SMOKE_MODEL = dict(hidden=64, layers=8, heads=4, kv_heads=2, ffn=128, vocab=256, seq=32)
-CONTEXT_BYTES = 600 * 2**20  # a process's CUDA context and allocator slack (fit checks only)
+# What a rank's process holds on its GPU beyond the memory model's allocated peak (fit checks
+# only), measured on an H100 with torch 2.11 (benchmarks/results/zero1_step.md): its CUDA
+# context (524-527 MiB a process, alone or four at once) and the caching allocator's reserve
+# above its allocated peak (0.55 and 1.11 GiB on the ranks of one ZeRO-1 step; the larger, rounded up).
+CONTEXT_BYTES = 530 * 2**20
+ALLOCATOR_SLACK_BYTES = int(1.15 * 2**30)
+RANK_OVERHEAD_BYTES = CONTEXT_BYTES + ALLOCATOR_SLACK_BYTES
 FIT_SHARE = 0.95  # a case is run where its predicted peak is at most this share of the GPU's memory
 # The smaller model of the trainer benchmarks' --smoke (a nanotron YAML: micro_batch_size too).
 SMOKE_TRAINER = dict(hidden=32, heads=4, kv_heads=2, layers=8, vocab=128, seq=16, micro_batch_size=2)
@@ -177,7 +183,8 @@ def write_results(stem: str, report: dict, markdown: str | None = None, out: Pat
 
 
 __all__ = [
-    "CONTEXT_BYTES", "FIT_SHARE", "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER",
+    "ALLOCATOR_SLACK_BYTES", "CONTEXT_BYTES", "FIT_SHARE", "RANK_OVERHEAD_BYTES",
+    "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER",
     "cpu_model", "git_commit", "machine", "torchrun", "torchrun_cause", "torchrun_failure", "torch_version", "versions",
     "write_results",
 ]

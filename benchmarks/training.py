@@ -36,7 +36,7 @@ import torch
 
 import integration.nanotron  # noqa: F401  (first: nanotron 0.4 imports once repaired; installs the patches)
 from integration.nanotron.pipeline import split as splits
-from benchmarks.common import CONTEXT_BYTES, FIT_SHARE, rotated
+from benchmarks.common import FIT_SHARE, RANK_OVERHEAD_BYTES, rotated
 from benchmarks.llama.model import ModelConfig
 from integration.nanotron.pipeline.engine_spec import NANOTRON_ENGINES
 from pipeschedule.compiler.families import FAMILIES
@@ -321,7 +321,7 @@ def run_cases(cfg: ModelConfig, case_list: list[Case], *, pp: int, mode: str, mi
     for case in case_list:
         predictions[case] = predicted(cfg, case, pp=pp, microbatch_size=microbatch_size, dtype_bytes=dtype_bytes,
                                       device="cuda" if torch.cuda.is_available() else "cpu")
-        totals = [predicted_total(t) + CONTEXT_BYTES for t in predictions[case]]
+        totals = [predicted_total(t) + RANK_OVERHEAD_BYTES for t in predictions[case]]
         need = sum(totals) if mode == "shared" else max(totals)
         if need > FIT_SHARE * capacity:
             where = f"the {pp} processes together" if mode == "shared" else "the fullest rank"
