@@ -53,7 +53,9 @@ under nanotron's CPU mode `CudaToCpu`, whose calls it doubles); +37% at 4 thread
 rank of nanotron's Llama on 16 cores. The rebinding adds one Python call per linear (30
 per such F) and the walk one visit per graph node (343, 0.3-0.5 ms): +1.5% and +3.1%
 (+2.5% and +4.3% under `CudaToCpu`), medians of 60 paired rounds
-(`python -m benchmarks.split_forward`, benchmarks/results/split_forward.md). The router is installed
+(`python -m benchmarks.split_forward`, benchmarks/results/split_forward.md); on four pinned
+cores of the 16-core machine under `CudaToCpu` at 4 threads, 1.10x where the mode cost 1.29x
+(benchmarks/results/split_forward_16core.md). The router is installed
 while any thread's `deferring()` is open (a lock and a count; the last to leave puts
 back what it found, unless someone rebound it since) and reads a thread-local store, so
 other threads (a data loader, ranks run as threads) run their linears plain or into their own
