@@ -86,106 +86,158 @@ class Case:
     timeout: float | None = None  # seconds before the case is stopped (None: --timeout)
 
 
-def cases(tmp: str, quick: bool = False) -> list[Case]:
+@dataclass(frozen=True)
+class _Scale:
+    """What the cases of one run share: the pair limits (or the quick run's), the folder
+    their files go to, and the two schedules used several times."""
+
+    p: int  # (stage, microbatch) pairs: compile, verify, simulate, show
+    s: int  # stages
+    pt: int  # pairs of a trace
+    pg: int  # pairs of a PNG
+    tmp: str
+    big: tuple[str, ...]  # the split-backward V: the most instructions per pair
+    issue: tuple[str, ...]  # the interleaved schedule the users' issue named
+    what: str  # the issue schedule, described
+
+    def f(self, name: str) -> str:
+        return os.path.join(self.tmp, name)
+
+
+def _scale(tmp: str, quick: bool) -> _Scale:
     p, s, pt, pg = (2**12, 2**10, 2**11, 2**11) if quick else (P, S, PT, PG)
-    f = lambda name: os.path.join(tmp, name)  # noqa: E731
-    big = ["zbv", "--pp", "64", "-m", str(p // 128)]  # the split-backward V: the most instructions per pair
     pp, v, m = ISSUE if not quick else (16, 2, 64)
-    issue = ["interleaved_1f1b", "--pp", str(pp), "--virtual", str(v), "-m", str(m)]
-    what = f"interleaved_1f1b pp={pp}, virtual={v}, m={m} ({pp * v * m} pairs)"
-    out = [
-        Case("compile", f"1f1b pp={s} (most stages), m={p // s}, JSON",
-             ["compile", "1f1b", "--pp", str(s), "-m", str(p // s), "--json", f("a.json")],
-             refused=["compile", "1f1b", "--pp", str(S + 1), "-m", "1", "--json", f("r.json")]),
-        Case("compile", f"1f1b pp=4, m={p // 4} (most microbatches), JSON",
-             ["compile", "1f1b", "--pp", "4", "-m", str(p // 4), "--json", f("b.json")],
-             refused=["compile", "1f1b", "--pp", "4", "-m", str(P // 4 + 1), "--json", f("r.json")]),
-        Case("compile", f"capped_1f1b pp=64, m={p // 64}, cap 2, text",
-             ["compile", "capped_1f1b", "--pp", "64", "-m", str(p // 64), "--cap", "2", "--text", f("c.txt")]),
-        Case("compile", f"interleaved_1f1b pp=16, virtual=8, m={p // 128}, JSON",
-             ["compile", "interleaved_1f1b", "--pp", "16", "--virtual", "8", "-m", str(p // 128),
-              "--json", f("i.json")]),
-        Case("compile", f"{what}, JSON", ["compile", *issue, "--json", f("ii.json")],
+    return _Scale(p, s, pt, pg, tmp, ("zbv", "--pp", "64", "-m", str(p // 128)),
+                  ("interleaved_1f1b", "--pp", str(pp), "--virtual", str(v), "-m", str(m)),
+                  f"interleaved_1f1b pp={pp}, virtual={v}, m={m} ({pp * v * m} pairs)")
+
+
+def cases(tmp: str, quick: bool = False) -> list[Case]:
+    z = _scale(tmp, quick)
+    return [*compile_cases(z), *search_cases(z), *offload_cases(z), *read_cases(z), *draw_cases(z), *plan_cases(),
+            *check_cases(z)]
+
+def compile_cases(z: _Scale) -> list[Case]:
+    """`compile` of each family at the most stages and microbatches it takes, in each format."""
+    return [
+        Case("compile", f"1f1b pp={z.s} (most stages), m={z.p // z.s}, JSON",
+             ["compile", "1f1b", "--pp", str(z.s), "-m", str(z.p // z.s), "--json", z.f("a.json")],
+             refused=["compile", "1f1b", "--pp", str(S + 1), "-m", "1", "--json", z.f("r.json")]),
+        Case("compile", f"1f1b pp=4, m={z.p // 4} (most microbatches), JSON",
+             ["compile", "1f1b", "--pp", "4", "-m", str(z.p // 4), "--json", z.f("b.json")],
+             refused=["compile", "1f1b", "--pp", "4", "-m", str(P // 4 + 1), "--json", z.f("r.json")]),
+        Case("compile", f"capped_1f1b pp=64, m={z.p // 64}, cap 2, text",
+             ["compile", "capped_1f1b", "--pp", "64", "-m", str(z.p // 64), "--cap", "2", "--text", z.f("c.txt")]),
+        Case("compile", f"interleaved_1f1b pp=16, virtual=8, m={z.p // 128}, JSON",
+             ["compile", "interleaved_1f1b", "--pp", "16", "--virtual", "8", "-m", str(z.p // 128),
+              "--json", z.f("i.json")]),
+        Case("compile", f"{z.what}, JSON", ["compile", *z.issue, "--json", z.f("ii.json")],
              refused=["compile", "interleaved_1f1b", "--pp", "64", "--virtual", "2", "-m", str(P // 128 + 1),
-                      "--json", f("r.json")]),
-        Case("compile", f"zb_h1 pp=128, m={p // 128}, JSON",
-             ["compile", "zb_h1", "--pp", "128", "-m", str(p // 128), "--json", f("h.json")]),
-        Case("compile", f"zbv pp=64 (128 stages), m={p // 128}, JSON + text + CSV",
-             ["compile", *big, "--json", f("v.json"), "--text", f("v.txt"), "--csv", f("v.csv")]),
-        Case("compile", f"v_min pp={s // 2} (most stages), m={p // s}, JSON",
-             ["compile", "v_min", "--pp", str(s // 2), "-m", str(p // s), "--json", f("vm.json")]),
-        Case("compile", f"zbv pp=64, m={p // 128}, --cost examples/cost_uniform.json",
-             ["compile", *big, "--cost", "examples/cost_uniform.json", "--json", f("vc.json")]),
+                      "--json", z.f("r.json")]),
+        Case("compile", f"zb_h1 pp=128, m={z.p // 128}, JSON",
+             ["compile", "zb_h1", "--pp", "128", "-m", str(z.p // 128), "--json", z.f("h.json")]),
+        Case("compile", f"zbv pp=64 (128 stages), m={z.p // 128}, JSON + text + CSV",
+             ["compile", *z.big, "--json", z.f("v.json"), "--text", z.f("v.txt"), "--csv", z.f("v.csv")]),
+        Case("compile", f"v_min pp={z.s // 2} (most stages), m={z.p // z.s}, JSON",
+             ["compile", "v_min", "--pp", str(z.s // 2), "-m", str(z.p // z.s), "--json", z.f("vm.json")]),
+        Case("compile", f"zbv pp=64, m={z.p // 128}, --cost examples/cost_uniform.json",
+             ["compile", *z.big, "--cost", "examples/cost_uniform.json", "--json", z.f("vc.json")]),
     ]
-    # searched: its own bounds (it builds and simulates each of its candidates)
-    sp, ss = min(p, MAX_SEARCH_PAIRS), min(s, MAX_SEARCH_STAGES)
-    out += [
+
+
+def search_cases(z: _Scale) -> list[Case]:
+    """`compile searched` at its own bounds (it builds and simulates each of its candidates)."""
+    sp, ss = min(z.p, MAX_SEARCH_PAIRS), min(z.s, MAX_SEARCH_STAGES)
+    return [
         Case("compile", f"searched pp={ss} (most stages), m={sp // ss}, --cost examples/cost_uniform.json",
              ["compile", "searched", "--pp", str(ss), "-m", str(sp // ss), "--cost", "examples/cost_uniform.json",
-              "--json", f("s.json")],
-             refused=["compile", "searched", "--pp", str(MAX_SEARCH_STAGES + 1), "-m", "1", "--json", f("r.json")]),
+              "--json", z.f("s.json")],
+             refused=["compile", "searched", "--pp", str(MAX_SEARCH_STAGES + 1), "-m", "1", "--json", z.f("r.json")]),
         Case("compile", f"searched pp=64, m={sp // 64}, cap 8, --cost examples/cost_uniform.json",
              ["compile", "searched", "--pp", "64", "-m", str(sp // 64), "--cap", "8", "--cost",
-              "examples/cost_uniform.json", "--json", f("s2.json")],
+              "examples/cost_uniform.json", "--json", z.f("s2.json")],
              refused=["compile", "searched", "--pp", "64", "-m", str(MAX_SEARCH_PAIRS // 64 + 1), "--json",
-                      f("r.json")]),
+                      z.f("r.json")]),
     ]
-    # the offload search simulates ranks x leads x 8 schedules (pp * m pairs each, the 5
-    # default leads): the most microbatches it accepts at pp=8, and the most ranks at m=1
+
+
+def offload_cases(z: _Scale) -> list[Case]:
+    """`compile --offload auto`: the offload search simulates ranks x leads x 8 schedules
+    (pp * m pairs each, the default leads): the most microbatches it accepts at pp=8, and
+    the most ranks at m=1."""
+    out = []
     leads = len(DEFAULT_LEADS)
     per_pp = lambda pp: MAX_OFFLOAD_SEARCH // (pp * leads * 8 * pp)  # noqa: E731
     pp_many = max(pp for pp in range(1, 1024) if per_pp(pp) >= 1)
-    for pp, m in ((8, min(p // 8, per_pp(8))), (pp_many, 1)):
+    for pp, m in ((8, min(z.p // 8, per_pp(8))), (pp_many, 1)):
         out.append(Case("compile", f"1f1b pp={pp}, m={m}, --offload auto (the offload search's most pairs)",
-                        ["compile", "1f1b", "--pp", str(pp), "-m", str(m), "--offload", "auto", "--json", f("o.json")],
+                        ["compile", "1f1b", "--pp", str(pp), "-m", str(m), "--offload", "auto", "--json",
+                         z.f("o.json")],
                         refused=["compile", "1f1b", "--pp", str(pp), "-m", str(per_pp(pp) + 1), "--offload", "auto",
-                                 "--json", f("r.json")] if pp == 8 else None))
-    out += [
-        Case("verify", f"JSON of zbv pp=64, m={p // 128}", ["verify", f("vv.json")],
-             setup=[["compile", *big, "--json", f("vv.json")]]),
-        Case("verify", f"text of zbv pp=64, m={p // 128}", ["verify", f("vv.txt")],
-             setup=[["compile", *big, "--text", f("vv.txt")]]),
-        Case("verify", f"CSV of zbv pp=64, m={p // 128}", ["verify", f("vv.csv")],
-             setup=[["compile", *big, "--csv", f("vv.csv")]]),
-        Case("verify", f"JSON of 1f1b pp={s}, m={p // s}", ["verify", f("va.json")],
-             setup=[["compile", "1f1b", "--pp", str(s), "-m", str(p // s), "--json", f("va.json")]]),
-        Case("verify", f"JSON of {what}", ["verify", f("vi.json")],
-             setup=[["compile", *issue, "--json", f("vi.json")]]),
-        Case("simulate", f"zbv pp=64, m={p // 128}, --json", ["simulate", *big, "--json"],
+                                 "--json", z.f("r.json")] if pp == 8 else None))
+    return out
+
+
+def read_cases(z: _Scale) -> list[Case]:
+    """`verify` of each format and `simulate` at the most pairs."""
+    return [
+        Case("verify", f"JSON of zbv pp=64, m={z.p // 128}", ["verify", z.f("vv.json")],
+             setup=[["compile", *z.big, "--json", z.f("vv.json")]]),
+        Case("verify", f"text of zbv pp=64, m={z.p // 128}", ["verify", z.f("vv.txt")],
+             setup=[["compile", *z.big, "--text", z.f("vv.txt")]]),
+        Case("verify", f"CSV of zbv pp=64, m={z.p // 128}", ["verify", z.f("vv.csv")],
+             setup=[["compile", *z.big, "--csv", z.f("vv.csv")]]),
+        Case("verify", f"JSON of 1f1b pp={z.s}, m={z.p // z.s}", ["verify", z.f("va.json")],
+             setup=[["compile", "1f1b", "--pp", str(z.s), "-m", str(z.p // z.s), "--json", z.f("va.json")]]),
+        Case("verify", f"JSON of {z.what}", ["verify", z.f("vi.json")],
+             setup=[["compile", *z.issue, "--json", z.f("vi.json")]]),
+        Case("simulate", f"zbv pp=64, m={z.p // 128}, --json", ["simulate", *z.big, "--json"],
              refused=["simulate", "zbv", "--pp", "64", "-m", str(P // 128 + 1)]),
-        Case("simulate", f"{what}, --json", ["simulate", *issue, "--json"]),
-        Case("simulate", f"--schedule zbv pp=64, m={p // 128} (JSON file)", ["simulate", "--schedule", f("vs.json")],
-             setup=[["compile", *big, "--json", f("vs.json")]]),
-        Case("trace", f"simulate zbv pp=64, m={pt // 128}, --json --trace",
-             ["simulate", "zbv", "--pp", "64", "-m", str(pt // 128), "--json", "--trace", f("t.json")],
-             refused=["simulate", "zbv", "--pp", "64", "-m", str(PT // 128 + 1), "--trace", f("r.json")]),
-        Case("trace", f"simulate 1f1b pp={s} (most stages), m={pt // s}, --trace",
-             ["simulate", "1f1b", "--pp", str(s), "-m", str(pt // s), "--trace", f("ta.json")]),
-        Case("trace", f"simulate v_min pp={s // 2} (most stages), m={pt // s}, --trace",
-             ["simulate", "v_min", "--pp", str(s // 2), "-m", str(pt // s), "--trace", f("tv.json")]),
-        Case("png", f"simulate 1f1b pp={MAX_PNG_RANKS} (most ranks drawn), m={pg // MAX_PNG_RANKS}, --png",
-             ["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS), "-m", str(pg // MAX_PNG_RANKS), "--png", f("a.png")],
-             refused=["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS + 1), "-m", "1", "--png", f("r.png")]),
-        Case("png", f"simulate zbv pp=64, m={pg // 128}, --png", ["simulate", "zbv", "--pp", "64", "-m", str(pg // 128),
-                                                                  "--png", f("v.png")],
-             refused=["simulate", "zbv", "--pp", "64", "-m", str(PG // 128 + 1), "--png", f("r.png")]),
-        Case("show", f"zbv pp=64, m={p // 128}", ["show", *big]),
-        Case("show", f"1f1b pp={s}, m={p // s}, --width {MAX_TIMELINE_CELLS // s} (the most cells)",
-             ["show", "1f1b", "--pp", str(s), "-m", str(p // s), "--width", str(MAX_TIMELINE_CELLS // s)],
+        Case("simulate", f"{z.what}, --json", ["simulate", *z.issue, "--json"]),
+        Case("simulate", f"--schedule zbv pp=64, m={z.p // 128} (JSON file)",
+             ["simulate", "--schedule", z.f("vs.json")],
+             setup=[["compile", *z.big, "--json", z.f("vs.json")]]),
+    ]
+
+
+def draw_cases(z: _Scale) -> list[Case]:
+    """What draws (`simulate --trace`, `--png` and `show`) at the most it takes, and `demo`."""
+    return [
+        Case("trace", f"simulate zbv pp=64, m={z.pt // 128}, --json --trace",
+             ["simulate", "zbv", "--pp", "64", "-m", str(z.pt // 128), "--json", "--trace", z.f("t.json")],
+             refused=["simulate", "zbv", "--pp", "64", "-m", str(PT // 128 + 1), "--trace", z.f("r.json")]),
+        Case("trace", f"simulate 1f1b pp={z.s} (most stages), m={z.pt // z.s}, --trace",
+             ["simulate", "1f1b", "--pp", str(z.s), "-m", str(z.pt // z.s), "--trace", z.f("ta.json")]),
+        Case("trace", f"simulate v_min pp={z.s // 2} (most stages), m={z.pt // z.s}, --trace",
+             ["simulate", "v_min", "--pp", str(z.s // 2), "-m", str(z.pt // z.s), "--trace", z.f("tv.json")]),
+        Case("png", f"simulate 1f1b pp={MAX_PNG_RANKS} (most ranks drawn), m={z.pg // MAX_PNG_RANKS}, --png",
+             ["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS), "-m", str(z.pg // MAX_PNG_RANKS), "--png", z.f("a.png")],
+             refused=["simulate", "1f1b", "--pp", str(MAX_PNG_RANKS + 1), "-m", "1", "--png", z.f("r.png")]),
+        Case("png", f"simulate zbv pp=64, m={z.pg // 128}, --png",
+             ["simulate", "zbv", "--pp", "64", "-m", str(z.pg // 128), "--png", z.f("v.png")],
+             refused=["simulate", "zbv", "--pp", "64", "-m", str(PG // 128 + 1), "--png", z.f("r.png")]),
+        Case("show", f"zbv pp=64, m={z.p // 128}", ["show", *z.big]),
+        Case("show", f"1f1b pp={z.s}, m={z.p // z.s}, --width {MAX_TIMELINE_CELLS // z.s} (the most cells)",
+             ["show", "1f1b", "--pp", str(z.s), "-m", str(z.p // z.s), "--width", str(MAX_TIMELINE_CELLS // z.s)],
              refused=["show", "1f1b", "--pp", str(S), "-m", str(P // S)]),
         Case("show", "1f1b pp=700, m=8 (near the most cells at full scale)",
              ["show", "1f1b", "--pp", "700", "-m", "8"]),
-        Case("show", f"1f1b pp=4, m={p // 4}, --width {MAX_TIMELINE_CELLS // 4 // 64} (every cell busy)",
-             ["show", "1f1b", "--pp", "4", "-m", str(p // 4), "--width", str(MAX_TIMELINE_CELLS // 4 // 64)]),
+        Case("show", f"1f1b pp=4, m={z.p // 4}, --width {MAX_TIMELINE_CELLS // 4 // 64} (every cell busy)",
+             ["show", "1f1b", "--pp", "4", "-m", str(z.p // 4), "--width", str(MAX_TIMELINE_CELLS // 4 // 64)]),
         Case("demo", "(fixed input; trains on CPU where torch and nanotron are installed)", ["demo"]),
     ]
-    out += plan_cases()
+
+
+def check_cases(z: _Scale) -> list[Case]:
+    """`check` of nanotron YAMLs (where nanotron is installed)."""
+    out = []
     if _nanotron():
-        m = p // 16
+        m = z.p // 16
         out.append(Case("check", f"nanotron YAML, pp=16, m={m}, 16 layers, capped_1f1b:cap=2",
-                        ["check", f("big.yaml")], prepare=lambda: _yaml(f("big.yaml"), 16, m, 16, "capped_1f1b:cap=2")))
+                        ["check", z.f("big.yaml")],
+                        prepare=lambda: _yaml(z.f("big.yaml"), 16, m, 16, "capped_1f1b:cap=2")))
         out.append(Case("check", "nanotron YAML, pp=16, m=64, 256 layers, engine auto (runs the planner)",
-                        ["check", f("auto.yaml")], prepare=lambda: _yaml(f("auto.yaml"), 16, 64, 256, "auto")))
+                        ["check", z.f("auto.yaml")], prepare=lambda: _yaml(z.f("auto.yaml"), 16, 64, 256, "auto")))
     return out
 
 
