@@ -18,10 +18,11 @@ A pair runs where the four ranks' predicted peaks together (`pipeschedule plan`'
 model for nanotron's trainer on the same YAML, plus a CUDA context each) fit the GPU; a
 pair that does not is listed as not run with its figure. The pairs run in order of that
 figure, least first, and what has run is saved after each ([Note: pairs by predicted
-memory]). AFAB keeps every microbatch's activations: at m = 8 it is predicted at 75.6 GiB
-host-bound (an 80 GB H100 holds 79.2: two runs there ended 65 s in, by their timing in
-the AFAB pair's first measured round, rank 0 first: most likely out of memory) and 133.3
-GiB GPU-bound (an H200 holds 139.8); at m = 32, 247 and 474 GiB.
+memory]). AFAB keeps every microbatch's activations: at m = 8 it is predicted at 80.0 GiB
+host-bound with the context and allocator reserve each rank holds (an 80 GB H100 holds
+79.2: two runs there ended 65 s in, by their timing in the AFAB pair's first measured
+round, rank 0 first: out of memory, when it was predicted at 75.6 GiB with a smaller
+allowance) and 137.7 GiB GPU-bound (an H200 holds 139.8); at m = 32, 251 and 479 GiB.
 
 For each model size (`host-bound`: micro-batch 1, where the host issues kernels about as
 fast as the GPU runs them; `gpu-bound`: micro-batch 2, the same kernels on twice the
@@ -163,8 +164,9 @@ def predicted_needs(config_path: Path, microbatches) -> dict[str, float]:
     together at their peaks, for each m and each of nanotron's schedules in PAIRS
     (`pipeschedule plan`'s memory model on the same YAML, nanotron's split, no recompute,
     the flash-attn stand-in's attention), plus RANK_OVERHEAD_BYTES a rank (its CUDA context and
-    the allocator's reserve above its peak: the AFAB pair predicted at 75.6 GiB with 0.59 GiB a
-    rank died on a 79.2 GiB H100; with the measured 1.67 GiB a rank it is 79.9 GiB and skipped)."""
+    the allocator's reserve above its peak: the host-bound AFAB pair at m=8, predicted at 75.6
+    GiB with 0.59 GiB a rank, died on a 79.2 GiB H100; with the measured 1.67 GiB a rank it is
+    80.0 GiB and skipped)."""
     needs = {}
     for m in microbatches:
         command = [sys.executable, "-m", "pipeschedule.cli", "plan", "--model-file", str(config_path),
