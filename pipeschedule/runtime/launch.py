@@ -13,8 +13,22 @@ longer complete. The parent waits at most `timeout` seconds in all, and once a r
 failed, `grace` seconds more for the others to finish or fail on their own (a rank
 blocked on the failed one never would); then it asks the ranks still running for their
 Python stacks (faulthandler, SIGUSR1), adds them to the error and kills them, so nothing
-hangs. A script calling it needs the usual `if __name__ ==
+hangs. A rank that succeeds leaves only once every rank has joined the group ([Note: leave
+after every rank joined]). A script calling it needs the usual `if __name__ ==
 "__main__":` guard (spawn re-imports `__main__`).
+
+[Note: leave after every rank joined] gloo connects a pair of ranks by one side
+connecting to the other's listening socket and writing a few bytes; the connecting side
+is done when they are written, the listening side only when it has accepted and read
+them. A rank whose `fn` needs no communication (or none with a slow peer) could so
+return, destroy its group and exit while a peer, descheduled on a loaded machine, was
+still inside `init_process_group`: that peer then read the closed socket and failed in
+gloo's connectFullMesh with "Connection closed by peer" (seen once in CI, in
+tests/runtime/test_launch.py's test_results_come_back_in_rank_order: three ranks that
+only return their rank). So each rank marks in the store that it has joined, and a rank
+whose `fn` returned waits for every rank's mark before it destroys the group and exits.
+A rank that fails leaves at once, as before; a rank waiting on a peer that failed before
+joining is stopped by the parent `grace` seconds after that failure.
 """
 
 from __future__ import annotations
@@ -35,6 +49,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeschedule.errors import LaunchError
+
+
+_JOINED = "pipeschedule.launch/joined/"  # store keys: rank N has finished init_process_group
 
 
 class RankFailure(NamedTuple):
@@ -165,7 +182,9 @@ def _rank_main(rank, world_size, settings, fn, args, reports) -> None:
             torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU per rank
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
+        store.set(f"{_JOINED}{rank}", "1")
         payload = pickle.dumps(fn(rank, world_size, store, *args))  # plain pickle: tensors travel by value
+        store.wait([f"{_JOINED}{peer}" for peer in range(world_size)])  # [Note: leave after every rank joined]
         dist.destroy_process_group()
     except BaseException as err:
         reports.put((rank, False, (type(err).__name__, str(err), traceback.format_exc(), time.time())))
