@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import RESULTS, rotated, torchrun, torchrun_failure, versions, write_results
+from benchmarks.common import RESULTS, leave_rank, rotated, torchrun, torchrun_failure, versions, write_results
 from benchmarks.parallel import pinning, report
 
 NANOTRON = ("1f1b", "afab")
@@ -126,20 +126,6 @@ def _rank_main(config_path: str, out_path: str, engines: list[str], microbatches
             partial.write_text(json.dumps({"ranks": gathered, "link": link, "cores": groups,
                                            "threads": torch.get_num_threads()}))
             partial.replace(out_path)
-
-
-def _leave() -> None:
-    """The rank's end once its rows are written: the process group destroyed, then out
-    without the interpreter's shutdown. Left to that shutdown, one rank in about six of the
-    2-rank smoke runs died of "terminate called without an active exception" (SIGABRT: a
-    C++ thread of the communication still joinable as its owner was destroyed), after all
-    of its work was done."""
-    import torch.distributed
-
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def _freeze(trainer) -> None:
@@ -346,7 +332,7 @@ def main(argv=None) -> int:
     if args.rank_main:
         config, out, engines, ms, warmup, rounds = args.rank_main
         _rank_main(config, out, engines.split(","), [int(x) for x in ms.split(",")], int(warmup), int(rounds))
-        _leave()
+        leave_rank(0)
     if args.smoke:
         args.engines, args.microbatches, args.rounds = list(SMOKE_ENGINES), [4], 1
     engines = available_engines(args.engines or ENGINES + LATER_FAMILIES)
