@@ -41,7 +41,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -67,8 +66,6 @@ def launch(config_file: str, *, nproc: int, torchrun: list[str], backend: str = 
     found = preflight(config_file, config=config, memory=False, data=True)
     for warning in found.warnings:  # it runs, but likely not as meant (a cap that binds on no rank)
         print(f"pipeschedule train: warning: {warning}", file=sys.stderr, flush=True)
-    if nnodes == 1 and _default_rendezvous(args, torchrun):
-        args.master_port = free_port()  # [Note: a port of its own]
     report = tempfile.mkdtemp(prefix="pipeschedule-train-")
     if args.log_dir is None and not _given(torchrun, ("-r", "--redirects", "-t", "--tee")):
         args.log_dir, args.redirects = report, "2"  # the ranks' stderr (C++ and Python warnings) into files
@@ -106,26 +103,6 @@ def torchrun_args(torchrun: list[str], nproc: int, config_file: str, backend: st
 
     parser.error = refuse  # (argparse's own: usage and exit 2, a second voice)
     return parser.parse_args([*torchrun, "--nproc-per-node", str(nproc), "-m", TRAIN_MODULE, *rank_args])
-
-
-def _default_rendezvous(args, torchrun: list[str]) -> bool:
-    """[Note: a port of its own] torchrun's default rendezvous serves its store on
-    127.0.0.1:29500, so two runs on one machine at once (two users; CI jobs or tests side
-    by side) collided: the second failed to bind, or its ranks joined the first's store.
-    On one node, where the user names no port, endpoint or rendezvous backend (flag or
-    torchrun's PET_ variable), the run takes a port free now instead."""
-    flags = ("--master-port", "--master_port", "--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend",
-             "--rdzv_backend", "--standalone")
-    variables = ("PET_MASTER_PORT", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_STANDALONE")
-    return (args.rdzv_backend == "static" and not args.rdzv_endpoint and not args.standalone
-            and not _given(torchrun, flags) and not any(v in os.environ for v in variables))
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that no one holds now (the kernel's pick)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _given(words: list[str], flags: tuple[str, ...]) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from integration.nanotron.example import TrainerConfig
-from integration.nanotron.launch import REPORT_ENV, _default_rendezvous, first_failure, fixed_nodes, torchrun_args
+from integration.nanotron.launch import REPORT_ENV, first_failure, fixed_nodes, torchrun_args
 from pipeschedule.errors import ParameterError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,18 +201,6 @@ def test_torchrun_options_pass_and_train_s_own_are_refused():
     with pytest.raises(ParameterError, match="--bogus is no option of torchrun's"):
         torchrun_args(["--bogus"], 2, "c.yaml", "auto", None)
     assert fixed_nodes("2") == 2 and fixed_nodes("3:3") == 3 and fixed_nodes("1:4") is None
-
-
-def test_one_node_takes_a_free_port_unless_the_rendezvous_is_named(monkeypatch):
-    """[Note: a port of its own]: torchrun's fixed 29500 made two runs at once collide."""
-    for name in ("PET_MASTER_PORT", "PET_RDZV_ENDPOINT", "PET_RDZV_BACKEND", "PET_STANDALONE"):
-        monkeypatch.delenv(name, raising=False)
-    assert _default_rendezvous(torchrun_args([], 2, "c.yaml", "gloo", None), [])
-    for given in (["--master-port", "29500"], ["--master_port=29511"], ["--rdzv-endpoint", "host:29400"],
-                  ["--rdzv-backend", "c10d"], ["--standalone"]):
-        assert not _default_rendezvous(torchrun_args(given, 2, "c.yaml", "gloo", None), given), given
-    monkeypatch.setenv("PET_MASTER_PORT", "29511")
-    assert not _default_rendezvous(torchrun_args([], 2, "c.yaml", "gloo", None), [])
 
 
 @pytest.mark.spawn
