@@ -425,10 +425,10 @@ def main(argv=None) -> int:
     except (SameOnEveryRank, DataError) as err:
         _refuse_once(rank, err)
     except PipescheduleError as err:
-        print(f"integration.nanotron.train rank {rank}: {err}", file=sys.stderr, flush=True)
+        _say(f"integration.nanotron.train rank {rank}: {err}")
         _abort(2)
     except Exception:  # noqa: BLE001  (any failure ends every rank, never a silent hang)
-        print(f"integration.nanotron.train rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _say(f"integration.nanotron.train rank {rank} failed:\n{traceback.format_exc()}")
         _abort(1)
     return 0
 
@@ -464,7 +464,7 @@ def _refuse_once(rank: str, err: PipescheduleError) -> None:
     if rank not in ("0", "?"):
         _quiet["stopping"] = True
         time.sleep(QUIET_WAIT_S)
-    print(f"integration.nanotron.train rank {rank}: {err}", file=sys.stderr, flush=True)
+    _say(f"integration.nanotron.train rank {rank}: {err}")
     _abort(2)
 
 
@@ -476,13 +476,19 @@ def _say_when_stopped(rank: str) -> None:
 
     def stopped(signum, frame):  # noqa: ARG001
         if not _quiet["stopping"]:
-            print(f"integration.nanotron.train rank {rank}: stopped by {signal.Signals(signum).name} "
-                  "(torchrun ends every rank when one fails; the failing rank printed why)",
-                  file=sys.stderr, flush=True)
+            _say(f"integration.nanotron.train rank {rank}: stopped by {signal.Signals(signum).name} "
+                 "(torchrun ends every rank when one fails; the failing rank printed why)")
         _abort(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stopped)
+
+
+def _say(text: str) -> None:
+    """A rank's line on stderr in one write, so that ranks sharing the launcher's pipe do not
+    split each other's lines (`print` writes the text and its newline apart)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _abort(code: int) -> None:
