@@ -32,11 +32,11 @@ from pathlib import Path
 from benchmarks.common import RESULTS
 from benchmarks.parallel.predict import cost_model, predict
 from benchmarks.parallel.report import schedule_of
-from pipeschedule.compiler.ir import Op, Schedule
+from pipeschedule.compiler.ir import COMM_OPS, RECV_OPS, SEND_OPS, Op, Schedule
+from pipeschedule.simulate.critical_path import message_partners
 
 PROBE_SLOPE = (1.31 - 1.0) / 3  # four busy partitions 1.31x one alone: parallel_sm_probe.md, driver route
 COMPUTE = {Op.F: "F", Op.B: "B", Op.W: "W"}
-SENDS, RECVS = {Op.SEND_F, Op.SEND_B}, {Op.RECV_F, Op.RECV_B}
 
 
 def factor(k: int, slope: float) -> float:
@@ -56,25 +56,12 @@ def block_work(spans_per_rank, slope: float) -> dict[tuple[str, int], float]:
     return {key: statistics.median(values) for key, values in work.items()}
 
 
-def _partners(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
-    """(rank, pc) of each receive -> (rank, pc) of its send: the k-th send on a channel
-    meets the k-th receive."""
-    sends, recvs = defaultdict(list), defaultdict(list)
-    for r, program in enumerate(schedule.programs):
-        for pc, instr in enumerate(program):
-            if instr.op in SENDS:
-                sends[r, instr.peer].append((r, pc))
-            elif instr.op in RECVS:
-                recvs[instr.peer, r].append((r, pc))
-    return {recv: send for channel, ops in recvs.items() for recv, send in zip(ops, sends[channel])}
-
-
 class _Run:
     """The fluid run: ranks advance in program order; computes share the chip."""
 
     def __init__(self, schedule: Schedule, work, slope: float, message_s: float):
         self.programs, self.work, self.slope, self.message_s = schedule.programs, work, slope, message_s
-        self.partner = _partners(schedule)
+        self.partner = message_partners(schedule)  # a receive's (rank, pc) -> its send's
         self.sent: dict[tuple[int, int], float] = {}  # (rank, pc) of a send -> when it was posted
         self.posted: dict[tuple[int, int], float] = {}  # (rank, first pc) of a batch -> when it was posted
         self.pc = [0] * len(self.programs)
@@ -91,16 +78,16 @@ class _Run:
             if instr.op in COMPUTE:
                 self.left[r] = self.work[COMPUTE[instr.op], instr.stage]
                 return None
-            if instr.op in SENDS or instr.op in RECVS:
+            if instr.op in COMM_OPS:
                 end = self.pc[r]
-                while end < len(program) and (program[end].op in SENDS or program[end].op in RECVS):
+                while end < len(program) and program[end].op in COMM_OPS:
                     end += 1
                 posted = self.posted.setdefault((r, self.pc[r]), self.now)
                 for pc in range(self.pc[r], end):  # the batch's sends, posted at once
-                    if program[pc].op in SENDS:
+                    if program[pc].op in SEND_OPS:
                         self.sent.setdefault((r, pc), posted)
                 lands = max((max(self.sent.get(self.partner.get((r, pc)), float("inf")), posted) + self.message_s
-                             for pc in range(self.pc[r], end) if program[pc].op in RECVS), default=0.0)
+                             for pc in range(self.pc[r], end) if program[pc].op in RECV_OPS), default=0.0)
                 if lands > self.now:
                     return lands
                 self.pc[r] = end

@@ -43,7 +43,7 @@ class CriticalPath:
         return total
 
 
-def _matching(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
+def message_partners(schedule: Schedule) -> dict[tuple[int, int], tuple[int, int]]:
     """(rank, pc) of each send or receive -> (rank, pc) of its partner (k-th send on a
     channel meets the k-th receive)."""
     sends: dict[tuple[int, int], list] = defaultdict(list)
@@ -84,7 +84,7 @@ def _structure(schedule: Schedule):
     if entry is None or entry[0] is not schedule:
         if len(_STRUCTURE) > 64:
             _STRUCTURE.clear()
-        entry = (schedule, [_batch_starts(p) for p in schedule.programs], _matching(schedule))
+        entry = (schedule, [_batch_starts(p) for p in schedule.programs], message_partners(schedule))
         _STRUCTURE[id(schedule)] = entry
     return entry[1], entry[2]
 
@@ -139,4 +139,4 @@ def critical_path(schedule: Schedule, result, cost) -> CriticalPath:
     return CriticalPath(tuple(counts["forward"]), tuple(counts["backward"]), tuple(counts["weight"]), messages)
 
 
-__all__ = ["CriticalPath", "critical_path"]
+__all__ = ["CriticalPath", "critical_path", "message_partners"]
