@@ -72,7 +72,10 @@ class _CopiedBack:
 
     def wait(self, timeout=None) -> bool:
         if self.flat is not None:
-            self.work.wait() if timeout is None else self.work.wait(timeout)
+            if timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(timeout)
             _copy_back(self.flat, self.tensors)
             self.flat = None
         return True
