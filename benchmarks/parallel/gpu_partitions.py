@@ -2,6 +2,7 @@
 
     python -m benchmarks.parallel.gpu_partitions                  # one CUDA GPU, pp=4 partitions (minutes)
     python -m benchmarks.parallel.gpu_partitions --route streams  # the control: ranks on ordinary streams
+    python -m benchmarks.parallel.gpu_partitions --host both      # each engine also with a host thread per rank
     python -m benchmarks.parallel.gpu_partitions --smoke          # CPU, a tiny model: the plumbing; writes nothing
 
 All pp ranks run in one process (`PartitionedPipeline`, [Note: partitioned stepping] in
@@ -18,10 +19,14 @@ Per (engine, m): the step from the first enqueue to the end of the device's work
 over rounds), each rank's busy time and bubble from CUDA events around every F, B and W
 ([Note: measured timeline]), each rank's peak live bytes from its ledger, and the
 simulator's step for the engine's schedule under the stage costs measured in these steps
-and a boundary copy measured here. A case that runs out of memory is reported, not run
-again. Before the table: the partitioned step's losses and gradients against the same
-step run without partitions (`InProcessPipeline`). Writes `--out`/parallel_gpu_partitions.json and
-.md and one Chrome trace per case; prints the table last.
+and a boundary copy measured here; and the host's part of each rank's idle time: how long
+its partition waited for the host to enqueue its next block (`report.host_pacing`). `--host
+threads` (or `both`) drives each rank from its own host thread ([Note: a host thread per
+rank] in pipeschedule/runtime/inprocess.py; rows named `<engine>@threads`). A case that
+runs out of memory is reported, not run again. Before the table: the partitioned step's
+losses and gradients against the same step run without partitions (`InProcessPipeline`).
+Writes `--out`/parallel_gpu_partitions.json and .md and one Chrome trace per case (with the
+host's enqueue of each block on a track of its own); prints the table last.
 """
 
 from __future__ import annotations
@@ -100,10 +105,11 @@ class Group:
 
         if (name, m) not in self.pipelines:
             schedule = report.schedule_of(name, self.args.pp, m)
+            threads = name.endswith(report.HOST_THREADS)
             if self.streams is None:
-                built = InProcessPipeline(schedule, self.stages, device=self.device)
+                built = InProcessPipeline(schedule, self.stages, threads=threads, device=self.device)
             else:
-                built = PartitionedPipeline(schedule, self.stages, self.streams)
+                built = PartitionedPipeline(schedule, self.stages, self.streams, threads=threads)
             for executor in built.executors:
                 executor.timeline = Timeline(self.device)
             self.pipelines[name, m] = built
@@ -118,12 +124,15 @@ class Group:
         _sync(self.device)
         start = time.perf_counter()
         outputs = pipeline.step(self.inputs[:m], self.targets[:m])
+        enqueued = time.perf_counter() - start
         _sync(self.device)
         seconds = time.perf_counter() - start
         last = pipeline.schedule.placement[-1]
         loss = float(sum(out["loss"].float() for out in outputs[last]))
-        return {"seconds": seconds, "loss": loss,
-                "spans": [span_rows(e.timeline.spans()) for e in pipeline.executors],
+        timelines = [e.timeline for e in pipeline.executors]
+        return {"seconds": seconds, "loss": loss, "enqueue_s": enqueued,
+                "spans": [span_rows(t.spans()) for t in timelines], "host": [t.host_spans() for t in timelines],
+                "offset_s": [t.host_origin - start for t in timelines],
                 "ledger_peak_bytes": [e.ledger.high_total for e in pipeline.executors]}
 
     def run(self) -> dict:
@@ -206,6 +215,14 @@ def boundary_link(cfg, device, streams) -> dict:
     return {"boundary_bytes": size * 2, "latency_s": statistics.median(times[5:]), "bandwidth": float("inf")}
 
 
+def with_host(engines: list[str], host: str) -> list[str]:
+    """The engines' names as `--host` runs them: "one" as given, "threads" each with a
+    host thread per rank, "both" each followed by its threaded twin."""
+    threaded = [name + report.HOST_THREADS for name in engines]
+    return {"one": engines, "threads": threaded,
+            "both": [n for pair in zip(engines, threaded) for n in pair]}[host]
+
+
 def stage_groups(engines: list[str], pp: int) -> dict[int, list[str]]:
     """Stage count -> the engines that run that many stages, in first-seen order."""
     out: dict[int, list[str]] = {}
@@ -217,7 +234,7 @@ def stage_groups(engines: list[str], pp: int) -> dict[int, list[str]]:
 def measure(args, cfg, device, streams, partial: Path | None = None) -> dict:
     link = boundary_link(cfg, device, streams)
     rows, failed, checks, drift, splits = [], [], [], None, {}
-    groups = stage_groups(available(args.engines), args.pp)
+    groups = stage_groups(with_host(available(args.engines), args.host), args.pp)
     model = Model(cfg, args, device)
     for index, (count, engines) in enumerate(groups.items()):
         group = Group(model, count, engines, args, streams)
@@ -242,9 +259,9 @@ def measure(args, cfg, device, streams, partial: Path | None = None) -> dict:
             drift = {"engine": first["engine"], "m": first["m"], "first_s": first["median_s"],
                      "last_s": statistics.median(r["seconds"] for r in repeat)}
     report.compare(rows)
-    return {"pp": args.pp, "route": args.route, "microbatches": args.microbatches, "rounds": args.rounds,
-            "warmup": args.warmup, "model": asdict_cfg(cfg), "splits": splits, "link": link, "rows": rows,
-            "not_run": failed,
+    return {"pp": args.pp, "route": args.route, "host": args.host, "microbatches": args.microbatches,
+            "rounds": args.rounds, "warmup": args.warmup, "model": asdict_cfg(cfg), "splits": splits, "link": link,
+            "rows": rows, "not_run": failed,
             "exactness": checks, "drift": drift, "losses_equal": report.losses_equal(rows, report.REFERENCE)}
 
 
@@ -271,6 +288,12 @@ def render(summary: dict) -> str:
                      f" largest gradient difference {check['largest_grad_difference']:.3g} "
                      f"(largest gradient {check['largest_grad']:.3g}).")
     lines += [""] + report.table(summary["rows"]) + report.footer(summary)
+    host = report.host_table(summary["rows"])
+    if host:
+        lines += ["", "The host (`--host " + summary.get("host", "one") + "`): when it had enqueued the whole step, "
+                  "each rank's idle time, the part of it its partition waited for the host to enqueue the next "
+                  "block (the block's enqueue began after the previous block had ended, and the block began within "
+                  f"{report.LAUNCH_S * 1e3:.1f} ms of it), and the host time to enqueue one block.", ""] + host
     for item in summary["not_run"]:
         lines.append(f"Not run: `{item['engine']}` m={item['m']}: {item['why']}.")
     return "\n".join(lines) + "\n"
@@ -289,6 +312,9 @@ def main(argv=None) -> int:
                         help="microbatch counts, comma-separated (default 8,32)")
     parser.add_argument("--engines", type=lambda t: t.split(";"), default=list(ENGINES),
                         help="pp_engine values separated by ';' (default: every family this tree has)")
+    parser.add_argument("--host", choices=("one", "threads", "both"), default="one",
+                        help="one host thread enqueues every rank (default), a thread per rank, or both, "
+                             "alternating")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, four engines; writes nothing")
@@ -322,7 +348,8 @@ def main(argv=None) -> int:
     summary["versions"] = versions()
     markdown = render(summary)
     if not args.smoke:
-        stem = "parallel_gpu_partitions" if args.route != "streams" else "parallel_gpu_partitions_streams"
+        stem = "parallel_gpu_partitions" + ("_streams" if args.route == "streams" else "") \
+            + ("" if args.host == "one" else f"_host_{args.host}")
         report.write_traces(summary, args.out / f"{stem}_traces")
         write_results(stem, summary, markdown, args.out)
     print(markdown)

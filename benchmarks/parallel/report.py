@@ -25,10 +25,13 @@ from pipeschedule.compiler.spec import compile_spec, parse_spec
 # order's under the costs our engine measured on the same layout.
 SAME_ORDER = {"1f1b": "ps_1f1b", "afab": "ps_afab"}
 REFERENCE = "ps_1f1b"
+HOST_THREADS = "@threads"  # an engine name's suffix: the same schedule, a host thread per rank (gpu_partitions)
 
 
 def schedule_of(name: str, pp: int, m: int):
-    """The compiled schedule engine `name` runs (nanotron's own: ours in its order)."""
+    """The compiled schedule engine `name` runs (nanotron's own: ours in its order; a
+    name ending in HOST_THREADS: the engine's own)."""
+    name = name.removesuffix(HOST_THREADS)
     return compile_spec(parse_spec(SAME_ORDER.get(name, name)), pp=pp, microbatches=m)
 
 
@@ -56,11 +59,67 @@ def case_row(name: str, m: int, group: str, rounds: list[dict], schedule, link: 
         row["bubble_per_rank"] = [statistics.median(b[k] for b in bubbles) for k in range(schedule.pp)]
         row["bubble"] = statistics.mean(row["bubble_per_rank"])
         row["trace_spans"] = rounds[-1]["spans"]
+        if rounds[0].get("host"):
+            row["host"] = host_pacing(rounds)
+            row["trace_host"] = rounds[-1]["host"]
         if rounds[0].get("executor"):
             row["executor_overhead_s"] = [statistics.median(r["executor"][k]["overhead_s"] for r in rounds)
                                           for k in range(schedule.pp)]
     row["error"] = step / row["predicted"]["step_s"] - 1
     return row
+
+
+LAUNCH_S = 0.5e-3  # a block that starts within this of its enqueue waited for the host, not for data
+
+
+def host_pacing(rounds: list[dict]) -> dict:
+    """Where a step on one device waited for its host ([Note: measured timeline]): each
+    round holds per rank the spans (device times from the rank's origin), "host" (the
+    enqueue of each span, host times from the same origin), "offset_s" (the origin's
+    host time in the step) and "enqueue_s" (when the host had enqueued the whole step).
+    A span whose enqueue began after the rank's previous span had ended on the device
+    (or after the step began), and that began on the device within LAUNCH_S of that
+    enqueue (so its data was there: the device ran it as soon as the host gave it), left
+    the rank's partition idle that long for the host: "host_wait_s" per rank, beside its
+    whole idle time "idle_s". Medians over rounds; "enqueue_ms": the median host time to
+    enqueue an F, B and W."""
+    waits, idles, enqueue = [], [], {"F": [], "B": [], "W": []}
+    for r in rounds:
+        step = r.get("pipeline_s", r["seconds"])
+        wait_row, idle_row = [], []
+        for spans, host, offset in zip(r["spans"], r["host"], r["offset_s"]):
+            waited, busy, previous = 0.0, 0.0, 0.0
+            for (op, _s, _mb, start, end), (host_start, host_end) in zip(spans, host):
+                if start - host_start <= LAUNCH_S:  # the device ran it as soon as it was enqueued
+                    waited += min(max(offset + host_start - previous, 0.0), max(offset + start - previous, 0.0))
+                busy += end - start
+                previous = offset + end
+                enqueue[op].append((host_end - host_start) * 1e3)
+            wait_row.append(waited)
+            idle_row.append(step - busy)
+        waits.append(wait_row)
+        idles.append(idle_row)
+    ranks = range(len(waits[0]))
+    return {"enqueue_s": statistics.median(r["enqueue_s"] for r in rounds),
+            "host_wait_s": [statistics.median(w[k] for w in waits) for k in ranks],
+            "idle_s": [statistics.median(i[k] for i in idles) for k in ranks],
+            "enqueue_ms": {op: statistics.median(v) for op, v in enqueue.items() if v}}
+
+
+def host_table(rows: list[dict]) -> list[str]:
+    """The host's part of each row's idle time (`host_pacing`), a line per row that has it."""
+    lines = ["| engine | m | step | host done enqueueing | idle per rank (ms) | of it waiting for the host (ms) | "
+             "enqueue of an F / B / W (ms, median) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        host = r.get("host")
+        if not host:
+            continue
+        ms = host["enqueue_ms"]
+        lines.append(f"| `{r['engine']}` | {r['m']} | {r['median_s']:.3f} s | {host['enqueue_s']:.3f} s | "
+                     + "/".join(f"{x * 1e3:.0f}" for x in host["idle_s"]) + " | "
+                     + "/".join(f"{x * 1e3:.0f}" for x in host["host_wait_s"]) + " | "
+                     + " / ".join(f"{ms[op]:.2f}" if op in ms else "-" for op in "FBW") + " |")
+    return lines if len(lines) > 2 else []
 
 
 def compare(rows: list[dict]) -> None:
@@ -103,11 +162,19 @@ def trace(row: dict) -> dict:
     """A Chrome / Perfetto trace of the row's last measured step: one track per rank, one
     event per F, B, W (microseconds)."""
     events = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"{row['engine']} m={row['m']}"}}]
+    hosts = row.get("trace_host") or []
     for rank, spans in enumerate(row.get("trace_spans") or []):
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": rank, "args": {"name": f"rank {rank}"}})
         for op, stage, mb, start, end in spans:
             events.append({"name": f"{op} mb{mb} s{stage}", "cat": op, "ph": "X", "pid": 0, "tid": rank,
                            "ts": start * 1e6, "dur": (end - start) * 1e6, "args": {"stage": stage, "mb": mb}})
+        if rank < len(hosts):  # the host's enqueue of each span, on a track of its own
+            tid = 100 + rank
+            events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid,
+                           "args": {"name": f"rank {rank} host"}})
+            for (op, stage, mb, _start, _end), (host_start, host_end) in zip(spans, hosts[rank]):
+                events.append({"name": f"enqueue {op} mb{mb} s{stage}", "cat": "host", "ph": "X", "pid": 0,
+                               "tid": tid, "ts": host_start * 1e6, "dur": (host_end - host_start) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -30,7 +30,9 @@ from pipeschedule.runtime.agreement import ScheduleSummary
 from pipeschedule.errors import LaunchError, RuntimeScheduleError, ScheduleMismatchError
 from pipeschedule.runtime.buffers import BufferTable, Stash
 from pipeschedule.runtime.executor import Executor
-from pipeschedule.runtime.inprocess import InProcessPipeline, InProcessTransport, InProcessWorld, run_in_process
+from pipeschedule.runtime.inprocess import (
+    InProcessPipeline, InProcessTransport, InProcessWorld, run_in_process, run_in_threads,
+)
 from pipeschedule.runtime.host_offload import Offloader
 from pipeschedule.runtime.saved import HostPool, SavedTensor
 from pipeschedule.runtime.ledger import Ledger
@@ -45,4 +47,5 @@ __all__ = [
     "InProcessTransport", "HostPool", "InProcessWorld", "LaunchError", "Ledger", "ModuleStages", "Offloader", "P2P",
     "Pending", "RemoteOutput", "RuntimeScheduleError", "SavedTensor", "ScheduleMismatchError", "ScheduleSummary",
     "Shapes", "SplitReport", "Stages", "Stash", "StepTimes", "TensorMeta", "Transport", "WeightGrads", "run_in_process",
+    "run_in_threads",
 ]

@@ -9,11 +9,21 @@ per-rank arithmetic is the same as in the multi-process run, so losses and gradi
 are bitwise equal. A full round in which no rank moves is a deadlock and raises at
 once, naming where every rank stands; an exception in one rank stops the step (the
 other ranks are dropped and their executors marked broken).
+
+[Note: a host thread per rank] `run_in_threads` steps the same executors each from its
+own host thread, as pp processes would: a rank whose host call blocks (a full launch
+queue on its device stream, a synchronising op) holds up only itself. The world's
+state changes under its `changed` condition (every post and publish notifies it); a
+rank whose wait is not ready sleeps on it. The arithmetic of each rank is the same, in
+the same order, so losses and gradients equal the round-robin step's. Every live rank
+asleep on a wait that is not ready is a deadlock: it raises, naming where each stands;
+an exception in one rank stops the others at their next wait.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import defaultdict, deque
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -40,23 +50,38 @@ class InProcessWorld:
         self.unmatched: dict[tuple[int, int, bool], deque[_Message]] = defaultdict(deque)  # (src, dst, is_send)
         self.metadata: dict[str, str] = {}
         self.abort_message: str | None = None
+        # held while the state changes, notified after: [Note: a host thread per rank]
+        self.changed = threading.Condition()
 
     def transport(self, rank: int) -> InProcessTransport:
         return InProcessTransport(self, rank)
 
     def post(self, rank: int, op: P2P) -> _Message:
-        message = self.message(op, rank)
-        src, dst = (rank, op.peer) if op.send else (op.peer, rank)
-        partners = self.unmatched[src, dst, not op.send]
-        if partners:
-            partner = partners.popleft()
-            send, recv = (message, partner) if op.send else (partner, message)
-            _check_match(send, recv)
-            self.deliver(send, recv)
-            message.done = partner.done = True
-        else:
-            self.unmatched[src, dst, op.send].append(message)
-        return message
+        with self.changed:
+            message = self.message(op, rank)
+            src, dst = (rank, op.peer) if op.send else (op.peer, rank)
+            partners = self.unmatched[src, dst, not op.send]
+            if partners:
+                partner = partners.popleft()
+                send, recv = (message, partner) if op.send else (partner, message)
+                _check_match(send, recv)
+                self.deliver(send, recv)
+                message.done = partner.done = True
+                self.changed.notify_all()
+            else:
+                self.unmatched[src, dst, op.send].append(message)
+            return message
+
+    def publish(self, key: str, value: str) -> None:
+        with self.changed:
+            self.metadata[key] = value
+            self.changed.notify_all()
+
+    def abort(self, message: str) -> None:
+        with self.changed:
+            if self.abort_message is None:
+                self.abort_message = message
+            self.changed.notify_all()
 
     def message(self, op: P2P, rank: int) -> _Message:
         """A message as `rank` posts it."""
@@ -102,14 +127,13 @@ class InProcessTransport(Transport):
         return _Posted(self.world, [self.world.post(self.rank, op) for op in ops])
 
     def publish(self, key: str, value: str) -> None:
-        self.world.metadata[key] = value
+        self.world.publish(key, value)
 
     def lookup(self, key: str) -> str | None:
         return self.world.metadata.get(key)
 
     def abort(self, message: str) -> None:
-        if self.world.abort_message is None:
-            self.world.abort_message = message
+        self.world.abort(message)
 
     def aborted(self) -> str | None:
         return self.world.abort_message
@@ -118,16 +142,20 @@ class InProcessTransport(Transport):
 class InProcessPipeline:
     """Every rank's `Executor` over one `InProcessWorld`; `step` runs them all
     ([Note: in-process stepping]). `stages` serves every stage (e.g. `ModuleStages`
-    over all chunks); keyword arguments go to each `Executor`."""
+    over all chunks); keyword arguments go to each `Executor`; `threads`: a host thread
+    per rank ([Note: a host thread per rank])."""
 
-    def __init__(self, schedule: Schedule, stages: Stages, **executor_args: Any):
-        world = InProcessWorld(schedule.pp)
-        self.schedule = schedule
-        self.executors = [Executor(schedule, r, stages, world.transport(r), **executor_args)
+    def __init__(self, schedule: Schedule, stages: Stages, *, threads: bool = False, **executor_args: Any):
+        self.world = InProcessWorld(schedule.pp)
+        self.schedule, self.threads = schedule, threads
+        self.executors = [Executor(schedule, r, stages, self.world.transport(r), **executor_args)
                           for r in range(schedule.pp)]
 
     def step(self, inputs: Sequence[Any] | None = None, targets: Sequence[Any] | None = None) -> list[list]:
-        """One step of every rank; returns each rank's outputs (`Executor.run`)."""
+        """One step of every rank; returns each rank's outputs (`Executor.run`); with
+        `threads`, each rank from its own host thread ([Note: a host thread per rank])."""
+        if self.threads:
+            return run_in_threads(self.executors, self.world, inputs, targets)
         return run_in_process(self.executors, inputs, targets)
 
 
@@ -159,4 +187,69 @@ def run_in_process(executors: Sequence[Executor], inputs=None, targets=None,
     finally:
         for steps in running.values():
             steps.close()
+    return results
+
+
+def run_in_threads(executors: Sequence[Executor], world: InProcessWorld, inputs=None, targets=None,
+                   lane: Callable[[int], ContextManager] | None = None) -> list[list]:
+    """`run_in_process`, each rank from its own host thread ([Note: a host thread per
+    rank]); `world` is the one the executors' transports share. Returns each rank's
+    outputs, in order; raises the first rank's error (or the deadlock)."""
+    count = len(executors)
+    results: list[list] = [[] for _ in executors]
+    errors: dict[int, BaseException] = {}
+    asleep: dict[int, Pending] = {}  # rank -> the wait it sleeps on
+    live = set(range(count))
+
+    def stuck() -> bool:  # under world.changed
+        return len(asleep) == len(live) and not any(wait.ready() for wait in asleep.values())
+
+    def sleep(rank: int, wait: Pending) -> bool:
+        """Until `wait` is ready (True), or the step stops (False)."""
+        with world.changed:
+            asleep[rank] = wait
+            try:
+                while not wait.ready():
+                    if errors:
+                        return False
+                    if stuck():
+                        where = "\n  ".join(str(executors[r].error("waits")) for r in sorted(asleep))
+                        errors.setdefault(-1, RuntimeScheduleError(
+                            f"in-process step cannot go on: every unfinished rank waits\n  {where}"))
+                        world.changed.notify_all()
+                        return False
+                    world.changed.wait()
+                return True
+            finally:
+                del asleep[rank]
+
+    def drive(rank: int) -> None:
+        steps = executors[rank].run(inputs, targets)
+        try:
+            with lane(rank) if lane is not None else contextlib.nullcontext():
+                wait = None
+                while wait is None or sleep(rank, wait):
+                    try:
+                        wait = next(steps)
+                    except StopIteration as stop:
+                        results[rank] = stop.value
+                        return
+        except BaseException as err:  # noqa: BLE001  (handed to the caller below)
+            with world.changed:
+                errors.setdefault(rank, err)
+                world.changed.notify_all()
+        finally:
+            steps.close()
+            with world.changed:
+                live.discard(rank)
+                world.changed.notify_all()  # a rank that ends may leave the others stuck
+
+    threads = [threading.Thread(target=drive, args=(r,), name=f"pipeschedule-rank-{r}", daemon=True)
+               for r in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise next(iter(errors.values()))  # the first: later ones are ranks stopped by it
     return results

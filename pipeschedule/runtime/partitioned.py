@@ -39,7 +39,7 @@ import torch
 from pipeschedule.compiler.ir import Schedule
 from pipeschedule.errors import ParameterError, RuntimeScheduleError
 from pipeschedule.runtime.executor import Executor
-from pipeschedule.runtime.inprocess import InProcessWorld, _Message, run_in_process
+from pipeschedule.runtime.inprocess import InProcessWorld, _Message, run_in_process, run_in_threads
 from pipeschedule.runtime.stages import Stages
 from pipeschedule.runtime.transport import P2P
 
@@ -85,21 +85,27 @@ class DeviceWorld(InProcessWorld):
 class PartitionedPipeline:
     """Every rank's `Executor` over one `DeviceWorld`; `step` runs them all
     ([Note: partitioned stepping]). `streams[r]` is rank r's stream (see `sm_partitions`);
-    keyword arguments go to each `Executor` (device defaults to the streams' device)."""
+    `threads`: a host thread per rank; keyword arguments go to each `Executor` (device
+    defaults to the streams' device)."""
 
-    def __init__(self, schedule: Schedule, stages: Stages, streams: Sequence[torch.cuda.Stream], **executor_args: Any):
+    def __init__(self, schedule: Schedule, stages: Stages, streams: Sequence[torch.cuda.Stream], *,
+                 threads: bool = False, **executor_args: Any):
         if len(streams) != schedule.pp:
             raise ParameterError(f"{len(streams)} streams for the {schedule.pp} ranks of {schedule.name!r}: "
                                  "give one stream per rank")
         self.world = DeviceWorld(streams)
-        self.schedule = schedule
+        self.schedule, self.threads = schedule, threads
         executor_args.setdefault("device", streams[0].device)
         self.executors = [Executor(schedule, r, stages, self.world.transport(r), **executor_args)
                           for r in range(schedule.pp)]
 
     def step(self, inputs=None, targets=None) -> list[list]:
         """One step of every rank, enqueued; returns each rank's outputs (`Executor.run`).
-        The device may still be running it: synchronize before reading times."""
+        The device may still be running it: synchronize before reading times. With
+        `threads`, each rank enqueues from its own host thread ([Note: a host thread per
+        rank] in inprocess)."""
+        if self.threads:
+            return run_in_threads(self.executors, self.world, inputs, targets, lane=self.world.lane)
         return run_in_process(self.executors, inputs, targets, lane=self.world.lane)
 
 

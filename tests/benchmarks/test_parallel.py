@@ -90,3 +90,25 @@ def test_loss_check_names_an_engine_whose_loss_differs():
     rows.append(_row("zbv", 4, "b", [1.0], loss=2.5 + 1e-7))
     found = report.losses_equal(rows, "1f1b")[4]
     assert found["differ"] == ["zbv"] and found["largest_difference"] == pytest.approx(1e-7)
+
+
+def test_host_pacing_counts_only_the_idle_time_the_host_left():
+    """Rank 0: F from 0 to 10 ms; B enqueued at 15 ms, after F ended, and run from 15.2 ms:
+    5 ms waiting for the host. Rank 1 begins 2 ms into the step: its F enqueued at once and
+    run from 12 ms (waiting for its data, not the host: nothing counted)."""
+    ms = 1e-3
+    rounds = [{"seconds": 40 * ms, "enqueue_s": 16 * ms,
+               "spans": [[("F", 0, 0, 0.0, 10 * ms), ("B", 0, 0, 15.2 * ms, 30 * ms)],
+                         [("F", 1, 0, 10 * ms, 20 * ms)]],
+               "host": [[(0.0, 1 * ms), (15 * ms, 16 * ms)], [(0.0, 0.5 * ms)]],
+               "offset_s": [0.0, 2 * ms]}]
+    host = report.host_pacing(rounds)
+    assert host["host_wait_s"] == pytest.approx([5 * ms, 0.0])
+    assert host["idle_s"] == pytest.approx([15.2 * ms, 30 * ms])
+    assert host["enqueue_ms"] == pytest.approx({"F": 0.75, "B": 1.0})
+    # rank 1's F enqueued at 11.8 ms (9.8 after its origin), run from 12 ms: 11.8 ms waiting for the host
+    late = dict(rounds[0], host=[rounds[0]["host"][0], [(9.8 * ms, 10 * ms)]])
+    assert report.host_pacing([late])["host_wait_s"] == pytest.approx([5 * ms, 11.8 * ms])
+    lines = report.host_table([{"engine": "ps_1f1b", "m": 1, "median_s": 0.04, "host": host}])
+    assert lines[2] == "| `ps_1f1b` | 1 | 0.040 s | 0.016 s | 15/30 | 5/0 | 0.75 / 1.00 / - |"
+    assert report.host_table([{"engine": "ps_1f1b", "m": 1, "median_s": 0.04}]) == []
