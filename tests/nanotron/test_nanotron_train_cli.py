@@ -4,7 +4,6 @@ run as they run it (torchrun, two CPU processes, gloo), good and bad configs."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -22,11 +21,8 @@ def launch(tmp_path, engine: str, *extra: str, layers: int = 4, timeout: float =
     config = tmp_path / "config.yaml"
     text = TrainerConfig(engine=engine, layers=layers, steps=1, pp=pp).yaml(str(tmp_path / "checkpoints"))
     config.write_text(edit(text) if edit else text)
-    with socket.socket() as probe:  # a free port for torchrun's rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(port), "-m", "integration.nanotron.train", "--config-file", str(config), *extra]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "-m",
+               "integration.nanotron.train", "--config-file", str(config), *extra]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -28,11 +27,8 @@ def launch(tmp_path, config: TrainerConfig, *extra: str, timeout: float = 240.0)
     """torchrun with two ranks on `config`'s YAML, offline, datasets' cache in tmp_path."""
     path = tmp_path / "config.yaml"
     path.write_text(config.yaml(str(tmp_path / "checkpoints")))
-    with socket.socket() as probe:  # a free port for torchrun's rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               "-m", "integration.nanotron.train", "--config-file", str(path), *extra]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "integration.nanotron.train", "--config-file", str(path), *extra]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "HF_HOME": str(tmp_path / "hf")}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
@@ -108,11 +104,8 @@ def test_a_users_own_script_runs_unchanged_with_our_engines(tmp_path, text_confi
     script.write_text(USER_SCRIPT)
     path = tmp_path / "config.yaml"
     path.write_text(dataclasses.replace(text_config, steps=2).yaml(str(tmp_path / "checkpoints")))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               "-m", "integration.nanotron.run", str(script), "--config-file", str(path)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "integration.nanotron.run", str(script), "--config-file", str(path)]
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -148,11 +141,8 @@ def test_a_forks_script_on_nanotrons_dummy_data_runs_on_cpu_without_gpu_memory_l
     script.write_text(DUMMY_SCRIPT)
     path = tmp_path / "config.yaml"
     path.write_text(TrainerConfig(pp=2, layers=4, steps=2).yaml(str(tmp_path / "checkpoints")))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               "-m", "integration.nanotron.run", str(script), "--config-file", str(path)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+               "integration.nanotron.run", str(script), "--config-file", str(path)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(re.findall(r"iteration: \d / 2 \| .*lm_loss: ", result.stdout)) == 2, result.stdout[-2000:]

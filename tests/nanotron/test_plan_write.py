@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import replace
@@ -30,12 +29,6 @@ from pipeschedule.plan.memory import ModelSpec
 from pipeschedule.plan.fitting import OffloadCandidate, offloaded
 from pipeschedule.plan.nanotron_yaml import complete_config, config_text
 from pipeschedule.plan.planner import _Planner
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
 
 TINY = TrainerConfig(pp=2, layers=4, microbatches=4, steps=1, dtype="float32")
 BIG = TrainerConfig(pp=4, tp=4, layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192,
@@ -154,8 +147,8 @@ def test_the_launcher_trains_the_written_config(tmp_path, capsys):
     data = plan_json(capsys, "--model-file", str(source), "--write", str(out))
     nproc = data["summary"]["recommended"]["dp"] * 2
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    result = subprocess.run([sys.executable, "-m", "pipeschedule.cli", "train", str(out), "--nproc", str(nproc),
-                             "--master-port", str(free_port())], capture_output=True, text=True, timeout=300, env=env,
+    result = subprocess.run([sys.executable, "-m", "pipeschedule.cli", "train", str(out), "--nproc", str(nproc)],
+                            capture_output=True, text=True, timeout=300, env=env,
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "iteration: 1 / 1" in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
