@@ -29,7 +29,13 @@ def reduce_three_ways(rank, world_size, store, device):
     plain = tensors_of(rank, "cpu")
     dist.all_reduce_coalesced(plain, op=dist.ReduceOp.AVG)  # gloo's own, on the host: the reference
     now = tensors_of(rank, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     assert gloo.flat_all_reduce(now, dist.ReduceOp.AVG, None, async_op=False) is None
+    if device == "cuda":  # the flat buffer is on the host: the device's peak did not move
+        assert torch.cuda.max_memory_allocated() == before
     later = tensors_of(rank, device)
     handle = gloo.flat_all_reduce(later, dist.ReduceOp.AVG, None, async_op=True)
     before_wait = [t.detach().cpu().clone() for t in later]
@@ -50,6 +56,13 @@ def test_flat_all_reduce_equals_gloos_coalesced_one(device):
         assert torch.device(where).type == device
         # until wait() the tensors hold this rank's own values (the copy back is wait's)
         assert before_wait == [t.tolist() for t in mine[rank]]
+
+
+def test_mixed_dtypes_are_refused_with_both_named():
+    from integration.nanotron.patches import gloo
+
+    with pytest.raises(ValueError, match=r"dtypes torch.bfloat16, torch.float32; one dtype is accepted"):
+        gloo.flat_all_reduce([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)], None, None, async_op=False)
 
 
 def test_the_patch_routes_cuda_tensors_flat_and_cpu_tensors_to_nanotron():

@@ -64,8 +64,8 @@ def _without_grad(name: str):
 
 
 class _CopiedBack:
-    """The handle of `_flat_all_reduce_coalesced(async_op=True)`: `wait()` waits for the
-    flat all-reduce, then copies its result back into the tensors, once."""
+    """The handle of `flat_all_reduce(async_op=True)`: `wait()` waits for the flat
+    all-reduce, then copies its result back into the tensors, once."""
 
     def __init__(self, work, flat: torch.Tensor, tensors: list[torch.Tensor]):
         self.work, self.flat, self.tensors = work, flat, tensors
@@ -86,15 +86,30 @@ class _CopiedBack:
 
 def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     with torch.no_grad():
-        for tensor, reduced in zip(tensors, torch._utils._unflatten_dense_tensors(flat, tensors)):
-            tensor.copy_(reduced)
+        offset = 0
+        for tensor in tensors:
+            tensor.copy_(flat[offset:offset + tensor.numel()].view(tensor.shape))
+            offset += tensor.numel()
 
 
 def flat_all_reduce(tensors, op, group, async_op: bool):
-    """All-reduce `tensors` as one flat buffer (one `dist.all_reduce`), the result copied
-    back into them: at once, or at the returned handle's `wait()` with `async_op`."""
+    """All-reduce `tensors` (of one dtype) as one flat buffer in host memory (one
+    `dist.all_reduce`), the result copied back into them: at once, or at the returned
+    handle's `wait()` with `async_op`. The buffer is on the host whatever the tensors'
+    device: gloo reduces on the host anyway, and a flat copy on the GPU would add the
+    whole set's bytes to the device's peak, which nanotron's NCCL path (each tensor reduced
+    in place) does not (measured: 2.99 GiB more on the first stage of a ZeRO-0 step,
+    benchmarks/results/zero1_step_zero0.md)."""
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    if len(dtypes) > 1:
+        raise ValueError(f"all_reduce_coalesced over gloo: the tensors have dtypes {', '.join(dtypes)}; "
+                         "one dtype is accepted (as gloo's own coalesced all-reduce)")
     with torch.no_grad():
-        flat = torch._utils._flatten_dense_tensors(tensors)
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype)
+        offset = 0
+        for tensor in tensors:
+            flat[offset:offset + tensor.numel()].copy_(tensor.reshape(-1))
+            offset += tensor.numel()
         work = torch.distributed.all_reduce(flat, op=op, group=group, async_op=async_op)
     if async_op:
         return _CopiedBack(work, flat, list(tensors))
@@ -106,8 +121,8 @@ def _all_reduce_coalesced(tensors, op=torch.distributed.ReduceOp.SUM, group=None
     """nanotron's `all_reduce_coalesced` over gloo, under torch.no_grad. gloo's coalesced
     all-reduce takes CPU tensors only ("ProcessGroupGloo::allreduce_coalesced: unsupported
     device type cuda": nanotron's fp32-accumulation DDP hook under ZeRO-0 with dp > 1 and
-    ranks sharing a GPU); CUDA tensors go through one flat `all_reduce`, which gloo stages
-    through the host, and back."""
+    ranks sharing a GPU); CUDA tensors go through one flat `all_reduce` of a host buffer,
+    and back (`flat_all_reduce`)."""
     if tensors and tensors[0].is_cuda:
         if group is None:
             group = torch.distributed.distributed_c10d._get_default_group()
