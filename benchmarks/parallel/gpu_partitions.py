@@ -3,6 +3,7 @@
     python -m benchmarks.parallel.gpu_partitions                  # one CUDA GPU, pp=4 partitions (minutes)
     python -m benchmarks.parallel.gpu_partitions --route streams  # the control: ranks on ordinary streams
     python -m benchmarks.parallel.gpu_partitions --host both      # each engine also with a host thread per rank
+    python -m benchmarks.parallel.gpu_partitions --micro-batch 2  # more device work per block the host enqueues
     python -m benchmarks.parallel.gpu_partitions --smoke          # CPU, a tiny model: the plumbing; writes nothing
 
 All pp ranks run in one process (`PartitionedPipeline`, [Note: partitioned stepping] in
@@ -79,7 +80,7 @@ class Model:
 
         self.cfg, self.device = cfg, device
         self.stages = LlamaStages(cfg, (cfg.layers,), device, torch.bfloat16)
-        batches = [to_device(microbatch(cfg, 1, i, 7), device) for i in range(max(args.microbatches))]
+        batches = [to_device(microbatch(cfg, args.micro_batch, i, 7), device) for i in range(max(args.microbatches))]
         self.inputs = [{"input_ids": b["input_ids"]} for b in batches]
         self.targets = [{"label_ids": b["label_ids"], "label_mask": b["label_mask"]} for b in batches]
 
@@ -194,10 +195,10 @@ def exactness(group: Group, name: str, m: int) -> dict:
             "losses_equal": partitioned[0] == plain[0], "largest_grad_difference": largest, "largest_grad": scale}
 
 
-def boundary_link(cfg, device, streams) -> dict:
+def boundary_link(cfg, device, streams, micro_batch: int = 1) -> dict:
     """One boundary's on-device copy (1 x seq x hidden bf16) timed on a partition's stream:
     the simulator's message latency (bandwidth unbounded)."""
-    size = cfg.seq * cfg.hidden
+    size = micro_batch * cfg.seq * cfg.hidden
     if device.type != "cuda":
         return {"boundary_bytes": size * 2, "latency_s": 0.0, "bandwidth": float("inf")}
     source, into = torch.randn(size, device=device, dtype=torch.bfloat16), torch.empty(size, device=device,
@@ -232,7 +233,7 @@ def stage_groups(engines: list[str], pp: int) -> dict[int, list[str]]:
 
 
 def measure(args, cfg, device, streams, partial: Path | None = None) -> dict:
-    link = boundary_link(cfg, device, streams)
+    link = boundary_link(cfg, device, streams, args.micro_batch)
     rows, failed, checks, drift, splits = [], [], [], None, {}
     groups = stage_groups(with_host(available(args.engines), args.host), args.pp)
     model = Model(cfg, args, device)
@@ -259,7 +260,8 @@ def measure(args, cfg, device, streams, partial: Path | None = None) -> dict:
             drift = {"engine": first["engine"], "m": first["m"], "first_s": first["median_s"],
                      "last_s": statistics.median(r["seconds"] for r in repeat)}
     report.compare(rows)
-    return {"pp": args.pp, "route": args.route, "host": args.host, "microbatches": args.microbatches,
+    return {"pp": args.pp, "route": args.route, "host": args.host, "micro_batch": args.micro_batch,
+            "microbatches": args.microbatches,
             "rounds": args.rounds, "warmup": args.warmup, "model": asdict_cfg(cfg), "splits": splits, "link": link,
             "rows": rows, "not_run": failed,
             "exactness": checks, "drift": drift, "losses_equal": report.losses_equal(rows, report.REFERENCE)}
@@ -275,9 +277,11 @@ def render(summary: dict) -> str:
     v = summary.get("versions", {})
     link = summary["link"]
     lines = [f"# Pipeline schedules on SM partitions of one GPU, pp={summary['pp']} ({v.get('date', '')})", "",
-             f"`python -m benchmarks.parallel.gpu_partitions --route {summary['route']}`. Versions: "
+             f"`python -m benchmarks.parallel.gpu_partitions --route {summary['route']} --host "
+             f"{summary.get('host', 'one')} --micro-batch {summary.get('micro_batch', 1)}`. Versions: "
              + ", ".join(f"{k} {val}" for k, val in v.items()), "",
-             f"Model (the project's Llama, bf16, micro-batch 1): {summary['model']}; decoder layers per stage "
+             f"Model (the project's Llama, bf16, micro-batch {summary.get('micro_batch', 1)}): {summary['model']}; "
+             "decoder layers per stage "
              + "; ".join(f"{'/'.join(map(str, v))}" for v in summary["splits"].values())
              + f". {summary['warmup']} warm-up round(s), {summary['rounds']} measured. A boundary's copy on a "
              "partition: "
@@ -312,6 +316,9 @@ def main(argv=None) -> int:
                         help="microbatch counts, comma-separated (default 8,32)")
     parser.add_argument("--engines", type=lambda t: t.split(";"), default=list(ENGINES),
                         help="pp_engine values separated by ';' (default: every family this tree has)")
+    parser.add_argument("--micro-batch", type=int, default=1,
+                        help="sequences per microbatch (default 1); larger blocks give the device more work per "
+                             "host enqueue")
     parser.add_argument("--host", choices=("one", "threads", "both"), default="one",
                         help="one host thread enqueues every rank (default), a thread per rank, or both, "
                              "alternating")
@@ -320,6 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, four engines; writes nothing")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default benchmarks/results)")
     args = parser.parse_args(argv)
+    if args.micro_batch < 1:
+        parser.error(f"--micro-batch {args.micro_batch}: a whole number >= 1 is accepted")
     if args.smoke:
         args.engines, args.microbatches, args.rounds, device, streams = list(SMOKE_ENGINES), [4], 1, \
             torch.device("cpu"), None

@@ -238,7 +238,9 @@ def write_traces(summary: dict, folder) -> list:
     paths = []
     for row in summary["rows"]:
         if row.get("trace_spans"):
-            name = row["engine"].replace(":", "_").replace("=", "").replace(",", "_").replace("/", "-")
+            name = row["engine"]
+            for mark, by in ((":", "_"), ("=", ""), (",", "_"), ("/", "-"), ("@", "_")):
+                name = name.replace(mark, by)
             paths.append(folder / f"{name}_m{row['m']}.json")
             paths[-1].write_text(json.dumps(trace(row)) + "\n")
     return paths

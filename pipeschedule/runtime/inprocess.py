@@ -17,7 +17,10 @@ state changes under its `changed` condition (every post and publish notifies it)
 rank whose wait is not ready sleeps on it. The arithmetic of each rank is the same, in
 the same order, so losses and gradients equal the round-robin step's. Every live rank
 asleep on a wait that is not ready is a deadlock: it raises, naming where each stands;
-an exception in one rank stops the others at their next wait.
+an exception in one rank stops the others at their next wait. It does not share out the
+host's work: the threads' Python runs one at a time under the GIL. Measured on SM
+partitions of an H100, where one host thread cannot keep four ranks fed, a thread per
+rank was 16-22% slower than one (benchmarks/results/parallel_gpu_partitions_host_both.md).
 """
 
 from __future__ import annotations

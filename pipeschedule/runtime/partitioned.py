@@ -21,7 +21,12 @@ simulator's semantics ([Note: simulated semantics] in simulate/engine.py):
   the receiver's next work follows the copy on its stream.
 
 So the host enqueues each rank's work as fast as it can run the executors, and the device
-sets the pace. Waiting for the copy on the sender's stream too (a rendezvous, as a
+sets the pace where the host keeps up. It must enqueue every rank's work alone: measured on
+an H100's partitions with the project's Llama (hidden 4096, seq 2048, four layers a stage),
+a block took 10.6 ms of host time to enqueue against 27-57 ms of device time, and the one
+host thread was busy 95-99% of the step, its ranks waiting for it
+(benchmarks/results/parallel_gpu_partitions_host_both.md): one process emulates pp GPUs'
+compute, not pp hosts. Waiting for the copy on the sender's stream too (a rendezvous, as a
 blocking send) held each sender to its receiver's pace: measured on an H100 before this
 rule, ZB-V's rank 0 lost about one forward before each of its warm-up forwards, 24% over
 the simulated step (benchmarks/results/parallel_gpu_partitions.md). Without CUDA (or with
