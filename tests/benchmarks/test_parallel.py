@@ -112,3 +112,12 @@ def test_host_pacing_counts_only_the_idle_time_the_host_left():
     lines = report.host_table([{"engine": "ps_1f1b", "m": 1, "median_s": 0.04, "host": host}])
     assert lines[2] == "| `ps_1f1b` | 1 | 0.040 s | 0.016 s | 15/30 | 5/0 | 0.75 / 1.00 / - |"
     assert report.host_table([{"engine": "ps_1f1b", "m": 1, "median_s": 0.04}]) == []
+
+
+def test_gpu_partitions_refuses_a_micro_batch_below_one(capsys):
+    from benchmarks.parallel import gpu_partitions
+
+    with pytest.raises(SystemExit) as caught:
+        gpu_partitions.main(["--smoke", "--micro-batch", "0"])
+    assert caught.value.code == 2
+    assert "--micro-batch 0: a whole number >= 1 is accepted" in capsys.readouterr().err
