@@ -120,22 +120,6 @@ def versions(commit: str | None = None) -> dict:
     return info
 
 
-def leave_rank(code: int = 0) -> None:
-    """A torchrun rank's end once its work is written: the process groups destroyed, then
-    out without the interpreter's shutdown. Left to that shutdown, a rank whose groups
-    were alive could die of "terminate called without an active exception" (SIGABRT: a
-    C++ thread of the communication still joinable as its owner was destroyed) after all
-    of its work was done, and torchrun reported the run failed (one rank in about six of
-    the 2-rank smoke runs of benchmarks.parallel.trainer_groups, c8964cb)."""
-    import torch.distributed
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def torchrun(nproc: int, args: list[str], *, timeout: float) -> subprocess.CompletedProcess:
     """`python -m torch.distributed.run --nproc-per-node nproc` on a free local port with
     `args` (e.g. `["-m", "module", ...]`), unbuffered; the finished process, output captured."""
@@ -201,6 +185,6 @@ def write_results(stem: str, report: dict, markdown: str | None = None, out: Pat
 __all__ = [
     "ALLOCATOR_SLACK_BYTES", "CONTEXT_BYTES", "FIT_SHARE", "RANK_OVERHEAD_BYTES",
     "MICROBATCH_SIZE", "MODEL", "PP", "WARMUP", "RESULTS", "SMOKE_MODEL", "SMOKE_TRAINER",
-    "cpu_model", "git_commit", "leave_rank", "machine", "torchrun", "torchrun_cause", "torchrun_failure",
+    "cpu_model", "git_commit", "machine", "torchrun", "torchrun_cause", "torchrun_failure",
     "torch_version", "versions", "write_results",
 ]

@@ -52,8 +52,9 @@ from pathlib import Path
 from integration.nanotron.example import TrainerConfig
 from pipeschedule.checks import parse_int
 from pipeschedule.errors import ParameterError
-from benchmarks.common import (RANK_OVERHEAD_BYTES, MODEL, PP, RESULTS, SMOKE_TRAINER, leave_rank, torchrun,
+from benchmarks.common import (RANK_OVERHEAD_BYTES, MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun,
                                torchrun_cause, torchrun_failure, versions, write_results)
+from pipeschedule.runtime.launch import leave
 
 PAIRS = (("1f1b", "ps_1f1b"), ("1f1b", f"capped_1f1b:cap={PP}"), ("afab", "ps_afab"))
 # each pair's two engines run the same schedule (cap = pp does not bind): the pair's memory is nanotron's one's
@@ -275,7 +276,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--rank-main"]:
         config_path, out_path, ms, warmup, rounds, needs_path = argv[1:7]
         _rank_main(config_path, out_path, [int(m) for m in ms.split(",")], int(warmup), int(rounds), needs_path)
-        leave_rank(0)  # not the interpreter's shutdown, with nanotron's groups alive
+        leave(0)  # not the interpreter's shutdown, with nanotron's groups alive
     parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_vs_nanotron",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")

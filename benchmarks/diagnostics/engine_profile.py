@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (MODEL, PP, RESULTS, SMOKE_TRAINER, leave_rank, torchrun, torchrun_failure, versions,
+from benchmarks.common import (MODEL, PP, RESULTS, SMOKE_TRAINER, torchrun, torchrun_failure, versions,
                                write_results)
+from pipeschedule.runtime.launch import leave
 from integration.nanotron.example import TrainerConfig
 
 PAIRS = (("1f1b", "ps_1f1b"), ("afab", "ps_afab"))
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--rank-main"]:
         config_path, out_dir, pairs, m, steps = argv[1:6]
         _rank_main(config_path, out_dir, [tuple(p.split(":", 1)) for p in pairs.split(",")], int(m), int(steps))
-        leave_rank(0)  # not the interpreter's shutdown, with nanotron's groups alive
+        leave(0)  # not the interpreter's shutdown, with nanotron's groups alive
     parser = argparse.ArgumentParser(prog="python -m benchmarks.diagnostics.engine_profile",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; writes nothing")

@@ -38,8 +38,9 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import RESULTS, leave_rank, rotated, torchrun, torchrun_failure, versions, write_results
+from benchmarks.common import RESULTS, rotated, torchrun, torchrun_failure, versions, write_results
 from benchmarks.parallel import pinning, report
+from pipeschedule.runtime.launch import leave
 
 NANOTRON = ("1f1b", "afab")
 ENGINES = ("1f1b", "afab", "ps_1f1b", "ps_afab", "capped_1f1b:cap=1", "capped_1f1b:cap=2", "capped_1f1b:cap=3",
@@ -332,7 +333,7 @@ def main(argv=None) -> int:
     if args.rank_main:
         config, out, engines, ms, warmup, rounds = args.rank_main
         _rank_main(config, out, engines.split(","), [int(x) for x in ms.split(",")], int(warmup), int(rounds))
-        leave_rank(0)
+        leave(0)
     if args.smoke:
         args.engines, args.microbatches, args.rounds = list(SMOKE_ENGINES), [4], 1
     engines = available_engines(args.engines or ENGINES + LATER_FAMILIES)

@@ -24,7 +24,8 @@ import runpy
 import sys
 
 import integration.nanotron  # noqa: F401  (first: repairs nanotron 0.4's import, installs the patches)
-from integration.nanotron.train import BACKENDS, _leave, prepare
+from integration.nanotron.train import BACKENDS, prepare
+from pipeschedule.runtime.launch import leave
 
 USAGE = "usage: python -m integration.nanotron.run [--backend {auto,nccl,gloo}] SCRIPT [SCRIPT'S ARGUMENTS ...]"
 
@@ -56,11 +57,11 @@ def _refuse(message: str) -> int:
 
 def _end(code: int) -> None:
     """After the script: its atexit handlers, as at any end, then out as
-    `integration.nanotron.train` leaves (`_leave`: the process groups the script's trainer
+    `integration.nanotron.train` leaves (`leave`: the process groups the script's trainer
     left alive destroyed, no interpreter shutdown, where a rank whose work was done could
     die of SIGABRT, "terminate called without an active exception")."""
     atexit._run_exitfuncs()
-    _leave(code)
+    leave(code)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ from integration.nanotron.check import preflight, read_config
 from integration.nanotron.pipeline.errors import DataError, PipescheduleError
 from integration.nanotron.gloo import use_gloo
 from integration.nanotron.pipeline.step import pipeline_blocks
+from pipeschedule.runtime.launch import leave
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -499,20 +500,5 @@ def _abort(code: int) -> None:
     os._exit(code)
 
 
-def _leave(code: int) -> None:
-    """A rank's end after `main`: the process group destroyed, then out without the
-    interpreter's shutdown, where a C++ communication thread still joinable as its owner
-    is destroyed can abort a rank whose work is done ("terminate called without an active
-    exception", SIGABRT; seen in 2 of 14 runs of a benchmark's ranks before its own rank
-    left this way)."""
-    import torch.distributed
-
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    _leave(main())
+    leave(main())  # not the interpreter's shutdown: pipeschedule.runtime.launch.leave
