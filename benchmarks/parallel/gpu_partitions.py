@@ -358,7 +358,8 @@ def main(argv=None) -> int:
     markdown = render(summary)
     if not args.smoke:
         stem = "parallel_gpu_partitions" + ("_streams" if args.route == "streams" else "") \
-            + ("" if args.host == "one" else f"_host_{args.host}")
+            + ("" if args.host == "one" else f"_host_{args.host}") \
+            + ("" if args.micro_batch == 1 else f"_mb{args.micro_batch}")
         report.write_traces(summary, args.out / f"{stem}_traces")
         write_results(stem, summary, markdown, args.out)
     print(markdown)
