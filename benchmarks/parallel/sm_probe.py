@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -144,45 +142,38 @@ def _mps_worker(size: int, reps: int, start_at: float) -> None:
 
 
 def run_mps(parts: int, size: int, reps: int) -> dict:
-    control = shutil.which("nvidia-cuda-mps-control")
-    if control is None:
-        return {"route": "mps", "ok": False, "error": "nvidia-cuda-mps-control is not on the PATH"}
-    tmp = Path(tempfile.mkdtemp(prefix="mps"))
-    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(tmp / "pipe"), CUDA_MPS_LOG_DIRECTORY=str(tmp / "log"))
-    (tmp / "pipe").mkdir()
-    (tmp / "log").mkdir()
-    started = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, timeout=30)
-    if started.returncode != 0:
-        return {"route": "mps", "ok": False, "error": f"mps daemon: {started.stderr.strip() or started.returncode}"}
-    try:
-        def clients(n: int) -> list[float]:
-            start_at = time.time() + 15.0
-            share = dict(env, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(100 // parts))
-            procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.parallel.sm_probe", "--mps-worker",
-                                       str(start_at), "--size", str(size), "--reps", str(reps)],
-                                      env=share, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                     for _ in range(n)]
-            seconds = []
-            for proc in procs:
-                out, err = proc.communicate(timeout=90)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"mps client failed: {err.strip()[-400:]}")
-                seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
-            return seconds
+    from benchmarks.parallel import mps
 
-        alone = clients(1)[0]
-        together = max(clients(parts))
-        flops = 2 * size**3 * reps
-        return {"route": "mps", "ok": True, "alone_s": alone, "together_s": together, "overlap_ratio": together / alone,
-                "tflops_one_partition": flops / alone / 1e12, "tflops_all_partitions": flops * parts / together / 1e12,
-                "sms_per_partition": f"{100 // parts}% of SMs"}
+    try:
+        with mps.daemon() as daemon_env:
+            env = dict(os.environ, **daemon_env)
+
+            def clients(n: int) -> list[float]:
+                start_at = time.time() + 15.0
+                share = dict(env, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=str(100 // parts))
+                procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.parallel.sm_probe", "--mps-worker",
+                                           str(start_at), "--size", str(size), "--reps", str(reps)],
+                                          env=share, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         for _ in range(n)]
+                seconds = []
+                for proc in procs:
+                    out, err = proc.communicate(timeout=90)
+                    if proc.returncode != 0:
+                        raise RuntimeError(f"mps client failed: {err.strip()[-400:]}")
+                    seconds.append(json.loads(out.strip().splitlines()[-1])["seconds"])
+                return seconds
+
+            try:
+                alone = clients(1)[0]
+                together = max(clients(parts))
+            finally:
+                print("mps control.log tail:", mps.log_tail(daemon_env), flush=True)
     except Exception as err:
         return {"route": "mps", "ok": False, "error": f"{type(err).__name__}: {err}"}
-    finally:
-        subprocess.run([control], input="quit\n", env=env, capture_output=True, text=True, timeout=30)
-        log = tmp / "log" / "control.log"
-        if log.exists():
-            print("mps control.log tail:", log.read_text()[-600:], flush=True)
+    flops = 2 * size**3 * reps
+    return {"route": "mps", "ok": True, "alone_s": alone, "together_s": together, "overlap_ratio": together / alone,
+            "tflops_one_partition": flops / alone / 1e12, "tflops_all_partitions": flops * parts / together / 1e12,
+            "sms_per_partition": f"{100 // parts}% of SMs"}
 
 
 def main(argv=None) -> int:

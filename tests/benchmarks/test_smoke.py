@@ -49,6 +49,7 @@ SCRIPTS = [
      "executor: 1 profiled steps; own time in pipeschedule/"),
     ("benchmarks.parallel.trainer_groups", ["--smoke", "--pp", "2", "--no-pin"], "every engine bitwise equal"),
     ("benchmarks.parallel.gpu_partitions", ["--smoke", "--host", "both"], "every engine bitwise equal"),
+    ("benchmarks.parallel.mps_ranks", ["--smoke"], "every engine bitwise equal"),
     ("benchmarks.parallel.shared_chip", [], "largest difference 0.0000%"),
     ("benchmarks.parallel.sm_probe", ["--no-mps", "--size", "1024", "--reps", "2"], "plain_streams"),
 ]
