@@ -6,15 +6,17 @@
 The memory model says that under ZeRO-1 a rank's peak is set after the pipeline, in the
 optimizer step: the static terms (bf16 weights, the fp32 gradient accumulator, the rank's
 shard of fp32 master weights and Adam moments) plus `optimizer_step_transient`
-(pipeschedule/plan/memory.py): torch's foreach Adam's `exp_avg_sq_sqrt` over the shard and
-`all_gather_coalesced`'s flattened shard and gathered output (nanotron/optim/zero.py
-`_all_gather_params`). Nothing had measured it. This runs the users' launch (nanotron's
-`DistributedTrainer` from a YAML; bf16, fp32 gradient accumulation, AdamW unfused, clip 1.0)
-on a parameter-heavy Llama (hidden 4096, ffn 14336, a sequence of 32 tokens: activations
-are small, so the optimizer step sets the peak) at pp=2 and dp=2, ZeRO-1 and, for contrast,
-ZeRO-0; the four ranks share the one GPU over gloo with host-staged boundaries ([Note:
-nanotron over gloo]), so the dp collectives are gloo's on CUDA tensors, staged through the
-host (no GPU memory of their own, where NCCL would hold buffers: the planner's `reserve`).
+(pipeschedule/plan/memory.py, [Note: the optimizer step's transient]): the larger of torch's
+single-tensor Adam's temporaries and `all_gather_coalesced`'s flattened shard and gathered
+output (nanotron/optim/zero.py `_all_gather_params`), with gloo's device copy of the gathered
+output (`dp_backend="gloo"`: the ranks here share a GPU over gloo). Nothing had measured it.
+This runs the users' launch (nanotron's `DistributedTrainer` from a YAML; bf16, fp32
+gradient accumulation, AdamW unfused, clip 1.0) on a parameter-heavy Llama (hidden 4096, ffn
+14336, a sequence of 32 tokens: activations are small, so the optimizer step sets the peak)
+at pp=2 and dp=2, ZeRO-1 and, for contrast, ZeRO-0; the four ranks share the one GPU over
+gloo with host-staged boundaries ([Note: nanotron over gloo]), so the dp collectives are
+gloo's on CUDA tensors, staged through the host (no GPU memory of their own, where NCCL
+would hold buffers: the planner's `reserve`).
 
 Per rank: the allocator's peak over the whole step (`peak_allocated`, the largest over the
 measured steps), its peak up to the end of the pipeline (`peak_allocated_pipeline`), and the
@@ -75,7 +77,7 @@ def predict(zero_stage: int, sizes: dict, split: list[int]) -> list[dict]:
     model = ModelSpec("param-heavy", layers=sizes["layers"], hidden=sizes["hidden"], heads=sizes["heads"],
                       kv_heads=sizes["kv_heads"], ffn=sizes["ffn"], vocab=sizes["vocab"])
     setup = TrainingSetup(tp=1, dp=DP, zero_stage=zero_stage, seq=sizes["seq"], micro_batch=sizes["micro_batch_size"],
-                          sequence_parallel=False, attention="sdpa-standin", adam_fused=False)
+                          sequence_parallel=False, attention="sdpa-standin", adam_fused=False, dp_backend="gloo")
     planner = Evaluator(PlanConfig(model, replace(setup), pp=PP, microbatches=MICROBATCHES, gpu_memory=139 * GiB))
     cand = evaluate_engine(planner, ENGINE, "1f1b", None, 1, split)
     return [{"total": m.total, "optimizer_step": m.terms.get(OPTIMIZER_STEP, 0.0),

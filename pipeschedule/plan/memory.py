@@ -110,6 +110,7 @@ from pipeschedule.checks import MAX_DIMENSION, MAX_LAYERS, is_int, shown
 RECOMPUTE_MODES = ("none", "selective", "full")
 GRAD_FOLDS = ("backward", "parameter")
 OPTIMIZERS = ("adam", "none")
+DP_BACKENDS = ("nccl", "gloo")
 ACTIVATION_FORMULAS = ("nanotron", "korthikanti", "llama")
 ATTENTIONS = ("flash-attn", "sdpa-standin", "eager")
 GiB = 1 << 30
@@ -203,8 +204,11 @@ class TrainingSetup:
     attention: "flash-attn", the adapter's "sdpa-standin" (both flash kernels), or "eager"
     (softmax scores materialised: counted by the korthikanti and llama formulas, which
     nanotron's Llama, always flash, does not run). adam_fused: nanotron's
-    `torch_adam_is_fused` (its example configs: true); false adds foreach Adam's
-    temporary to the optimizer step (`optimizer_step_transient`). grad_fold: when the
+    `torch_adam_is_fused` (its example configs: true); false adds the temporaries of
+    torch's single-tensor Adam to the optimizer step (`optimizer_step_transient`).
+    dp_backend: the data-parallel group's backend, "nccl" or "gloo" (ranks sharing a GPU
+    in the benchmarks): under gloo, ZeRO-1's all-gather of CUDA tensors also allocates a
+    copy of its gathered output on the device (`optimizer_step_transient`). grad_fold: when the
     bf16 gradients are folded into the fp32 accumulator (with fp32_grad_accum):
     "backward", after each microbatch's whole backward, as nanotron's engines do (the
     stage's bf16 gradients all exist at its end), or "parameter", each as autograd
@@ -229,6 +233,7 @@ class TrainingSetup:
     attention: str = "flash-attn"
     adam_fused: bool = True
     grad_fold: str = "parameter"
+    dp_backend: str = "nccl"
 
     def __post_init__(self) -> None:
         for key in ("tp", "dp", "seq", "micro_batch", "param_bytes", "act_bytes"):
@@ -254,6 +259,8 @@ class TrainingSetup:
             raise ParameterError(f"grad_fold must be one of {', '.join(GRAD_FOLDS)}, got {shown(self.grad_fold)}")
         if self.optimizer not in OPTIMIZERS:
             raise ParameterError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {shown(self.optimizer)}")
+        if self.dp_backend not in DP_BACKENDS:
+            raise ParameterError(f"dp_backend must be one of {', '.join(DP_BACKENDS)}, got {shown(self.dp_backend)}")
         if self.sequence_parallel and self.seq % self.tp:
             raise ParameterError(
                 f"sequence parallel splits the sequence over tp: seq={self.seq} is not divisible by tp={self.tp}"
@@ -509,6 +516,7 @@ class StageFootprint:
     working: tuple[str, int]
     recomputed: int = 0  # layers of this stage that recompute (on top of setup.recompute)
     one_grad: int = 0
+    param_sizes: tuple[int, ...] = ()  # its parameter tensors in the optimizer's order (`stage_param_sizes`)
 
     @property
     def stash_bytes(self) -> int:
@@ -542,6 +550,24 @@ def stage_params(model: ModelSpec, layers: int, *, first: bool, last: bool, tp: 
     if first and last and model.tied_embeddings:  # one stage holds both: the LM head is the embedding's weight
         params -= model.embedding_params(tp)
     return params
+
+
+def stage_param_sizes(model: ModelSpec, layers: int, *, first: bool, last: bool, tp: int) -> tuple[int, ...]:
+    """Elements of each parameter tensor of a stage on one TP rank, in the order nanotron's
+    Llama registers them, which is the order its optimizer steps them (`named_parameters`,
+    nanotron/helpers.py:162): the embedding; per decoder layer `input_layernorm`,
+    `qkv_proj`, `o_proj`, `post_attention_layernorm`, `gate_up_proj`, `down_proj`
+    (models/llama.py: `LlamaDecoderLayer`, `CausalSelfAttention`, `MLP`); the final norm
+    and the LM head. They sum to `stage_params` (one stage holding a tied head lists the
+    embedding once)."""
+    h, d = model.hidden, model.head_dim
+    layer = (h, (model.heads + 2 * model.kv_heads) * d // tp * h, model.heads * d // tp * h, h,
+             2 * model.ffn // tp * h, model.ffn // tp * h)
+    out = (model.embedding_params(tp),) if first else ()
+    out += layer * layers
+    if last:
+        out += (h,) if first and model.tied_embeddings else (h, model.head_params(tp) - h)
+    return out
 
 
 def shared_params(model: ModelSpec, placement: Sequence[int], tp: int) -> tuple[int, ...]:
@@ -578,6 +604,7 @@ def stage_footprint(model: ModelSpec, setup: TrainingSetup, layers: int, *, firs
         input_bytes=8 * setup.seq * setup.micro_batch if first else boundary,
         working=working, recomputed=recomputed,
         one_grad=one_grad_bytes(model, setup, layers, first=first, last=last),
+        param_sizes=stage_param_sizes(model, layers, first=first, last=last, tp=setup.tp),
     )
 
 
@@ -617,21 +644,53 @@ ONE_GRAD = "one parameter's gradient (transient)"
 OPTIMIZER_STEP = "optimizer step (transient, above the pipeline)"
 
 
-def optimizer_step_transient(setup: TrainingSetup, params: int) -> float:
-    """Bytes the optimizer step allocates above the static terms, for `params` parameters
-    on the GPU: torch's foreach Adam (nanotron's `torch_adam_is_fused: false`) allocates
-    `exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs)`, one moment's worth over the
-    rank's shard (torch/optim/adam.py, `_multi_tensor_adam`; the fused kernel allocates
-    none); under ZeRO-1 `ZeroDistributedOptimizer._all_gather_params`
-    (nanotron/optim/zero.py:217-245) calls `all_gather_coalesced`, whose backend flattens
-    the shard (2 P / dp bytes) and the gathered output (2 P)."""
+def optimizer_step_transient(setup: TrainingSetup, sizes: Sequence[int]) -> float:
+    """Bytes the optimizer step allocates above the static terms, for parameter tensors of
+    `sizes` elements on the GPU in the order the optimizer steps them (`stage_param_sizes`).
+    [Note: the optimizer step's transient]"""
     if setup.optimizer != "adam":
         return 0.0
-    shard = params / (setup.dp if setup.zero_stage else 1)
+    dp = setup.dp if setup.zero_stage else 1
+    pieces = [-(-n // dp) for n in sizes]  # ZeRO-1: the rank's slice of each tensor (the first rank's, the larger)
     moment = 4 if setup.fp32_grad_accum else setup.param_bytes
-    sqrt = 0.0 if setup.adam_fused else moment * shard
-    gather = setup.param_bytes * (params + shard) if setup.zero_stage and setup.dp > 1 else 0.0
-    return sqrt + gather
+    adam = 0.0 if setup.adam_fused else float(moment * max(
+        (before + 2 * n for before, n in zip([0, *pieces], pieces)), default=0))
+    if not (setup.zero_stage and setup.dp > 1):
+        return adam
+    params = sum(sizes)
+    gathered = setup.param_bytes * params
+    gather = setup.param_bytes * params / setup.dp + gathered + (gathered if setup.dp_backend == "gloo" else 0)
+    return max(adam, gather)  # the all-gather runs after Adam has returned
+
+
+# [Note: the optimizer step's transient] What the optimizer step allocates above the
+# static terms (nanotron 0.4, torch 2.x):
+# - Adam. nanotron builds torch's AdamW with `fused=torch_adam_is_fused` always given
+#   (nanotron/helpers.py:167-176), so torch never picks its foreach path: `adam()` defaults
+#   to foreach only when both `fused` and `foreach` are None, and otherwise takes foreach
+#   as False (torch/optim/adam.py, `adam`, "Respect when the user inputs False/True").
+#   Unfused, it is `_single_tensor_adam`, a loop over the tensors whose only temporaries
+#   are `denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)`: while the
+#   division runs, the square root and the quotient of tensor i (2 n_i moments' worth)
+#   are alive beside the previous tensor's `denom` (n_(i-1)), which the assignment frees
+#   only then. The transient is moment bytes * max_i (n_(i-1) + 2 n_i) over the tensors
+#   the rank steps, in their order: for nanotron's Llama the embedding (first, alone),
+#   the LM head after the final norm, or `gate_up_proj` after `post_attention_layernorm`.
+#   (Measured on an H100, ZeRO-0 pp=2 dp=2, hidden 4096, vocab 32000: the last stage's
+#   step peaked 1,048,594,944 bytes above its start, where 4 * (4096 + 2 * 131,072,000) =
+#   1,048,592,384; benchmarks/results/zero1_step_zero0.md.) AdamW's decoupled weight
+#   decay is in place. The fused kernel allocates nothing of this size.
+# - ZeRO-1's all-gather, after Adam has returned (`ZeroDistributedOptimizer.step`,
+#   nanotron/optim/zero.py:107-135): `all_gather_coalesced` (nanotron/distributed.py:
+#   153-221) flattens the rank's shard (2 P / dp) and one buffer per rank for the output
+#   (2 P in all). Over gloo (dp_backend "gloo") `ProcessGroupGloo::enqueue` also records
+#   the work for its flight recorder with `getOutputTensors()`, which for an all-gather
+#   is `newLikeFlat(outputs[0])`: a new tensor of the gathered size on the device of the
+#   outputs (2 P more, freed at once; measured: the first stage's ZeRO-1 step peaked 2 P +
+#   3 MB above the NCCL sum, benchmarks/results/zero1_step.md). NCCL gathers in place.
+# The step's peak is then the static terms plus the larger of the two, and a rank's total
+# is the larger of that and the pipeline's peak (`rank_memory`): what the pipeline held
+# beyond the static terms (activations, bf16 gradients) is gone by the step.
 
 
 @dataclass(frozen=True)
@@ -751,7 +810,10 @@ def rank_memory(
             static = sum(sum(footprints[s].static.values()) for s in stages)
             if twice:
                 static -= sum(static_per_param(setup).values()) * twice
-            step = static + optimizer_step_transient(setup, sum(footprints[s].params for s in stages) - twice)
+            sizes = [n for s in stages for n in footprints[s].param_sizes]
+            if twice in sizes:  # a tied embedding the rank holds once is stepped once
+                sizes.remove(twice)
+            step = static + optimizer_step_transient(setup, sizes)
             if step > sum(terms.values()):
                 terms[OPTIMIZER_STEP] = step - sum(terms.values())
         out.append(RankMemory(
@@ -769,6 +831,7 @@ __all__ = [
     "GiB",
     "ModelSpec",
     "OPTIMIZERS",
+    "DP_BACKENDS",
     "ONE_GRAD",
     "OPTIMIZER_STEP",
     "P2P",
@@ -787,6 +850,7 @@ __all__ = [
     "rank_memory",
     "stage_footprint",
     "stage_footprints",
+    "stage_param_sizes",
     "stage_params",
     "stash_buffers",
     "static_per_param",

@@ -6,6 +6,7 @@ import pytest
 from pipeschedule.plan import PlanConfig, plan
 from pipeschedule.plan.dp_step import rank_tail
 from pipeschedule.plan.levers import plan_levers
+from pipeschedule.errors import ParameterError
 from pipeschedule.plan.memory import GiB, TrainingSetup, builds_ddp
 from pipeschedule.plan.planner import _Planner
 from pipeschedule.plan.presets import MODELS
@@ -99,15 +100,26 @@ def test_bad_lever_input_is_one_line(capsys):
 
 
 def test_optimizer_step_transient_closed_form():
+    """[Note: the optimizer step's transient]: unfused, torch's single-tensor Adam holds the
+    previous tensor's `denom` beside the square root and quotient of the current one;
+    ZeRO-1's all-gather comes after it (the larger counts), with gloo's device copy of
+    the gathered output under dp_backend "gloo"."""
     from pipeschedule.plan.memory import optimizer_step_transient
 
-    P = 1000
-    assert optimizer_step_transient(TrainingSetup(adam_fused=False), P) == 4 * P
-    assert optimizer_step_transient(TrainingSetup(), P) == 0  # fused Adam allocates nothing
-    zero1 = TrainingSetup(dp=4, zero_stage=1, adam_fused=False)
-    assert optimizer_step_transient(zero1, P) == 4 * P / 4 + 2 * (P + P / 4)
-    assert optimizer_step_transient(TrainingSetup(fp32_grad_accum=False, adam_fused=False), P) == 2 * P
-    assert optimizer_step_transient(TrainingSetup(optimizer="none", adam_fused=False), P) == 0
+    sizes = [10, 300, 100, 400]  # the peak is at 400 after 100: 100 + 2 * 400
+    P = sum(sizes)
+    assert optimizer_step_transient(TrainingSetup(adam_fused=False), sizes) == 4 * 900
+    assert optimizer_step_transient(TrainingSetup(), sizes) == 0  # fused Adam allocates nothing
+    assert optimizer_step_transient(TrainingSetup(fp32_grad_accum=False, adam_fused=False), sizes) == 2 * 900
+    assert optimizer_step_transient(TrainingSetup(optimizer="none", adam_fused=False), sizes) == 0
+    zero1 = TrainingSetup(dp=4, zero_stage=1, adam_fused=False)  # slices of 3, 75, 25, 100: Adam's 4 * 225
+    assert optimizer_step_transient(zero1, sizes) == 2 * (P + P / 4)
+    gloo = TrainingSetup(dp=4, zero_stage=1, adam_fused=False, dp_backend="gloo")
+    assert optimizer_step_transient(gloo, sizes) == 2 * (P + P / 4) + 2 * P
+    big = [10, 4000]  # dp=2: Adam above the gather, 4 * (5 + 2 * 2000) against 2 * (4010 + 2005)
+    assert optimizer_step_transient(TrainingSetup(dp=2, zero_stage=1, adam_fused=False), big) == 4 * 4005
+    with pytest.raises(ParameterError, match="dp_backend must be one of nccl, gloo, got 'mpi'"):
+        TrainingSetup(dp_backend="mpi")
 
 
 def test_the_lever_search_shares_schedules_and_answers_as_plans_alone():

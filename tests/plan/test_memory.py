@@ -416,3 +416,32 @@ def test_nanotron_gradients_add_what_exceeds_the_activations_peak(recompute):
                    for t in theirs.memory)
     else:
         assert all(GRADS not in t.terms for t in theirs.memory)
+
+
+def test_the_zero0_step_peak_is_the_pipeline_or_single_tensor_adam_above_the_static_terms():
+    """benchmarks/zero1_step's ZeRO-0 run (Llama h=4096, ffn 14336, vocab 32000, 4 layers split
+    3/1, pp=2 dp=2, fp32 accumulation, AdamW unfused, nanotron's 1f1b): a rank's total is the
+    larger of its pipeline's peak and the static terms plus torch's single-tensor Adam, whose
+    peak is 4 bytes * (n_prev + 2 n) at the largest tensor: on the first stage the embedding,
+    stepped first (below the pipeline's peak: no optimizer-step term), on the last the LM
+    head, stepped after the final norm (above it). [Note: the optimizer step's transient]"""
+    from pipeschedule.plan.evaluation import Evaluator, evaluate_engine
+    from pipeschedule.plan.memory import OPTIMIZER_STEP, stage_param_sizes, stage_params
+
+    model = ModelSpec("param-heavy", layers=4, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000)
+    setup = TrainingSetup(dp=2, seq=32, sequence_parallel=False, attention="sdpa-standin", adam_fused=False)
+    cand = evaluate_engine(Evaluator(PlanConfig(model, setup, pp=2, microbatches=4, gpu_memory=139 * GiB)),
+                           "1f1b", "1f1b", None, 1, [3, 1])
+    h, V = model.hidden, model.vocab
+    params = [stage_params(model, 3, first=True, last=False, tp=1), stage_params(model, 1, first=False, last=True,
+                                                                                  tp=1)]
+    assert params == [V * h + 3 * model.layer_params(), model.layer_params() + h + V * h]
+    assert [sum(stage_param_sizes(model, n, first=s == 0, last=s == 1, tp=1)) for s, n in enumerate([3, 1])] == params
+    static = [(2 + 4 + 4 + 8 + 2) * p for p in params]  # bf16, fp32 grads, master, moments, DDP buckets
+    first, last = cand.memory
+    assert first.total - first.terms.get(OPTIMIZER_STEP, 0) > static[0] + 4 * 2 * V * h  # the pipeline's peak wins
+    assert OPTIMIZER_STEP not in first.terms
+    assert last.total == pytest.approx(static[1] + 4 * (h + 2 * V * h), rel=1e-12)
+    assert last.terms[OPTIMIZER_STEP] > 0
+    # the foreach model (4 bytes per parameter stepped) would put both ranks 0.3-1.4 GiB higher
+    assert last.total < static[1] + 4 * params[1] - 0.3 * GiB
