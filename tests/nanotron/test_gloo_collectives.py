@@ -41,8 +41,12 @@ def reduce_three_ways(rank, world_size, store, device):
     before_wait = [t.detach().cpu().clone() for t in later]
     handle.wait()
     handle.wait()  # a second wait copies nothing again
+    buckets = [tensors_of(rank, device)[:2], tensors_of(rank, device)[2:]]  # two DDP buckets, as nanotron's hook
+    handles = [gloo.flat_all_reduce(bucket, dist.ReduceOp.AVG, None, async_op=True) for bucket in buckets]
+    handles[-1].wait()  # nanotron's trainer waits on the last bucket's handle only
     return ([t.tolist() for t in plain], [t.cpu().tolist() for t in now], [t.cpu().tolist() for t in later],
-            [t.tolist() for t in before_wait], str(later[0].device))
+            [t.tolist() for t in before_wait], str(later[0].device),
+            [t.cpu().tolist() for bucket in buckets for t in bucket], handles[0].is_completed())
 
 
 @pytest.mark.spawn
@@ -51,8 +55,10 @@ def test_flat_all_reduce_equals_gloos_coalesced_one(device):
     results = spawn(reduce_three_ways, 2, args=(device,), timeout=60)
     mine = [tensors_of(r, "cpu") for r in range(2)]
     expected = [((a + b) / 2).tolist() for a, b in zip(*mine)]
-    for rank, (plain, now, later, before_wait, where) in enumerate(results):
+    for rank, (plain, now, later, before_wait, where, buckets, first_done) in enumerate(results):
         assert plain == now == later == expected
+        # waiting on the last of several handles completed the earlier ones too
+        assert buckets == expected and first_done
         assert torch.device(where).type == device
         # until wait() the tensors hold this rank's own values (the copy back is wait's)
         assert before_wait == [t.tolist() for t in mine[rank]]

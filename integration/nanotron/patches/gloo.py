@@ -65,23 +65,49 @@ def _without_grad(name: str):
 
 class _CopiedBack:
     """The handle of `flat_all_reduce(async_op=True)`: `wait()` waits for the flat
-    all-reduce, then copies its result back into the tensors, once."""
+    all-reduce, then copies its result back into the tensors, once; and first does the
+    same for every handle issued before it in this process that nobody waited on
+    ([Note: a wait completes the earlier reductions])."""
 
     def __init__(self, work, flat: torch.Tensor, tensors: list[torch.Tensor]):
         self.work, self.flat, self.tensors = work, flat, tensors
+        _UNWAITED.append(self)
 
     def wait(self, timeout=None) -> bool:
         if self.flat is not None:
-            if timeout is None:
-                self.work.wait()
-            else:
-                self.work.wait(timeout)
-            _copy_back(self.flat, self.tensors)
-            self.flat = None
+            while _UNWAITED:
+                handle = _UNWAITED.pop(0)
+                handle._finish(timeout)
+                if handle is self:
+                    break
         return True
+
+    def _finish(self, timeout) -> None:
+        if self.flat is None:
+            return
+        if timeout is None:
+            self.work.wait()
+        else:
+            self.work.wait(timeout)
+        _copy_back(self.flat, self.tensors)
+        self.flat, self.tensors = None, []
 
     def is_completed(self) -> bool:
         return self.flat is None or self.work.is_completed()
+
+
+_UNWAITED: list[_CopiedBack] = []  # async flat all-reduces issued, in order, not yet copied back
+
+# [Note: a wait completes the earlier reductions] nanotron's fp32-accumulation DDP hook
+# (nanotron/optim/gradient_accumulator.py, `get_fp32_accum_hook`) calls
+# `all_reduce_coalesced(async_op=True)` once per DDP bucket and keeps only the last handle
+# (`fp32_grads_allreduce_handle`), which the trainer waits on. Over NCCL that suffices:
+# the reductions are in place and ordered on one stream, so the last one's end is every
+# one's. Here the result of each reduction lands in its host buffer and is copied back at
+# its handle's `wait()`, so waiting on the last handle alone left every other bucket's
+# gradients un-averaged (each rank kept its own sum; a model of more than one bucket
+# trained on wrong gradients). So a wait first completes, in order, every earlier handle
+# nobody waited on, as a wait on NCCL's last work implies the earlier ones.
 
 
 def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
