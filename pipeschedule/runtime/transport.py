@@ -174,6 +174,9 @@ class _ThreadWaited(Pending):
         self.event = threading.Event()
         self.error: BaseException | None = None
 
+    def begin(self) -> None:
+        """Run by the waiting thread before it waits on the works (nothing: they are posted)."""
+
     def ready(self) -> bool:
         return self.event.is_set()
 
@@ -193,11 +196,41 @@ def _wait_loop(batches: queue.SimpleQueue) -> None:
 
 def _wait_all(pending: _ThreadWaited) -> None:
     try:
+        pending.begin()
         for work in pending.works:
             work.wait()
     except BaseException as err:  # reported to the executor through finish()
         pending.error = err
     pending.event.set()
+
+
+class _PostedLater(_ThreadWaited):
+    """Sends that the waiting thread posts itself once `copied` (an event after the copies
+    into their host buffers; None: nothing to wait for) has completed, then waits on."""
+
+    def __init__(self, post, ops, copied):
+        super().__init__((), ops)
+        self.post, self.copied = post, copied
+
+    def begin(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.works = self.post(self.ops)
+
+
+# [Note: staged sends leave the host free] A staged send reads a host copy of the device
+# tensor, which lands only once the device has run the copy (and the compute before it on
+# the stream). `post` used to wait for the stream there, so the host stopped enqueueing at
+# every send until the device had drained its queue, and the device then sat idle while
+# the host posted the send, took up its next instruction and launched the next kernel: on
+# four ranks sharing one H100 under MPS (benchmarks/results/parallel_mps_ranks.md) every
+# message cost its rank about 1.5 ms of idle device at 16 MiB, twice as many messages (the
+# schedules of two stages a rank) twice that, and those schedules missed the simulator by
+# 9-18%. Now the host records an event after the copies and goes on; the transport's
+# "sends" thread waits for the event, posts the sends with gloo and waits for them, one
+# batch after another in posting order (messages between two ranks pair by order). The
+# receives are posted by the executor's thread as before: gloo's send and receive may be
+# called from different threads.
 
 
 class DistTransport(Transport):
@@ -274,11 +307,13 @@ class DistTransport(Transport):
     def _thread_waited(self, works, ops, *, thread: str = "wait") -> _ThreadWaited:
         """A Pending for gloo `works`, waited on by this transport's daemon thread `thread`
         ([Note: waiting on gloo]); works given to one thread are waited on in turn."""
+        return self._to_thread(_ThreadWaited(works, ops), thread)
+
+    def _to_thread(self, pending: _ThreadWaited, thread: str) -> _ThreadWaited:
         if thread not in self._waiting:
             self._waiting[thread] = queue.SimpleQueue()
             threading.Thread(target=_wait_loop, args=(self._waiting[thread],), daemon=True,
                              name=f"pipeschedule-{thread}").start()
-        pending = _ThreadWaited(works, ops)
         self._waiting[thread].put(pending)
         return pending
 
@@ -351,13 +386,22 @@ class HostStagedTransport(DistTransport):
         self.staged_bytes = 0
 
     def post(self, ops: list[P2P]) -> Pending:
-        """Posts the batch; the Pending covers its receives ([Note: sends in the background])."""
+        """Posts the batch's receives; its sends go out from the "sends" thread once their
+        host copies have landed ([Note: staged sends leave the host free]). The Pending
+        covers the receives ([Note: sends in the background])."""
         self.outstanding_sends()  # drops the host copies of sends already received
         staged = [replace(op, tensor=self._host(op.tensor, copy=op.send)) for op in ops]
-        if any(op.send and op.tensor.is_cuda for op in ops):
-            torch.cuda.current_stream().synchronize()  # the host copies of sends must land before gloo reads them
+        sends = [op for op in staged if op.send]
+        if sends:
+            copied = None
+            if any(op.send and op.tensor.is_cuda for op in ops):
+                copied = torch.cuda.Event()
+                copied.record()  # after the copies into the host buffers, on the current stream
+            self._sends.append(self._to_thread(_PostedLater(self._post_works, sends, copied), "sends"))
+        receives = [op for op in staged if not op.send]
         copies = [(op.tensor, host.tensor) for op, host in zip(ops, staged) if not op.send]
-        return _CopyBack(self._split_sends(self._post_works(staged), staged), copies)
+        inner = self._thread_waited(self._post_works(receives), receives) if receives else _Done()
+        return _CopyBack(inner, copies)
 
     def _host(self, tensor: torch.Tensor, *, copy: bool) -> torch.Tensor:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
