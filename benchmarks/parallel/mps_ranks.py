@@ -24,11 +24,15 @@ rounds; each rank's busy time and bubble from CUDA events around every F, B and 
 rank's peak live bytes (ledger) and peak allocated bytes (its process's allocator); the
 simulator's step for the engine's schedule under the stage costs measured in these steps
 and the one-way time of one boundary measured here (rank 0 and 1 ping-pong through the
-transport: device to host, gloo, host to device); and the part of each rank's idle time
-its share of the GPU waited for its own host. A case that runs out of memory is reported,
-not run again (every rank leaves the transport it failed on for a new one: [Note: no retry
-on a failed group] in pipeschedule/runtime/transport.py). Writes `--out`/parallel_mps_ranks.json
-and .md and one Chrome trace per case; prints the table last.
+transport: device to host, gloo, host to device); and the host's enqueue of every block (a
+track of its own in the traces; gpu_partitions' table of host waits is not printed: here a
+rank's host also waits for each message it receives, so a block enqueued late waited for
+its data as often as for its host). A case that runs out of memory is reported, not run
+again (every rank leaves the transport it failed on for a new one: [Note: no retry on a
+failed group] in pipeschedule/runtime/transport.py). Writes `--out`/parallel_mps_ranks.json
+and .md and one Chrome trace per case; prints the table last. `python -m
+benchmarks.parallel.shared_chip --results <the .json>` adds the shared chip's rates to the
+prediction.
 """
 
 from __future__ import annotations
@@ -285,11 +289,6 @@ def render(summary: dict) -> str:
              f"({link['boundary_bytes'] / 2**20:.0f} MiB) from a rank to the next through the transport: "
              f"{link['latency_s'] * 1e3:.2f} ms.", ""]
     lines += report.table(summary["rows"]) + report.footer(summary)
-    host = report.host_table(summary["rows"])
-    if host:
-        lines += ["", "Each rank's own host: when the last had enqueued its step, each rank's idle time and the part "
-                  "of it its share of the GPU waited for its host to enqueue the next block (as in "
-                  "gpu_partitions).", ""] + host
     memory = memory_table(summary["rows"])
     if memory:
         lines += [""] + memory
