@@ -244,3 +244,29 @@ def background_send_worker(rank: int, world: int, store, delay: float, staged: b
     sends is None or sends.finish()
     return {"ready_after": ready_after, "still_sending": still_sending, "arrived_after": time.monotonic() - start,
             "received": torch.equal(back, expected), "after": transport.outstanding_sends()}
+
+
+def staged_send_on_a_busy_stream_worker(rank: int, world: int, store) -> dict:
+    """On one GPU: rank 0 keeps its stream busy for about a second (`torch.cuda._sleep`),
+    then posts a send of a tensor written after the sleep on a HostStagedTransport; rank 1
+    receives it. Returns how long rank 0's post held its host, and what rank 1 got
+    ([Note: staged sends leave the host free])."""
+    torch.cuda.set_device(0)
+    transport = HostStagedTransport(store, prefix="busy-stream/")
+    if rank == 0:
+        value = torch.zeros(1 << 20, device="cuda")
+        torch.cuda._sleep(2_000_000_000)  # about a second of device time: the stream is busy
+        value.add_(3.0)  # written only once the sleep has run
+        start = time.monotonic()
+        transport.post([P2P(True, 1, value)])
+        held = time.monotonic() - start
+        sends = transport.outstanding_sends()
+        assert sends is None or sends.wait_for(60)
+        sends is None or sends.finish()
+        return {"held": held, "stream_done_after": time.monotonic() - start}
+    into = torch.empty(1 << 20, device="cuda")
+    pending = transport.post([P2P(False, 0, into)])
+    assert pending.wait_for(60)
+    pending.finish()
+    torch.cuda.synchronize()
+    return {"received": bool((into == 3.0).all())}

@@ -18,7 +18,8 @@ from pipeschedule.compiler.ir import BUFFERS
 from pipeschedule.runtime.launch import spawn
 
 from replay import replay_high_water
-from runtime_helpers import background_send_worker, configs, exact_worker, memory_worker, schedule_of
+from runtime_helpers import (background_send_worker, configs, exact_worker, memory_worker, schedule_of,
+                             staged_send_on_a_busy_stream_worker)
 
 pytestmark = pytest.mark.spawn
 
@@ -134,3 +135,12 @@ def test_gloo_batches_wait_for_their_receives_only(staged):
     assert first["still_sending"], first
     assert first["arrived_after"] >= delay * 0.9, first
     assert first["after"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_staged_send_leaves_the_host_free_while_the_stream_is_busy():
+    """[Note: staged sends leave the host free]: posting a send of a tensor whose producer
+    is still queued returns at once; the message carries the value written after the wait."""
+    first, second = spawn(staged_send_on_a_busy_stream_worker, 2, timeout=120)
+    assert second["received"]
+    assert first["held"] < 0.2 < first["stream_done_after"], first
