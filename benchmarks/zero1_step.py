@@ -113,7 +113,8 @@ def rows(runs: dict) -> list[dict]:
 
 def render(report: dict) -> str:
     m = report["model"]
-    lines = [f"# One ZeRO-1 step's peak against the planner ({report['versions']['date']})", "",
+    stages = sorted({r["zero"].removeprefix("zero") for r in report["rows"]}) or ["1"]
+    lines = [f"# One ZeRO-{'/'.join(stages)} step's peak against the planner ({report['versions']['date']})", "",
              "`python -m benchmarks.zero1_step`: nanotron's trainer from a YAML, its Llama at hidden "
              f"{m['hidden']}, ffn {m['ffn']}, {m['layers']} layers, vocab {m['vocab']}, seq {m['seq']}, micro-batch 1, "
              f"m={MICROBATCHES}, bf16, fp32 gradient accumulation, AdamW (unfused), clip 1.0; pp={PP} x dp={DP} as "
