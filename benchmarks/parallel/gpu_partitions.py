@@ -298,9 +298,40 @@ def render(summary: dict) -> str:
                   "each rank's idle time, the part of it its partition waited for the host to enqueue the next "
                   "block (the block's enqueue began after the previous block had ended, and the block began within "
                   f"{report.LAUNCH_S * 1e3:.1f} ms of it), and the host time to enqueue one block.", ""] + host
-    for item in summary["not_run"]:
-        lines.append(f"Not run: `{item['engine']}` m={item['m']}: {item['why']}.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + report.not_run_lines(summary)) + "\n"
+
+
+def case_arguments(parser, *, each: str, microbatches: list[int]) -> None:
+    """The arguments of the benchmarks that emulate pp GPUs on one (this one and
+    `mps_ranks`); `each` says what a rank gets, `microbatches` is the default."""
+    parser.add_argument("--pp", type=int, default=4, help=f"pipeline ranks, {each} (default 4)")
+    parser.add_argument("--microbatches", type=lambda t: [int(x) for x in t.split(",")], default=microbatches,
+                        help=f"microbatch counts, comma-separated (default {','.join(map(str, microbatches))})")
+    parser.add_argument("--engines", type=lambda t: t.split(";"), default=list(ENGINES),
+                        help="pp_engine values separated by ';' (default: every family this tree has)")
+    parser.add_argument("--micro-batch", type=int, default=1,
+                        help="sequences per microbatch (default 1); larger blocks give the device more work per "
+                             "host enqueue")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, four engines; writes nothing")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default benchmarks/results)")
+
+
+def check_case_arguments(parser, args) -> None:
+    """Refuses (parser.error: exit 2, the value named) what `case_arguments` parsed but cannot run."""
+    if args.pp < 2:
+        parser.error(f"--pp {args.pp}: a pipeline of at least 2 ranks is accepted")
+    for flag, value in (("--micro-batch", args.micro_batch), ("--rounds", args.rounds)):
+        if value < 1:
+            parser.error(f"{flag} {value}: a whole number >= 1 is accepted")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: a whole number >= 0 is accepted")
+    if any(m < 1 for m in args.microbatches):
+        parser.error(f"--microbatches {','.join(map(str, args.microbatches))}: whole numbers >= 1 are accepted")
+    unknown = [n for n in args.engines if n.removesuffix(report.HOST_THREADS) not in available([n])]
+    if unknown:
+        parser.error(f"--engines: {', '.join(unknown)}: not a family this tree has")
 
 
 def main(argv=None) -> int:
@@ -308,27 +339,15 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.parallel.gpu_partitions",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks, one SM partition each (default 4)")
+    case_arguments(parser, each="one SM partition each", microbatches=[8, 32])
     parser.add_argument("--route", choices=("auto", "balanced", "driver", "torch", "streams"), default="auto",
                         help="how the partitions are made (default auto: balanced, else driver, else torch; "
                              "streams: no partition, a control)")
-    parser.add_argument("--microbatches", type=lambda t: [int(x) for x in t.split(",")], default=[8, 32],
-                        help="microbatch counts, comma-separated (default 8,32)")
-    parser.add_argument("--engines", type=lambda t: t.split(";"), default=list(ENGINES),
-                        help="pp_engine values separated by ';' (default: every family this tree has)")
-    parser.add_argument("--micro-batch", type=int, default=1,
-                        help="sequences per microbatch (default 1); larger blocks give the device more work per "
-                             "host enqueue")
     parser.add_argument("--host", choices=("one", "threads", "both"), default="one",
                         help="one host thread enqueues every rank (default), a thread per rank, or both, "
                              "alternating")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
-    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, four engines; writes nothing")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default benchmarks/results)")
     args = parser.parse_args(argv)
-    if args.micro_batch < 1:
-        parser.error(f"--micro-batch {args.micro_batch}: a whole number >= 1 is accepted")
+    check_case_arguments(parser, args)
     if args.smoke:
         args.engines, args.microbatches, args.rounds, device, streams = list(SMOKE_ENGINES), [4], 1, \
             torch.device("cpu"), None

@@ -42,14 +42,14 @@ import gc
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import RESULTS, rotated, versions, write_results
+from benchmarks.common import rotated, versions, write_results
 from benchmarks.parallel import report
-from benchmarks.parallel.gpu_partitions import ENGINES, MODEL, SMOKE_ENGINES, SMOKE_MODEL, available, even_split
+from benchmarks.parallel.gpu_partitions import (MODEL, SMOKE_ENGINES, SMOKE_MODEL, available, case_arguments,
+                                                check_case_arguments, even_split)
 from benchmarks.parallel.predict import span_rows
 
 LINK_REPEATS = 20
@@ -292,9 +292,7 @@ def render(summary: dict) -> str:
     memory = memory_table(summary["rows"])
     if memory:
         lines += [""] + memory
-    for item in summary["not_run"]:
-        lines.append(f"Not run: `{item['engine']}` m={item['m']}: {item['why']}.")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + report.not_run_lines(summary)) + "\n"
 
 
 def main(argv=None) -> int:
@@ -303,37 +301,19 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.parallel.mps_ranks",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks, one process each (default 4)")
+    case_arguments(parser, each="one process each", microbatches=[8])
     parser.add_argument("--share", type=int, default=None,
                         help="percent of the SMs each rank's process may use, 1..100 (default 100 / pp)")
-    parser.add_argument("--microbatches", type=lambda t: [int(x) for x in t.split(",")], default=[8],
-                        help="microbatch counts, comma-separated (default 8)")
-    parser.add_argument("--engines", type=lambda t: t.split(";"), default=list(ENGINES),
-                        help="pp_engine values separated by ';' (default: every family this tree has)")
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per microbatch (default 1)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads per rank (default 2)")
     parser.add_argument("--commit", default=None, help="the commit to name in the results (default: git's)")
-    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, four engines; writes nothing")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default benchmarks/results)")
     args = parser.parse_args(argv)
-    if args.pp < 2:
-        parser.error(f"--pp {args.pp}: a pipeline of at least 2 ranks is accepted")
-    for flag, value in (("--micro-batch", args.micro_batch), ("--rounds", args.rounds), ("--threads", args.threads)):
-        if value < 1:
-            parser.error(f"{flag} {value}: a whole number >= 1 is accepted")
-    if args.warmup < 0:
-        parser.error(f"--warmup {args.warmup}: a whole number >= 0 is accepted")
-    if any(m < 1 for m in args.microbatches):
-        parser.error(f"--microbatches {','.join(map(str, args.microbatches))}: whole numbers >= 1 are accepted")
+    check_case_arguments(parser, args)
+    if args.threads < 1:
+        parser.error(f"--threads {args.threads}: a whole number >= 1 is accepted")
     share = 100 // args.pp if args.share is None else args.share
     if not 1 <= share <= 100:
         parser.error(f"--share {share}: a whole percentage 1..100 is accepted")
     engines = available(args.engines)
-    unknown = [n for n in args.engines if n not in engines]
-    if unknown:
-        parser.error(f"--engines: {', '.join(unknown)}: not a family this tree has")
     plan = {"pp": args.pp, "share": share, "micro_batch": args.micro_batch, "microbatches": args.microbatches,
             "engines": engines, "warmup": args.warmup, "rounds": args.rounds, "cuda": not args.smoke,
             "model": dict(MODEL)}

@@ -228,6 +228,11 @@ def footer(report: dict) -> list[str]:
     return lines
 
 
+def not_run_lines(summary: dict) -> list[str]:
+    """A line per case the run reported and did not run (out of memory, say)."""
+    return [f"Not run: `{item['engine']}` m={item['m']}: {item['why']}." for item in summary.get("not_run", [])]
+
+
 def write_traces(summary: dict, folder) -> list:
     """One Chrome trace per row that has spans, `folder/<engine>_m<m>.json`; the paths."""
     import json
