@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, rotated, versions, write_results
+from benchmarks.common import RESULTS, rotated, versions
 from benchmarks.parallel import report
 from benchmarks.parallel.predict import span_rows
 from pipeschedule.errors import RuntimeScheduleError
@@ -379,8 +379,7 @@ def main(argv=None) -> int:
         stem = "parallel_gpu_partitions" + ("_streams" if args.route == "streams" else "") \
             + ("" if args.host == "one" else f"_host_{args.host}") \
             + ("" if args.micro_batch == 1 else f"_mb{args.micro_batch}")
-        report.write_traces(summary, args.out / f"{stem}_traces")
-        write_results(stem, summary, markdown, args.out)
+        report.write(stem, summary, markdown, args.out)
     print(markdown)
     return 0
 

@@ -46,7 +46,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import rotated, versions, write_results
+from benchmarks.common import rotated, versions
 from benchmarks.parallel import report
 from benchmarks.parallel.gpu_partitions import (MODEL, SMOKE_ENGINES, SMOKE_MODEL, available, case_arguments,
                                                 check_case_arguments, even_split)
@@ -341,8 +341,7 @@ def main(argv=None) -> int:
     if not args.smoke:
         stem = "parallel_mps_ranks" + ("" if args.share is None else f"_share{share}") \
             + ("" if args.micro_batch == 1 else f"_mb{args.micro_batch}")
-        report.write_traces(summary, args.out / f"{stem}_traces")
-        write_results(stem, summary, markdown, args.out)
+        report.write(stem, summary, markdown, args.out)
     print(markdown)
     return 0
 

@@ -228,6 +228,14 @@ def footer(report: dict) -> list[str]:
     return lines
 
 
+def write(stem: str, summary: dict, markdown: str, out) -> None:
+    """A run's results as `out/stem.json` and `.md`, and its traces under `out/stem_traces`."""
+    from benchmarks.common import write_results
+
+    write_traces(summary, out / f"{stem}_traces")
+    write_results(stem, summary, markdown, out)
+
+
 def not_run_lines(summary: dict) -> list[str]:
     """A line per case the run reported and did not run (out of memory, say)."""
     return [f"Not run: `{item['engine']}` m={item['m']}: {item['why']}." for item in summary.get("not_run", [])]

@@ -121,3 +121,17 @@ def test_gpu_partitions_refuses_a_micro_batch_below_one(capsys):
         gpu_partitions.main(["--smoke", "--micro-batch", "0"])
     assert caught.value.code == 2
     assert "--micro-batch 0: a whole number >= 1 is accepted" in capsys.readouterr().err
+
+
+def test_write_puts_the_results_and_a_trace_per_row_under_the_stem(tmp_path):
+    import json
+
+    row = {"engine": "zb_h1", "m": 4, "trace_spans": [[("F", 0, 0, 0.0, 0.001)], [("B", 1, 0, 0.001, 0.003)]]}
+    summary = {"rows": [row, {"engine": "ps_afab", "m": 4}], "not_run": [{"engine": "x", "m": 4, "why": "oom"}]}
+    report.write("stem", summary, "# table\n", tmp_path)
+    assert json.loads((tmp_path / "stem.json").read_text())["rows"][0]["engine"] == "zb_h1"
+    assert (tmp_path / "stem.md").read_text() == "# table\n"
+    assert sorted(p.name for p in (tmp_path / "stem_traces").iterdir()) == ["zb_h1_m4.json"]  # a row without spans: none
+    events = json.loads((tmp_path / "stem_traces" / "zb_h1_m4.json").read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "X"] == ["F mb0 s0", "B mb0 s1"]
+    assert report.not_run_lines(summary) == ["Not run: `x` m=4: oom."]
