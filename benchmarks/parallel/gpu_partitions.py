@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import RESULTS, rotated, versions
-from benchmarks.parallel import report
+from benchmarks.parallel import report, shared_chip
 from benchmarks.parallel.predict import span_rows
 from pipeschedule.errors import RuntimeScheduleError
 
@@ -260,8 +260,9 @@ def measure(args, cfg, device, streams, partial: Path | None = None) -> dict:
             drift = {"engine": first["engine"], "m": first["m"], "first_s": first["median_s"],
                      "last_s": statistics.median(r["seconds"] for r in repeat)}
     report.compare(rows)
-    return {"pp": args.pp, "route": args.route, "host": args.host, "micro_batch": args.micro_batch,
-            "microbatches": args.microbatches,
+    shared = shared_chip.table({"pp": args.pp, "link": link, "rows": rows}, shared_chip.PROBE_SLOPE)
+    return {"shared_chip": shared, "pp": args.pp, "route": args.route, "host": args.host,
+            "micro_batch": args.micro_batch, "microbatches": args.microbatches,
             "rounds": args.rounds, "warmup": args.warmup, "model": asdict_cfg(cfg), "splits": splits, "link": link,
             "rows": rows, "not_run": failed,
             "exactness": checks, "drift": drift, "losses_equal": report.losses_equal(rows, report.REFERENCE)}
@@ -292,6 +293,10 @@ def render(summary: dict) -> str:
                      f" largest gradient difference {check['largest_grad_difference']:.3g} "
                      f"(largest gradient {check['largest_grad']:.3g}).")
     lines += [""] + report.table(summary["rows"]) + report.footer(summary)
+    if summary.get("shared_chip"):
+        lines += ["", "With the chip shared ([Note: a shared chip] in benchmarks/parallel/shared_chip.py: the same "
+                  "blocks, each running slower while more ranks compute, as the SM probe measured):", ""]
+        lines += shared_chip.render(summary["shared_chip"], shared_chip.PROBE_SLOPE, "this run").splitlines()[2:]
     host = report.host_table(summary["rows"])
     if host:
         lines += ["", "The host (`--host " + summary.get("host", "one") + "`): when it had enqueued the whole step, "

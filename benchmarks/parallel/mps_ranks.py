@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import rotated, versions
-from benchmarks.parallel import report
+from benchmarks.parallel import report, shared_chip
 from benchmarks.parallel.gpu_partitions import (MODEL, SMOKE_ENGINES, SMOKE_MODEL, available, case_arguments,
                                                 check_case_arguments, even_split)
 from benchmarks.parallel.predict import span_rows
@@ -255,7 +255,9 @@ def measure(plan: dict, threads: int, timeout: float) -> dict:
     rows = [report.case_row(name, m, "mps", rounds, report.schedule_of(name, plan["pp"], m), link)
             for (name, m), rounds in by_case.items()]
     report.compare(rows)
-    return {**{k: plan[k] for k in ("pp", "share", "micro_batch", "microbatches", "rounds", "warmup", "model")},
+    shared = shared_chip.table({"pp": plan["pp"], "link": link, "rows": rows}, shared_chip.PROBE_SLOPE)
+    return {"shared_chip": shared,
+            **{k: plan[k] for k in ("pp", "share", "micro_batch", "microbatches", "rounds", "warmup", "model")},
             "splits": {str(n): even_split(plan["model"]["layers"], n) for n in sorted(
                 {report.schedule_of(r["engine"], plan["pp"], r["m"]).num_stages for r in rows})},
             "link": link, "rows": rows,
@@ -289,6 +291,10 @@ def render(summary: dict) -> str:
              f"({link['boundary_bytes'] / 2**20:.0f} MiB) from a rank to the next through the transport: "
              f"{link['latency_s'] * 1e3:.2f} ms.", ""]
     lines += report.table(summary["rows"]) + report.footer(summary)
+    if summary.get("shared_chip"):
+        lines += ["", "With the chip shared ([Note: a shared chip] in benchmarks/parallel/shared_chip.py: the same "
+                  "blocks, each running slower while more ranks compute, as the SM probe measured):", ""]
+        lines += shared_chip.render(summary["shared_chip"], shared_chip.PROBE_SLOPE, "this run").splitlines()[2:]
     memory = memory_table(summary["rows"])
     if memory:
         lines += [""] + memory

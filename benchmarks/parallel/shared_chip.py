@@ -143,6 +143,8 @@ def table(results: dict, slope: float) -> list[dict]:
     message_s = link["latency_s"] + link["boundary_bytes"] / link["bandwidth"]
     out = []
     for row in results["rows"]:
+        if not row.get("trace_spans") or "predicted" not in row:
+            continue  # a row without its own timeline (nanotron's engines) has no blocks to read
         schedule = schedule_of(row["engine"], pp, row["m"])
         flat_work = block_work(row["trace_spans"], 0.0)
         flat = predict_shared(schedule, flat_work, 0.0, message_s)
