@@ -65,7 +65,8 @@ def test_ranks_as_processes_compute_what_one_process_computes():
                                           (["--pp", "1"], "--pp 1: a pipeline of at least 2 ranks"),
                                           (["--micro-batch", "0"], "--micro-batch 0: a whole number >= 1"),
                                           (["--microbatches", "8,0"], "--microbatches 8,0: whole numbers >= 1"),
-                                          (["--engines", "ps_1f1b;nope"], "--engines: nope: not a family")])
+                                          (["--engines", "ps_1f1b;nope"], "--engines: nope: not a family"),
+                                          (["--engines", "zbv@threads"], "--engines: zbv@threads: every rank has")])
 def test_the_command_line_names_a_bad_value(capsys, flags, named):
     with pytest.raises(SystemExit) as stop:
         mps_ranks.main([*flags, "--smoke"])

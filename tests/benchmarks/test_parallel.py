@@ -131,7 +131,8 @@ def test_write_puts_the_results_and_a_trace_per_row_under_the_stem(tmp_path):
     report.write("stem", summary, "# table\n", tmp_path)
     assert json.loads((tmp_path / "stem.json").read_text())["rows"][0]["engine"] == "zb_h1"
     assert (tmp_path / "stem.md").read_text() == "# table\n"
-    assert sorted(p.name for p in (tmp_path / "stem_traces").iterdir()) == ["zb_h1_m4.json"]  # a row without spans: none
+    traces = sorted(p.name for p in (tmp_path / "stem_traces").iterdir())
+    assert traces == ["zb_h1_m4.json"]  # a row without spans has none
     events = json.loads((tmp_path / "stem_traces" / "zb_h1_m4.json").read_text())["traceEvents"]
     assert [e["name"] for e in events if e["ph"] == "X"] == ["F mb0 s0", "B mb0 s1"]
     assert report.not_run_lines(summary) == ["Not run: `x` m=4: oom."]
