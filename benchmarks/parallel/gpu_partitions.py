@@ -323,8 +323,9 @@ def case_arguments(parser, *, each: str, microbatches: list[int]) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default benchmarks/results)")
 
 
-def check_case_arguments(parser, args) -> None:
-    """Refuses (parser.error: exit 2, the value named) what `case_arguments` parsed but cannot run."""
+def check_case_arguments(parser, args, threaded: str = "use --host threads or both instead") -> None:
+    """Refuses (parser.error: exit 2, the value named) what `case_arguments` parsed but cannot
+    run; `threaded` is what to say of an engine named with the host-thread suffix."""
     if args.pp < 2:
         parser.error(f"--pp {args.pp}: a pipeline of at least 2 ranks is accepted")
     for flag, value in (("--micro-batch", args.micro_batch), ("--rounds", args.rounds)):
@@ -334,7 +335,10 @@ def check_case_arguments(parser, args) -> None:
         parser.error(f"--warmup {args.warmup}: a whole number >= 0 is accepted")
     if any(m < 1 for m in args.microbatches):
         parser.error(f"--microbatches {','.join(map(str, args.microbatches))}: whole numbers >= 1 are accepted")
-    unknown = [n for n in args.engines if n.removesuffix(report.HOST_THREADS) not in available([n])]
+    suffixed = [n for n in args.engines if n.endswith(report.HOST_THREADS)]
+    if suffixed:
+        parser.error(f"--engines: {', '.join(suffixed)}: {threaded}")
+    unknown = [n for n in args.engines if not available([n])]
     if unknown:
         parser.error(f"--engines: {', '.join(unknown)}: not a family this tree has")
 

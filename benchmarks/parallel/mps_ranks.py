@@ -313,13 +313,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads per rank (default 2)")
     parser.add_argument("--commit", default=None, help="the commit to name in the results (default: git's)")
     args = parser.parse_args(argv)
-    check_case_arguments(parser, args)
+    check_case_arguments(parser, args, f"every rank has its own host here; give the engine without "
+                                       f"{report.HOST_THREADS}")
     if args.threads < 1:
         parser.error(f"--threads {args.threads}: a whole number >= 1 is accepted")
-    threaded = [n for n in args.engines if n.endswith(report.HOST_THREADS)]
-    if threaded:
-        parser.error(f"--engines: {', '.join(threaded)}: every rank has its own host here; give the engine without "
-                     f"{report.HOST_THREADS}")
     share = 100 // args.pp if args.share is None else args.share
     if not 1 <= share <= 100:
         parser.error(f"--share {share}: a whole percentage 1..100 is accepted")

@@ -136,3 +136,14 @@ def test_write_puts_the_results_and_a_trace_per_row_under_the_stem(tmp_path):
     events = json.loads((tmp_path / "stem_traces" / "zb_h1_m4.json").read_text())["traceEvents"]
     assert [e["name"] for e in events if e["ph"] == "X"] == ["F mb0 s0", "B mb0 s1"]
     assert report.not_run_lines(summary) == ["Not run: `x` m=4: oom."]
+
+
+@pytest.mark.parametrize("flags, named", [(["--engines", "zbv@threads"], "--engines: zbv@threads: use --host"),
+                                          (["--engines", "zbv;nope:x=1"], "--engines: nope:x=1: not a family"),
+                                          (["--pp", "1"], "--pp 1: a pipeline of at least 2 ranks")])
+def test_gpu_partitions_names_a_bad_case_argument(capsys, flags, named):
+    from benchmarks.parallel import gpu_partitions
+
+    with pytest.raises(SystemExit) as stop:
+        gpu_partitions.main(["--smoke", *flags])
+    assert stop.value.code == 2 and named in capsys.readouterr().err
