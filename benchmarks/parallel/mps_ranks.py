@@ -75,7 +75,7 @@ class Rank:
             torch.cuda.set_device(self.device)
         self.cfg = ModelConfig(**plan["model"])
         self.model = LlamaStages(self.cfg, (self.cfg.layers,), "cpu", torch.bfloat16)  # the same weights everywhere
-        self.params = [p for p in self.model.parameters(0)]
+        self.params = list(self.model.parameters(0))
         batches = [to_device(microbatch(self.cfg, plan["micro_batch"], i, 7), self.device)
                    for i in range(max(plan["microbatches"]))]
         self.inputs = [{"input_ids": b["input_ids"]} for b in batches]
