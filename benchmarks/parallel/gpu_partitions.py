@@ -293,6 +293,9 @@ def render(summary: dict) -> str:
                      f" largest gradient difference {check['largest_grad_difference']:.3g} "
                      f"(largest gradient {check['largest_grad']:.3g}).")
     lines += [""] + report.table(summary["rows"]) + report.footer(summary)
+    late = report.late_table(summary["rows"])
+    if late:
+        lines += [""] + late
     if summary.get("shared_chip"):
         lines += ["", "With the chip shared ([Note: a shared chip] in benchmarks/parallel/shared_chip.py: the same "
                   "blocks, each running slower while more ranks compute, as the SM probe measured):", ""]

@@ -291,6 +291,9 @@ def render(summary: dict) -> str:
              f"({link['boundary_bytes'] / 2**20:.0f} MiB) from a rank to the next through the transport: "
              f"{link['latency_s'] * 1e3:.2f} ms.", ""]
     lines += report.table(summary["rows"]) + report.footer(summary)
+    late = report.late_table(summary["rows"])
+    if late:
+        lines += [""] + late
     if summary.get("shared_chip"):
         lines += ["", "With the chip shared ([Note: a shared chip] in benchmarks/parallel/shared_chip.py: the same "
                   "blocks, each running slower while more ranks compute, as the SM probe measured):", ""]

@@ -52,6 +52,28 @@ def predict(schedule: Schedule, cost: CostModel) -> dict:
             "busy_s": [float(b) for b in result.busy], "peak_inflight": list(result.peak_inflight)}
 
 
+def late_split(schedule: Schedule, cost: CostModel, spans_per_rank: list[list[SpanRow]]) -> dict:
+    """Where a measured step differs from the simulated one, per rank: "blocks_s", the sum
+    over its F, B and W of (measured duration - simulated duration), and "gaps_s", the sum
+    of (measured idle before the block - simulated idle before it), each block's idle
+    counted from the end of the rank's previous block (the first's from the step's start).
+    Longer gaps with matching blocks are waits the simulator does not have (messages,
+    the host); longer blocks are compute that ran slower than its median."""
+    simulated = {(ev.rank, ev.instr.op.value, ev.instr.stage, ev.instr.mb): (ev.start, ev.end)
+                 for ev in simulate(schedule, cost).events if ev.instr.op in (Op.F, Op.B, Op.W)}
+    blocks, gaps = [], []
+    for rank, spans in enumerate(spans_per_rank):
+        block = gap = previous = previous_simulated = 0.0
+        for op, stage, mb, start, end in spans:
+            sim_start, sim_end = simulated[rank, op, stage, mb]
+            block += (end - start) - (sim_end - sim_start)
+            gap += (start - previous) - (sim_start - previous_simulated)
+            previous, previous_simulated = end, sim_end
+        blocks.append(block)
+        gaps.append(gap)
+    return {"blocks_s": blocks, "gaps_s": gaps}
+
+
 def measured_bubble(step_s: float, spans_per_rank: list[list[SpanRow]]) -> list[float]:
     """Per rank, the share of the step it did not compute: 1 - busy / step."""
     return [1.0 - sum(end - start for _op, _s, _mb, start, end in spans) / step_s for spans in spans_per_rank]
@@ -66,4 +88,4 @@ def has_weight_ops(schedule: Schedule) -> bool:
     return any(instr.op is Op.W for program in schedule.programs for instr in program)
 
 
-__all__ = ["cost_model", "has_weight_ops", "measured_bubble", "predict", "span_rows", "stage_costs"]
+__all__ = ["cost_model", "has_weight_ops", "late_split", "measured_bubble", "predict", "span_rows", "stage_costs"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.parallel.predict import cost_model, measured_bubble, predict, stage_costs
+from benchmarks.parallel.predict import cost_model, late_split, measured_bubble, predict, stage_costs
 from pipeschedule.compiler.spec import compile_spec, parse_spec
 
 # nanotron's engines run the same orders as these of ours: their prediction is that
@@ -59,6 +59,7 @@ def case_row(name: str, m: int, group: str, rounds: list[dict], schedule, link: 
         row["bubble_per_rank"] = [statistics.median(b[k] for b in bubbles) for k in range(schedule.pp)]
         row["bubble"] = statistics.mean(row["bubble_per_rank"])
         row["trace_spans"] = rounds[-1]["spans"]
+        row["late"] = late_split(schedule, cost, rounds[-1]["spans"])
         if rounds[0].get("host"):
             row["host"] = host_pacing(rounds)
             row["trace_host"] = rounds[-1]["host"]
@@ -120,6 +121,23 @@ def host_table(rows: list[dict]) -> list[str]:
                      + "/".join(f"{x * 1e3:.0f}" for x in host["host_wait_s"]) + " | "
                      + " / ".join(f"{ms[op]:.2f}" if op in ms else "-" for op in "FBW") + " |")
     return lines if len(lines) > 2 else []
+
+
+def late_table(rows: list[dict]) -> list[str]:
+    """Per row with its own timeline, where its last measured step differs from the simulated
+    one (`late_split`): per rank, blocks longer (+) or shorter than simulated, and the idle
+    between them longer or shorter."""
+    lines = ["| engine | m | error | blocks vs simulated, ms per rank | gaps between blocks vs simulated, "
+             "ms per rank |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "late" in r:
+            lines.append(f"| `{r['engine']}` | {r['m']} | {_pct(r.get('error'))} | "
+                         + "/".join(f"{x * 1e3:+.0f}" for x in r["late"]["blocks_s"]) + " | "
+                         + "/".join(f"{x * 1e3:+.0f}" for x in r["late"]["gaps_s"]) + " |")
+    if len(lines) == 2:
+        return []
+    return ["Where each step differs from the simulated one (its last measured round; `predict.late_split`): "
+            "longer gaps with matching blocks are waits the simulator does not have.", ""] + lines
 
 
 def compare(rows: list[dict]) -> None:
