@@ -15,8 +15,8 @@ gradient accumulation, AdamW unfused, clip 1.0) on a parameter-heavy Llama (hidd
 14336, a sequence of 32 tokens: activations are small, so the optimizer step sets the peak)
 at pp=2 and dp=2, ZeRO-1 and, for contrast, ZeRO-0; the four ranks share the one GPU over
 gloo with host-staged boundaries ([Note: nanotron over gloo]), so the dp collectives are
-gloo's on CUDA tensors, staged through the host (no GPU memory of their own, where NCCL
-would hold buffers: the planner's `reserve`).
+gloo's on CUDA tensors, staged through the host (no GPU memory of their own but the
+gathered copy above, where NCCL would hold buffers: the planner's `reserve`).
 
 Per rank: the allocator's peak over the whole step (`peak_allocated`, the largest over the
 measured steps), its peak up to the end of the pipeline (`peak_allocated_pipeline`), and the
