@@ -274,6 +274,20 @@ def asdict_cfg(cfg) -> dict:
     return asdict(cfg)
 
 
+def diagnosis(summary: dict) -> list[str]:
+    """The lines after the table of a one-GPU run (this one, `mps_ranks`): where each step
+    differs from the simulated one, and the prediction with the chip shared."""
+    lines = []
+    late = report.late_table(summary["rows"])
+    if late:
+        lines += [""] + late
+    if summary.get("shared_chip"):
+        lines += ["", "With the chip shared ([Note: a shared chip] in benchmarks/parallel/shared_chip.py: the same "
+                  "blocks, each running slower while more ranks compute, as the SM probe measured):", ""]
+        lines += shared_chip.render(summary["shared_chip"], shared_chip.PROBE_SLOPE, "this run").splitlines()[2:]
+    return lines
+
+
 def render(summary: dict) -> str:
     v = summary.get("versions", {})
     link = summary["link"]
@@ -293,13 +307,7 @@ def render(summary: dict) -> str:
                      f" largest gradient difference {check['largest_grad_difference']:.3g} "
                      f"(largest gradient {check['largest_grad']:.3g}).")
     lines += [""] + report.table(summary["rows"]) + report.footer(summary)
-    late = report.late_table(summary["rows"])
-    if late:
-        lines += [""] + late
-    if summary.get("shared_chip"):
-        lines += ["", "With the chip shared ([Note: a shared chip] in benchmarks/parallel/shared_chip.py: the same "
-                  "blocks, each running slower while more ranks compute, as the SM probe measured):", ""]
-        lines += shared_chip.render(summary["shared_chip"], shared_chip.PROBE_SLOPE, "this run").splitlines()[2:]
+    lines += diagnosis(summary)
     host = report.host_table(summary["rows"])
     if host:
         lines += ["", "The host (`--host " + summary.get("host", "one") + "`): when it had enqueued the whole step, "

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from benchmarks.common import rotated, versions
 from benchmarks.parallel import report, shared_chip
 from benchmarks.parallel.gpu_partitions import (MODEL, SMOKE_ENGINES, SMOKE_MODEL, available, case_arguments,
-                                                check_case_arguments, even_split)
+                                                check_case_arguments, diagnosis, even_split)
 from benchmarks.parallel.predict import span_rows
 
 LINK_REPEATS = 20
@@ -291,13 +291,7 @@ def render(summary: dict) -> str:
              f"({link['boundary_bytes'] / 2**20:.0f} MiB) from a rank to the next through the transport: "
              f"{link['latency_s'] * 1e3:.2f} ms.", ""]
     lines += report.table(summary["rows"]) + report.footer(summary)
-    late = report.late_table(summary["rows"])
-    if late:
-        lines += [""] + late
-    if summary.get("shared_chip"):
-        lines += ["", "With the chip shared ([Note: a shared chip] in benchmarks/parallel/shared_chip.py: the same "
-                  "blocks, each running slower while more ranks compute, as the SM probe measured):", ""]
-        lines += shared_chip.render(summary["shared_chip"], shared_chip.PROBE_SLOPE, "this run").splitlines()[2:]
+    lines += diagnosis(summary)
     memory = memory_table(summary["rows"])
     if memory:
         lines += [""] + memory
