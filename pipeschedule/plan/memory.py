@@ -452,16 +452,9 @@ def largest_param(model: ModelSpec, tp: int, layers: int, *, first: bool, last: 
     """Elements of the largest parameter tensor of a stage on one TP rank. nanotron's Llama
     fuses q, k, v into `qkv_proj` and gate, up into `gate_up_proj` (models/llama.py:
     CausalSelfAttention, MLP), both column-parallel; `o_proj` and `down_proj` are
-    row-parallel; the embedding and the LM head hold V*h/t (vocab-parallel, padded)."""
-    d = model.head_dim
-    candidates = [0]
-    if layers:
-        candidates += [(model.heads + 2 * model.kv_heads) * d // tp * model.hidden,
-                       model.heads * d // tp * model.hidden,
-                       2 * model.ffn // tp * model.hidden, model.ffn // tp * model.hidden]
-    if first or last:
-        candidates.append(model.embedding_params(tp))
-    return max(candidates)
+    row-parallel; the embedding and the LM head hold V*h/t (vocab-parallel, padded): the
+    largest of `stage_param_sizes`."""
+    return max(stage_param_sizes(model, layers, first=first, last=last, tp=tp), default=0)
 
 
 def one_grad_bytes(model: ModelSpec, setup: TrainingSetup, layers: int, *, first: bool, last: bool) -> int:
