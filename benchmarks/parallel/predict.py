@@ -14,7 +14,7 @@ import statistics
 from collections import defaultdict
 
 from pipeschedule.compiler.ir import Op, Schedule
-from pipeschedule.simulate import CostModel, simulate
+from pipeschedule.simulate import CostModel, SimResult, simulate
 
 SpanRow = tuple[str, int, int, float, float]  # (op, stage, mb, start s, end s), as the rank workers write them
 
@@ -47,20 +47,24 @@ def cost_model(costs: dict[str, list[float]], *, boundary_bytes: float, latency_
 
 def predict(schedule: Schedule, cost: CostModel) -> dict:
     """The simulated step of `schedule` under `cost`: seconds, bubble fraction, per-rank busy."""
-    result = simulate(schedule, cost)
+    return summary(simulate(schedule, cost))
+
+
+def summary(result: SimResult) -> dict:
+    """`predict`'s figures of a simulation already run."""
     return {"step_s": float(result.step_time), "bubble": float(result.bubble_fraction),
             "busy_s": [float(b) for b in result.busy], "peak_inflight": list(result.peak_inflight)}
 
 
-def late_split(schedule: Schedule, cost: CostModel, spans_per_rank: list[list[SpanRow]]) -> dict:
-    """Where a measured step differs from the simulated one, per rank: "blocks_s", the sum
+def late_split(result: SimResult, spans_per_rank: list[list[SpanRow]]) -> dict:
+    """Where a measured step differs from the simulated one (`result`), per rank: "blocks_s", the sum
     over its F, B and W of (measured duration - simulated duration), and "gaps_s", the sum
     of (measured idle before the block - simulated idle before it), each block's idle
     counted from the end of the rank's previous block (the first's from the step's start).
     Longer gaps with matching blocks are waits the simulator does not have (messages,
     the host); longer blocks are compute that ran slower than its median."""
     simulated = {(ev.rank, ev.instr.op.value, ev.instr.stage, ev.instr.mb): (ev.start, ev.end)
-                 for ev in simulate(schedule, cost).events if ev.instr.op in (Op.F, Op.B, Op.W)}
+                 for ev in result.events if ev.instr.op in (Op.F, Op.B, Op.W)}
     blocks, gaps = [], []
     for rank, spans in enumerate(spans_per_rank):
         block = gap = previous = previous_simulated = 0.0
@@ -88,4 +92,5 @@ def has_weight_ops(schedule: Schedule) -> bool:
     return any(instr.op is Op.W for program in schedule.programs for instr in program)
 
 
-__all__ = ["cost_model", "has_weight_ops", "late_split", "measured_bubble", "predict", "span_rows", "stage_costs"]
+__all__ = ["cost_model", "has_weight_ops", "late_split", "measured_bubble", "predict", "span_rows", "stage_costs",
+           "summary"]

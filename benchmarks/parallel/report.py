@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.parallel.predict import cost_model, late_split, measured_bubble, predict, stage_costs
+from benchmarks.parallel.predict import cost_model, late_split, measured_bubble, stage_costs, summary
+from pipeschedule.simulate import simulate
 from pipeschedule.compiler.spec import compile_spec, parse_spec
 
 # nanotron's engines run the same orders as these of ours: their prediction is that
@@ -53,13 +54,14 @@ def case_row(name: str, m: int, group: str, rounds: list[dict], schedule, link: 
     costs = stage_costs([r["spans"] for r in timed], schedule.num_stages)
     cost = cost_model(costs, boundary_bytes=link["boundary_bytes"], latency_s=link["latency_s"],
                       bandwidth=link["bandwidth"])
-    row.update(stage_costs=costs, predicted=predict(schedule, cost))
+    simulated = simulate(schedule, cost)
+    row.update(stage_costs=costs, predicted=summary(simulated))
     if own:
         bubbles = [measured_bubble(r.get("pipeline_s", r["seconds"]), r["spans"]) for r in rounds]
         row["bubble_per_rank"] = [statistics.median(b[k] for b in bubbles) for k in range(schedule.pp)]
         row["bubble"] = statistics.mean(row["bubble_per_rank"])
         row["trace_spans"] = rounds[-1]["spans"]
-        row["late"] = late_split(schedule, cost, rounds[-1]["spans"])
+        row["late"] = late_split(simulated, rounds[-1]["spans"])
         if rounds[0].get("host"):
             row["host"] = host_pacing(rounds)
             row["trace_host"] = rounds[-1]["host"]

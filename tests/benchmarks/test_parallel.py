@@ -156,15 +156,15 @@ def test_late_split_puts_a_wait_in_the_gaps_and_a_slow_block_in_the_blocks():
     schedule = compile_schedule("zb_h1", pp=3, microbatches=4)
     cost = cost_model({"forward": [1.0] * 3, "backward": [1.5] * 3, "weight": [0.5] * 3}, boundary_bytes=8,
                       latency_s=0.25, bandwidth=math.inf)
-    spans = [[] for _ in range(3)]
-    for ev in simulate(schedule, cost).events:
+    spans, simulated = [[] for _ in range(3)], simulate(schedule, cost)
+    for ev in simulated.events:
         if ev.instr.op in (Op.F, Op.B, Op.W):
             spans[ev.rank].append((ev.instr.op.value, ev.instr.stage, ev.instr.mb, ev.start, ev.end))
-    assert late_split(schedule, cost, spans) == {"blocks_s": [0.0] * 3, "gaps_s": [0.0] * 3}  # the simulated step
+    assert late_split(simulated, spans) == {"blocks_s": [0.0] * 3, "gaps_s": [0.0] * 3}  # the simulated step
     # rank 1 waits 0.5 more before its third block (everything after moves); rank 0's second block runs 0.25 longer
     spans[1] = [(o, s, mb, a + 0.5 * (k >= 2), b + 0.5 * (k >= 2)) for k, (o, s, mb, a, b) in enumerate(spans[1])]
     spans[0] = [(o, s, mb, a + 0.25 * (k >= 2), b + 0.25 * (k >= 1)) for k, (o, s, mb, a, b) in enumerate(spans[0])]
-    late = late_split(schedule, cost, spans)
+    late = late_split(simulated, spans)
     assert late["blocks_s"] == pytest.approx([0.25, 0.0, 0.0]) and late["gaps_s"] == pytest.approx([0.0, 0.5, 0.0])
     rows = [{"engine": "zb_h1", "m": 4, "error": 0.1, "late": late}, {"engine": "1f1b", "m": 4}]
     assert report.late_table(rows)[-1] == "| `zb_h1` | 4 | +10.0% | +250/+0/+0 | +0/+500/+0 |"
