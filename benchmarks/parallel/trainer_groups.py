@@ -9,11 +9,18 @@ time (four ranks time-sharing one GPU fill each other's bubbles): pp processes s
 torchrun, each pinned to its own physical cores (`os.sched_setaffinity`, as many compute
 threads as it has CPUs), gloo between them, nanotron's `DistributedTrainer` built from a
 YAML ([Note: nanotron over gloo]). The model's layout depends on the engine (interleaved
-and V shapes place blocks otherwise), so the engines run in layout groups, one torchrun
-per group; inside a group every engine runs on the same trainer, swapped between steps
-(`trainer.pipeline_engine`), m swapped with it, in rounds whose order rotates. The round-
-robin group runs first and its two 1F1B engines again last, which says how far the
-machine drifted between the groups' launches (their ratios are not paired).
+and V shapes place blocks otherwise), so the engines fall into layout groups, and each rank
+builds one trainer per group, all in one torchrun ([Note: one launch]); every engine runs
+on its group's trainer, swapped between steps (`trainer.pipeline_engine`), m swapped with
+it, in rounds whose order rotates over every engine of every group, so every ratio is
+paired by round.
+
+[Note: one launch] These CPUs drift by up to 10% within minutes (measured 2026-12-07: our
+1F1B 1.521 s in the first launch, 1.676 s in the last), which is as large as the gains to
+be measured. A torchrun per layout, one after another, compared interleaved v=2 (another
+layout) with our 1F1B across that drift: 85% of its predicted gain in one run, 53% in the
+next. Several trainers in one process cost only their memory (nanotron's `ParallelContext`
+makes new process groups each time), and a round then holds every engine within seconds.
 
 Every step is nanotron's `training_step` (the engine, gradient sync, clipping, AdamW) on
 the same m microbatches with learning rate 0, so every engine's loss at a given m must be
@@ -38,7 +45,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import RESULTS, rotated, torchrun, torchrun_failure, versions, write_results
+from benchmarks.common import RESULTS, rotated, torchrun, torchrun_failure, versions
 from benchmarks.parallel import pinning, report
 from pipeschedule.runtime.launch import leave
 
@@ -89,8 +96,10 @@ def config_text(engines: list[str], args, checkpoints: str) -> str:
 
 # -- inside each torchrun rank -------------------------------------------------------------
 
-def _rank_main(config_path: str, out_path: str, engines: list[str], microbatches: list[int], warmup: int,
-               rounds: int) -> None:
+def _rank_main(spec_path: str, out_path: str) -> None:
+    """One rank: a trainer per layout group of `spec_path`'s, every engine of every group
+    stepped in rotating rounds; the rows (all ranks') written to `out_path` after each round."""
+    spec = json.loads(Path(spec_path).read_text())
     groups = pinning.parse_spec(os.environ.get(GROUPS_ENV, ""))
     local = int(os.environ["LOCAL_RANK"])
     if groups:
@@ -101,32 +110,34 @@ def _rank_main(config_path: str, out_path: str, engines: list[str], microbatches
         torch.set_num_threads(len(groups[local]))
     from integration.nanotron import train  # (first: repairs nanotron 0.4's import, installs the patches)
     from nanotron import distributed as dist
-    from nanotron.dataloader import sanity_check_dataloader
 
     train.prepare("auto")
-    trainer = train.make_trainer(config_path, stash_meter=False)
-    trainer.pipeline_engine = trainer.config.parallelism.pp_engine
-    _freeze(trainer)
-    stream = sanity_check_dataloader(train.synthetic_batches(trainer), trainer.parallel_context, trainer.config)
-    batches = [next(stream) for _ in range(max(microbatches))]
-    world, pp_pg = trainer.parallel_context.world_pg, trainer.parallel_context.pp_pg
-    step = _Stepper(trainer, batches, world)
-    cases = [(name, m) for m in microbatches for name in engines]
-    objects = {case: _engine(case[0]) for case in cases}
-    rows = []
-    link = _link(pp_pg, trainer.config, torch)
-    for round_index in range(warmup + rounds):
-        for name, m in rotated(cases, round_index):
-            row = step(objects[name, m], m)
-            if round_index >= warmup:
-                rows.append({"engine": name, "m": m, "round": round_index - warmup, **row})
+    microbatches = spec["microbatches"]
+    steppers, cases = [], []
+    for layout in spec["layouts"]:  # [Note: one launch]
+        steppers.append(_Stepper.build(train, layout["config"], max(microbatches)))
+        cases += [(len(steppers) - 1, name, m) for m in microbatches for name in layout["engines"]]
+    objects = {case: _engine(case[1]) for case in cases}
+    world = steppers[0].world
+    link = _link(steppers[0].trainer.parallel_context.pp_pg, steppers[0].trainer.config, torch)
+    rows, started = [], time.perf_counter()
+    for round_index in range(spec["warmup"] + spec["rounds"]):
+        for case in rotated(cases, round_index):
+            layout, name, m = case
+            row = steppers[layout](objects[case], m)
+            if round_index >= spec["warmup"]:
+                rows.append({"engine": name, "m": m, "layout": layout, "round": round_index - spec["warmup"], **row})
         gathered = [None] * dist.get_world_size(world)
-        dist.all_gather_object(gathered, rows, group=world)
+        dist.all_gather_object(gathered, (rows, time.perf_counter() - started), group=world)
         if dist.get_rank(world) == 0:
             partial = Path(out_path).with_suffix(".partial")
-            partial.write_text(json.dumps({"ranks": gathered, "link": link, "cores": groups,
-                                           "threads": torch.get_num_threads()}))
+            partial.write_text(json.dumps({"ranks": [g[0] for g in gathered], "link": link, "cores": groups,
+                                           "threads": torch.get_num_threads(), "rounds_run": len(rows) and
+                                           round_index + 1 - spec["warmup"]}))
             partial.replace(out_path)
+        elapsed = gathered[0][1]  # rank 0's clock decides for every rank
+        if rows and spec["budget_s"] and elapsed * (round_index + 2) / (round_index + 1) > spec["budget_s"]:
+            break  # another round would overrun: stop with whole rounds
 
 
 def _freeze(trainer) -> None:
@@ -157,6 +168,18 @@ class _Stepper:
 
     def __init__(self, trainer, batches, world):
         self.trainer, self.batches, self.world = trainer, batches, world
+
+    @classmethod
+    def build(cls, train, config_path: str, microbatches: int) -> _Stepper:
+        """nanotron's trainer from the YAML at `config_path`, frozen, with its first
+        `microbatches` batches."""
+        from nanotron.dataloader import sanity_check_dataloader
+
+        trainer = train.make_trainer(config_path, stash_meter=False)
+        trainer.pipeline_engine = trainer.config.parallelism.pp_engine
+        _freeze(trainer)
+        stream = sanity_check_dataloader(train.synthetic_batches(trainer), trainer.parallel_context, trainer.config)
+        return cls(trainer, [next(stream) for _ in range(microbatches)], trainer.parallel_context.world_pg)
 
     def __call__(self, engine, m: int) -> dict:
         import torch
@@ -260,54 +283,61 @@ def merge_ranks(run: dict) -> dict[tuple[str, int], list[dict]]:
     return out
 
 
-def summarise(runs: list[dict], args, groups) -> dict:
-    """Every (engine, m) of every group, compared; the drift of the repeated references."""
-    rows, drift = [], None
-    for run in runs:
-        cases = merge_ranks(run)
-        if run["label"] == "again":
-            first = next(r for r in rows if r["engine"] in run["engines"])
-            again = statistics.median(r["seconds"] for r in cases[first["engine"], first["m"]])
-            drift = {"engine": first["engine"], "m": first["m"], "first_s": first["median_s"], "last_s": again}
-            continue
-        for (name, m), rounds in cases.items():
-            same = cases.get((report.SAME_ORDER.get(name), m))
-            rows.append(report.case_row(name, m, run["label"], rounds, report.schedule_of(name, args.pp, m),
-                                        run["link"], same))
+def summarise(run: dict, args, groups) -> dict:
+    """Every (engine, m) of the launch, compared (every pair by round: one launch)."""
+    cases, rows = merge_ranks(run), []
+    for (name, m), rounds in cases.items():
+        same = cases.get((report.SAME_ORDER.get(name), m))
+        rows.append(report.case_row(name, m, "launch", rounds, report.schedule_of(name, args.pp, m),
+                                    run["link"], same))
     report.compare(rows)
-    return {"pp": args.pp, "microbatches": args.microbatches, "rounds": args.rounds, "warmup": args.warmup,
+    return {"pp": args.pp, "microbatches": args.microbatches, "rounds": run["rounds_run"], "warmup": args.warmup,
             "model": SMOKE_MODEL if args.smoke else MODEL, "cores": [list(g) for g in groups],
-            "links": {run["label"]: run["link"] for run in runs}, "rows": rows, "drift": drift,
-            "losses_equal": report.losses_equal(rows, "1f1b")}
+            "layouts": run["layouts"], "links": {"launch": run["link"]}, "rows": rows,
+            "incomplete": run.get("incomplete"), "losses_equal": report.losses_equal(rows, "1f1b")}
 
 
 def render(summary: dict) -> str:
     v = summary.get("versions", {})
     links = "; ".join(f"{k}: latency {lk['latency_s'] * 1e6:.0f} us, {lk['bandwidth'] / 1e9:.2f} GB/s"
                       for k, lk in summary["links"].items())
+    layouts = "; ".join(", ".join(f"`{e}`" for e in group) for group in summary["layouts"])
     lines = [f"# Pipeline schedules on pinned CPU groups: nanotron's trainer, pp={summary['pp']} ({v.get('date', '')})",
              "", f"`python -m benchmarks.parallel.trainer_groups --pp {summary['pp']}`. Versions: "
              + ", ".join(f"{k} {val}" for k, val in v.items()), "",
              f"Cores per rank: {summary['cores']}. Model (nanotron's Llama, float32, micro-batch 1): "
-             f"{summary['model']}. "
-             f"{summary['warmup']} warm-up round(s), {summary['rounds']} measured; every step nanotron's "
-             f"`training_step` at learning rate 0 on the same data. Link (gloo, pipeline rank 0 <-> 1): {links}.", ""]
+             f"{summary['model']}. One launch, a trainer per layout group ({layouts}); "
+             f"{summary['warmup']} warm-up round(s), {summary['rounds']} measured, each round every engine in a "
+             f"rotating order, so every ratio is paired by round; every step nanotron's `training_step` at learning "
+             f"rate 0 on the same data. Link (gloo, pipeline rank 0 <-> 1): {links}.", ""]
+    if summary.get("incomplete"):
+        lines += [f"Incomplete: {summary['incomplete']}", ""]
     return "\n".join(lines + report.table(summary["rows"]) + report.footer(summary)) + "\n"
 
 
-def run_group(engines: list[str], args, work: Path, label: str) -> dict:
-    """One torchrun of the group's engines; the ranks' rows, the link and the cores."""
-    config = work / f"{label}.yaml"
-    config.write_text(config_text(engines, args, str(work / f"checkpoints-{label}")))
-    out = work / f"{label}.json"
-    command = ["-m", "benchmarks.parallel.trainer_groups", "--rank-main", str(config), str(out), ",".join(engines),
-               ",".join(map(str, args.microbatches)), str(args.warmup), str(args.rounds)]
+def run_launch(layouts: list[list[str]], args, work: Path) -> dict:
+    """One torchrun: a trainer per layout group on every rank; the ranks' rows, the link and
+    the cores. A launch that fails after a measured round keeps its rounds, marked incomplete."""
+    spec = {"layouts": [], "microbatches": args.microbatches, "warmup": args.warmup, "rounds": args.rounds,
+            "budget_s": args.budget}
+    for k, engines in enumerate(layouts):
+        config = work / f"group{k}.yaml"
+        config.write_text(config_text(engines, args, str(work / f"checkpoints-{k}")))
+        spec["layouts"].append({"config": str(config), "engines": engines})
+    (work / "spec.json").write_text(json.dumps(spec))
+    out = work / "rows.json" if args.smoke else args.out / f"parallel_trainer_groups_pp{args.pp}.partial.json"
+    out.parent.mkdir(parents=True, exist_ok=True)  # (not under work: what has run stays if the parent is killed)
     started = time.perf_counter()
-    result = torchrun(args.pp, command, timeout=args.timeout)
-    if result.returncode != 0:
-        raise RuntimeError(torchrun_failure(f"group {label} ({', '.join(engines)})", result))
+    result = torchrun(args.pp, ["-m", "benchmarks.parallel.trainer_groups", "--rank-main", str(work / "spec.json"),
+                                str(out)], timeout=args.timeout)
+    failure = None if result.returncode == 0 else torchrun_failure("the launch", result)
+    if failure and not out.exists():
+        raise RuntimeError(failure)
     saved = json.loads(out.read_text())
-    saved.update(engines=engines, label=label, wall_s=time.perf_counter() - started)
+    if failure:
+        print(failure, file=sys.stderr)
+        saved["incomplete"] = failure.splitlines()[0] + f" after {saved['rounds_run']} measured round(s)"
+    saved.update(layouts=layouts, wall_s=time.perf_counter() - started)
     return saved
 
 
@@ -315,7 +345,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.parallel.trainer_groups",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks, each on its own cores (default 4)")
-    parser.add_argument("--microbatches", type=lambda t: [int(x) for x in t.split(",")], default=[8, 32],
+    parser.add_argument("--microbatches", type=_counts, default=[8, 32],
                         help="microbatch counts, comma-separated (default 8,32)")
     parser.add_argument("--engines", type=lambda t: t.split(";"), default=None,
                         help="pp_engine values separated by ';' (default: every family this tree has)")
@@ -323,19 +353,28 @@ def main(argv=None) -> int:
                         help="physical cores per rank (default: an equal share)")
     parser.add_argument("--no-pin", action="store_true",
                         help="leave the ranks unpinned (to try the plumbing where cores are few)")
-    parser.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
-    parser.add_argument("--rounds", type=int, default=2, help="measured rounds (default 2)")
-    parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per torchrun (default 1500)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, three engines, m=4; writes nothing")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="unmeasured rounds first (default 1, the least: a first step builds our executor, "
+                             "which then keeps the timeline)")
+    parser.add_argument("--rounds", type=int, default=None, help="measured rounds at most (default 2; --smoke 1)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds of stepping after which no further round starts (default: no limit; "
+                             "at least one measured round runs)")
+    parser.add_argument("--timeout", type=float, default=3000.0, help="seconds for the launch (default 3000)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, three engines, m=4: writes nothing")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go (default benchmarks/results)")
-    parser.add_argument("--rank-main", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-main", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_main:
-        config, out, engines, ms, warmup, rounds = args.rank_main
-        _rank_main(config, out, engines.split(","), [int(x) for x in ms.split(",")], int(warmup), int(rounds))
+        _rank_main(*args.rank_main)
         leave(0)
     if args.smoke:
-        args.engines, args.microbatches, args.rounds = list(SMOKE_ENGINES), [4], 1
+        args.engines, args.microbatches = list(SMOKE_ENGINES), [4]
+    if args.rounds is None:
+        args.rounds = 1 if args.smoke else 2
+    for name, value, least in (("--pp", args.pp, 2), ("--warmup", args.warmup, 1), ("--rounds", args.rounds, 1)):
+        if value < least:
+            parser.error(f"{name} {value}: accepted {least} or more")
     engines = available_engines(args.engines or ENGINES + LATER_FAMILIES)
     groups = []
     if not args.no_pin:
@@ -346,25 +385,29 @@ def main(argv=None) -> int:
             return 2
     os.environ[GROUPS_ENV] = pinning.spec(groups)
     layouts = layout_groups(engines, args.pp)
-    runs = []
     with tempfile.TemporaryDirectory(prefix="trainer-groups-") as tmp:
-        for k, group in enumerate(layouts):
-            runs.append(run_group(group, args, Path(tmp), f"group{k}"))
-            print(f"group {k}: {', '.join(group)} done in {runs[-1]['wall_s']:.0f} s", flush=True)
-            if not args.smoke:  # what has run stays if a later group does not finish
-                args.out.mkdir(parents=True, exist_ok=True)
-                (args.out / f"parallel_trainer_groups_pp{args.pp}.partial.json").write_text(json.dumps(runs))
-        references = [name for name in ("1f1b", "ps_1f1b") if name in layouts[0]]
-        if references and len(layouts) > 1:  # the machine's drift between the first and the last launch
-            runs.append(run_group(references, args, Path(tmp), "again"))
-    summary = summarise(runs, args, groups)
+        run = run_launch(layouts, args, Path(tmp))
+    print(f"one launch, {len(layouts)} layout group(s), {run['rounds_run']} measured round(s), "
+          f"{run['wall_s']:.0f} s", flush=True)
+    summary = summarise(run, args, groups)
     summary["versions"] = versions()
     markdown = render(summary)
     if not args.smoke:
-        report.write_traces(summary, args.out / f"parallel_trainer_groups_pp{args.pp}_traces")
-        write_results(f"parallel_trainer_groups_pp{args.pp}", summary, markdown, args.out)
+        report.write(f"parallel_trainer_groups_pp{args.pp}", summary, markdown, args.out)
+        (args.out / f"parallel_trainer_groups_pp{args.pp}.partial.json").unlink()
     print(markdown)
     return 0
+
+
+def _counts(text: str) -> list[int]:
+    """'8,32' -> [8, 32]; a clear error for anything but positive integers."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: accepted positive integers separated by commas, e.g. 8,32")
+    return counts
 
 
 if __name__ == "__main__":

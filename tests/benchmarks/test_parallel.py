@@ -169,3 +169,34 @@ def test_late_split_puts_a_wait_in_the_gaps_and_a_slow_block_in_the_blocks():
     rows = [{"engine": "zb_h1", "m": 4, "error": 0.1, "late": late}, {"engine": "1f1b", "m": 4}]
     assert report.late_table(rows)[-1] == "| `zb_h1` | 4 | +10.0% | +250/+0/+0 | +0/+500/+0 |"
     assert report.late_table(rows[1:]) == []
+
+
+@pytest.mark.spawn
+def test_trainer_groups_pairs_every_layout_in_one_launch_and_stops_at_its_budget(capsys):
+    """Two layouts (1F1B's and interleaved v=2's) in one torchrun: every ratio paired by
+    round ([Note: one launch]); a budget already spent after the first measured round stops
+    the launch with that round, of the three asked for."""
+    from benchmarks.parallel import trainer_groups
+
+    assert trainer_groups.main(["--smoke", "--pp", "2", "--no-pin", "--rounds", "3", "--budget", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "2 layout group(s), 1 measured round(s)" in out
+    rows = [line for line in out.splitlines() if line.startswith("| `")]
+    assert [line.split("`")[1] for line in rows] and {line.split("`")[1] for line in rows} == set(
+        trainer_groups.SMOKE_ENGINES)
+    interleaved = next(line for line in rows if "interleaved" in line)
+    assert "unpaired" not in out and interleaved.split("|")[7].strip()  # its ratio to ps_1f1b, paired
+    assert "every engine bitwise equal" in out
+
+
+@pytest.mark.parametrize("flags, named", [(["--microbatches", "0"], "'0': accepted positive integers"),
+                                          (["--microbatches", "8,x"], "'8,x': accepted positive integers"),
+                                          (["--pp", "1"], "--pp 1: accepted 2 or more"),
+                                          (["--rounds", "0"], "--rounds 0: accepted 1 or more"),
+                                          (["--warmup", "0"], "--warmup 0: accepted 1 or more")])
+def test_trainer_groups_names_a_bad_argument(capsys, flags, named):
+    from benchmarks.parallel import trainer_groups
+
+    with pytest.raises(SystemExit) as exit_:
+        trainer_groups.main(flags)
+    assert exit_.value.code == 2 and named in capsys.readouterr().err
