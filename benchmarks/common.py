@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -121,13 +120,11 @@ def versions(commit: str | None = None) -> dict:
 
 
 def torchrun(nproc: int, args: list[str], *, timeout: float) -> subprocess.CompletedProcess:
-    """`python -m torch.distributed.run --nproc-per-node nproc` on a free local port with
-    `args` (e.g. `["-m", "module", ...]`), unbuffered; the finished process, output captured."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(port), *args]
+    """`python -m torch.distributed.run --standalone --nproc-per-node nproc` with `args`
+    (e.g. `["-m", "module", ...]`), unbuffered; the finished process, output captured.
+    `--standalone`: the rendezvous binds a free local port itself (a port probed here and
+    passed on could be taken by another launch before torchrun binds it)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
