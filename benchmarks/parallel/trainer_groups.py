@@ -106,8 +106,8 @@ def _rank_main(spec_path: str, out_path: str) -> None:
         pinning.pin(groups[local])
     import torch
 
-    if groups:
-        torch.set_num_threads(len(groups[local]))
+    if groups or spec["threads"]:
+        torch.set_num_threads(spec["threads"] or len(groups[local]))
     from integration.nanotron import train  # (first: repairs nanotron 0.4's import, installs the patches)
     from nanotron import distributed as dist
 
@@ -293,7 +293,7 @@ def summarise(run: dict, args, groups) -> dict:
     report.compare(rows)
     return {"pp": args.pp, "microbatches": args.microbatches, "rounds": run["rounds_run"], "warmup": args.warmup,
             "model": SMOKE_MODEL if args.smoke else MODEL, "cores": [list(g) for g in groups],
-            "layouts": run["layouts"], "links": {"launch": run["link"]}, "rows": rows,
+            "threads": run["threads"], "layouts": run["layouts"], "links": {"launch": run["link"]}, "rows": rows,
             "incomplete": run.get("incomplete"), "losses_equal": report.losses_equal(rows, "1f1b")}
 
 
@@ -305,7 +305,8 @@ def render(summary: dict) -> str:
     lines = [f"# Pipeline schedules on pinned CPU groups: nanotron's trainer, pp={summary['pp']} ({v.get('date', '')})",
              "", f"`python -m benchmarks.parallel.trainer_groups --pp {summary['pp']}`. Versions: "
              + ", ".join(f"{k} {val}" for k, val in v.items()), "",
-             f"Cores per rank: {summary['cores']}. Model (nanotron's Llama, float32, micro-batch 1): "
+             f"Cores per rank: {summary['cores']}, {summary['threads']} compute threads a rank. "
+             f"Model (nanotron's Llama, float32, micro-batch 1): "
              f"{summary['model']}. One launch, a trainer per layout group ({layouts}); "
              f"{summary['warmup']} warm-up round(s), {summary['rounds']} measured, each round every engine in a "
              f"rotating order, so every ratio is paired by round; every step nanotron's `training_step` at learning "
@@ -319,7 +320,7 @@ def run_launch(layouts: list[list[str]], args, work: Path) -> dict:
     """One torchrun: a trainer per layout group on every rank; the ranks' rows, the link and
     the cores. A launch that fails after a measured round keeps its rounds, marked incomplete."""
     spec = {"layouts": [], "microbatches": args.microbatches, "warmup": args.warmup, "rounds": args.rounds,
-            "budget_s": args.budget}
+            "budget_s": args.budget, "threads": args.threads}
     for k, engines in enumerate(layouts):
         config = work / f"group{k}.yaml"
         config.write_text(config_text(engines, args, str(work / f"checkpoints-{k}")))
@@ -351,6 +352,9 @@ def main(argv=None) -> int:
                         help="pp_engine values separated by ';' (default: every family this tree has)")
     parser.add_argument("--cores-per-rank", type=int, default=None,
                         help="physical cores per rank (default: an equal share)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="compute threads per rank (default: one a core of its group); fewer leave its "
+                             "communication threads a core")
     parser.add_argument("--no-pin", action="store_true",
                         help="leave the ranks unpinned (to try the plumbing where cores are few)")
     parser.add_argument("--warmup", type=int, default=1,
@@ -372,7 +376,8 @@ def main(argv=None) -> int:
         args.engines, args.microbatches = list(SMOKE_ENGINES), [4]
     if args.rounds is None:
         args.rounds = 1 if args.smoke else 2
-    for name, value, least in (("--pp", args.pp, 2), ("--warmup", args.warmup, 1), ("--rounds", args.rounds, 1)):
+    for name, value, least in (("--pp", args.pp, 2), ("--warmup", args.warmup, 1), ("--rounds", args.rounds, 1),
+                                ("--threads", 1 if args.threads is None else args.threads, 1)):
         if value < least:
             parser.error(f"{name} {value}: accepted {least} or more")
     engines = available_engines(args.engines or ENGINES + LATER_FAMILIES)

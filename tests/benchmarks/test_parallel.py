@@ -178,9 +178,10 @@ def test_trainer_groups_pairs_every_layout_in_one_launch_and_stops_at_its_budget
     the launch with that round, of the three asked for."""
     from benchmarks.parallel import trainer_groups
 
-    assert trainer_groups.main(["--smoke", "--pp", "2", "--no-pin", "--rounds", "3", "--budget", "0.001"]) == 0
+    assert trainer_groups.main(["--smoke", "--pp", "2", "--no-pin", "--rounds", "3", "--budget", "0.001",
+                                "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "2 layout group(s), 1 measured round(s)" in out
+    assert "2 layout group(s), 1 measured round(s)" in out and "1 compute threads a rank" in out
     rows = [line for line in out.splitlines() if line.startswith("| `")]
     assert [line.split("`")[1] for line in rows] and {line.split("`")[1] for line in rows} == set(
         trainer_groups.SMOKE_ENGINES)
@@ -193,7 +194,8 @@ def test_trainer_groups_pairs_every_layout_in_one_launch_and_stops_at_its_budget
                                           (["--microbatches", "8,x"], "'8,x': accepted positive integers"),
                                           (["--pp", "1"], "--pp 1: accepted 2 or more"),
                                           (["--rounds", "0"], "--rounds 0: accepted 1 or more"),
-                                          (["--warmup", "0"], "--warmup 0: accepted 1 or more")])
+                                          (["--warmup", "0"], "--warmup 0: accepted 1 or more"),
+                                          (["--threads", "0"], "--threads 0: accepted 1 or more")])
 def test_trainer_groups_names_a_bad_argument(capsys, flags, named):
     from benchmarks.parallel import trainer_groups
 
