@@ -144,7 +144,8 @@ def late_table(rows: list[dict]) -> list[str]:
 
 def compare(rows: list[dict]) -> None:
     """Each row against our 1F1B and nanotron's at its m: measured and predicted ratios
-    (paired by round where both ran in one group) and the share of the predicted gain realised."""
+    (paired by round where both ran in one group: the median of the rounds' ratios, and from
+    four rounds on their quartiles) and the share of the predicted gain realised."""
     by = {(r["engine"], r["m"]): r for r in rows}
     for row in rows:
         for ref_name in (REFERENCE, "1f1b"):
@@ -152,9 +153,12 @@ def compare(rows: list[dict]) -> None:
             if ref is None or ref is row:
                 continue
             same = ref["group"] == row["group"]
-            measured = (statistics.median(a / b for a, b in zip(row["seconds"], ref["seconds"])) if same
-                        else row["median_s"] / ref["median_s"])
+            ratios = [a / b for a, b in zip(row["seconds"], ref["seconds"])] if same else []
+            measured = statistics.median(ratios) if same else row["median_s"] / ref["median_s"]
             entry = {"measured": measured, "paired": same}
+            if len(ratios) >= 4:  # how far the rounds' ratios spread: the measured ratio's uncertainty
+                quartiles = statistics.quantiles(ratios, n=4, method="inclusive")
+                entry["quartiles"] = [quartiles[0], quartiles[2]]
             if "predicted" in row and "predicted" in ref:
                 predicted = row["predicted"]["step_s"] / ref["predicted"]["step_s"]
                 entry["predicted"] = predicted
@@ -207,6 +211,8 @@ def _vs(entry: dict) -> str:
     if not entry:
         return ""
     text = f"{entry['measured']:.3f}"
+    if "quartiles" in entry:
+        text += " [{:.3f}-{:.3f}]".format(*entry["quartiles"])
     if "predicted" in entry:
         realised = entry.get("realised")
         text += f" ({entry['predicted']:.3f}" + ("" if realised is None else f", {realised:.0%}") + ")"
@@ -224,7 +230,8 @@ def _row_line(r: dict) -> str:
 
 
 TABLE_HEAD = ["| engine | m | measured (whole step) | predicted | error | bubble measured (predicted) | vs ps_1f1b "
-              "measured (predicted, share of the predicted gain realised) | vs nanotron 1f1b | "
+              "measured [quartiles of the paired rounds' ratios] (predicted, share of the predicted gain "
+              "realised) | vs nanotron 1f1b | "
               "peak live MiB per rank (ledger) |",
               "|---|---|---|---|---|---|---|---|---|"]
 

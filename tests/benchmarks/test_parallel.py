@@ -82,6 +82,16 @@ def test_compare_pairs_rounds_in_one_group_and_says_how_much_gain_was_realised()
     assert zb["paired"] and zb["measured"] == pytest.approx((0.9 + 0.85) / 2)
     assert zb["predicted"] == pytest.approx(0.8) and zb["realised"] == pytest.approx((1 - 0.875) / 0.2)
     assert not inter["paired"] and inter["measured"] == pytest.approx(9.5 / 12.0)
+    assert "quartiles" not in zb and "quartiles" not in inter  # two rounds, and unpaired: none
+
+
+def test_compare_gives_the_quartiles_of_four_or_more_paired_rounds():
+    rows = [_row("ps_1f1b", 8, "a", [10.0] * 5, predicted=10.0),
+            _row("zb_h1", 8, "a", [8.0, 9.0, 10.0, 11.0, 12.0], predicted=8.0)]
+    report.compare(rows)
+    entry = rows[1]["vs_ps_1f1b"]
+    assert entry["measured"] == pytest.approx(1.0) and entry["quartiles"] == pytest.approx([0.9, 1.1])
+    assert report._vs(entry) == "1.000 [0.900-1.100] (0.800, 0%)"  # noqa: SLF001  (the table cell)
 
 
 def test_loss_check_names_an_engine_whose_loss_differs():
