@@ -247,23 +247,43 @@ def background_send_worker(rank: int, world: int, store, delay: float, staged: b
 
 
 def staged_send_on_a_busy_stream_worker(rank: int, world: int, store) -> dict:
-    """On one GPU: rank 0 keeps its stream busy for about a second (`torch.cuda._sleep`),
-    then posts a send of a tensor written after the sleep on a HostStagedTransport; rank 1
-    receives it. Returns how long rank 0's post held its host, and what rank 1 got
-    ([Note: staged sends leave the host free])."""
+    """On one GPU: rank 0 queues about a second of matmuls, then posts a send of a tensor
+    written after them on a HostStagedTransport; rank 1 receives it. Returns how long rank
+    0's post held its host, whether the stream was still busy when it returned, and when
+    (seconds after the post began) the stream drained and the send completed; rank 1, what
+    it got ([Note: staged sends leave the host free]). The premise is checked, not assumed:
+    on an H100 with both ranks' processes on the GPU, after `torch.cuda._sleep(2e9)` (1.01 s
+    in a process alone) the send had completed 5 ms after the post began, so that spin had
+    not kept the stream busy (why is not established; one suspect is clock64 read on
+    another SM after the time-sliced spin resumed)."""
     torch.cuda.set_device(0)
     transport = HostStagedTransport(store, prefix="busy-stream/")
     if rank == 0:
         value = torch.zeros(1 << 20, device="cuda")
-        torch.cuda._sleep(2_000_000_000)  # about a second of device time: the stream is busy
-        value.add_(3.0)  # written only once the sleep has run
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(2):  # (the first includes cuBLAS's start)
+            torch.mm(a, a)
+        torch.cuda.synchronize()
+        once = time.monotonic()
+        torch.mm(a, a)
+        torch.cuda.synchronize()
+        for _ in range(int(1.0 / max(time.monotonic() - once, 1e-4))):
+            torch.mm(a, a)
+        value.add_(3.0)  # written only once the matmuls have run
+        ended = torch.cuda.Event()
+        ended.record()
         start = time.monotonic()
         transport.post([P2P(True, 1, value)])
         held = time.monotonic() - start
+        busy_after_post = not ended.query()
+        while not ended.query():
+            time.sleep(1e-3)
+        drained = time.monotonic() - start
         sends = transport.outstanding_sends()
         assert sends is None or sends.wait_for(60)
         sends is None or sends.finish()
-        return {"held": held, "stream_done_after": time.monotonic() - start}
+        return {"held": held, "busy_after_post": busy_after_post, "drained": drained,
+                "sent": time.monotonic() - start}
     into = torch.empty(1 << 20, device="cuda")
     pending = transport.post([P2P(False, 0, into)])
     assert pending.wait_for(60)
