@@ -132,8 +132,8 @@ def _rank_main(spec_path: str, out_path: str) -> None:
         if dist.get_rank(world) == 0:
             partial = Path(out_path).with_suffix(".partial")
             partial.write_text(json.dumps({"ranks": [g[0] for g in gathered], "link": link, "cores": groups,
-                                           "threads": torch.get_num_threads(), "rounds_run": len(rows) and
-                                           round_index + 1 - spec["warmup"]}))
+                                           "threads": torch.get_num_threads(),
+                                           "rounds_run": max(0, round_index + 1 - spec["warmup"])}))
             partial.replace(out_path)
         elapsed = gathered[0][1]  # rank 0's clock decides for every rank
         if rows and spec["budget_s"] and elapsed * (round_index + 2) / (round_index + 1) > spec["budget_s"]:
