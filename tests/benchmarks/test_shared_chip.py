@@ -52,3 +52,21 @@ def test_a_schedule_that_cannot_finish_is_refused():
     broken = dataclasses.replace(schedule, programs=tuple(tuple(p) for p in broken))
     with pytest.raises(RuntimeError, match="deadlocks|stalls"):
         predict_shared(broken, work_of(schedule), 0.0, MESSAGE_S)
+
+
+def test_realised_shares_only_predicted_gains_and_prefers_the_paired_ratio():
+    from benchmarks.parallel.shared_chip import realised, render
+
+    def row(engine, measured, simulator, shared, paired=None):
+        return {"engine": engine, "m": 8, "measured_s": measured, "simulator_s": simulator, "shared_s": shared,
+                "flat_s": 1.0, "simulator_same_s": 1.0, "vs_reference": paired}
+
+    rows = [row("ps_1f1b", 1.0, 1.0, 1.0), row("zb_h1", 0.95, 0.9, 0.95, paired=0.96),
+            row("zbv", 1.05, 1.1, 0.995)]
+    shares = realised(rows)
+    assert shares["zb_h1"]["measured"] == 0.96  # the run's paired ratio, not the medians' 0.95
+    assert shares["zb_h1"]["simulator_s"] == pytest.approx(0.04 / 0.1)
+    assert shares["zb_h1"]["shared_s"] == pytest.approx(0.04 / 0.05)
+    assert shares["zbv"]["simulator_s"] is None and shares["zbv"]["shared_s"] is None  # a loss; a gain under 1%
+    line = next(line for line in render(rows, 0.1, "x").splitlines() if line.startswith("| `zb_h1`"))
+    assert line.endswith("| 0.960 | 0.900 | 0.950 | 40% | 80% |")
