@@ -313,7 +313,11 @@ def render(summary: dict) -> str:
              f"rate 0 on the same data. Link (gloo, pipeline rank 0 <-> 1): {links}.", ""]
     if summary.get("incomplete"):
         lines += [f"Incomplete: {summary['incomplete']}", ""]
-    return "\n".join(lines + report.table(summary["rows"]) + report.footer(summary)) + "\n"
+    lines += report.table(summary["rows"]) + report.footer(summary)
+    late = report.late_table(summary["rows"])
+    if late:
+        lines += [""] + late
+    return "\n".join(lines) + "\n"
 
 
 def run_launch(layouts: list[list[str]], args, work: Path) -> dict:
