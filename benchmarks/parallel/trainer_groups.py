@@ -10,12 +10,12 @@ torchrun, each pinned to its own physical cores (`os.sched_setaffinity`, as many
 threads as it has CPUs), gloo between them, nanotron's `DistributedTrainer` built from a
 YAML ([Note: nanotron over gloo]). The model's layout depends on the engine (interleaved
 and V shapes place blocks otherwise), so the engines fall into layout groups, and each rank
-builds one trainer per group, all in one torchrun ([Note: one launch]); every engine runs
+builds one trainer per group, all in one torchrun ([Note: every layout in one launch]); every engine runs
 on its group's trainer, swapped between steps (`trainer.pipeline_engine`), m swapped with
 it, in rounds whose order rotates over every engine of every group, so every ratio is
 paired by round.
 
-[Note: one launch] These CPUs drift by up to 10% within minutes (measured 2026-12-07: our
+[Note: every layout in one launch] These CPUs drift by up to 10% within minutes (measured 2026-12-07: our
 1F1B 1.521 s in the first launch, 1.676 s in the last), which is as large as the gains to
 be measured. A torchrun per layout, one after another, compared interleaved v=2 (another
 layout) with our 1F1B across that drift: 85% of its predicted gain in one run, 53% in the
@@ -114,7 +114,7 @@ def _rank_main(spec_path: str, out_path: str) -> None:
     train.prepare("auto")
     microbatches = spec["microbatches"]
     steppers, cases = [], []
-    for layout in spec["layouts"]:  # [Note: one launch]
+    for layout in spec["layouts"]:  # [Note: every layout in one launch]
         steppers.append(_Stepper.build(train, layout["config"], max(microbatches)))
         cases += [(len(steppers) - 1, name, m) for m in microbatches for name in layout["engines"]]
     objects = {case: _engine(case[1]) for case in cases}

@@ -184,7 +184,7 @@ def test_late_split_puts_a_wait_in_the_gaps_and_a_slow_block_in_the_blocks():
 @pytest.mark.spawn
 def test_trainer_groups_pairs_every_layout_in_one_launch_and_stops_at_its_budget(capsys):
     """Two layouts (1F1B's and interleaved v=2's) in one torchrun: every ratio paired by
-    round ([Note: one launch]); a budget already spent after the first measured round stops
+    round ([Note: every layout in one launch]); a budget already spent after the first measured round stops
     the launch with that round, of the three asked for."""
     from benchmarks.parallel import trainer_groups
 
