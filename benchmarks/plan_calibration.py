@@ -65,7 +65,7 @@ def rows() -> list[tuple]:
     model = model_of(growth)
     setup = TrainingSetup(tp=1, dp=growth["dp"], zero_stage=growth["zero_stage"], seq=growth["model"]["seq"],
                           sequence_parallel=False, attention="sdpa-standin",
-                          adam_fused=False)
+                          adam_fused=False, dp_backend="gloo")  # (its ranks shared one GPU: gloo throughout)
     for row in growth["rows"]:
         family, cap, virtual = ENGINES[row["engine"]]
         planner = Evaluator(PlanConfig(model, setup, pp=growth["pp"], microbatches=row["m"], gpu_memory=139 * GiB))
