@@ -267,12 +267,15 @@ def staged_send_on_a_busy_stream_worker(rank: int, world: int, store) -> dict:
         once = time.monotonic()
         torch.mm(a, a)
         torch.cuda.synchronize()
-        for _ in range(int(1.0 / max(time.monotonic() - once, 1e-4))):
+        repeats = int(1.0 / max(time.monotonic() - once, 1e-4))
+        queued = time.monotonic()
+        for _ in range(repeats):
             torch.mm(a, a)
         value.add_(3.0)  # written only once the matmuls have run
         ended = torch.cuda.Event()
         ended.record()
         start = time.monotonic()
+        queued = start - queued  # (were the host to wait for the kernels here, the premise fails: this says so)
         transport.post([P2P(True, 1, value)])
         held = time.monotonic() - start
         busy_after_post = not ended.query()
@@ -283,7 +286,7 @@ def staged_send_on_a_busy_stream_worker(rank: int, world: int, store) -> dict:
         assert sends is None or sends.wait_for(60)
         sends is None or sends.finish()
         return {"held": held, "busy_after_post": busy_after_post, "drained": drained,
-                "sent": time.monotonic() - start}
+                "sent": time.monotonic() - start, "repeats": repeats, "queued": queued}
     into = torch.empty(1 << 20, device="cuda")
     pending = transport.post([P2P(False, 0, into)])
     assert pending.wait_for(60)
